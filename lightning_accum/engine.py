@@ -1,0 +1,529 @@
+"""The arithmetic of exact accumulation, independent of Lightning's loops.
+
+Both strategies delegate to one :class:`AccumulationEngine`; tests drive it without a ``Trainer``.
+
+The objective of update ``g`` is the weighted mean over every micro-batch ``i`` on every replica ``r``
+of the group::
+
+    L_g = Σ_{r,i} w_{r,i} · loss_{r,i} / W,        W = Σ_{r,i} w_{r,i}
+
+where ``loss`` is the micro-batch's mean loss and ``w`` its count of units (supervised tokens, samples
+or 1). ``W`` is only known when the group closes, and streaming data allows no look-ahead, so each
+micro-batch back-propagates ``loss · w / c`` for a constant ``c`` and the group's gradient is
+multiplied once by ``c · D / W`` when it closes (``D`` because DDP *averages* the replicas'
+gradients)::
+
+    (1/D) Σ_r Σ_i ∇(loss_{r,i} · w_{r,i} / c) · (c · D / W) = Σ_{r,i} w_{r,i} ∇loss_{r,i} / W
+
+``c`` must be identical on every replica, since DDP averages before any per-replica correction could
+act. It is the previous group's global unit count divided by ``D`` (an estimate of one replica's
+group weight, so back-propagated magnitudes stay close to Lightning's ``loss / A`` and fp16 overflow
+behaves as users expect), and for the first group ``A`` times the replicas' mean weight of their first
+micro-batch (the only extra collective outside group closes, once per run).
+
+All per-micro-batch work stays on the device: counts that arrive as tensors are accumulated as
+tensors and checked (sign, agreement between replicas) only at the close, where one fused all-reduce
+of a small float64 vector and one host read happen per update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from lightning_accum.ledger import AccumulationLedger, GroupRecord
+
+__all__ = [
+    "NORMALIZE_CHOICES",
+    "PARTIAL_GROUP_CHOICES",
+    "AccumulationEngine",
+    "GroupOutcome",
+    "infer_num_samples",
+    "scale_gradients",
+    "validate_choice",
+]
+
+NORMALIZE_CHOICES: tuple[str, ...] = ("auto", "tokens", "samples", "batches")
+PARTIAL_GROUP_CHOICES: tuple[str, ...] = ("rescale", "drop")
+
+Count = int | Tensor
+AllReduce = Callable[[Tensor], Tensor]
+
+# Positions in the vector that is all-reduced (summed) once per group.
+_UNITS, _WEIGHTED_LOSS, _TOKENS, _SAMPLES, _NEGATIVE, _SCALE_REF, _MICROBATCHES, _UNIT_CODE = range(8)
+_VECTOR_SIZE = 8
+_UNIT_CODES = {"tokens": 1.0, "samples": 2.0, "batches": 3.0}
+
+
+def validate_choice(argument: str, value: object, choices: Iterable[str]) -> str:
+    """Return ``value`` if it is one of ``choices``, else raise a ``ValueError`` that lists them.
+
+    Example:
+        >>> validate_choice("partial_group", "drop", PARTIAL_GROUP_CHOICES)
+        'drop'
+        >>> validate_choice("partial_group", "keep", PARTIAL_GROUP_CHOICES)
+        Traceback (most recent call last):
+        ...
+        ValueError: `partial_group` must be one of 'rescale', 'drop'; got 'keep'. Pass one of those values.
+    """
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{argument}` must be one of {listed}; got {value!r}. Pass one of those values.")
+    return value
+
+
+def infer_num_samples(batch: Any) -> int | None:
+    """The leading dimension shared by every tensor of ``batch``, or ``None`` when it is ambiguous or absent.
+
+    Reads only tensor shapes, so it never synchronizes with the device.
+
+    Example:
+        >>> infer_num_samples({"input_ids": torch.zeros(4, 7), "labels": torch.zeros(4, 7)})
+        4
+        >>> infer_num_samples({"input_ids": torch.zeros(4, 7), "lengths": torch.zeros(3)}) is None
+        True
+    """
+    sizes: set[int] = set()
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, Tensor):
+            if obj.ndim > 0:
+                sizes.add(int(obj.shape[0]))
+        elif isinstance(obj, Mapping):
+            for value in obj.values():
+                visit(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                visit(value)
+
+    visit(batch)
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _as_count(name: str, value: object, device: torch.device) -> Count:
+    """Validate a reported count without reading device memory; negatives in tensors are caught at the close."""
+    if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
+        raise TypeError(
+            f"`{name}` must be an integer count, got a boolean ({value!r}). "
+            f"Return the number of units, e.g. `(labels != -100).sum()`."
+        )
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"`{name}` must be >= 0, got {value}. Return the number of units in the micro-batch.")
+        return value
+    if isinstance(value, Tensor):
+        if value.is_floating_point() or value.is_complex():
+            raise TypeError(
+                f"`{name}` must be an integer count, got a tensor of dtype {value.dtype}. "
+                f"Return an integer tensor, e.g. `(labels != -100).sum()`, not a mean or a float."
+            )
+        if value.numel() != 1:
+            raise ValueError(
+                f"`{name}` must be a single count (a 0-d tensor or an int), got a tensor of shape "
+                f"{tuple(value.shape)}. Sum it: `{name}=mask.sum()`."
+            )
+        return value.reshape(()).to(device, non_blocking=True)
+    raise TypeError(
+        f"`{name}` must be an int or a 0-d integer tensor, got {type(value).__name__} ({value!r}). "
+        f"Return e.g. `(labels != -100).sum()`."
+    )
+
+
+def scale_gradients(parameters: Iterable[Tensor], factor: float) -> None:
+    """Multiply every existing gradient in place by ``factor``, one fused kernel per device and dtype.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.tensor([1.0, 2.0])
+        >>> scale_gradients([p], 0.5); p.grad
+        tensor([0.5000, 1.0000])
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in groups.values():
+        torch._foreach_mul_(grads, factor)
+
+
+@dataclass
+class GroupOutcome:
+    """What to do with a closed group.
+
+    Attributes:
+        action: ``"apply"`` (scale the gradients by ``factor`` and update), ``"skip"`` (an attempt that
+            makes no update) or ``"drop"`` (a partial final group dropped by policy; not an attempt).
+        factor: The multiplier ``c · D / W`` for the accumulated gradients (1.0 unless ``"apply"``).
+        record: The group's record, to be completed and added to the ledger by
+            :meth:`AccumulationEngine.finish_group`.
+    """
+
+    action: Literal["apply", "skip", "drop"]
+    factor: float
+    record: GroupRecord
+
+
+class _GroupSums:
+    """The running sums of one group: device tensors for counts that arrive as tensors, ints for the rest."""
+
+    def __init__(self) -> None:
+        self.microbatches = 0
+        self.host = [0.0] * _VECTOR_SIZE
+        self.device: Tensor | None = None
+
+    def device_vector(self, device: torch.device) -> Tensor:
+        if self.device is None:
+            self.device = torch.zeros(_VECTOR_SIZE, dtype=torch.float64, device=device)
+        return self.device
+
+    def add(self, index: int, value: Count | Tensor, device: torch.device) -> None:
+        if isinstance(value, Tensor):
+            vec = self.device_vector(device)
+            vec[index] += value.to(torch.float64)
+        else:
+            self.host[index] += value
+
+
+class AccumulationEngine:
+    """Exact weighted accumulation over micro-batches and replicas, one group at a time.
+
+    The strategies call :meth:`add_microbatch` after every ``training_step``, back-propagate the
+    tensor it returns, call :meth:`close_group` after the last backward of a group and before
+    unscaling, clipping and the optimizer, act on the returned :class:`GroupOutcome`, and report the
+    result with :meth:`finish_group`.
+
+    Args:
+        normalize: The unit each micro-batch is weighted by: ``"tokens"``, ``"samples"``, ``"batches"``,
+            or ``"auto"`` (tokens if the step reports them, else samples, else batches).
+        count_tokens: Optional ``batch -> int | Tensor`` used when the step does not return
+            ``num_tokens``.
+        partial_group: ``"rescale"`` updates a partial final group with its real denominator;
+            ``"drop"`` makes no update for it and records what it held.
+
+    Example:
+        One replica, two micro-batches of the seed document: 512 supervised tokens with mean loss 2 and
+        1,536 with mean loss 4. The group loss is the token-weighted 3.5, not the mean of means 3.0:
+
+        >>> engine = AccumulationEngine(normalize="tokens")
+        >>> for n, loss in [(512, 2.0), (1536, 4.0)]:
+        ...     _ = engine.add_microbatch({"loss": torch.tensor(loss), "num_tokens": n}, batch=None, accumulate=2)
+        >>> outcome = engine.close_group(accumulate=2)
+        >>> outcome.action, outcome.record.loss, outcome.record.tokens
+        ('apply', 3.5, 2048)
+    """
+
+    def __init__(
+        self,
+        normalize: str = "auto",
+        count_tokens: Callable[[Any], Count] | None = None,
+        partial_group: str = "rescale",
+    ) -> None:
+        self.normalize = validate_choice("normalize", normalize, NORMALIZE_CHOICES)
+        self.partial_group = validate_choice("partial_group", partial_group, PARTIAL_GROUP_CHOICES)
+        if count_tokens is not None and not callable(count_tokens):
+            raise TypeError(
+                f"`count_tokens` must be a callable `batch -> int | Tensor` or None, got "
+                f"{type(count_tokens).__name__}. Pass e.g. `count_tokens=lambda b: (b['labels'] != -100).sum()`."
+            )
+        self.count_tokens = count_tokens
+        self.ledger = AccumulationLedger()
+        #: ``c`` of the module docstring, as a float once any group has closed.
+        self.scale_ref: float | None = None
+        self._group_ref: float | Tensor | None = None
+        self._sums = _GroupSums()
+        self._pending_backward: Tensor | None = None
+        self._warned_partial = False
+
+    # ------------------------------------------------------------------ micro-batches
+
+    @property
+    def unit(self) -> str | None:
+        """The unit chosen for this run, once the first micro-batch decided it."""
+        return self.ledger.normalization
+
+    @property
+    def microbatches_in_group(self) -> int:
+        """Micro-batches of the open group on this replica."""
+        return self._sums.microbatches
+
+    def add_microbatch(
+        self,
+        output: Any,
+        batch: Any,
+        accumulate: int,
+        all_reduce: AllReduce | None = None,
+        replicas: int = 1,
+    ) -> Tensor | None:
+        """Record one micro-batch's ``training_step`` output and return the tensor to back-propagate.
+
+        Args:
+            output: What ``training_step`` returned: a loss tensor, a mapping with ``"loss"`` and
+                optionally ``"num_tokens"`` / ``"num_samples"``, or ``None``.
+            batch: The micro-batch (used for ``count_tokens`` and to infer the number of samples).
+            accumulate: ``A``, the configured number of micro-batches per group.
+            all_reduce: Sum-all-reduce over replicas, in place; ``None`` on one device.
+            replicas: ``D``, the number of data-parallel replicas.
+
+        Returns:
+            ``loss · w / c``, or ``None`` when the step returned no loss.
+        """
+        self._sums.microbatches += 1
+        loss, tokens, samples = self._parse(output, batch)
+        if loss is None:
+            return None
+        device = loss.device
+        tokens_c = _as_count("num_tokens", tokens, device) if tokens is not None else None
+        samples_c = _as_count("num_samples", samples, device) if samples is not None else None
+        unit = self.ledger.normalization or self._decide_unit(tokens_c is not None, samples_c is not None)
+        weight = self._weight(unit, tokens_c, samples_c)
+
+        sums = self._sums
+        for index, count in ((_TOKENS, tokens_c), (_SAMPLES, samples_c)):
+            if count is None:
+                continue
+            sums.add(index, count, device)
+            if isinstance(count, Tensor):
+                sums.add(_NEGATIVE, (count < 0), device)
+        sums.add(_UNITS, weight, device)
+        detached = loss.detach().to(torch.float64)
+        if isinstance(weight, Tensor):
+            # where() keeps the NaN of an empty micro-batch's mean loss out of the sum.
+            sums.add(_WEIGHTED_LOSS, torch.where(weight > 0, detached * weight, 0.0), device)
+        elif weight > 0:
+            sums.add(_WEIGHTED_LOSS, detached * weight, device)
+
+        if self._group_ref is None:
+            self._group_ref = self._first_scale_ref(weight, accumulate, device, all_reduce, replicas)
+        ref = self._group_ref
+        # w / c in float32 at least: a half-precision factor would round the weights by ~1e-3.
+        compute_dtype = torch.promote_types(loss.dtype, torch.float32)
+        if isinstance(weight, Tensor) or isinstance(ref, Tensor):
+            factor = (torch.as_tensor(weight, device=device) / ref).to(compute_dtype)
+            backward = loss.to(compute_dtype) * factor
+        else:
+            backward = loss.to(compute_dtype) * (weight / ref)
+        self._pending_backward = backward
+        return backward
+
+    def take_backward_tensor(self) -> Tensor | None:
+        """Hand over (and forget) the tensor to back-propagate for the last recorded micro-batch."""
+        tensor, self._pending_backward = self._pending_backward, None
+        return tensor
+
+    def _parse(self, output: Any, batch: Any) -> tuple[Tensor | None, object, object]:
+        tokens: object = None
+        samples: object = None
+        if output is None:
+            return None, None, None
+        loss: object
+        if isinstance(output, Tensor):
+            loss = output
+        elif isinstance(output, Mapping):
+            loss = output.get("loss")
+            tokens = output.get("num_tokens")
+            samples = output.get("num_samples")
+        else:
+            raise TypeError(
+                f"`training_step` must return a loss tensor or a dict with 'loss' (and optionally 'num_tokens',"
+                f" 'num_samples'); got {type(output).__name__}."
+            )
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"`training_step` must return the micro-batch's mean loss as a tensor under 'loss', got "
+                f"{type(loss).__name__}."
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"`training_step` must return a scalar (mean) loss, got a tensor of shape {tuple(loss.shape)}. "
+                f"Reduce it with `.mean()` over the micro-batch's units and report their count."
+            )
+        if tokens is None and self.count_tokens is not None:
+            tokens = self.count_tokens(batch)
+        if samples is None:
+            samples = infer_num_samples(batch)
+        return loss.reshape(()), tokens, samples
+
+    def _decide_unit(self, has_tokens: bool, has_samples: bool) -> str:
+        unit = self.normalize
+        if unit == "auto":
+            unit = "tokens" if has_tokens else "samples" if has_samples else "batches"
+            reason = {
+                "tokens": "the training step reports token counts",
+                "samples": "no token count is reported; the number of samples is known",
+                "batches": "neither token counts nor the number of samples are known",
+            }[unit]
+            rank_zero_info(f"lightning_accum: micro-batches are weighted by {unit} (normalize='auto': {reason}).")
+        self.ledger.normalization = unit
+        return unit
+
+    def _weight(self, unit: str, tokens: Count | None, samples: Count | None) -> Count:
+        if unit == "tokens":
+            if tokens is None:
+                raise ValueError(
+                    "The run normalizes by tokens (`normalize="
+                    f"{self.normalize!r}`) but this micro-batch reports no token count. Return "
+                    "`{'loss': loss, 'num_tokens': (labels != ignore_index).sum()}` from `training_step`, "
+                    "or pass `count_tokens=` to the strategy."
+                )
+            return tokens
+        if unit == "samples":
+            if samples is None:
+                raise ValueError(
+                    f"The run normalizes by samples (`normalize={self.normalize!r}`) but the number of samples of "
+                    "this micro-batch cannot be inferred (no tensor, or tensors with different leading sizes). "
+                    "Return `{'loss': loss, 'num_samples': n}` from `training_step`."
+                )
+            return samples
+        return 1
+
+    def _first_scale_ref(
+        self, weight: Count, accumulate: int, device: torch.device, all_reduce: AllReduce | None, replicas: int
+    ) -> float | Tensor:
+        if self.scale_ref is not None:
+            return self.scale_ref
+        # First group of the run: A · (mean over replicas of the first micro-batch's weight), at least A.
+        if all_reduce is None or replicas == 1:
+            if isinstance(weight, Tensor):
+                return accumulate * weight.to(torch.float64).clamp(min=1.0)
+            return float(accumulate * max(weight, 1))
+        shared = torch.as_tensor(weight, dtype=torch.float64, device=device).reshape(1).clone()
+        all_reduce(shared)
+        return accumulate * (shared[0] / replicas).clamp(min=1.0)
+
+    # ------------------------------------------------------------------ group close
+
+    def close_group(
+        self,
+        accumulate: int,
+        device: torch.device | str = "cpu",
+        all_reduce: AllReduce | None = None,
+        replicas: int = 1,
+    ) -> GroupOutcome:
+        """Reduce the group's sums over replicas (one all-reduce, one host read) and decide what to do.
+
+        Raises:
+            ValueError: A reported count was negative (on every replica alike, so none of them hangs).
+            RuntimeError: Replicas disagree on the number of micro-batches or on the unit.
+        """
+        sums = self._sums
+        device = torch.device(device)
+        k = sums.microbatches
+        host = list(sums.host)
+        ref = self._group_ref if self._group_ref is not None else (self.scale_ref or 1.0)
+        host[_MICROBATCHES] = float(k)
+        host[_UNIT_CODE] = _UNIT_CODES.get(self.ledger.normalization or "", 0.0)
+        vector = torch.tensor(host, dtype=torch.float64, device=device)
+        if sums.device is not None:
+            vector = vector + sums.device.to(device)
+        if isinstance(ref, Tensor):
+            vector[_SCALE_REF] += ref.to(device)
+        else:
+            vector[_SCALE_REF] += ref
+        if all_reduce is not None and replicas > 1:
+            all_reduce(vector)
+        values = vector.tolist()  # the one host read of the update
+
+        self._sums = _GroupSums()
+        self._group_ref = None
+        units, weighted_loss = values[_UNITS], values[_WEIGHTED_LOSS]
+        self._check_agreement(values, k, replicas)
+        if values[_NEGATIVE] > 0:
+            raise ValueError(
+                f"A negative `num_tokens` or `num_samples` was reported in this group ({int(values[_NEGATIVE])} "
+                "micro-batch counts below zero over all replicas). Counts must be >= 0: return the number of "
+                "supervised units, e.g. `(labels != -100).sum()`."
+            )
+
+        scale_ref_times_d = values[_SCALE_REF]
+        record = GroupRecord(
+            loss=weighted_loss / units if units > 0 else math.nan,
+            tokens=round(values[_TOKENS]),
+            samples=round(values[_SAMPLES]),
+            microbatches=round(values[_MICROBATCHES]),
+            applied=False,
+        )
+        # The next group's c: this group's global weight per replica (keep the old one after an empty group).
+        self.scale_ref = units / replicas if units > 0 else scale_ref_times_d / replicas
+
+        partial = k < accumulate
+        if partial:
+            self.ledger.partial_groups += 1
+            self._note_partial(k, accumulate)
+            if self.partial_group == "drop":
+                record.dropped = True
+                return GroupOutcome("drop", 1.0, record)
+        if units <= 0:
+            record.skip_reason = "empty"
+            return GroupOutcome("skip", 1.0, record)
+        return GroupOutcome("apply", scale_ref_times_d / units, record)
+
+    def finish_group(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
+        """Complete the outcome's record after the optimizer ran (or did not) and add it to the ledger."""
+        record = outcome.record
+        record.applied = applied
+        if not applied and record.skip_reason is None and not record.dropped:
+            record.skip_reason = skip_reason
+        self.ledger.record(record)
+        return record
+
+    def _check_agreement(self, values: list[float], k: int, replicas: int) -> None:
+        if round(values[_MICROBATCHES]) != k * replicas:
+            raise RuntimeError(
+                f"Replicas closed an accumulation group with different numbers of micro-batches (this replica: {k},"
+                f" all {replicas} replicas: {round(values[_MICROBATCHES])}). Every replica must see the same number of"
+                " batches per epoch: use a DistributedSampler (Lightning adds one for map-style datasets) or make"
+                " the iterable dataset yield equally many batches on every rank."
+            )
+        code = _UNIT_CODES.get(self.ledger.normalization or "", 0.0)
+        if values[_UNIT_CODE] != code * replicas:
+            raise RuntimeError(
+                f"Replicas weight micro-batches by different units (this replica: {self.ledger.normalization!r}). "
+                "Report `num_tokens` on every rank, or set `normalize=` explicitly on the strategy."
+            )
+
+    def _note_partial(self, k: int, accumulate: int) -> None:
+        if self._warned_partial:
+            return
+        self._warned_partial = True
+        what = (
+            "updated with its real denominator (partial_group='rescale')"
+            if self.partial_group == "rescale"
+            else "dropped without an update; its examples are recorded in the ledger (partial_group='drop')"
+        )
+        rank_zero_info(
+            f"lightning_accum: an epoch ended with a partial group of {k} of {accumulate} micro-batches; {what}."
+        )
+
+    def warn_short_epoch(self, batches_per_epoch: float, accumulate: int) -> None:
+        """Warn (or raise under ``"drop"``) when an epoch holds fewer batches than one group."""
+        if not math.isfinite(batches_per_epoch) or batches_per_epoch >= accumulate or batches_per_epoch <= 0:
+            return
+        if self.partial_group == "drop":
+            raise ValueError(
+                f"An epoch has {int(batches_per_epoch)} training batches but `accumulate_grad_batches={accumulate}`;"
+                " with `partial_group='drop'` no update would ever happen. Lower `accumulate_grad_batches` to at most"
+                f" {int(batches_per_epoch)}, or use `partial_group='rescale'`."
+            )
+        rank_zero_warn(
+            f"An epoch has {int(batches_per_epoch)} training batches but `accumulate_grad_batches={accumulate}`: every"
+            f" update uses a partial group of {int(batches_per_epoch)} micro-batches (normalized by its real"
+            " denominator). Lower `accumulate_grad_batches` if that is not what you intended."
+        )
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state: the ledger and ``c``; loadable with ``torch.load(weights_only=True)``."""
+        return {"ledger": self.ledger.state_dict(), "scale_ref": self.scale_ref}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.ledger.load_state_dict(dict(state.get("ledger", {})))
+        ref = state.get("scale_ref")
+        self.scale_ref = float(ref) if ref is not None else None

@@ -1,0 +1,154 @@
+"""The ledger: exact, global counters of what a run consumed and updated.
+
+Every counter is a Python ``int`` (unbounded, so token totals of 10^12 and beyond stay exact) summed
+over all data-parallel replicas, and identical on every rank: each value is derived from the one
+all-reduce the strategy performs when an accumulation group closes.
+
+Vocabulary (the word "step" alone is ambiguous, so it is not used):
+
+* **micro-batch**: one forward/backward on one replica;
+* **group**: the micro-batches accumulated into one optimizer update;
+* **attempt**: a group that reached the optimizer (or would have, but was skipped);
+* **applied update**: an attempt after which the parameters changed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["SKIP_REASONS", "AccumulationLedger", "GroupRecord"]
+
+#: Reasons an attempted update can be skipped, in the order they are checked.
+SKIP_REASONS: tuple[str, ...] = ("empty", "nonfinite", "overflow")
+
+
+@dataclass
+class GroupRecord:
+    """The record of one closed accumulation group.
+
+    Attributes:
+        loss: The group's loss weighted by its units over all replicas, ``Σ w·loss / Σ w``
+            (``nan`` when the group holds no unit at all).
+        tokens: Supervised tokens of the group, summed over replicas (0 when none are reported).
+        samples: Samples of the group, summed over replicas.
+        microbatches: Micro-batches of the group, summed over replicas.
+        applied: Whether the parameters were updated.
+        skip_reason: ``None`` when applied or dropped, else one of :data:`SKIP_REASONS`.
+        grad_scale: The GradScaler scale used for the group, ``None`` without a scaler.
+        dropped: Whether the group was a partial final group dropped by ``partial_group="drop"``.
+
+    Example:
+        >>> record = GroupRecord(loss=3.5, tokens=2048, samples=2, microbatches=2, applied=True)
+        >>> record.skip_reason is None
+        True
+    """
+
+    loss: float
+    tokens: int
+    samples: int
+    microbatches: int
+    applied: bool
+    skip_reason: str | None = None
+    grad_scale: float | None = None
+    dropped: bool = False
+
+
+@dataclass
+class AccumulationLedger:
+    """Exact global counters of a run, kept by the accumulation strategies as ``trainer.strategy.ledger``.
+
+    A dropped partial group is not an attempt: ``microbatches``, ``samples`` and ``tokens`` count what
+    attempted updates consumed (skipped ones included), and the ``dropped_*`` counters what dropped
+    groups held. ``partial_groups`` counts every partial final group met, whatever the policy.
+
+    The state is plain ints, floats, strings and dicts of them, so checkpoints that carry it load with
+    ``torch.load(..., weights_only=True)``.
+
+    Example:
+        >>> ledger = AccumulationLedger()
+        >>> ledger.updates_attempted, ledger.updates_skipped
+        (0, {'empty': 0, 'nonfinite': 0, 'overflow': 0})
+        >>> restored = AccumulationLedger()
+        >>> restored.load_state_dict(ledger.state_dict())
+        >>> restored == ledger
+        True
+    """
+
+    microbatches: int = 0
+    updates_attempted: int = 0
+    updates_applied: int = 0
+    updates_skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
+    samples: int = 0
+    tokens: int = 0
+    partial_groups: int = 0
+    dropped_microbatches: int = 0
+    dropped_samples: int = 0
+    dropped_tokens: int = 0
+    #: The unit micro-batches are weighted by (``"tokens"``, ``"samples"`` or ``"batches"``), once decided.
+    normalization: str | None = None
+    last_group: GroupRecord | None = None
+
+    @property
+    def skipped_total(self) -> int:
+        """All skipped attempts, whatever the reason."""
+        return sum(self.updates_skipped.values())
+
+    def record(self, group: GroupRecord) -> None:
+        """Add a closed group to the counters and make it :attr:`last_group`."""
+        self.last_group = group
+        if group.dropped:
+            self.dropped_microbatches += group.microbatches
+            self.dropped_samples += group.samples
+            self.dropped_tokens += group.tokens
+            return
+        self.updates_attempted += 1
+        self.microbatches += group.microbatches
+        self.samples += group.samples
+        self.tokens += group.tokens
+        if group.applied:
+            self.updates_applied += 1
+        elif group.skip_reason is not None:
+            self.updates_skipped[group.skip_reason] = self.updates_skipped.get(group.skip_reason, 0) + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ledger as plain Python data (ints, floats, strings, ``None`` and dicts)."""
+        state = asdict(self)
+        state["updates_skipped"] = dict(self.updates_skipped)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; keys added in later versions are read with defaults."""
+        fresh = AccumulationLedger()
+        for name in (
+            "microbatches",
+            "updates_attempted",
+            "updates_applied",
+            "samples",
+            "tokens",
+            "partial_groups",
+            "dropped_microbatches",
+            "dropped_samples",
+            "dropped_tokens",
+        ):
+            setattr(self, name, int(state.get(name, getattr(fresh, name))))
+        skipped = dict(fresh.updates_skipped)
+        skipped.update({str(k): int(v) for k, v in state.get("updates_skipped", {}).items()})
+        self.updates_skipped = skipped
+        self.normalization = state.get("normalization")
+        last = state.get("last_group")
+        self.last_group = GroupRecord(**last) if last is not None else None
+
+    def __eq__(self, other: object) -> bool:
+        # An empty group's loss is NaN; two ledgers that both recorded it are still equal.
+        if not isinstance(other, AccumulationLedger):
+            return NotImplemented
+        return _nan_safe(self.state_dict()) == _nan_safe(other.state_dict())
+
+
+def _nan_safe(state: dict[str, Any]) -> dict[str, Any]:
+    last = state.get("last_group")
+    if last is not None and isinstance(last["loss"], float) and math.isnan(last["loss"]):
+        state["last_group"] = {**last, "loss": "nan"}
+    return state

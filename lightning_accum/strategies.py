@@ -1,0 +1,314 @@
+"""Lightning strategies that make ``accumulate_grad_batches`` exact.
+
+``AccumulationStrategy`` runs on one device, ``DDPAccumulationStrategy`` on data-parallel replicas.
+Both keep Lightning's own loop (zero_grad at a group's start, ``no_sync`` on non-final micro-batches,
+the precision plugin's unscale, clipping and step) and change three things through strategy hooks:
+
+* ``training_step``: read the micro-batch's loss and unit count and prepare ``loss · w / c``;
+* ``backward``: back-propagate that tensor instead of Lightning's ``loss / A``;
+* ``optimizer_step``: after the group's last backward, reduce the group's counters once, rescale the
+  gradient by ``c · D / W`` (before unscale and clipping), then update, skip or drop.
+
+``trainer.global_step`` keeps Lightning's meaning (optimizer-step calls, a dropped partial group
+included); exact counts are in :attr:`ledger`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_accum.engine import AccumulationEngine, Count
+from lightning_accum.ledger import AccumulationLedger
+
+__all__ = ["AccumulationStrategy", "DDPAccumulationStrategy"]
+
+#: Key of the strategy's state in checkpoints written through the strategy.
+CHECKPOINT_KEY = "lightning_accum"
+
+
+class _ExactAccumulation(Strategy):
+    """The hook overrides both strategies share; every decision is made by the :class:`AccumulationEngine`.
+
+    Listed first in the bases so its overrides wrap the Lightning strategy's own methods (``super()`` is the
+    single-device or DDP strategy in the method resolution order).
+    """
+
+    _engine: AccumulationEngine
+
+    def _init_engine(self, normalize: str, count_tokens: Callable[[Any], Count] | None, partial_group: str) -> None:
+        self._engine = AccumulationEngine(normalize=normalize, count_tokens=count_tokens, partial_group=partial_group)
+
+    @property
+    def ledger(self) -> AccumulationLedger:
+        """Exact global counters of the run (identical on every rank); see :class:`AccumulationLedger`."""
+        return self._engine.ledger
+
+    @property
+    def engine(self) -> AccumulationEngine:
+        """The object that does the arithmetic; its options are ``normalize``, ``count_tokens``, ``partial_group``."""
+        return self._engine
+
+    @property
+    def data_parallel_replicas(self) -> int:
+        """``D``: the number of replicas that see different data and whose gradients are averaged."""
+        return 1
+
+    def _all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+    def _trainer(self) -> Trainer:
+        module = self.lightning_module
+        assert module is not None
+        return module.trainer
+
+    def _check_supported(self, trainer: Trainer) -> None:
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
+            raise RuntimeError(
+                f"{type(self).__name__} supports automatic optimization only, but "
+                f"`{type(module).__name__}.automatic_optimization` is False. With manual optimization you own the"
+                " accumulation loop: use a Lightning strategy such as 'auto' or 'ddp', or switch to automatic"
+                " optimization to get exact accumulation."
+            )
+        if getattr(self, "handles_gradient_accumulation", False):
+            raise RuntimeError(
+                f"{type(self).__name__} cannot work on a strategy that handles gradient accumulation itself"
+                " (`handles_gradient_accumulation=True`, e.g. DeepSpeed). Use strategy='accum' or 'accum_ddp'."
+            )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        trainer = self._trainer()
+        batch = args[0] if args else kwargs.get("batch")
+        self._engine.add_microbatch(
+            output,
+            batch,
+            accumulate=trainer.accumulate_grad_batches,
+            all_reduce=self._all_reduce_sum,
+            replicas=self.data_parallel_replicas,
+        )
+        return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        tensor = self._engine.take_backward_tensor()
+        return super().backward(tensor if tensor is not None else closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        # Lightning calls this once per group, on its last micro-batch; the closure runs that micro-batch's
+        # training_step and backward. Running it first lets the group close before unscale and clipping.
+        closure_result = closure()
+        trainer = self._trainer()
+        outcome = self._engine.close_group(
+            accumulate=trainer.accumulate_grad_batches,
+            device=self.root_device,
+            all_reduce=self._all_reduce_sum,
+            replicas=self.data_parallel_replicas,
+        )
+        if outcome.action != "apply":
+            optimizer.zero_grad(set_to_none=True)
+            self._engine.finish_group(outcome, applied=False)
+            return closure_result
+        from lightning_accum.engine import scale_gradients
+
+        scale_gradients((p for group in optimizer.param_groups for p in group["params"]), outcome.factor)
+        output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
+        self._engine.finish_group(outcome, applied=True)
+        return output
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self._trainer()
+        self._check_supported(trainer)
+        self._engine.warn_short_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        checkpoint[CHECKPOINT_KEY] = self._engine.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only)
+        if CHECKPOINT_KEY in checkpoint:
+            self._engine.load_state_dict(checkpoint[CHECKPOINT_KEY])
+        return checkpoint
+
+
+class AccumulationStrategy(_ExactAccumulation, SingleDeviceStrategy):
+    """Exact gradient accumulation on one device (strategy string ``"accum"``).
+
+    Each micro-batch is weighted by its count of units, so the update applied after
+    ``accumulate_grad_batches`` micro-batches is the gradient of ``Σ w·loss / Σ w`` over the whole group,
+    whatever the micro-batch sizes. ``training_step`` returns the micro-batch's *mean* loss, alone or in
+    a dict with ``"num_tokens"`` (supervised tokens) and/or ``"num_samples"``.
+
+    Args:
+        normalize: Unit each micro-batch is weighted by: ``"auto"`` (tokens if reported, else samples,
+            else batches), ``"tokens"``, ``"samples"`` or ``"batches"``. The unit used is logged once and
+            kept in ``ledger.normalization``.
+        count_tokens: Optional ``batch -> int | Tensor``, used when ``training_step`` returns no ``num_tokens``.
+        partial_group: ``"rescale"`` (update a partial final group with its real denominator) or ``"drop"``
+            (no update for it; its micro-batches, samples and tokens are recorded in the ledger).
+        device: The device; by default the one the Trainer's accelerator selects.
+        **kwargs: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+
+    ``trainer.global_step`` keeps Lightning's meaning (one per optimizer-step call); the exact counts of
+    attempted, applied and skipped updates are in :attr:`ledger`.
+
+    Example:
+        >>> import lightning as L
+        >>> import lightning_accum
+        >>> trainer = L.Trainer(strategy="accum", accumulate_grad_batches=4, accelerator="cpu", logger=False,
+        ...                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> type(trainer.strategy).__name__, trainer.strategy.engine.partial_group
+        ('AccumulationStrategy', 'rescale')
+    """
+
+    strategy_name = "accum"
+
+    def __init__(
+        self,
+        normalize: str = "auto",
+        count_tokens: Callable[[Any], Count] | None = None,
+        partial_group: str = "rescale",
+        device: str | torch.device | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._init_engine(normalize, count_tokens, partial_group)
+        super().__init__(device=device if device is not None else "cpu", **kwargs)
+        self._device_given = device is not None
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The device chosen by the Trainer when none was given (read by Lightning's accelerator connector)."""
+        return [self.root_device] if self._device_given else None
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if not devices:
+            return
+        if len(devices) > 1:
+            raise ValueError(
+                f"strategy='accum' runs on one device, but the Trainer selected {len(devices)} devices. Use"
+                " strategy='accum_ddp' (or 'accum_ddp_spawn') for several devices, or pass `devices=1`."
+            )
+        self._root_device = torch.device(devices[0])
+        self._device_given = True
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("accum", cls, description="Exact gradient accumulation on one device", override=True)
+
+
+class _LedgerReturningLauncher(_MultiProcessingLauncher):
+    """Spawn/fork launcher that also brings rank zero's ledger back to the main process."""
+
+    @override
+    def get_extra_results(self, trainer: Trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        extra[CHECKPOINT_KEY] = trainer.strategy.engine.state_dict()  # type: ignore[attr-defined]
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if CHECKPOINT_KEY in extra:
+            trainer.strategy.engine.load_state_dict(extra[CHECKPOINT_KEY])  # type: ignore[attr-defined]
+
+
+class DDPAccumulationStrategy(_ExactAccumulation, DDPStrategy):
+    """Exact gradient accumulation across data-parallel replicas (``"accum_ddp"`` and variants).
+
+    DDP averages the replicas' gradients, so the gradient is rescaled by ``c · D / W_global`` once per
+    update, with ``W_global`` the units of the whole group on all replicas, from one fused all-reduce of
+    a small float64 vector. Lightning's ``no_sync`` stays on non-final micro-batches (forward included).
+
+    Args:
+        normalize: See :class:`AccumulationStrategy`.
+        count_tokens: See :class:`AccumulationStrategy`.
+        partial_group: See :class:`AccumulationStrategy`.
+        **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
+            ``find_unused_parameters``, ``process_group_backend``, ...).
+
+    ``D`` is the world size: every process is one data replica (tensor or pipeline parallelism is not
+    part of this strategy).
+
+    Example:
+        >>> import lightning as L
+        >>> import lightning_accum
+        >>> trainer = L.Trainer(strategy="accum_ddp_spawn", devices=2, accelerator="cpu", logger=False,
+        ...                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> type(trainer.strategy).__name__, trainer.strategy.data_parallel_replicas
+        ('DDPAccumulationStrategy', 2)
+    """
+
+    strategy_name = "accum_ddp"
+
+    def __init__(
+        self,
+        normalize: str = "auto",
+        count_tokens: Callable[[Any], Count] | None = None,
+        partial_group: str = "rescale",
+        **kwargs: Any,
+    ) -> None:
+        self._init_engine(normalize, count_tokens, partial_group)
+        super().__init__(**kwargs)
+
+    @property
+    @override
+    def data_parallel_replicas(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @override
+    def _all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+        return tensor
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher) and self._start_method != "popen":
+            self._launcher = _LedgerReturningLauncher(self, start_method=self._start_method)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, options in (
+            ("accum_ddp", {"start_method": "popen"}),
+            ("accum_ddp_spawn", {"start_method": "spawn"}),
+            ("accum_ddp_fork", {"start_method": "fork"}),
+            ("accum_ddp_notebook", {"start_method": "fork"}),
+            ("accum_ddp_find_unused_parameters_true", {"start_method": "popen", "find_unused_parameters": True}),
+        ):
+            strategy_registry.register(
+                name, cls, description=f"Exact gradient accumulation with DDP ({options})", override=True, **options
+            )
+
+
+def _register() -> None:
+    AccumulationStrategy.register_strategies(StrategyRegistry)
+    DDPAccumulationStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command: set up, then formatting, lint, types, and the whole test suite (doctests included).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PYTHONHASHSEED=0
+.venv/bin/ruff format --check lightning_accum tests examples
+.venv/bin/ruff check lightning_accum tests examples
+.venv/bin/mypy
+.venv/bin/python -m pytest "$@"

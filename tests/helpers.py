@@ -1,0 +1,226 @@
+"""Shared test parts: a tiny token model, variable-length padded data, float64 references, a DDP harness."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+IGNORE = -100
+VOCAB = 11
+SEQ = 6
+
+
+def make_examples(lengths: Sequence[int], seed: int = 0) -> list[dict[str, Tensor]]:
+    """Token sequences padded to SEQ; positions past each length carry the ignore index in `labels`."""
+    gen = torch.Generator().manual_seed(seed)
+    examples = []
+    for length in lengths:
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=gen)
+        labels = torch.randint(0, VOCAB, (SEQ,), generator=gen)
+        labels[length:] = IGNORE
+        examples.append({"input_ids": ids, "labels": labels})
+    return examples
+
+
+def random_lengths(n: int, seed: int = 0, low: int = 1) -> list[int]:
+    gen = torch.Generator().manual_seed(seed + 1000)
+    return torch.randint(low, SEQ + 1, (n,), generator=gen).tolist()
+
+
+class ListDataset(Dataset):
+    def __init__(self, examples: list[dict[str, Tensor]]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return self.examples[index]
+
+
+class TinyLM(L.LightningModule):
+    """Embedding -> linear head; the mean cross-entropy over supervised tokens of the micro-batch.
+
+    `report` selects what training_step returns: "tokens" ({"loss", "num_tokens"}), "loss" (tensor only),
+    "samples" ({"loss", "num_samples"}).
+    """
+
+    def __init__(
+        self,
+        lr: float = 1.0,
+        report: str = "tokens",
+        seed: int = 0,
+        optimizer: str = "sgd",
+        loss_divisor: float = 1.0,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, VOCAB)
+        self.lr = lr
+        self.report = report
+        self.optimizer_name = optimizer
+        self.loss_divisor = loss_divisor
+        self.seen_input_ids: list[Tensor] = []
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.embed(input_ids)))
+
+    def mean_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self(batch["input_ids"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
+        self.seen_input_ids.append(batch["input_ids"].detach().clone())
+        loss = self.mean_loss(batch) / self.loss_divisor
+        if self.report == "tokens":
+            return {"loss": loss, "num_tokens": (batch["labels"] != IGNORE).sum()}
+        if self.report == "samples":
+            return {"loss": loss, "num_samples": batch["labels"].shape[0]}
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def params_vector(module: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in module.parameters()])
+
+
+def token_weighted_grad(module: nn.Module, examples: list[dict[str, Tensor]]) -> Tensor:
+    """float64 gradient of Σ token losses / N over `examples` (N = supervised tokens of all of them)."""
+    ref = copy.deepcopy(module).double()
+    ids = torch.stack([e["input_ids"] for e in examples])
+    labels = torch.stack([e["labels"] for e in examples])
+    logits = ref.head(torch.tanh(ref.embed(ids)))
+    n = (labels != IGNORE).sum()
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum") / n
+    loss.backward()
+    return torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+
+
+def sgd_reference(module: nn.Module, groups: list[list[dict[str, Tensor]]], lr: float = 1.0) -> Tensor:
+    """Parameters after plain float64 SGD with one token-weighted update per group of examples."""
+    ref = copy.deepcopy(module).double()
+    for group in groups:
+        grad = token_weighted_grad(ref, group)
+        with torch.no_grad():
+            offset = 0
+            for p in ref.parameters():
+                n = p.numel()
+                p -= lr * grad[offset : offset + n].view_as(p)
+                offset += n
+    return params_vector(ref)
+
+
+def relative_error(actual: Tensor, expected: Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+class RankStridedSampler(Sampler[int]):
+    """Rank r reads examples r, r + D, r + 2D, ... in order (what DistributedSampler does without shuffling).
+
+    Lightning always shuffles the distributed sampler it injects for training; the tests need a known layout.
+    The rank is read when iterating, so the sampler can be built before processes are spawned.
+    """
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def _layout(self) -> tuple[int, int]:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
+    def __iter__(self) -> Iterator[int]:
+        rank, world = self._layout()
+        return iter(range(rank, self.length, world))
+
+    def __len__(self) -> int:
+        rank, world = self._layout()
+        return len(range(rank, self.length, world))
+
+
+def fit(
+    model: L.LightningModule,
+    examples: list[dict[str, Tensor]],
+    batch_size: int,
+    accumulate: int,
+    strategy: Any = "accum",
+    callbacks: list[L.Callback] | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
+    """One epoch of `Trainer.fit`; with several devices each rank reads a strided, unshuffled share."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    options.update(trainer_kwargs)
+    distributed = options["devices"] != 1
+    if distributed:
+        options["use_distributed_sampler"] = False
+    trainer = L.Trainer(strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks or [], **options)
+    sampler = RankStridedSampler(len(examples)) if distributed else None
+    loader = DataLoader(ListDataset(examples), batch_size=batch_size, shuffle=False, sampler=sampler)
+    trainer.fit(model, loader)
+    return trainer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ddp_worker(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    # The variables torchrun sets: Lightning's environment then sees externally created processes.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
+def run_ddp(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
+    """Run `fn(rank, *args)` in `world_size` fresh processes laid out like a torchrun launch."""
+    torch.multiprocessing.spawn(_ddp_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+class RecordOnRanks(L.Callback):
+    """Saves each rank's final parameters and ledger to `folder/rank{r}.pt` (spawned workers' results)."""
+
+    def __init__(self, folder: str, name: str = "run") -> None:
+        self.folder, self.name = folder, name
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        ledger = getattr(trainer.strategy, "ledger", None)
+        torch.save(
+            {"params": params_vector(pl_module), "ledger": ledger.state_dict() if ledger is not None else None},
+            os.path.join(self.folder, f"{self.name}-rank{trainer.global_rank}.pt"),
+        )
+
+
+def load_ranks(folder: str, name: str = "run", world_size: int = 2) -> list[dict[str, Any]]:
+    return [torch.load(os.path.join(folder, f"{name}-rank{r}.pt"), weights_only=True) for r in range(world_size)]

@@ -1,0 +1,338 @@
+"""Real `Trainer.fit` runs on one device: exact updates, partial groups, empty groups, errors, no host syncs."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any, ClassVar
+
+import lightning as L
+import pytest
+import torch
+from helpers import (
+    IGNORE,
+    ListDataset,
+    TinyLM,
+    fit,
+    make_examples,
+    params_vector,
+    random_lengths,
+    relative_error,
+    sgd_reference,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, IterableDataset
+
+import lightning_accum
+from lightning_accum import AccumulationStrategy
+
+
+@pytest.mark.parametrize("accumulate", [1, 3, 4])
+def test_one_update_equals_float64_token_weighted_gradient(accumulate: int) -> None:
+    examples = make_examples(random_lengths(2 * accumulate, seed=accumulate), seed=accumulate)
+    model = TinyLM()
+    expected = sgd_reference(model, [examples])  # SGD(lr=1): change = -gradient
+
+    trainer = fit(model, examples, batch_size=2, accumulate=accumulate)
+    assert relative_error(params_vector(model), expected) < 1e-5
+    assert trainer.strategy.ledger.updates_applied == 1
+
+    plain = TinyLM()
+    fit(plain, examples, batch_size=2, accumulate=accumulate, strategy="auto")
+    plain_error = relative_error(params_vector(plain), expected)
+    if accumulate == 1:
+        assert plain_error < 1e-5  # one micro-batch: its mean is the token-weighted mean
+    else:
+        # Lightning divides each micro-batch mean by A: the mean of means, a different objective.
+        assert plain_error > 1e-3, f"plain Lightning unexpectedly exact: relative error {plain_error:.2e}"
+
+
+def test_several_updates_match_reference_and_ledger_counts() -> None:
+    lengths = random_lengths(24, seed=7)
+    examples = make_examples(lengths, seed=7)
+    model = TinyLM(lr=0.5)
+    groups = [examples[i : i + 6] for i in range(0, 24, 6)]
+    expected = sgd_reference(model, groups, lr=0.5)
+    trainer = fit(model, examples, batch_size=2, accumulate=3)
+    assert relative_error(params_vector(model), expected) < 1e-5
+    ledger = trainer.strategy.ledger
+    assert ledger.updates_attempted == ledger.updates_applied == 4
+    assert ledger.microbatches == 12 and ledger.samples == 24 and ledger.tokens == sum(lengths)
+    assert ledger.normalization == "tokens" and ledger.partial_groups == 0
+    group = groups[-1]
+    assert ledger.last_group is not None and ledger.last_group.tokens == sum(
+        int((e["labels"] != IGNORE).sum()) for e in group
+    )
+    assert ledger.last_group.applied and ledger.last_group.samples == 6
+
+
+def test_partial_final_group_rescale_uses_its_real_denominator() -> None:
+    # 7 micro-batches with A = 3: updates of 3, 3 and 1 micro-batches.
+    examples = make_examples(random_lengths(14, seed=11), seed=11)
+    model = TinyLM(lr=0.5)
+    groups = [examples[0:6], examples[6:12], examples[12:14]]
+    expected = sgd_reference(model, groups, lr=0.5)
+    trainer = fit(model, examples, batch_size=2, accumulate=3, strategy=AccumulationStrategy(partial_group="rescale"))
+    assert relative_error(params_vector(model), expected) < 1e-5
+    ledger = trainer.strategy.ledger
+    assert (ledger.updates_applied, ledger.partial_groups, ledger.microbatches, ledger.dropped_microbatches) == (
+        3,
+        1,
+        7,
+        0,
+    )
+    assert ledger.last_group is not None and ledger.last_group.microbatches == 1
+
+    lightning = TinyLM(lr=0.5)
+    fit(lightning, examples, batch_size=2, accumulate=3, strategy="auto")
+    assert relative_error(params_vector(lightning), expected) > 1e-3  # under-weights the partial group (k/A)
+
+
+def test_partial_final_group_drop_records_and_leaves_state_untouched() -> None:
+    lengths = random_lengths(14, seed=12)
+    examples = make_examples(lengths, seed=12)
+    model = TinyLM(lr=0.5, optimizer="adamw")
+    reference = TinyLM(lr=0.5, optimizer="adamw")
+    ref_trainer = fit(reference, examples[:12], batch_size=2, accumulate=3)  # the same run without the last batch
+    trainer = fit(model, examples, batch_size=2, accumulate=3, strategy=AccumulationStrategy(partial_group="drop"))
+    assert torch.equal(params_vector(model), params_vector(reference))
+    state, ref_state = trainer.optimizers[0].state_dict(), ref_trainer.optimizers[0].state_dict()
+    for key in state["state"]:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state["state"][key][name], ref_state["state"][key][name])
+    ledger = trainer.strategy.ledger
+    assert (ledger.updates_attempted, ledger.updates_applied, ledger.partial_groups) == (2, 2, 1)
+    assert (ledger.dropped_microbatches, ledger.dropped_samples, ledger.dropped_tokens) == (1, 2, sum(lengths[12:]))
+    assert ledger.tokens == sum(lengths[:12]) and ledger.samples == 12
+
+
+def test_epoch_shorter_than_a_group_warns_and_drop_raises() -> None:
+    examples = make_examples([3, 4, 5, 6], seed=1)
+    with pytest.warns(UserWarning, match=r"An epoch has 2 training batches but `accumulate_grad_batches=4`"):
+        trainer = fit(TinyLM(), examples, batch_size=2, accumulate=4)
+    assert trainer.strategy.ledger.updates_applied == 1 and trainer.strategy.ledger.partial_groups == 1
+    with pytest.raises(ValueError, match=r"with `partial_group='drop'` no update would ever happen.*at most 2"):
+        fit(TinyLM(), examples, batch_size=2, accumulate=4, strategy=AccumulationStrategy(partial_group="drop"))
+
+
+def test_zero_token_microbatch_and_zero_token_group() -> None:
+    # Group 1: a micro-batch with no supervised token next to a normal one. Group 2: no token at all.
+    lengths = [0, 0, 3, 5, 0, 0, 0, 0]
+    examples = make_examples(lengths, seed=2)
+    model = TinyLM(lr=0.5)
+    expected = sgd_reference(model, [examples[:4]], lr=0.5)
+    trainer = fit(model, examples, batch_size=2, accumulate=2)
+    params = params_vector(model)
+    assert torch.isfinite(params).all()
+    assert relative_error(params, expected) < 1e-5  # the empty group left the parameters unchanged
+    ledger = trainer.strategy.ledger
+    assert (ledger.updates_attempted, ledger.updates_applied, ledger.updates_skipped["empty"]) == (2, 1, 1)
+    assert ledger.tokens == 8 and ledger.last_group is not None and ledger.last_group.skip_reason == "empty"
+
+
+class _Stream(IterableDataset):
+    def __init__(self, examples: list[dict[str, torch.Tensor]], batch_size: int) -> None:
+        self.examples, self.batch_size = examples, batch_size
+
+    def __iter__(self) -> Any:
+        for i in range(0, len(self.examples), self.batch_size):
+            chunk = self.examples[i : i + self.batch_size]
+            yield {k: torch.stack([e[k] for e in chunk]) for k in ("input_ids", "labels")}
+
+
+def test_iterable_dataset_streams_with_exact_partial_group() -> None:
+    examples = make_examples(random_lengths(10, seed=4), seed=4)
+    model = TinyLM(lr=0.5)
+    expected = sgd_reference(model, [examples[0:6], examples[6:10]], lr=0.5)
+    trainer = L.Trainer(
+        strategy="accum",
+        accumulate_grad_batches=3,
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(_Stream(examples, 2), batch_size=None))
+    assert relative_error(params_vector(model), expected) < 1e-5
+    assert trainer.strategy.ledger.partial_groups == 1 and trainer.strategy.ledger.updates_applied == 2
+
+
+def test_normalize_samples_and_batches() -> None:
+    examples = make_examples(random_lengths(8, seed=9), seed=9)
+    # Micro-batches of 3, 3 and 2 samples in one group: "samples" weights 3:3:2, "batches" 1:1:1.
+    for normalize in ("samples", "batches"):
+        model = TinyLM(lr=1.0, report="loss")
+        before = copy.deepcopy(model)
+        trainer = fit(model, examples, batch_size=3, accumulate=3, strategy=AccumulationStrategy(normalize=normalize))
+        weights = [3.0, 3.0, 2.0] if normalize == "samples" else [1.0, 1.0, 1.0]
+        ref = copy.deepcopy(before).double()
+        total = sum(
+            w * ref.mean_loss({k: torch.stack([e[k] for e in examples[i : i + 3]]) for k in ("input_ids", "labels")})
+            for w, i in zip(weights, (0, 3, 6), strict=True)
+        ) / sum(weights)
+        total.backward()
+        expected = params_vector(before) - torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+        assert relative_error(params_vector(model), expected) < 1e-5, normalize
+        assert trainer.strategy.ledger.normalization == normalize and trainer.strategy.ledger.samples == 8
+
+
+def test_training_step_must_report_tokens_when_normalizing_by_tokens() -> None:
+    examples = make_examples([3, 4], seed=0)
+    with pytest.raises(ValueError, match=r"reports no token count"):
+        fit(
+            TinyLM(report="loss"),
+            examples,
+            batch_size=1,
+            accumulate=2,
+            strategy=AccumulationStrategy(normalize="tokens"),
+        )
+
+
+def test_strategy_argument_errors() -> None:
+    with pytest.raises(
+        ValueError, match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches'; got 'mean'"
+    ):
+        AccumulationStrategy(normalize="mean")
+    with pytest.raises(ValueError, match=r"`partial_group` must be one of 'rescale', 'drop'; got 'pad'"):
+        lightning_accum.DDPAccumulationStrategy(partial_group="pad")
+
+
+class _Manual(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        opt = self.optimizers()
+        loss = self.mean_loss(batch)
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        opt.zero_grad()  # type: ignore[union-attr]
+
+
+def test_manual_optimization_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match=r"supports automatic optimization only.*automatic_optimization` is False"):
+        fit(_Manual(), make_examples([3, 4], seed=0), batch_size=1, accumulate=1)
+
+
+def test_accum_on_several_devices_names_the_ddp_string() -> None:
+    with pytest.raises(ValueError, match=r"strategy='accum' runs on one device.*'accum_ddp'"):
+        L.Trainer(strategy="accum", accelerator="cpu", devices=2, logger=False)
+
+
+def test_checkpoint_round_trip_with_weights_only(tmp_path: Any) -> None:
+    examples = make_examples(random_lengths(12, seed=6), seed=6)
+    model = TinyLM(lr=0.5)
+    trainer = fit(model, examples, batch_size=2, accumulate=4)
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["lightning_accum"]["ledger"]["tokens"] == trainer.strategy.ledger.tokens
+
+    resumed = L.Trainer(
+        strategy="accum",
+        accumulate_grad_batches=4,
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    # Loading a finished run's checkpoint restores the ledger before fit returns (max_epochs is reached).
+    resumed.fit(TinyLM(lr=0.5), DataLoader(ListDataset(examples), batch_size=2), ckpt_path=path)
+    assert resumed.strategy.ledger == trainer.strategy.ledger
+    assert resumed.strategy.engine.scale_ref == trainer.strategy.engine.scale_ref
+
+
+# ---------------------------------------------------------------------------- host syncs
+
+
+class _HostSyncDetector(TorchDispatchMode):
+    """Records host reads of tensor data made from lightning_accum's code.
+
+    Two probes: `aten._local_scalar_dense` (what `.item()`, `bool(t)`, `int(t)`, `float(t)` dispatch to) and,
+    through `sys.setprofile`, calls of the tensor methods that copy device memory to the host without
+    dispatching (`tolist`, `cpu`, `numpy`).
+    """
+
+    HOST_READS: ClassVar[set[str]] = {"tolist", "cpu", "numpy"}  # `.item()` is seen by the dispatch probe
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits: list[str] = []
+        self.package_ops = 0  # tensor operations issued by lightning_accum while watching: proof it was watching
+
+    @staticmethod
+    def _caller_in_package(frame: Any) -> str | None:
+        while frame is not None:
+            name = frame.f_globals.get("__name__", "")
+            if not name.startswith("torch"):
+                return f"{name}:{frame.f_lineno}" if name.startswith("lightning_accum") else None
+            frame = frame.f_back
+        return None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        where = self._caller_in_package(sys._getframe(1))
+        if where:
+            self.package_ops += 1
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.hits.append(f"{func} at {where}")
+        return func(*args, **(kwargs or {}))
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and getattr(arg, "__name__", "") in self.HOST_READS:
+            where = self._caller_in_package(frame)
+            if where:
+                self.hits.append(f"{arg.__name__} at {where}")
+
+    def __enter__(self) -> _HostSyncDetector:
+        super().__enter__()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(None)
+        super().__exit__(*exc)
+
+
+class _WatchNonFinalMicrobatches(L.Callback):
+    def __init__(self) -> None:
+        self.detector = _HostSyncDetector()
+        self.watched = 0
+        self.active = False
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        last = batch_idx + 1 == trainer.num_training_batches
+        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0 and not last:
+            self.watched += 1
+            self.active = True
+            self.detector.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.active:
+            self.detector.__exit__(None, None, None)
+            self.active = False
+
+
+def test_non_final_microbatches_make_no_host_sync_in_lightning_accum() -> None:
+    watcher = _WatchNonFinalMicrobatches()
+    examples = make_examples(random_lengths(16, seed=8), seed=8)
+    trainer = fit(TinyLM(), examples, batch_size=2, accumulate=4, callbacks=[watcher])
+    assert watcher.watched == 6  # 8 micro-batches in 2 groups of 4: 3 non-final each
+    assert watcher.detector.package_ops > 6 * 5  # the engine's per-micro-batch work was seen
+    assert watcher.detector.hits == []
+    assert trainer.strategy.ledger.updates_applied == 2
+
+
+def test_host_sync_detector_catches_a_sync_in_the_package() -> None:
+    # A function that the detector attributes to the package (its globals name it lightning_accum.*).
+    namespace: dict[str, Any] = {"__name__": "lightning_accum._probe"}
+    exec("def read(t):\n    return t.sum().item(), t.tolist()\n", namespace)
+    with _HostSyncDetector() as detector:
+        namespace["read"](torch.ones(3))
+    assert len(detector.hits) == 2, detector.hits
