@@ -41,7 +41,9 @@ from lightning_accum.ledger import AccumulationLedger, GroupRecord
 
 __all__ = [
     "NORMALIZE_CHOICES",
+    "ON_NONFINITE_CHOICES",
     "PARTIAL_GROUP_CHOICES",
+    "SCHEDULE_ON_CHOICES",
     "AccumulationEngine",
     "GroupOutcome",
     "infer_num_samples",
@@ -51,13 +53,15 @@ __all__ = [
 
 NORMALIZE_CHOICES: tuple[str, ...] = ("auto", "tokens", "samples", "batches")
 PARTIAL_GROUP_CHOICES: tuple[str, ...] = ("rescale", "drop")
+SCHEDULE_ON_CHOICES: tuple[str, ...] = ("applied", "attempted")
+ON_NONFINITE_CHOICES: tuple[str, ...] = ("skip", "raise", "ignore")
 
 Count = int | Tensor
 AllReduce = Callable[[Tensor], Tensor]
 
 # Positions in the vector that is all-reduced (summed) once per group.
-_UNITS, _WEIGHTED_LOSS, _TOKENS, _SAMPLES, _NEGATIVE, _SCALE_REF, _MICROBATCHES, _UNIT_CODE = range(8)
-_VECTOR_SIZE = 8
+_UNITS, _WEIGHTED_LOSS, _TOKENS, _SAMPLES, _NEGATIVE, _SCALE_REF, _MICROBATCHES, _UNIT_CODE, _NONFINITE = range(9)
+_VECTOR_SIZE = 9
 _UNIT_CODES = {"tokens": 1.0, "samples": 2.0, "batches": 3.0}
 
 
@@ -205,6 +209,10 @@ class AccumulationEngine:
             ``num_tokens``.
         partial_group: ``"rescale"`` updates a partial final group with its real denominator;
             ``"drop"`` makes no update for it and records what it held.
+        schedule_on: ``"applied"``: step-interval schedules advance once per applied update;
+            ``"attempted"``: once per attempt (skipped ones included), as Lightning does.
+        on_nonfinite: Without a GradScaler, what a non-finite group gradient does: ``"skip"`` the
+            update (counted as ``"nonfinite"``), ``"raise"`` an error, or ``"ignore"`` it (update anyway).
 
     Example:
         One replica, two micro-batches of the seed document: 512 supervised tokens with mean loss 2 and
@@ -223,9 +231,13 @@ class AccumulationEngine:
         normalize: str = "auto",
         count_tokens: Callable[[Any], Count] | None = None,
         partial_group: str = "rescale",
+        schedule_on: str = "applied",
+        on_nonfinite: str = "skip",
     ) -> None:
         self.normalize = validate_choice("normalize", normalize, NORMALIZE_CHOICES)
         self.partial_group = validate_choice("partial_group", partial_group, PARTIAL_GROUP_CHOICES)
+        self.schedule_on = validate_choice("schedule_on", schedule_on, SCHEDULE_ON_CHOICES)
+        self.on_nonfinite = validate_choice("on_nonfinite", on_nonfinite, ON_NONFINITE_CHOICES)
         if count_tokens is not None and not callable(count_tokens):
             raise TypeError(
                 f"`count_tokens` must be a callable `batch -> int | Tensor` or None, got "
@@ -404,12 +416,25 @@ class AccumulationEngine:
         device: torch.device | str = "cpu",
         all_reduce: AllReduce | None = None,
         replicas: int = 1,
+        nonfinite: Tensor | None = None,
+        describe_nonfinite: Callable[[], str] | None = None,
     ) -> GroupOutcome:
         """Reduce the group's sums over replicas (one all-reduce, one host read) and decide what to do.
 
+        Args:
+            accumulate: ``A``, the configured number of micro-batches per group.
+            device: Where the reduced vector lives (the replica's device).
+            all_reduce: Sum-all-reduce over replicas, in place; ``None`` on one device.
+            replicas: ``D``.
+            nonfinite: A device scalar, non-zero when the group's gradient holds a NaN or Inf (checked by
+                the caller only without a GradScaler and unless ``on_nonfinite="ignore"``). Folded into the
+                same all-reduce, so every replica takes the same decision.
+            describe_nonfinite: Names the first offending parameter, for ``on_nonfinite="raise"``.
+
         Raises:
             ValueError: A reported count was negative (on every replica alike, so none of them hangs).
-            RuntimeError: Replicas disagree on the number of micro-batches or on the unit.
+            RuntimeError: Replicas disagree on the number of micro-batches or on the unit; or the gradient
+                is non-finite under ``on_nonfinite="raise"``.
         """
         sums = self._sums
         device = torch.device(device)
@@ -425,6 +450,8 @@ class AccumulationEngine:
             vector[_SCALE_REF] += ref.to(device)
         else:
             vector[_SCALE_REF] += ref
+        if nonfinite is not None:
+            vector[_NONFINITE] += nonfinite.to(device=device, dtype=torch.float64)
         if all_reduce is not None and replicas > 1:
             all_reduce(vector)
         values = vector.tolist()  # the one host read of the update
@@ -461,7 +488,42 @@ class AccumulationEngine:
         if units <= 0:
             record.skip_reason = "empty"
             return GroupOutcome("skip", 1.0, record)
+        if values[_NONFINITE] > 0:
+            update = self.ledger.updates_attempted + 1
+            where = describe_nonfinite() if describe_nonfinite is not None else "a parameter"
+            if self.on_nonfinite == "raise":
+                raise RuntimeError(
+                    f"The gradient of update {update} is not finite (first non-finite gradient: {where}; group loss"
+                    f" {record.loss}). Find the NaN/Inf source, or pass `on_nonfinite='skip'` to skip such updates."
+                )
+            rank_zero_warn(
+                f"lightning_accum: skipped update {update}: its gradient is not finite (first non-finite gradient:"
+                f" {where}). Parameters and optimizer state are unchanged (on_nonfinite='skip')."
+            )
+            record.skip_reason = "nonfinite"
+            return GroupOutcome("skip", 1.0, record)
         return GroupOutcome("apply", scale_ref_times_d / units, record)
+
+    def schedule_due(self, record: GroupRecord, frequency: int = 1) -> bool:
+        """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in the ledger).
+
+        Under ``schedule_on="applied"`` the schedule counts applied updates, under ``"attempted"`` attempts;
+        it advances on every ``frequency``-th of them. A dropped group is neither.
+
+        Example:
+            >>> skipped = GroupRecord(1.0, tokens=9, samples=1, microbatches=1, applied=False, skip_reason="overflow")
+            >>> for schedule_on in ("applied", "attempted"):
+            ...     engine = AccumulationEngine(schedule_on=schedule_on)
+            ...     engine.ledger.record(skipped)
+            ...     print(schedule_on, engine.schedule_due(skipped))
+            applied False
+            attempted True
+        """
+        if record.dropped:
+            return False
+        if self.schedule_on == "applied":
+            return record.applied and self.ledger.updates_applied % frequency == 0
+        return self.ledger.updates_attempted % frequency == 0
 
     def finish_group(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
         """Complete the outcome's record after the optimizer ran (or did not) and add it to the ledger."""

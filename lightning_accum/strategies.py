@@ -29,8 +29,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum.engine import AccumulationEngine, Count
+from lightning_accum.engine import AccumulationEngine, Count, GroupOutcome, scale_gradients
 from lightning_accum.ledger import AccumulationLedger
+from lightning_accum.schedules import release_schedulers, take_over_schedulers
 
 __all__ = ["AccumulationStrategy", "DDPAccumulationStrategy"]
 
@@ -47,8 +48,22 @@ class _ExactAccumulation(Strategy):
 
     _engine: AccumulationEngine
 
-    def _init_engine(self, normalize: str, count_tokens: Callable[[Any], Count] | None, partial_group: str) -> None:
-        self._engine = AccumulationEngine(normalize=normalize, count_tokens=count_tokens, partial_group=partial_group)
+    def _init_engine(
+        self,
+        normalize: str,
+        count_tokens: Callable[[Any], Count] | None,
+        partial_group: str,
+        schedule_on: str,
+        on_nonfinite: str,
+    ) -> None:
+        self._engine = AccumulationEngine(
+            normalize=normalize,
+            count_tokens=count_tokens,
+            partial_group=partial_group,
+            schedule_on=schedule_on,
+            on_nonfinite=on_nonfinite,
+        )
+        self._scheduled: list[Any] = []
 
     @property
     def ledger(self) -> AccumulationLedger:
@@ -57,7 +72,7 @@ class _ExactAccumulation(Strategy):
 
     @property
     def engine(self) -> AccumulationEngine:
-        """The object that does the arithmetic; its options are ``normalize``, ``count_tokens``, ``partial_group``."""
+        """The object that does the arithmetic and holds the options given to the strategy."""
         return self._engine
 
     @property
@@ -107,6 +122,33 @@ class _ExactAccumulation(Strategy):
         tensor = self._engine.take_backward_tensor()
         return super().backward(tensor if tensor is not None else closure_loss, optimizer, *args, **kwargs)
 
+    @property
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+    def _gradients(self, optimizer: Optimizer) -> list[Tensor]:
+        return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    def _nonfinite_flag(self, optimizer: Optimizer) -> Tensor | None:
+        """A device scalar, > 0 when any gradient holds a NaN/Inf; None when the check does not apply."""
+        if self._scaler is not None or self._engine.on_nonfinite == "ignore":
+            return None  # a GradScaler finds non-finite gradients itself (skip reason "overflow")
+        grads = self._gradients(optimizer)
+        if not grads:
+            return None
+        norms = torch.stack([n.to(torch.float32) for n in torch._foreach_norm(grads)])
+        return (~torch.isfinite(norms)).sum()
+
+    def _first_nonfinite_name(self, optimizer: Optimizer) -> str:
+        module = self.lightning_module
+        names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    return f"`{names.get(id(p), 'unnamed parameter')}` (shape {tuple(p.shape)})"
+        return "none found after the reduction"
+
     @override
     def optimizer_step(
         self,
@@ -124,17 +166,48 @@ class _ExactAccumulation(Strategy):
             device=self.root_device,
             all_reduce=self._all_reduce_sum,
             replicas=self.data_parallel_replicas,
+            nonfinite=self._nonfinite_flag(optimizer),
+            describe_nonfinite=lambda: self._first_nonfinite_name(optimizer),
         )
         if outcome.action != "apply":
             optimizer.zero_grad(set_to_none=True)
-            self._engine.finish_group(outcome, applied=False)
+            self._finish(outcome, applied=False)
             return closure_result
-        from lightning_accum.engine import scale_gradients
 
         scale_gradients((p for group in optimizer.param_groups for p in group["params"]), outcome.factor)
+        scaler = self._scaler
+        scale_before = scaler._scale.clone() if scaler is not None and scaler._scale is not None else None
         output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
-        self._engine.finish_group(outcome, applied=True)
+        if scale_before is None or scaler is None or scaler._scale is None:
+            self._finish(outcome, applied=True)
+            return output
+        # The scaler multiplies its scale by backoff_factor (< 1, enforced by torch) exactly when it found an
+        # Inf/NaN and skipped the step: for every optimizer, including fused ones that step unconditionally.
+        # One host read per update.
+        before, after = torch.stack([scale_before, scaler._scale.to(scale_before)]).tolist()
+        outcome.record.grad_scale = before
+        self._finish(outcome, applied=after >= before, skip_reason="overflow")
         return output
+
+    def _finish(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> None:
+        record = self._engine.finish_group(outcome, applied=applied, skip_reason=skip_reason)
+        module = self.lightning_module
+        if module is None:
+            return
+        for config in self._scheduled:
+            if self._engine.schedule_due(record, config.frequency):
+                config.scheduler.advance(lambda scheduler: module.lr_scheduler_step(scheduler, None))
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        self._scheduled = take_over_schedulers(self.lr_scheduler_configs)
+
+    @override
+    def teardown(self) -> None:
+        release_schedulers(self.lr_scheduler_configs)
+        self._scheduled = []
+        super().teardown()
 
     @override
     def on_train_start(self) -> None:
@@ -171,11 +244,20 @@ class AccumulationStrategy(_ExactAccumulation, SingleDeviceStrategy):
         count_tokens: Optional ``batch -> int | Tensor``, used when ``training_step`` returns no ``num_tokens``.
         partial_group: ``"rescale"`` (update a partial final group with its real denominator) or ``"drop"``
             (no update for it; its micro-batches, samples and tokens are recorded in the ledger).
+        schedule_on: ``"applied"`` (default): step-interval LR schedulers advance once per applied update
+            (every ``frequency``-th applied update), never on a skipped one or per micro-batch;
+            ``"attempted"``: once per attempt, skipped ones included.
+        on_nonfinite: Without a GradScaler (fp32, bf16): ``"skip"`` (default) makes no update when the
+            group's gradient holds a NaN/Inf (counted as ``"nonfinite"``, one warning naming the update),
+            ``"raise"`` stops with an error naming the update and the first offending parameter,
+            ``"ignore"`` keeps Lightning's behaviour (update anyway). With a GradScaler, its own check
+            decides and skipped updates are counted as ``"overflow"``.
         device: The device; by default the one the Trainer's accelerator selects.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
-    ``trainer.global_step`` keeps Lightning's meaning (one per optimizer-step call); the exact counts of
-    attempted, applied and skipped updates are in :attr:`ledger`.
+    ``trainer.global_step`` keeps Lightning's meaning (one per optimizer-step call: attempts, so
+    ``max_steps`` behaves as users expect; a dropped partial group is counted too); the exact counts of
+    attempted, applied and skipped updates are in :attr:`ledger` (``ledger.updates_applied``).
 
     Example:
         >>> import lightning as L
@@ -193,10 +275,12 @@ class AccumulationStrategy(_ExactAccumulation, SingleDeviceStrategy):
         normalize: str = "auto",
         count_tokens: Callable[[Any], Count] | None = None,
         partial_group: str = "rescale",
+        schedule_on: str = "applied",
+        on_nonfinite: str = "skip",
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
-        self._init_engine(normalize, count_tokens, partial_group)
+        self._init_engine(normalize, count_tokens, partial_group, schedule_on, on_nonfinite)
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._device_given = device is not None
 
@@ -250,8 +334,14 @@ class DDPAccumulationStrategy(_ExactAccumulation, DDPStrategy):
         normalize: See :class:`AccumulationStrategy`.
         count_tokens: See :class:`AccumulationStrategy`.
         partial_group: See :class:`AccumulationStrategy`.
+        schedule_on: See :class:`AccumulationStrategy`.
+        on_nonfinite: See :class:`AccumulationStrategy`.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``find_unused_parameters``, ``process_group_backend``, ...).
+
+    An overflow or non-finite gradient on one replica reaches all of them (DDP averages the gradients, and
+    the non-finite flag rides in the group's all-reduce), so every replica takes the same decision.
+    ``trainer.global_step`` counts attempts, as in Lightning; applied updates are in :attr:`ledger`.
 
     ``D`` is the world size: every process is one data replica (tensor or pipeline parallelism is not
     part of this strategy).
@@ -272,9 +362,11 @@ class DDPAccumulationStrategy(_ExactAccumulation, DDPStrategy):
         normalize: str = "auto",
         count_tokens: Callable[[Any], Count] | None = None,
         partial_group: str = "rescale",
+        schedule_on: str = "applied",
+        on_nonfinite: str = "skip",
         **kwargs: Any,
     ) -> None:
-        self._init_engine(normalize, count_tokens, partial_group)
+        self._init_engine(normalize, count_tokens, partial_group, schedule_on, on_nonfinite)
         super().__init__(**kwargs)
 
     @property
