@@ -11,6 +11,7 @@ Example:
     True
 """
 
+from lightning_accum.callbacks import AxisLogger
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import AccumulationStrategy, DDPAccumulationStrategy, _register
@@ -19,6 +20,7 @@ __all__ = [
     "AccumulationEngine",
     "AccumulationLedger",
     "AccumulationStrategy",
+    "AxisLogger",
     "DDPAccumulationStrategy",
     "GroupRecord",
 ]

@@ -1,8 +1,8 @@
-"""Callbacks of ``lightning_accum``.
+"""Callbacks of ``lightning_accum``, re-exported at the package's top level.
 
-The logging (``AxisLogger``), run-record (``AccumulationReport``) and pre-flight
-(``AccumulationCheck``) callbacks live here; they are added by the issues that deliver them and
-re-exported at the package's top level.
+- :class:`AxisLogger`: every curve of the run on a tokens, samples or updates axis.
 """
 
-__all__: list[str] = []
+from lightning_accum.callbacks.axis_logger import AxisLogger
+
+__all__ = ["AxisLogger"]

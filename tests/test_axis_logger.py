@@ -1,0 +1,238 @@
+"""AxisLogger: real TensorBoard event files and CSV files read back after real `Trainer.fit` runs."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from helpers import IGNORE, ListDataset, TinyLM, fit, make_examples, random_lengths, run_ddp
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import DataLoader
+
+from lightning_accum import AccumulationStrategy, AxisLogger
+from lightning_accum.callbacks.axis_logger import format_count
+
+
+class LoggingLM(TinyLM):
+    """Logs a training metric on every micro-batch and a validation loss; optionally inflates token counts."""
+
+    def __init__(self, token_multiplier: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.token_multiplier = token_multiplier
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"], on_step=True)
+        out["num_tokens"] = out["num_tokens"] * self.token_multiplier
+        return out
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.mean_loss(batch))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def run(
+    tmp_path: Path,
+    examples: list[dict[str, torch.Tensor]],
+    m: int,
+    accumulate: int,
+    name: str,
+    axis: str = "tokens",
+    model: LoggingLM | None = None,
+    val_every: int | None = None,
+    epochs: int = 1,
+    ckpt_path: Path | None = None,
+    extra_loggers: bool = False,
+) -> tuple[L.Trainer, LoggingLM]:
+    model = model or LoggingLM(lr=0.5)
+    loggers: list[Any] = [TensorBoardLogger(tmp_path, name=name, version=0)]
+    if extra_loggers:
+        loggers.append(CSVLogger(tmp_path, name=f"{name}-csv", version=0))
+    trainer = L.Trainer(
+        strategy=AccumulationStrategy(),
+        accelerator="cpu",
+        accumulate_grad_batches=accumulate,
+        max_epochs=epochs,
+        logger=loggers,
+        callbacks=[AxisLogger(axis=axis), LearningRateMonitor(logging_interval="step")],
+        log_every_n_steps=1,
+        val_check_interval=val_every,
+        check_val_every_n_epoch=1 if val_every is None else None,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(ListDataset(examples), batch_size=m)
+    trainer.fit(model, loader, DataLoader(ListDataset(examples[:4]), batch_size=2), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def cumulative_tokens(examples: list[dict[str, torch.Tensor]], per_update: int, multiplier: int = 1) -> list[int]:
+    totals, seen = [], 0
+    for i in range(0, len(examples), per_update):
+        seen += sum(int((e["labels"] != IGNORE).sum()) for e in examples[i : i + per_update]) * multiplier
+        totals.append(seen)
+    return totals
+
+
+def test_accum_loss_steps_are_cumulative_tokens_and_validation_sits_at_its_token_count(tmp_path: Path) -> None:
+    examples = make_examples(random_lengths(24, seed=5), seed=5)
+    # m = 2, A = 3: 4 updates; validation every 6 micro-batches = after updates 2 and 4.
+    trainer, _ = run(tmp_path, examples, m=2, accumulate=3, name="tb", val_every=6)
+    expected = cumulative_tokens(examples, 6)
+    data = scalars(tmp_path / "tb" / "version_0")
+    assert [step for step, _ in data["accum/loss"]] == expected
+    assert [step for step, _ in data["accum/tokens_per_update"]] == expected
+    assert [int(v) for _, v in data["accum/tokens_per_update"]] == [expected[0]] + [
+        b - a for a, b in itertools.pairwise(expected)
+    ]
+    assert [step for step, _ in data["val_loss"]] == [expected[1], expected[3]]
+    ledger = trainer.strategy.ledger
+    assert ledger.tokens == expected[-1]
+    assert data["accum/loss"][-1][1] == pytest.approx(ledger.last_group.loss, rel=1e-6)
+    # LearningRateMonitor logs on every micro-batch; on the axis each x holds one value.
+    lr_steps = [step for step, _ in data["lr-SGD"]]
+    assert lr_steps == sorted(set(lr_steps)) and lr_steps[0] == 0
+    # The rate used by update i is 0.5 * 0.9**i (the schedule advances after every applied update).
+    assert [v for _, v in data["accum/lr"]] == pytest.approx([0.5 * 0.9**i for i in range(4)])
+    train_steps = [step for step, _ in data["train_loss"]]
+    assert train_steps == sorted(set(train_steps)) and set(train_steps) <= {0, *expected}
+    assert [v for _, v in data["accum/skipped_updates"]] == [0, 0, 0, 0]
+
+
+def test_token_steps_beyond_int32_are_exact(tmp_path: Path) -> None:
+    examples = make_examples([5] * 8, seed=1)
+    multiplier = 2**29 + 3  # 10 tokens per micro-batch -> ~5.4e9 per micro-batch, past 2^31 and 2^32
+    model = LoggingLM(lr=0.1, token_multiplier=multiplier)
+    run(tmp_path, examples, m=2, accumulate=2, name="big", model=model)
+    expected = cumulative_tokens(examples, 4, multiplier)
+    assert expected[-1] > 2**32
+    data = scalars(tmp_path / "big" / "version_0")
+    assert [step for step, _ in data["accum/loss"]] == expected
+    assert all(isinstance(step, int) for step, _ in data["accum/loss"])
+
+
+def test_runs_with_different_splits_overlay_on_tokens(tmp_path: Path) -> None:
+    examples = make_examples(random_lengths(32, seed=8), seed=8)
+    run(tmp_path, examples, m=4, accumulate=2, name="m4a2", model=LoggingLM(lr=0.5))
+    run(tmp_path, examples, m=2, accumulate=4, name="m2a4", model=LoggingLM(lr=0.5))
+    a = scalars(tmp_path / "m4a2" / "version_0")["accum/loss"]
+    b = scalars(tmp_path / "m2a4" / "version_0")["accum/loss"]
+    assert {s for s, _ in a} == {s for s, _ in b}
+    for (_, va), (_, vb) in zip(a, b, strict=True):
+        assert va == pytest.approx(vb, abs=1e-5)
+
+
+def test_samples_and_updates_axes(tmp_path: Path) -> None:
+    examples = make_examples(random_lengths(12, seed=2), seed=2)
+    run(tmp_path, examples, m=2, accumulate=2, name="samples", axis="samples")
+    run(tmp_path, examples, m=2, accumulate=2, name="updates", axis="updates")
+    assert [s for s, _ in scalars(tmp_path / "samples" / "version_0")["accum/loss"]] == [4, 8, 12]
+    assert [s for s, _ in scalars(tmp_path / "updates" / "version_0")["accum/loss"]] == [1, 2, 3]
+
+
+def test_csv_has_the_same_steps_and_resume_continues_the_axis(tmp_path: Path) -> None:
+    examples = make_examples(random_lengths(8, seed=3), seed=3)
+    trainer, _model = run(tmp_path, examples, m=2, accumulate=2, name="first", extra_loggers=True)
+    path = tmp_path / "first.ckpt"
+    trainer.save_checkpoint(path)
+    tb_steps = [s for s, _ in scalars(tmp_path / "first" / "version_0")["accum/loss"]]
+    with open(tmp_path / "first-csv" / "version_0" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("accum/loss")]
+    assert [int(row["step"]) for row in rows] == tb_steps
+
+    run(tmp_path, examples, m=2, accumulate=2, name="second", epochs=2, ckpt_path=path, model=LoggingLM(lr=0.5))
+    resumed = [s for s, _ in scalars(tmp_path / "second" / "version_0")["accum/loss"]]
+    assert resumed[0] > tb_steps[-1] and resumed == sorted(resumed), (tb_steps, resumed)
+    assert resumed[-1] == 2 * tb_steps[-1]  # the same 8 examples twice
+
+
+def test_requires_an_accumulation_strategy(tmp_path: Path) -> None:
+    trainer = L.Trainer(accelerator="cpu", callbacks=[AxisLogger()], logger=False, max_epochs=1)
+    with pytest.raises(RuntimeError, match=r"AxisLogger needs an accumulation strategy.*strategy='accum'"):
+        trainer.fit(TinyLM(), DataLoader(ListDataset(make_examples([2, 3])), batch_size=1))
+
+
+def test_tokens_axis_without_token_counts_is_a_clear_error(tmp_path: Path) -> None:
+    trainer = L.Trainer(
+        strategy="accum",
+        accelerator="cpu",
+        callbacks=[AxisLogger()],
+        logger=False,
+        max_epochs=1,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(RuntimeError, match=r"axis='tokens'\) needs token counts.*axis='samples'"):
+        trainer.fit(TinyLM(report="loss"), DataLoader(ListDataset(make_examples([2, 3])), batch_size=1))
+
+
+def test_bad_axis_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"`axis` must be one of 'tokens', 'samples', 'updates'; got 'epochs'"):
+        AxisLogger(axis="epochs")
+
+
+class _ReadProgressBar(L.Callback):
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert trainer.progress_bar_callback is not None
+        self.metrics = trainer.progress_bar_callback.get_metrics(trainer, pl_module)
+
+
+def test_progress_bar_shows_tokens_and_skipped_updates(tmp_path: Path) -> None:
+    reader = _ReadProgressBar()
+    examples = make_examples([4] * 8, seed=0)
+    trainer = L.Trainer(
+        strategy="accum",
+        accelerator="cpu",
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        logger=False,
+        callbacks=[AxisLogger(), reader],
+        enable_checkpointing=False,
+    )
+    trainer.fit(TinyLM(), DataLoader(ListDataset(examples), batch_size=2))
+    assert reader.metrics["seen"] == "32 tok" and reader.metrics["skipped"] == 0
+    assert format_count(1_234_567, "tok") == "1.2M tok" and format_count(3 * 10**12) == "3.0T"
+
+
+def _ddp_axis_run(rank: int, folder: str) -> None:
+    examples = make_examples(random_lengths(16, seed=6), seed=6)
+    fit(
+        LoggingLM(lr=0.5),
+        examples,
+        batch_size=2,
+        accumulate=2,
+        strategy="accum_ddp",
+        devices=2,
+        callbacks=[AxisLogger()],
+        logger=TensorBoardLogger(folder, name="ddp", version=0),
+        log_every_n_steps=1,
+    )
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_ddp_rank_zero_writes_global_token_steps(tmp_path: Path) -> None:
+    run_ddp(_ddp_axis_run, str(tmp_path))
+    examples = make_examples(random_lengths(16, seed=6), seed=6)
+    folder = tmp_path / "ddp" / "version_0"
+    assert len(list(folder.glob("events.out.tfevents.*"))) == 1  # rank zero only
+    # D = 2, m = 2, A = 2: an update consumes 8 examples (rank-strided, so the first 8, then the next 8).
+    assert [s for s, _ in scalars(folder)["accum/loss"]] == cumulative_tokens(examples, 8)
