@@ -11,14 +11,17 @@ Example:
     True
 """
 
-from lightning_accum.callbacks import AxisLogger
+from lightning_accum.callbacks import AccumulationCheck, AccumulationCheckError, AccumulationReport, AxisLogger
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import AccumulationStrategy, DDPAccumulationStrategy, _register
 
 __all__ = [
+    "AccumulationCheck",
+    "AccumulationCheckError",
     "AccumulationEngine",
     "AccumulationLedger",
+    "AccumulationReport",
     "AccumulationStrategy",
     "AxisLogger",
     "DDPAccumulationStrategy",

@@ -1,8 +1,12 @@
 """Callbacks of ``lightning_accum``, re-exported at the package's top level.
 
-- :class:`AxisLogger`: every curve of the run on a tokens, samples or updates axis.
+- :class:`AxisLogger`: every curve of the run on a tokens, samples or updates axis;
+- :class:`AccumulationReport`: the final record of a run (JSON, console table, TensorBoard text);
+- :class:`AccumulationCheck`: a pre-flight check of one update against the same examples in one batch.
 """
 
 from lightning_accum.callbacks.axis_logger import AxisLogger
+from lightning_accum.callbacks.check import AccumulationCheck, AccumulationCheckError
+from lightning_accum.callbacks.report import AccumulationReport
 
-__all__ = ["AxisLogger"]
+__all__ = ["AccumulationCheck", "AccumulationCheckError", "AccumulationReport", "AxisLogger"]

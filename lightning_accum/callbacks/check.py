@@ -1,0 +1,577 @@
+"""A pre-flight check of one accumulation group against the same examples in a single batch."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DistributedSampler
+from typing_extensions import override
+
+from lightning_accum.engine import AccumulationEngine, scale_gradients
+
+__all__ = ["AccumulationCheck", "AccumulationCheckError", "CheckResult", "concat_microbatches"]
+
+_BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+class AccumulationCheckError(RuntimeError):
+    """The pre-flight check found that accumulation does not reproduce the one-batch update."""
+
+
+def concat_microbatches(batches: Sequence[Any], ignore_index: int = -100, key: str = "") -> Any:
+    """Concatenate micro-batches along the first dimension, right-padding variable-length tensors.
+
+    Tensors whose key contains ``"label"`` or ``"target"`` are padded with ``ignore_index``, others with 0.
+
+    Example:
+        >>> a = {"input_ids": torch.ones(1, 2, dtype=torch.long), "labels": torch.ones(1, 2, dtype=torch.long)}
+        >>> b = {"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3, dtype=torch.long)}
+        >>> concat_microbatches([a, b])["labels"].tolist()
+        [[1, 1, -100], [1, 1, 1]]
+    """
+    first = batches[0]
+    if isinstance(first, Tensor):
+        if first.ndim == 0:
+            raise TypeError(
+                f"Cannot concatenate 0-d tensors of key {key!r} into one batch. Pass "
+                "`AccumulationCheck(collate=...)`, a function from the list of micro-batches to one batch."
+            )
+        shape = [max(t.shape[d] for t in batches) for d in range(first.ndim)]
+        pad = ignore_index if any(word in key.lower() for word in ("label", "target")) else 0
+        padded = []
+        for t in batches:
+            if list(t.shape[1:]) == shape[1:]:
+                padded.append(t)
+                continue
+            out = t.new_full([t.shape[0], *shape[1:]], pad)
+            out[tuple(slice(0, n) for n in t.shape)] = t
+            padded.append(out)
+        return torch.cat(padded)
+    if isinstance(first, Mapping):
+        return type(first)({k: concat_microbatches([b[k] for b in batches], ignore_index, str(k)) for k in first})  # type: ignore[call-arg]
+    if isinstance(first, (list, tuple)):
+        parts = [concat_microbatches([b[i] for b in batches], ignore_index, key) for i in range(len(first))]
+        return type(first)(parts) if isinstance(first, list) else tuple(parts)
+    raise TypeError(
+        f"Cannot concatenate micro-batch items of type {type(first).__name__} (key {key!r}). Pass "
+        "`AccumulationCheck(collate=...)`, a function from the list of micro-batches to one batch."
+    )
+
+
+@dataclass
+class CheckResult:
+    """What the check measured.
+
+    Attributes:
+        relative_error: ``‖g_group − g_batch‖ / ‖g_batch‖`` over all parameters.
+        ratio: ``⟨g_group, g_batch⟩ / ‖g_batch‖²`` (1 when exact; ``1/A`` when the loss is divided by A twice).
+        microbatches: Micro-batches of the checked group on this replica.
+        errors: Failures (raised as :class:`AccumulationCheckError` when ``strict``).
+        warnings: Findings that are reported but do not fail the check.
+    """
+
+    relative_error: float
+    ratio: float
+    microbatches: int
+    errors: list[str]
+    warnings: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.errors
+
+
+class AccumulationCheck(Callback):
+    """Before the first update of ``fit``, check one accumulation group against the same examples in one batch.
+
+    It takes the first ``A`` micro-batches of the real training data, computes the group's gradient on the
+    strategy's own path (``training_step``, weighting, backward, ``no_sync``, the group's rescale), and the
+    gradient of the concatenated batch with the model's current weights, and compares them. Dropout is
+    disabled and the random generators are seeded identically for both. Afterwards it restores everything
+    it touched (weights, buffers, optimizer state, gradients, random generator states, so the data order is
+    unchanged): the training that follows is the training without the check.
+
+    Diagnoses, from the checklist of symptoms and causes:
+
+    - gradient ratio near ``1/A`` → the loss is divided by ``A`` twice;
+    - mismatch while micro-batches are weighted by samples or batches and the labels hold ignored
+      positions → token weighting is missing (the update is a mean of micro-batch means);
+    - BatchNorm layers → named, as a warning: statistics are per micro-batch, so no exact match is expected;
+    - non-finite gradients; the group's boundaries (``A`` micro-batches, or the partial-group policy);
+    - tensors attached to the autograd graph kept on the LightningModule across micro-batches (memory then
+      grows with every micro-batch);
+    - a step-interval scheduler whose length counts micro-batches (warning);
+    - under DDP with ``D > 1``: a training sampler that is not distributed, or replicas whose first
+      micro-batches are identical (warnings).
+
+    Args:
+        tolerance: Largest accepted relative error; by default ``1e-4``, or ``2e-2`` with 16-bit precision.
+        strict: Raise :class:`AccumulationCheckError` on failures (``True``) or only warn (``False``).
+        collate: ``list of micro-batches -> batch`` for batch structures that cannot be concatenated.
+        ignore_index: Padding value for label tensors when right-padding variable lengths.
+
+    Example:
+        >>> from lightning_accum import AccumulationCheck
+        >>> AccumulationCheck(strict=False).strict
+        False
+    """
+
+    def __init__(
+        self,
+        tolerance: float | None = None,
+        strict: bool = True,
+        collate: Callable[[list[Any]], Any] | None = None,
+        ignore_index: int = -100,
+    ) -> None:
+        if tolerance is not None and not tolerance > 0:
+            raise ValueError(f"`tolerance` must be > 0, got {tolerance!r}. Pass e.g. `tolerance=1e-4`.")
+        self.tolerance = tolerance
+        self.strict = strict
+        self.collate = collate
+        self.ignore_index = ignore_index
+        self.result: CheckResult | None = None
+        self._unit: str | None = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_accum.strategies import _ExactAccumulation
+
+        strategy = trainer.strategy
+        if not isinstance(strategy, _ExactAccumulation):
+            raise RuntimeError(
+                f"AccumulationCheck needs an accumulation strategy, but the Trainer uses {type(strategy).__name__}."
+                " Set `Trainer(strategy='accum')` or `strategy='accum_ddp'`."
+            )
+        if strategy.ledger.updates_attempted > 0:
+            return  # resumed run: the check is for the start of a campaign
+        optimizer = trainer.optimizers[0]
+        with _restored(pl_module, optimizer):
+            self.result = self._run(trainer, pl_module, strategy, optimizer)
+        self._report(self.result)
+
+    # ------------------------------------------------------------------ the check
+
+    def _tolerance(self, trainer: Trainer) -> float:
+        if self.tolerance is not None:
+            return self.tolerance
+        return 2e-2 if "16" in str(trainer.precision) else 1e-4
+
+    def _run(self, trainer: Trainer, module: LightningModule, strategy: Any, optimizer: Optimizer) -> CheckResult:
+        accumulate = trainer.accumulate_grad_batches
+        replicas = strategy.data_parallel_replicas
+        errors: list[str] = []
+        warnings: list[str] = []
+        batches = self._take(trainer, module, accumulate)
+        if not batches:
+            return CheckResult(0.0, 1.0, 0, ["the training data yielded no batch"], [])
+        if len(batches) < accumulate:
+            if strategy.engine.partial_group == "drop":
+                warnings.append(
+                    f"the first epoch holds only {len(batches)} of {accumulate} micro-batches; with"
+                    " partial_group='drop' its group makes no update"
+                )
+            else:
+                warnings.append(
+                    f"the first group holds {len(batches)} of {accumulate} micro-batches (a partial group, rescaled"
+                    " with its real denominator)"
+                )
+
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        group, outcome, leaks = self._group_gradient(trainer, module, strategy, optimizer, batches, seed)
+        everything = self._gather_batches(batches, replicas)
+        reference = self._batch_gradient(trainer, module, strategy, optimizer, everything, seed)
+
+        g = torch.cat([x.reshape(-1).to(torch.float64) for x in group])
+        r = torch.cat([x.reshape(-1).to(torch.float64) for x in reference])
+        if not bool(torch.isfinite(g).all()):
+            where = self._first_nonfinite(module, group)
+            errors.append(f"the group's gradient is not finite (first non-finite gradient: {where})")
+        norm = float(r.norm())
+        rel = float((g - r).norm() / norm) if norm > 0 else float((g - r).norm())
+        ratio = float(g.dot(r) / (norm * norm)) if norm > 0 else 1.0
+
+        if outcome is not None and outcome != "apply":
+            warnings.append(f"the checked group made no update (outcome: {outcome})")
+        for name, shape in leaks:
+            errors.append(
+                f"`{type(module).__name__}.{name}` keeps a tensor attached to the autograd graph across micro-batches"
+                f" (shape {shape}): every micro-batch's graph stays in memory, so memory grows with"
+                f" accumulate_grad_batches and over the run. Store `.detach()`ed values (or `.item()` at the update)."
+            )
+        batchnorms = [n for n, m in module.named_modules() if isinstance(m, _BATCHNORM)]
+        if batchnorms:
+            warnings.append(
+                f"BatchNorm layers ({', '.join(batchnorms)}) compute statistics per micro-batch, so accumulation"
+                f" cannot reproduce the one-batch update exactly (relative error {rel:.2e}); this is expected"
+            )
+        tolerance = self._tolerance(trainer)
+        if rel > tolerance and not batchnorms:
+            errors.append(self._diagnose(rel, ratio, tolerance, accumulate, strategy, batches))
+        warnings.extend(self._scheduler_findings(trainer, accumulate))
+        if replicas > 1:
+            warnings.extend(self._replica_findings(trainer, batches))
+        return CheckResult(rel, ratio, len(batches), errors, warnings)
+
+    def _diagnose(self, rel: float, ratio: float, tolerance: float, a: int, strategy: Any, batches: list[Any]) -> str:
+        measured = f"relative error {rel:.3e} > tolerance {tolerance:.1e}, gradient ratio {ratio:.4f}"
+        if a > 1 and abs(ratio - 1.0 / a) < 0.25 / a:
+            return (
+                f"the loss is divided by A twice: the group gradient is {ratio:.4f} ≈ 1/{a} of the one-batch gradient"
+                f" ({measured}). Return the micro-batch's mean loss; the strategy does the normalization."
+            )
+        unit = self._unit
+        if unit in ("samples", "batches") and self._has_ignored_labels(batches):
+            return (
+                f"token weighting is missing: micro-batches are weighted by {unit} while the labels hold ignored"
+                f" positions, so the update is a mean of micro-batch means and depends on how examples are split"
+                f" ({measured}). Return `{{'loss': loss, 'num_tokens': (labels != {self.ignore_index}).sum()}}`"
+                " from `training_step`, or pass `count_tokens=` to the strategy."
+            )
+        return (
+            f"the group gradient differs from the gradient of the same examples in one batch ({measured}). Check that"
+            " `training_step` returns the mean loss over the units it reports, and that nothing in the model depends"
+            " on the micro-batch composition."
+        )
+
+    def _has_ignored_labels(self, batches: list[Any]) -> bool:
+        found = False
+
+        def visit(obj: Any, key: str = "") -> None:
+            nonlocal found
+            if isinstance(obj, Tensor) and any(w in key.lower() for w in ("label", "target")):
+                found = found or bool((obj == self.ignore_index).any())
+            elif isinstance(obj, Mapping):
+                for k, v in obj.items():
+                    visit(v, str(k))
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    visit(v, key)
+
+        for b in batches:
+            visit(b)
+        return found
+
+    def _take(self, trainer: Trainer, module: LightningModule, count: int) -> list[Any]:
+        loader = trainer.train_dataloader
+        if loader is None:
+            return []
+        batches = []
+        iterator = iter(loader)
+        for _ in range(count):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            batch = trainer.precision_plugin.convert_input(batch)
+            batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+            batches.append(trainer.strategy.batch_to_device(batch, dataloader_idx=0))
+        del iterator
+        return batches
+
+    def _call_step(self, strategy: Any, module: LightningModule, batch: Any) -> Tensor | None:
+        args = (batch, 0) if is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2) else (batch,)
+        out = strategy.training_step(*args)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        return loss if isinstance(loss, Tensor) else None
+
+    def _group_gradient(
+        self,
+        trainer: Trainer,
+        module: LightningModule,
+        strategy: Any,
+        optimizer: Optimizer,
+        batches: list[Any],
+        seed: int,
+    ) -> tuple[list[Tensor], str | None, list[tuple[str, tuple[int, ...]]]]:
+        """The strategy's own path for one group, on a scratch engine; gradients unscaled."""
+        real = strategy._engine
+        scratch = AccumulationEngine(
+            normalize=real.normalize,
+            count_tokens=real.count_tokens,
+            partial_group=real.partial_group,
+            schedule_on=real.schedule_on,
+            on_nonfinite="ignore",
+        )
+        scratch.scale_ref = real.scale_ref
+        scratch.ledger.normalization = real.ledger.normalization
+        strategy._engine = scratch
+        leaks: list[tuple[str, tuple[int, ...]]] = []
+        try:
+            optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            for i, batch in enumerate(batches):
+                final = i == len(batches) - 1
+                sync = (
+                    strategy.block_backward_sync()
+                    if not final and hasattr(strategy, "block_backward_sync")
+                    else nullcontext()
+                )
+                with sync:
+                    loss = self._call_step(strategy, module, batch)
+                    if loss is not None:
+                        strategy.backward(loss, optimizer)
+                if not final:
+                    leaks = _graph_attached(module) or leaks
+            outcome = scratch.close_group(
+                accumulate=trainer.accumulate_grad_batches,
+                device=strategy.root_device,
+                all_reduce=strategy._all_reduce_sum,
+                replicas=strategy.data_parallel_replicas,
+            )
+            if outcome.action == "apply":
+                scale_gradients(_params(optimizer), outcome.factor)
+            self._unit = scratch.unit
+            scaler = strategy._scaler
+            unscale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+            grads = [(p.grad * unscale) if p.grad is not None else torch.zeros_like(p) for p in _params(optimizer)]
+            return grads, outcome.action, leaks
+        finally:
+            strategy._engine = real
+
+    def _gather_batches(self, batches: list[Any], replicas: int) -> list[Any]:
+        if replicas == 1 or not torch.distributed.is_initialized():
+            return batches
+        device = _first_device(batches)
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, _to_cpu(batches))
+        return [_to_device(b, device) for rank_batches in gathered for b in rank_batches]
+
+    def _batch_gradient(
+        self,
+        trainer: Trainer,
+        module: LightningModule,
+        strategy: Any,
+        optimizer: Optimizer,
+        batches: list[Any],
+        seed: int,
+    ) -> list[Tensor]:
+        """Gradient of the concatenated batch: plain autograd, no weighting, no scaler, no replica averaging."""
+        big = self.collate(batches) if self.collate is not None else concat_microbatches(batches, self.ignore_index)
+        real = strategy._engine
+        scratch = AccumulationEngine(normalize="batches")  # records the call, weights nothing
+        scratch.scale_ref = 1.0  # no first-group collective for this scratch engine
+        strategy._engine = scratch
+        # One batch is training without accumulation: code that reads `trainer.accumulate_grad_batches`
+        # (e.g. to divide its loss by it) sees 1, as it would in that run.
+        accumulate = trainer.accumulate_grad_batches
+        trainer.accumulate_grad_batches = 1
+        try:
+            optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            sync = strategy.block_backward_sync() if hasattr(strategy, "block_backward_sync") else nullcontext()
+            with sync:
+                loss = self._call_step(strategy, module, big)
+                if loss is None:
+                    raise AccumulationCheckError("`training_step` returned no loss for the concatenated batch.")
+                loss.backward()
+            return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in _params(optimizer)]
+        finally:
+            trainer.accumulate_grad_batches = accumulate
+            strategy._engine = real
+
+    @staticmethod
+    def _first_nonfinite(module: LightningModule, grads: list[Tensor]) -> str:
+        names = [n for n, _ in module.named_parameters()]
+        for name, grad in zip(names, grads, strict=False):
+            if not bool(torch.isfinite(grad).all()):
+                return f"`{name}`"
+        return "unknown"
+
+    @staticmethod
+    def _scheduler_findings(trainer: Trainer, accumulate: int) -> list[str]:
+        findings: list[str] = []
+        if accumulate == 1 or not trainer.max_epochs or trainer.max_epochs < 0:
+            return findings
+        microbatches = trainer.num_training_batches * trainer.max_epochs
+        if microbatches == float("inf"):
+            return findings
+        for config in trainer.lr_scheduler_configs:
+            scheduler = getattr(config.scheduler, "scheduler", config.scheduler)
+            if config.interval != "step":
+                continue
+            for attr in ("total_steps", "T_max"):
+                length = getattr(scheduler, attr, None)
+                updates = int(trainer.estimated_stepping_batches)
+                if isinstance(length, int) and length >= int(microbatches) > updates:
+                    findings.append(
+                        f"{type(scheduler).__name__}.{attr}={length} counts micro-batches ({int(microbatches)} in the"
+                        f" run), but the schedule advances once per update ({updates} updates): it would cover only"
+                        " 1/A of its course. Use `trainer.estimated_stepping_batches`."
+                    )
+        return findings
+
+    @staticmethod
+    def _replica_findings(trainer: Trainer, batches: list[Any]) -> list[str]:
+        findings = []
+        loader = trainer.train_dataloader
+        sampler = getattr(loader, "sampler", None)
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        inner = getattr(batch_sampler, "sampler", None)
+        if not isinstance(sampler, DistributedSampler) and not isinstance(inner, DistributedSampler):
+            findings.append(
+                "the training sampler is not a DistributedSampler: make sure every replica reads different examples"
+                " (Lightning adds one with `use_distributed_sampler=True`)"
+            )
+        fingerprint = _fingerprint(batches[0]).reshape(1)
+        everyone = trainer.strategy.all_gather(fingerprint).reshape(-1).tolist()
+        if len(set(everyone)) < len(everyone):
+            findings.append(
+                "replicas received identical first micro-batches: the same examples on every replica add no"
+                " information. Check the sampler (DistributedSampler) or the iterable dataset's sharding."
+            )
+        return findings
+
+    def _report(self, result: CheckResult) -> None:
+        for message in result.warnings:
+            rank_zero_warn(f"AccumulationCheck: {message}.")
+        if result.errors:
+            text = "AccumulationCheck failed:\n- " + "\n- ".join(result.errors)
+            if self.strict:
+                raise AccumulationCheckError(text)
+            rank_zero_warn(text)
+            return
+        if result.warnings:
+            rank_zero_info(f"AccumulationCheck passed with {len(result.warnings)} warning(s).")
+            return
+        rank_zero_info(
+            f"AccumulationCheck passed: {result.microbatches} micro-batches match one batch of the same examples"
+            f" (relative error {result.relative_error:.2e}, ratio {result.ratio:.6f})."
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _params(optimizer: Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _graph_attached(module: LightningModule) -> list[tuple[str, tuple[int, ...]]]:
+    """Attributes of ``module`` (not parameters or buffers) that hold tensors with a ``grad_fn``."""
+    found = []
+
+    def visit(obj: Any, name: str, depth: int) -> None:
+        if isinstance(obj, Tensor):
+            if obj.grad_fn is not None:
+                found.append((name, tuple(obj.shape)))
+        elif depth < 3 and isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                visit(v, f"{name}[{i}]", depth + 1)
+                if found:
+                    return
+        elif depth < 3 and isinstance(obj, dict):
+            for k, v in obj.items():
+                visit(v, f"{name}[{k!r}]", depth + 1)
+
+    for name, value in vars(module).items():
+        if name.startswith("_"):
+            continue
+        visit(value, name, 0)
+    return found
+
+
+def _fingerprint(batch: Any) -> Tensor:
+    total: Tensor | None = None
+
+    def visit(obj: Any) -> None:
+        nonlocal total
+        if isinstance(obj, Tensor) and obj.numel() > 0:
+            flat = obj.reshape(-1).to(torch.float64)
+            weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+            value = (flat * weights).sum()
+            total = value if total is None else total + value
+        elif isinstance(obj, Mapping):
+            for v in obj.values():
+                visit(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                visit(v)
+
+    visit(batch)
+    return total if total is not None else torch.zeros((), dtype=torch.float64)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _to_cpu(v) for k, v in obj.items()})  # type: ignore[call-arg]
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj) if isinstance(obj, list) else tuple(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _to_device(v, device) for k, v in obj.items()})  # type: ignore[call-arg]
+    if isinstance(obj, (list, tuple)):
+        parts = [_to_device(v, device) for v in obj]
+        return parts if isinstance(obj, list) else tuple(parts)
+    return obj
+
+
+def _first_device(obj: Any) -> torch.device:
+    if isinstance(obj, Tensor):
+        return obj.device
+    values: Any = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else []
+    for v in values:
+        device = _first_device(v)
+        if device.type != "cpu":
+            return device
+    return torch.device("cpu")
+
+
+@contextmanager
+def _restored(module: LightningModule, optimizer: Optimizer) -> Iterator[None]:
+    """Run the check with dropout off and logging muted; restore weights, optimizer and RNG states after."""
+    weights = copy.deepcopy(module.state_dict())
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+    rng_cpu = torch.get_rng_state()
+    rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    rng_python = random.getstate()
+    try:
+        import numpy
+
+        rng_numpy: Any = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        rng_numpy = None
+    dropouts = [(m, m.training) for m in module.modules() if isinstance(m, _DROPOUT)]
+    fx_name = module._current_fx_name
+    module.__dict__["log"] = lambda *args, **kwargs: None  # the check's steps are not part of the run's metrics
+    module.__dict__["log_dict"] = lambda *args, **kwargs: None
+    module._current_fx_name = "training_step"
+    for m, _ in dropouts:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, training in dropouts:
+            m.train(training)
+        module.__dict__.pop("log", None)
+        module.__dict__.pop("log_dict", None)
+        module._current_fx_name = fx_name
+        optimizer.zero_grad(set_to_none=True)
+        module.load_state_dict(weights)
+        optimizer.load_state_dict(optimizer_state)
+        torch.set_rng_state(rng_cpu)
+        if rng_cuda is not None:
+            torch.cuda.set_rng_state_all(rng_cuda)
+        random.setstate(rng_python)
+        if rng_numpy is not None:
+            import numpy
+
+            numpy.random.set_state(rng_numpy)

@@ -1,0 +1,303 @@
+"""The final record of a run: what was configured, what was realized, what it cost."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from typing_extensions import override
+
+from lightning_accum.engine import infer_num_samples
+from lightning_accum.ledger import AccumulationLedger
+
+__all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
+
+REPORT_FILENAME = "accumulation_report.json"
+REPORT_SCHEMA = "lightning_accum.report/1"
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    """Peak memory in bytes on ``device`` and where the number comes from."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated (CUDA allocator peak)"
+    # ru_maxrss is in kilobytes on Linux and bytes on macOS; it is the process's lifetime peak.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale, "getrusage ru_maxrss (process peak RSS)"
+
+
+def _finite_or_none(value: Any) -> Any:
+    """JSON has no NaN: an empty group's NaN loss becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    return value
+
+
+def _stats(values: list[int]) -> dict[str, float | int | None]:
+    if not values:
+        return {"min": None, "mean": None, "max": None}
+    return {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
+
+
+class AccumulationReport(Callback):
+    """Write the final record of a run when ``fit`` ends, also when it ends by an exception.
+
+    The record goes to ``accumulation_report.json`` (in ``path``, else the Trainer's log directory),
+    to the console as a table, and to every ``TensorBoardLogger`` as text (tag ``accum/report``), on
+    global rank zero. Values that differ by rank (memory, realized micro-batch sizes) are gathered and
+    listed per rank when the run ends normally.
+
+    JSON keys (``schema`` = ``"lightning_accum.report/1"``; the keys below are stable):
+
+    ==================================== ===============================================================
+    key                                  meaning
+    ==================================== ===============================================================
+    ``status``                           ``"completed"``, ``"interrupted"`` (KeyboardInterrupt) or ``"failed"``
+    ``error``                            the exception's type and message, or ``None``
+    ``micro_batch_size``                 ``configured`` m (the loader's batch size), ``realized_min/max``
+                                         samples per micro-batch (over ranks), ``per_rank``
+    ``accumulate_grad_batches``          A
+    ``data_parallel_replicas``           D, from the strategy's distributed-sampler settings
+    ``effective_batch``                  ``configured`` m·A·D, ``arithmetic`` ("2 × 8 × 2 = 32"),
+                                         ``realized_min/mean/max`` samples per attempted update
+    ``tokens``                           ``total`` supervised tokens, ``per_update_min/mean/max``
+    ``samples``                          ``total``
+    ``precision``                        the Trainer's precision
+    ``normalization``                    the unit micro-batches were weighted by
+    ``partial_group``                    ``policy``, ``count``, ``dropped_microbatches/samples/tokens``
+    ``updates``                          ``attempted``, ``applied``, ``skipped`` (reason → count)
+    ``memory``                           ``source``, ``unit`` (bytes), ``first_group_peak`` and
+                                         ``run_peak`` per rank
+    ``time``                             ``wall_seconds``, ``tokens_per_second``, ``samples_per_second``
+    ``ledger``                           the ledger's state
+    ==================================== ===============================================================
+
+    The first group's peak is read after the first update (backward and optimizer state included);
+    on CPU the source is the process's peak resident memory, a lifetime peak that includes what the
+    process held before ``fit``.
+
+    Args:
+        path: Folder for the JSON file; by default the Trainer's log directory (``trainer.log_dir``),
+            or the working directory without a logger.
+
+    Example:
+        >>> from lightning_accum import AccumulationReport
+        >>> AccumulationReport(path="runs").path
+        'runs'
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self.record: dict[str, Any] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._start = 0.0
+        self._attempts_seen = 0
+        self._samples_per_update: list[int] = []
+        self._tokens_per_update: list[int] = []
+        self._microbatch_min: int | None = None
+        self._microbatch_max: int | None = None
+        self._first_group_peak: int | None = None
+        self._written = False
+
+    @staticmethod
+    def _ledger(trainer: Trainer) -> AccumulationLedger:
+        from lightning_accum.strategies import _ExactAccumulation
+
+        if not isinstance(trainer.strategy, _ExactAccumulation):
+            raise RuntimeError(
+                "AccumulationReport needs an accumulation strategy, but the Trainer uses"
+                f" {type(trainer.strategy).__name__}. Set `Trainer(strategy='accum')` or `strategy='accum_ddp'`."
+            )
+        return trainer.strategy.ledger
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._ledger(trainer)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._reset()
+        self._start = time.perf_counter()
+        self._attempts_seen = self._ledger(trainer).updates_attempted
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        samples = infer_num_samples(batch)  # shapes only: no device sync
+        if samples is not None:
+            self._microbatch_min = samples if self._microbatch_min is None else min(self._microbatch_min, samples)
+            self._microbatch_max = samples if self._microbatch_max is None else max(self._microbatch_max, samples)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        ledger = self._ledger(trainer)
+        if ledger.updates_attempted == self._attempts_seen or ledger.last_group is None:
+            return
+        self._attempts_seen = ledger.updates_attempted
+        self._samples_per_update.append(ledger.last_group.samples)
+        self._tokens_per_update.append(ledger.last_group.tokens)
+        if self._first_group_peak is None:
+            self._first_group_peak = _peak_memory(trainer.strategy.root_device)[0]
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer, status="completed", error=None, gather=True)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
+        # Other ranks may be gone: no collective here, this rank's values only.
+        self._finish(trainer, status=status, error=f"{type(exception).__name__}: {exception}", gather=False)
+
+    # ------------------------------------------------------------------ the record
+
+    def _gather(self, trainer: Trainer, values: list[int], gather: bool) -> list[list[int]]:
+        if not gather or trainer.world_size == 1:
+            return [values]
+        tensor = torch.tensor(values, dtype=torch.int64, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(tensor)
+        return [[int(v) for v in row] for row in gathered.reshape(trainer.world_size, -1).tolist()]
+
+    def build(self, trainer: Trainer, status: str, error: str | None, gather: bool = True) -> dict[str, Any]:
+        """The record as a JSON-ready dict (collective under DDP when ``gather``)."""
+        ledger = self._ledger(trainer)
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        device = trainer.strategy.root_device
+        run_peak, source = _peak_memory(device)
+        first_peak = self._first_group_peak if self._first_group_peak is not None else -1
+        per_rank = self._gather(
+            trainer, [first_peak, run_peak, self._microbatch_min or -1, self._microbatch_max or -1], gather
+        )
+        loader = trainer.train_dataloader
+        m = getattr(loader, "batch_size", None)
+        a = trainer.accumulate_grad_batches
+        # D counts data-parallel replicas: what the distributed sampler splits the data into, not devices.
+        sampler_kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        d = int(sampler_kwargs.get("num_replicas", 1))
+        configured = m * a * d if m is not None else None
+        wall = time.perf_counter() - self._start if self._start else 0.0
+        mins = [row[2] for row in per_rank if row[2] >= 0]
+        maxs = [row[3] for row in per_rank if row[3] >= 0]
+        samples_stats = _stats(self._samples_per_update)
+        tokens_stats = _stats(self._tokens_per_update)
+        return {
+            "schema": REPORT_SCHEMA,
+            "status": status,
+            "error": error,
+            "micro_batch_size": {
+                "configured": m,
+                "realized_min": min(mins) if mins else None,
+                "realized_max": max(maxs) if maxs else None,
+                "per_rank": [{"min": row[2], "max": row[3]} for row in per_rank],
+            },
+            "accumulate_grad_batches": a,
+            "data_parallel_replicas": d,
+            "effective_batch": {
+                "configured": configured,
+                "arithmetic": f"{m} × {a} × {d} = {configured}" if m is not None else f"? × {a} × {d}",
+                "realized_min": samples_stats["min"],
+                "realized_mean": samples_stats["mean"],
+                "realized_max": samples_stats["max"],
+            },
+            "tokens": {
+                "total": ledger.tokens,
+                "per_update_min": tokens_stats["min"],
+                "per_update_mean": tokens_stats["mean"],
+                "per_update_max": tokens_stats["max"],
+            },
+            "samples": {"total": ledger.samples},
+            "precision": str(trainer.precision),
+            "normalization": ledger.normalization,
+            "partial_group": {
+                "policy": engine.partial_group,
+                "count": ledger.partial_groups,
+                "dropped_microbatches": ledger.dropped_microbatches,
+                "dropped_samples": ledger.dropped_samples,
+                "dropped_tokens": ledger.dropped_tokens,
+            },
+            "updates": {
+                "attempted": ledger.updates_attempted,
+                "applied": ledger.updates_applied,
+                "skipped": dict(ledger.updates_skipped),
+            },
+            "memory": {
+                "source": source,
+                "unit": "bytes",
+                "first_group_peak": [row[0] if row[0] >= 0 else None for row in per_rank],
+                "run_peak": [row[1] for row in per_rank],
+            },
+            "time": {
+                "wall_seconds": wall,
+                "tokens_per_second": ledger.tokens / wall if wall > 0 else None,
+                "samples_per_second": ledger.samples / wall if wall > 0 else None,
+            },
+            "ledger": _finite_or_none(ledger.state_dict()),
+        }
+
+    def _finish(self, trainer: Trainer, status: str, error: str | None, gather: bool) -> None:
+        if self._written:
+            return
+        self._written = True
+        record = self.build(trainer, status, error, gather)
+        self.record = record
+        if not trainer.is_global_zero:
+            return
+        folder = self.path or trainer.log_dir or os.getcwd()
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, REPORT_FILENAME), "w") as f:
+            json.dump(record, f, indent=2, allow_nan=False, default=str)
+        table = format_report(record)
+        print(table)
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                markdown = "\n".join("    " + line for line in table.splitlines())  # preformatted in TensorBoard
+                logger.experiment.add_text("accum/report", markdown, global_step=int(ledger_axis(record)))
+                logger.experiment.flush()
+
+
+def ledger_axis(record: dict[str, Any]) -> int:
+    """The x at which the report's text is written: the run's supervised tokens (samples without tokens)."""
+    return int(record["tokens"]["total"] or record["samples"]["total"])
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e6 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def format_report(record: dict[str, Any]) -> str:
+    """The record as a two-column text table.
+
+    Example:
+        >>> print(format_report({"status": "completed", "tokens": {"total": 2048}}).splitlines()[1])
+        status        completed
+    """
+    rows: list[tuple[str, str]] = []
+    for key, value in record.items():
+        if key in ("schema", "ledger"):
+            continue
+        if isinstance(value, dict):
+            for sub, inner in value.items():
+                rows.append((f"{key}.{sub}", _fmt(inner)))
+        else:
+            rows.append((key, _fmt(value)))
+    width = max(len(k) for k, _ in rows)
+    lines = ["lightning_accum run record"] + [f"{k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""AccumulationCheck: one diagnosis per symptom of the seed checklist, on real `Trainer.fit` runs."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from helpers import ListDataset, TinyLM, fit, make_examples, params_vector, random_lengths, run_ddp
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_accum import AccumulationCheck, AccumulationCheckError
+from lightning_accum.callbacks.check import concat_microbatches
+
+A = 4
+
+
+def examples(n: int = 16, seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    return make_examples(random_lengths(n, seed=seed), seed=seed)
+
+
+def test_a_correct_module_passes_and_training_is_unchanged() -> None:
+    data = examples()
+    check = AccumulationCheck()
+    L.seed_everything(7)
+    checked = TinyLM(lr=0.3, optimizer="adamw", seed=1)
+    fit(checked, data, batch_size=2, accumulate=A, callbacks=[check], max_epochs=2)
+    assert check.result is not None and check.result.passed
+    assert check.result.relative_error < 1e-5 and check.result.ratio == pytest.approx(1.0, abs=1e-5)
+
+    L.seed_everything(7)
+    plain = TinyLM(lr=0.3, optimizer="adamw", seed=1)
+    fit(plain, data, batch_size=2, accumulate=A, max_epochs=2)
+    assert torch.equal(params_vector(checked), params_vector(plain))
+
+
+def test_shuffled_data_order_is_restored() -> None:
+    data = examples(24)
+    runs = []
+    for with_check in (True, False):
+        L.seed_everything(11)
+        model = TinyLM(lr=0.3, seed=2)
+        callbacks = [AccumulationCheck()] if with_check else []
+        trainer = L.Trainer(
+            strategy="accum",
+            accelerator="cpu",
+            accumulate_grad_batches=3,
+            max_epochs=1,
+            logger=False,
+            callbacks=callbacks,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, DataLoader(ListDataset(data), batch_size=2, shuffle=True))
+        runs.append((params_vector(model), [ids.clone() for ids in model.seen_input_ids[-12:]]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))  # same data order
+    assert torch.equal(runs[0][0], runs[1][0])
+
+
+class _DividesByA(TinyLM):
+    """Divides its loss by accumulate_grad_batches itself, as Lightning's docs never ask: the seed's double division."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        out["loss"] = out["loss"] / self.trainer.accumulate_grad_batches
+        return out
+
+
+def test_loss_divided_by_a_twice() -> None:
+    with pytest.raises(
+        AccumulationCheckError, match=r"the loss is divided by A twice: the group gradient is 0\.25\d* ≈ 1/4"
+    ):
+        fit(_DividesByA(), examples(), batch_size=2, accumulate=A, callbacks=[AccumulationCheck()])
+
+
+def test_mean_of_means_without_token_counts() -> None:
+    with pytest.raises(
+        AccumulationCheckError, match=r"token weighting is missing: micro-batches are weighted by samples"
+    ):
+        fit(TinyLM(report="loss"), examples(), batch_size=2, accumulate=A, callbacks=[AccumulationCheck()])
+
+
+def test_strict_false_turns_failures_into_warnings() -> None:
+    check = AccumulationCheck(strict=False)
+    with pytest.warns(UserWarning, match=r"AccumulationCheck failed:\n- token weighting is missing"):
+        fit(TinyLM(report="loss"), examples(), batch_size=2, accumulate=A, callbacks=[check])
+    assert check.result is not None and not check.result.passed
+
+
+class _WithBatchNorm(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.bn(self.embed(input_ids).transpose(1, 2)).transpose(1, 2)
+        return self.head(torch.tanh(hidden))
+
+
+def test_batchnorm_is_named_as_a_warning_not_a_failure() -> None:
+    check = AccumulationCheck()
+    model = _WithBatchNorm()
+    with pytest.warns(UserWarning, match=r"BatchNorm layers \(bn\) compute statistics per micro-batch"):
+        fit(model, examples(), batch_size=2, accumulate=A, callbacks=[check])
+    assert check.result is not None and check.result.passed and check.result.relative_error > 1e-4
+    # num_batches_tracked counts training forward passes: the run's 8 micro-batches; the check's 5 were rolled back.
+    assert model.bn.num_batches_tracked.item() == 8
+
+
+class _KeepsLosses(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        self.losses.append(out["loss"])  # keeps every micro-batch's graph alive
+        return out
+
+
+def test_graph_connected_tensors_kept_on_the_module() -> None:
+    with pytest.raises(
+        AccumulationCheckError, match=r"`_KeepsLosses\.losses\[0\]` keeps a tensor attached to the autograd graph"
+    ):
+        fit(_KeepsLosses(), examples(), batch_size=2, accumulate=A, callbacks=[AccumulationCheck()])
+
+
+class _DropoutLM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(torch.tanh(self.embed(input_ids))))
+
+
+def test_dropout_is_disabled_for_the_check() -> None:
+    check = AccumulationCheck()
+    model = _DropoutLM()
+    fit(model, examples(), batch_size=2, accumulate=A, callbacks=[check])
+    assert check.result is not None and check.result.passed and check.result.relative_error < 1e-5
+    assert model.drop.training  # restored
+
+
+class _MicroBatchSchedule(TinyLM):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        # The classic mistake: the schedule's length in micro-batches (here 2 updates x 4 = 8 batches).
+        micro_batches = int(self.trainer.estimated_stepping_batches) * self.trainer.accumulate_grad_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=micro_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_schedule_counted_in_micro_batches_warns() -> None:
+    with pytest.warns(UserWarning, match=r"OneCycleLR\.total_steps=8 counts micro-batches .* \(2 updates\)"):
+        fit(_MicroBatchSchedule(), examples(), batch_size=2, accumulate=A, callbacks=[AccumulationCheck()])
+
+
+def test_collate_for_structures_that_do_not_concatenate() -> None:
+    assert concat_microbatches([{"x": torch.zeros(2, 3)}, {"x": torch.ones(1, 5)}])["x"].shape == (3, 5)
+    with pytest.raises(TypeError, match=r"Cannot concatenate micro-batch items of type str .*collate="):
+        concat_microbatches([{"name": "a"}, {"name": "b"}])
+    with pytest.raises(ValueError, match=r"`tolerance` must be > 0, got 0"):
+        AccumulationCheck(tolerance=0)
+
+
+def _ddp_same_examples(rank: int, folder: str) -> None:
+    # No distributed sampler: both replicas read the same examples.
+    check = AccumulationCheck()
+    trainer = L.Trainer(
+        strategy="accum_ddp",
+        accelerator="cpu",
+        devices=2,
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        logger=False,
+        callbacks=[check],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        trainer.fit(TinyLM(), DataLoader(ListDataset(examples(8)), batch_size=2))
+    assert check.result is not None
+    with open(f"{folder}/rank{rank}.json", "w") as f:
+        json.dump({"warnings": check.result.warnings, "error": check.result.relative_error}, f)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_ddp_warns_on_undistributed_sampler_and_identical_examples(tmp_path: Path) -> None:
+    run_ddp(_ddp_same_examples, str(tmp_path))
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert any("not a DistributedSampler" in w for w in result["warnings"])
+    assert any("replicas received identical first micro-batches" in w for w in result["warnings"])
+    assert result["error"] < 1e-5  # the group still matches one batch of all replicas' examples

@@ -1,0 +1,169 @@
+"""AccumulationReport: the JSON, console and TensorBoard record of real runs, one device and DDP."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from helpers import IGNORE, ListDataset, TinyLM, fit, make_examples, random_lengths, run_ddp
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import DataLoader
+
+from lightning_accum import AccumulationReport, AccumulationStrategy
+from lightning_accum.callbacks.report import REPORT_FILENAME
+
+
+def tokens_of(examples: list[dict[str, torch.Tensor]]) -> int:
+    return sum(int((e["labels"] != IGNORE).sum()) for e in examples)
+
+
+def test_report_of_a_run_with_a_partial_group(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lengths = random_lengths(14, seed=21)
+    examples = make_examples(lengths, seed=21)
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    trainer = L.Trainer(
+        strategy=AccumulationStrategy(partial_group="rescale"),
+        accelerator="cpu",
+        accumulate_grad_batches=3,
+        max_epochs=1,
+        logger=logger,
+        callbacks=[AccumulationReport()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyLM(lr=0.5), DataLoader(ListDataset(examples), batch_size=2))
+    record = json.loads((tmp_path / "tb" / "version_0" / REPORT_FILENAME).read_text())
+    ledger = trainer.strategy.ledger
+
+    # 7 micro-batches of 2 with A = 3: groups of 6, 6 and 2 examples.
+    groups = [examples[0:6], examples[6:12], examples[12:14]]
+    per_update_tokens = [tokens_of(g) for g in groups]
+    assert record["status"] == "completed" and record["error"] is None
+    assert record["micro_batch_size"] == {
+        "configured": 2,
+        "realized_min": 2,
+        "realized_max": 2,
+        "per_rank": [{"min": 2, "max": 2}],
+    }
+    assert (record["accumulate_grad_batches"], record["data_parallel_replicas"]) == (3, 1)
+    assert record["effective_batch"]["configured"] == 6 and record["effective_batch"]["arithmetic"] == "2 × 3 × 1 = 6"
+    assert (record["effective_batch"]["realized_min"], record["effective_batch"]["realized_max"]) == (2, 6)
+    assert record["effective_batch"]["realized_mean"] == pytest.approx(14 / 3)
+    assert record["tokens"]["total"] == sum(lengths) == ledger.tokens
+    assert record["tokens"]["per_update_min"] == min(per_update_tokens)
+    assert record["tokens"]["per_update_max"] == max(per_update_tokens)
+    assert record["tokens"]["per_update_mean"] == pytest.approx(sum(per_update_tokens) / 3)
+    assert record["samples"]["total"] == 14 and record["precision"] == "32-true" and record["normalization"] == "tokens"
+    assert record["partial_group"] == {
+        "policy": "rescale",
+        "count": 1,
+        "dropped_microbatches": 0,
+        "dropped_samples": 0,
+        "dropped_tokens": 0,
+    }
+    assert record["updates"] == {"attempted": 3, "applied": 3, "skipped": {"empty": 0, "nonfinite": 0, "overflow": 0}}
+    memory = record["memory"]
+    assert "ru_maxrss" in memory["source"] and memory["unit"] == "bytes"
+    assert 0 < memory["first_group_peak"][0] <= memory["run_peak"][0]
+    assert record["time"]["wall_seconds"] > 0
+    assert record["time"]["tokens_per_second"] == pytest.approx(sum(lengths) / record["time"]["wall_seconds"])
+    assert record["ledger"]["tokens"] == ledger.tokens
+
+    console = capsys.readouterr().out
+    assert "lightning_accum run record" in console and "2 × 3 × 1 = 6" in console
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("accum/report/text_summary")[0]
+    assert text.step == sum(lengths)
+    assert "2 × 3 × 1 = 6" in text.tensor_proto.string_val[0].decode()
+
+
+def test_drop_policy_is_recorded(tmp_path: Path) -> None:
+    lengths = random_lengths(14, seed=22)
+    report = AccumulationReport(path=tmp_path)
+    fit(
+        TinyLM(),
+        make_examples(lengths, seed=22),
+        2,
+        3,
+        strategy=AccumulationStrategy(partial_group="drop"),
+        callbacks=[report],
+    )
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    assert record["partial_group"] == {
+        "policy": "drop",
+        "count": 1,
+        "dropped_microbatches": 1,
+        "dropped_samples": 2,
+        "dropped_tokens": sum(lengths[12:]),
+    }
+    assert record["tokens"]["total"] == sum(lengths[:12]) and record["updates"]["attempted"] == 2
+
+
+class _Failing(TinyLM):
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__()
+        self.error = error
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        if batch_idx == 4:
+            raise self.error("stopped on purpose")
+        return super().training_step(batch, batch_idx)
+
+
+def test_report_is_written_when_fit_fails(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="stopped on purpose"):
+        fit(_Failing(ValueError), make_examples([3] * 12), 2, 2, callbacks=[AccumulationReport(path=tmp_path)])
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    assert record["status"] == "failed" and record["error"] == "ValueError: stopped on purpose"
+    assert record["updates"]["attempted"] == 2 and record["tokens"]["total"] == 2 * 2 * 2 * 3
+
+
+def test_report_is_written_on_keyboard_interrupt(tmp_path: Path) -> None:
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown exits after the hooks ran
+            fit(
+                _Failing(KeyboardInterrupt),
+                make_examples([3] * 12),
+                2,
+                2,
+                callbacks=[AccumulationReport(path=tmp_path)],
+            )
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    assert record["status"] == "interrupted" and record["error"].startswith("KeyboardInterrupt")
+
+
+SEED_TABLE_D2 = [(2, 8), (1, 16), (4, 4)]
+
+
+def _seed_table_reports(rank: int, folder: str) -> None:
+    examples = make_examples(random_lengths(64, seed=23), seed=23)
+    for m, a in SEED_TABLE_D2:
+        report = AccumulationReport(path=f"{folder}/m{m}a{a}")
+        fit(TinyLM(), examples, batch_size=m, accumulate=a, strategy="accum_ddp", devices=2, callbacks=[report])
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_ddp_reports_carry_the_seed_table_effective_batch(tmp_path: Path) -> None:
+    run_ddp(_seed_table_reports, str(tmp_path))
+    lengths = random_lengths(64, seed=23)
+    for m, a in SEED_TABLE_D2:
+        record = json.loads((tmp_path / f"m{m}a{a}" / REPORT_FILENAME).read_text())
+        batch = record["effective_batch"]
+        assert (batch["configured"], batch["arithmetic"]) == (32, f"{m} × {a} × 2 = 32")
+        assert (batch["realized_min"], batch["realized_mean"], batch["realized_max"]) == (32, 32, 32)
+        assert record["data_parallel_replicas"] == 2 and record["updates"]["applied"] == 2
+        assert record["tokens"]["total"] == sum(lengths) and record["samples"]["total"] == 64
+        assert len(record["memory"]["run_peak"]) == 2 and all(v > 0 for v in record["memory"]["run_peak"])
+        assert record["micro_batch_size"]["per_rank"] == [{"min": m, "max": m}] * 2
