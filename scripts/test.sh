@@ -7,4 +7,5 @@ export PYTHONHASHSEED=0
 .venv/bin/ruff format --check lightning_accum tests examples
 .venv/bin/ruff check lightning_accum tests examples
 .venv/bin/mypy
+.venv/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 .venv/bin/python -m pytest "$@"

@@ -39,7 +39,8 @@ def test_a_correct_module_passes_and_training_is_unchanged() -> None:
     assert torch.equal(params_vector(checked), params_vector(plain))
 
 
-def test_shuffled_data_order_is_restored() -> None:
+@pytest.mark.parametrize("own_generator", [False, True], ids=["global-rng", "loader-generator"])
+def test_shuffled_data_order_is_restored(own_generator: bool) -> None:
     data = examples(24)
     runs = []
     for with_check in (True, False):
@@ -57,7 +58,8 @@ def test_shuffled_data_order_is_restored() -> None:
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        trainer.fit(model, DataLoader(ListDataset(data), batch_size=2, shuffle=True))
+        generator = torch.Generator().manual_seed(5) if own_generator else None
+        trainer.fit(model, DataLoader(ListDataset(data), batch_size=2, shuffle=True, generator=generator))
         runs.append((params_vector(model), [ids.clone() for ids in model.seen_input_ids[-12:]]))
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))  # same data order
     assert torch.equal(runs[0][0], runs[1][0])

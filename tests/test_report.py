@@ -149,8 +149,9 @@ SEED_TABLE_D2 = [(2, 8), (1, 16), (4, 4)]
 def _seed_table_reports(rank: int, folder: str) -> None:
     examples = make_examples(random_lengths(64, seed=23), seed=23)
     for m, a in SEED_TABLE_D2:
-        report = AccumulationReport(path=f"{folder}/m{m}a{a}")
-        fit(TinyLM(), examples, batch_size=m, accumulate=a, strategy="accum_ddp", devices=2, callbacks=[report])
+        # The default location (the logger's directory) must not need a collective on rank zero alone.
+        logger = TensorBoardLogger(folder, name=f"m{m}a{a}", version=0)
+        fit(TinyLM(), examples, m, a, strategy="accum_ddp", devices=2, callbacks=[AccumulationReport()], logger=logger)
 
 
 @pytest.mark.ddp
@@ -159,7 +160,7 @@ def test_ddp_reports_carry_the_seed_table_effective_batch(tmp_path: Path) -> Non
     run_ddp(_seed_table_reports, str(tmp_path))
     lengths = random_lengths(64, seed=23)
     for m, a in SEED_TABLE_D2:
-        record = json.loads((tmp_path / f"m{m}a{a}" / REPORT_FILENAME).read_text())
+        record = json.loads((tmp_path / f"m{m}a{a}" / "version_0" / REPORT_FILENAME).read_text())
         batch = record["effective_batch"]
         assert (batch["configured"], batch["arithmetic"]) == (32, f"{m} × {a} × 2 = 32")
         assert (batch["realized_min"], batch["realized_mean"], batch["realized_max"]) == (32, 32, 32)

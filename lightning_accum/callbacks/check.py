@@ -267,17 +267,25 @@ class AccumulationCheck(Callback):
         loader = trainer.train_dataloader
         if loader is None:
             return []
+        # A loader with its own generator (shuffle=True, generator=...) draws from it when iterated: keep its
+        # state so the run reads the data in the order it would without the check.
+        generators = _loader_generators(loader)
+        states = [g.get_state() for g in generators]
         batches = []
-        iterator = iter(loader)
-        for _ in range(count):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            batch = trainer.precision_plugin.convert_input(batch)
-            batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
-            batches.append(trainer.strategy.batch_to_device(batch, dataloader_idx=0))
-        del iterator
+        try:
+            iterator = iter(loader)
+            for _ in range(count):
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    break
+                batch = trainer.precision_plugin.convert_input(batch)
+                batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+                batches.append(trainer.strategy.batch_to_device(batch, dataloader_idx=0))
+            del iterator
+        finally:
+            for generator, state in zip(generators, states, strict=True):
+                generator.set_state(state)
         return batches
 
     def _call_step(self, strategy: Any, module: LightningModule, batch: Any) -> Tensor | None:
@@ -452,6 +460,20 @@ class AccumulationCheck(Callback):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    """The random generators a loader's sampling draws from, each once."""
+    candidates = [
+        getattr(loader, "generator", None),
+        getattr(getattr(loader, "sampler", None), "generator", None),
+        getattr(getattr(getattr(loader, "batch_sampler", None), "sampler", None), "generator", None),
+    ]
+    unique: dict[int, torch.Generator] = {}
+    for g in candidates:
+        if isinstance(g, torch.Generator):
+            unique[id(g)] = g
+    return list(unique.values())
 
 
 def _params(optimizer: Optimizer) -> list[Tensor]:

@@ -86,8 +86,8 @@ class AccumulationReport(Callback):
     process held before ``fit``.
 
     Args:
-        path: Folder for the JSON file; by default the Trainer's log directory (``trainer.log_dir``),
-            or the working directory without a logger.
+        path: Folder for the JSON file; by default the first logger's log directory, or the Trainer's
+            ``default_root_dir`` without a logger.
 
     Example:
         >>> from lightning_accum import AccumulationReport
@@ -256,7 +256,7 @@ class AccumulationReport(Callback):
         self.record = record
         if not trainer.is_global_zero:
             return
-        folder = self.path or trainer.log_dir or os.getcwd()
+        folder = self.path or _log_dir(trainer)
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, REPORT_FILENAME), "w") as f:
             json.dump(record, f, indent=2, allow_nan=False, default=str)
@@ -267,6 +267,16 @@ class AccumulationReport(Callback):
                 markdown = "\n".join("    " + line for line in table.splitlines())  # preformatted in TensorBoard
                 logger.experiment.add_text("accum/report", markdown, global_step=int(ledger_axis(record)))
                 logger.experiment.flush()
+
+
+def _log_dir(trainer: Trainer) -> str:
+    """The first logger's directory, read without a collective (``trainer.log_dir`` broadcasts under DDP)."""
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        folder = getattr(logger, "log_dir", None) or logger.save_dir
+        if folder:
+            return str(folder)
+    return str(trainer.default_root_dir)
 
 
 def ledger_axis(record: dict[str, Any]) -> int:
