@@ -60,8 +60,10 @@ Count = int | Tensor
 AllReduce = Callable[[Tensor], Tensor]
 
 # Positions in the vector that is all-reduced (summed) once per group.
-_UNITS, _WEIGHTED_LOSS, _TOKENS, _SAMPLES, _NEGATIVE, _SCALE_REF, _MICROBATCHES, _UNIT_CODE, _NONFINITE = range(9)
-_VECTOR_SIZE = 9
+_UNITS, _WEIGHTED_LOSS, _TOKENS, _SAMPLES, _NEGATIVE, _SCALE_REF, _MICROBATCHES, _UNIT_CODE, _NONFINITE, _LAST = range(
+    10
+)
+_VECTOR_SIZE = 10
 _UNIT_CODES = {"tokens": 1.0, "samples": 2.0, "batches": 3.0}
 
 
@@ -174,24 +176,60 @@ class GroupOutcome:
 
 
 class _GroupSums:
-    """The running sums of one group: device tensors for counts that arrive as tensors, ints for the rest."""
+    """What one group's micro-batches reported, kept as they arrived until the group closes.
+
+    Nothing is computed per micro-batch: appending references costs no kernel launch, and the group's
+    sums (units, Σ w·loss, tokens, samples, negative counts) are formed once, vectorized, in
+    :meth:`local_vector`. Losses are detached (no graph is kept).
+    """
 
     def __init__(self) -> None:
         self.microbatches = 0
-        self.host = [0.0] * _VECTOR_SIZE
-        self.device: Tensor | None = None
+        self.losses: list[Tensor] = []
+        self.weights: list[Count] = []
+        self.tokens: list[Count] = []
+        self.samples: list[Count] = []
 
-    def device_vector(self, device: torch.device) -> Tensor:
-        if self.device is None:
-            self.device = torch.zeros(_VECTOR_SIZE, dtype=torch.float64, device=device)
-        return self.device
+    @staticmethod
+    def _total(values: list[Count], device: torch.device) -> tuple[float, Tensor | None, Tensor | None]:
+        """(sum of the ints, sum of the tensors as float64, count of negative tensors)."""
+        host = float(sum(v for v in values if not isinstance(v, Tensor)))
+        tensors = [v for v in values if isinstance(v, Tensor)]
+        if not tensors:
+            return host, None, None
+        stacked = torch.stack([t.to(device=device, dtype=torch.int64) for t in tensors])
+        return host, stacked.sum().to(torch.float64), (stacked < 0).sum().to(torch.float64)
 
-    def add(self, index: int, value: Count | Tensor, device: torch.device) -> None:
-        if isinstance(value, Tensor):
-            vec = self.device_vector(device)
-            vec[index] += value.to(torch.float64)
-        else:
-            self.host[index] += value
+    def local_vector(self, device: torch.device, extra: dict[int, float]) -> Tensor:
+        """This replica's contribution to the group's reduced vector, plus host values ``extra`` by position."""
+        host = [0.0] * _VECTOR_SIZE
+        for index, value in extra.items():
+            host[index] += value
+        parts: list[tuple[int, Tensor]] = []
+        for index, values in ((_UNITS, self.weights), (_TOKENS, self.tokens), (_SAMPLES, self.samples)):
+            total, tensor_total, negatives = self._total(values, device)
+            host[index] += total
+            if tensor_total is not None and negatives is not None:
+                parts += [(index, tensor_total), (_NEGATIVE, negatives)]
+        if self.losses:
+            # Σ w·loss with the weights in micro-batch order; where() keeps an empty micro-batch's NaN mean out.
+            weights = _as_float64_vector(self.weights, device)
+            losses = torch.stack([loss.to(device) for loss in self.losses]).to(torch.float64)
+            parts.append((_WEIGHTED_LOSS, torch.where(weights > 0, losses * weights, 0.0).sum()))
+        vector = torch.tensor(host, dtype=torch.float64, device=device)
+        for index, part in parts:
+            vector[index] += part
+        return vector
+
+
+def _as_float64_vector(values: list[Count], device: torch.device) -> Tensor:
+    if not any(isinstance(v, Tensor) for v in values):
+        return torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if all(isinstance(v, Tensor) for v in values):
+        return torch.stack([v.to(device) for v in values]).to(torch.float64)  # type: ignore[union-attr]
+    return torch.stack(
+        [torch.as_tensor(v, device=device).to(torch.float64) for v in values]  # mixed ints and tensors: rare
+    )
 
 
 class AccumulationEngine:
@@ -213,6 +251,8 @@ class AccumulationEngine:
             ``"attempted"``: once per attempt (skipped ones included), as Lightning does.
         on_nonfinite: Without a GradScaler, what a non-finite group gradient does: ``"skip"`` the
             update (counted as ``"nonfinite"``), ``"raise"`` an error, or ``"ignore"`` it (update anyway).
+        max_consecutive_skips: Stop the run with an error after this many consecutive skipped updates
+            (whatever the reason), instead of spinning without progress; ``None`` never stops.
 
     Example:
         One replica, two micro-batches of the seed document: 512 supervised tokens with mean loss 2 and
@@ -233,7 +273,19 @@ class AccumulationEngine:
         partial_group: str = "rescale",
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
+        max_consecutive_skips: int | None = 100,
     ) -> None:
+        if max_consecutive_skips is not None and (
+            isinstance(max_consecutive_skips, bool)
+            or not isinstance(max_consecutive_skips, int)
+            or max_consecutive_skips < 1
+        ):
+            raise ValueError(
+                f"`max_consecutive_skips` must be a positive int or None, got {max_consecutive_skips!r}."
+                " Pass e.g. `max_consecutive_skips=100`, or None to never stop."
+            )
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive_skips = 0
         self.normalize = validate_choice("normalize", normalize, NORMALIZE_CHOICES)
         self.partial_group = validate_choice("partial_group", partial_group, PARTIAL_GROUP_CHOICES)
         self.schedule_on = validate_choice("schedule_on", schedule_on, SCHEDULE_ON_CHOICES)
@@ -296,30 +348,24 @@ class AccumulationEngine:
         weight = self._weight(unit, tokens_c, samples_c)
 
         sums = self._sums
-        for index, count in ((_TOKENS, tokens_c), (_SAMPLES, samples_c)):
-            if count is None:
-                continue
-            sums.add(index, count, device)
-            if isinstance(count, Tensor):
-                sums.add(_NEGATIVE, (count < 0), device)
-        sums.add(_UNITS, weight, device)
-        detached = loss.detach().to(torch.float64)
-        if isinstance(weight, Tensor):
-            # where() keeps the NaN of an empty micro-batch's mean loss out of the sum.
-            sums.add(_WEIGHTED_LOSS, torch.where(weight > 0, detached * weight, 0.0), device)
-        elif weight > 0:
-            sums.add(_WEIGHTED_LOSS, detached * weight, device)
+        sums.losses.append(loss.detach())
+        sums.weights.append(weight)
+        if tokens_c is not None:
+            sums.tokens.append(tokens_c)
+        if samples_c is not None:
+            sums.samples.append(samples_c)
 
         if self._group_ref is None:
             self._group_ref = self._first_scale_ref(weight, accumulate, device, all_reduce, replicas)
         ref = self._group_ref
         # w / c in float32 at least: a half-precision factor would round the weights by ~1e-3.
-        compute_dtype = torch.promote_types(loss.dtype, torch.float32)
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()
         if isinstance(weight, Tensor) or isinstance(ref, Tensor):
-            factor = (torch.as_tensor(weight, device=device) / ref).to(compute_dtype)
-            backward = loss.to(compute_dtype) * factor
+            factor = (torch.as_tensor(weight, device=device) / ref).to(loss.dtype)
+            backward = loss * factor
         else:
-            backward = loss.to(compute_dtype) * (weight / ref)
+            backward = loss * (weight / ref)
         self._pending_backward = backward
         return backward
 
@@ -418,6 +464,7 @@ class AccumulationEngine:
         replicas: int = 1,
         nonfinite: Tensor | None = None,
         describe_nonfinite: Callable[[], str] | None = None,
+        ends_epoch: bool = False,
     ) -> GroupOutcome:
         """Reduce the group's sums over replicas (one all-reduce, one host read) and decide what to do.
 
@@ -430,6 +477,8 @@ class AccumulationEngine:
                 the caller only without a GradScaler and unless ``on_nonfinite="ignore"``). Folded into the
                 same all-reduce, so every replica takes the same decision.
             describe_nonfinite: Names the first offending parameter, for ``on_nonfinite="raise"``.
+            ends_epoch: Whether this replica's data ends with this group. Replicas must agree: one whose data
+                ended while others go on would leave them waiting in a collective forever.
 
         Raises:
             ValueError: A reported count was negative (on every replica alike, so none of them hangs).
@@ -439,17 +488,17 @@ class AccumulationEngine:
         sums = self._sums
         device = torch.device(device)
         k = sums.microbatches
-        host = list(sums.host)
         ref = self._group_ref if self._group_ref is not None else (self.scale_ref or 1.0)
-        host[_MICROBATCHES] = float(k)
-        host[_UNIT_CODE] = _UNIT_CODES.get(self.ledger.normalization or "", 0.0)
-        vector = torch.tensor(host, dtype=torch.float64, device=device)
-        if sums.device is not None:
-            vector = vector + sums.device.to(device)
+        extra = {
+            _MICROBATCHES: float(k),
+            _UNIT_CODE: _UNIT_CODES.get(self.ledger.normalization or "", 0.0),
+            _LAST: 1.0 if ends_epoch else 0.0,
+        }
+        if not isinstance(ref, Tensor):
+            extra[_SCALE_REF] = float(ref)
+        vector = sums.local_vector(device, extra)
         if isinstance(ref, Tensor):
             vector[_SCALE_REF] += ref.to(device)
-        else:
-            vector[_SCALE_REF] += ref
         if nonfinite is not None:
             vector[_NONFINITE] += nonfinite.to(device=device, dtype=torch.float64)
         if all_reduce is not None and replicas > 1:
@@ -459,7 +508,7 @@ class AccumulationEngine:
         self._sums = _GroupSums()
         self._group_ref = None
         units, weighted_loss = values[_UNITS], values[_WEIGHTED_LOSS]
-        self._check_agreement(values, k, replicas)
+        self._check_agreement(values, k, replicas, ends_epoch)
         if values[_NEGATIVE] > 0:
             raise ValueError(
                 f"A negative `num_tokens` or `num_samples` was reported in this group ({int(values[_NEGATIVE])} "
@@ -532,9 +581,25 @@ class AccumulationEngine:
         if not applied and record.skip_reason is None and not record.dropped:
             record.skip_reason = skip_reason
         self.ledger.record(record)
+        if not record.dropped:
+            self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
+        if self.max_consecutive_skips is not None and self.consecutive_skips >= self.max_consecutive_skips:
+            raise RuntimeError(
+                f"{self.consecutive_skips} consecutive updates were skipped (the last for {record.skip_reason!r};"
+                f" skipped so far: {self.ledger.updates_skipped}): the run makes no progress. Find the source of the"
+                " NaN/Inf (or the empty groups), or raise `max_consecutive_skips=` on the strategy."
+            )
         return record
 
-    def _check_agreement(self, values: list[float], k: int, replicas: int) -> None:
+    def _check_agreement(self, values: list[float], k: int, replicas: int, ends_epoch: bool) -> None:
+        ended = round(values[_LAST])
+        if 0 < ended < replicas:
+            raise RuntimeError(
+                f"The training data of {ended} of {replicas} replicas ended with this accumulation group while the"
+                f" others have more batches (this replica's data {'ended' if ends_epoch else 'goes on'}). Replicas"
+                " must see the same number of batches per epoch, or the others would wait in a collective forever:"
+                " shard the iterable dataset evenly (drop the remainder), or use a DistributedSampler."
+            )
         if round(values[_MICROBATCHES]) != k * replicas:
             raise RuntimeError(
                 f"Replicas closed an accumulation group with different numbers of micro-batches (this replica: {k},"
@@ -582,10 +647,15 @@ class AccumulationEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state: the ledger and ``c``; loadable with ``torch.load(weights_only=True)``."""
-        return {"ledger": self.ledger.state_dict(), "scale_ref": self.scale_ref}
+        return {
+            "ledger": self.ledger.state_dict(),
+            "scale_ref": self.scale_ref,
+            "consecutive_skips": self.consecutive_skips,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.ledger.load_state_dict(dict(state.get("ledger", {})))
         ref = state.get("scale_ref")
         self.scale_ref = float(ref) if ref is not None else None
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))

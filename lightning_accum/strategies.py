@@ -24,6 +24,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -55,6 +56,7 @@ class _ExactAccumulation(Strategy):
         partial_group: str,
         schedule_on: str,
         on_nonfinite: str,
+        max_consecutive_skips: int | None,
     ) -> None:
         self._engine = AccumulationEngine(
             normalize=normalize,
@@ -62,6 +64,7 @@ class _ExactAccumulation(Strategy):
             partial_group=partial_group,
             schedule_on=schedule_on,
             on_nonfinite=on_nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
         )
         self._scheduled: list[Any] = []
 
@@ -168,6 +171,7 @@ class _ExactAccumulation(Strategy):
             replicas=self.data_parallel_replicas,
             nonfinite=self._nonfinite_flag(optimizer),
             describe_nonfinite=lambda: self._first_nonfinite_name(optimizer),
+            ends_epoch=bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
         )
         if outcome.action != "apply":
             optimizer.zero_grad(set_to_none=True)
@@ -218,14 +222,33 @@ class _ExactAccumulation(Strategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        checkpoint[CHECKPOINT_KEY] = self._engine.state_dict()
+        state = self._engine.state_dict()
+        # A checkpoint holds the state after the last closed group. One written inside a group (an exception,
+        # SIGTERM) does not carry that group's accumulated gradient: say so, in the file and now.
+        open_microbatches = self._engine.microbatches_in_group
+        state["open_group_microbatches"] = open_microbatches
+        if open_microbatches:
+            rank_zero_warn(
+                f"lightning_accum: this checkpoint is written inside an accumulation group, after {open_microbatches}"
+                " micro-batch(es) whose accumulated gradient is not saved. A run resumed from it continues after"
+                " them, so their examples do not reach an update. Checkpoint at update boundaries (ModelCheckpoint"
+                " with every_n_train_steps does) to resume exactly."
+            )
+        checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only)
         if CHECKPOINT_KEY in checkpoint:
-            self._engine.load_state_dict(checkpoint[CHECKPOINT_KEY])
+            state = checkpoint[CHECKPOINT_KEY]
+            self._engine.load_state_dict(state)
+            if state.get("open_group_microbatches", 0):
+                rank_zero_warn(
+                    f"lightning_accum: resuming from a checkpoint written inside an accumulation group; the"
+                    f" {state['open_group_microbatches']} micro-batch(es) accumulated before it was written are not in"
+                    " it and do not reach an update (the ledger counts only closed groups)."
+                )
         return checkpoint
 
 
@@ -252,6 +275,8 @@ class AccumulationStrategy(_ExactAccumulation, SingleDeviceStrategy):
             ``"raise"`` stops with an error naming the update and the first offending parameter,
             ``"ignore"`` keeps Lightning's behaviour (update anyway). With a GradScaler, its own check
             decides and skipped updates are counted as ``"overflow"``.
+        max_consecutive_skips: Stop with an error after this many consecutive skipped updates (a loss that
+            is NaN in every group would otherwise spin forever); ``None`` never stops.
         device: The device; by default the one the Trainer's accelerator selects.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
@@ -277,10 +302,11 @@ class AccumulationStrategy(_ExactAccumulation, SingleDeviceStrategy):
         partial_group: str = "rescale",
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
+        max_consecutive_skips: int | None = 100,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
-        self._init_engine(normalize, count_tokens, partial_group, schedule_on, on_nonfinite)
+        self._init_engine(normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips)
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._device_given = device is not None
 
@@ -336,6 +362,7 @@ class DDPAccumulationStrategy(_ExactAccumulation, DDPStrategy):
         partial_group: See :class:`AccumulationStrategy`.
         schedule_on: See :class:`AccumulationStrategy`.
         on_nonfinite: See :class:`AccumulationStrategy`.
+        max_consecutive_skips: See :class:`AccumulationStrategy`.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``find_unused_parameters``, ``process_group_backend``, ...).
 
@@ -364,9 +391,10 @@ class DDPAccumulationStrategy(_ExactAccumulation, DDPStrategy):
         partial_group: str = "rescale",
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
+        max_consecutive_skips: int | None = 100,
         **kwargs: Any,
     ) -> None:
-        self._init_engine(normalize, count_tokens, partial_group, schedule_on, on_nonfinite)
+        self._init_engine(normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips)
         super().__init__(**kwargs)
 
     @property

@@ -4,8 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONHASHSEED=0
-.venv/bin/ruff format --check lightning_accum tests examples
-.venv/bin/ruff check lightning_accum tests examples
+.venv/bin/ruff format --check lightning_accum tests examples benchmarks
+.venv/bin/ruff check lightning_accum tests examples benchmarks
 .venv/bin/mypy
 .venv/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 .venv/bin/python -m pytest "$@"

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import copy
-import sys
-from typing import Any, ClassVar
+from typing import Any
 
 import lightning as L
 import pytest
@@ -20,11 +19,11 @@ from helpers import (
     relative_error,
     sgd_reference,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_accum
 from lightning_accum import AccumulationStrategy
+from lightning_accum._probes import HostReadProbe, MicroBatchSyncCounter
 
 
 @pytest.mark.parametrize("accumulate", [1, 3, 4])
@@ -250,82 +249,15 @@ def test_checkpoint_round_trip_with_weights_only(tmp_path: Any) -> None:
 # ---------------------------------------------------------------------------- host syncs
 
 
-class _HostSyncDetector(TorchDispatchMode):
-    """Records host reads of tensor data made from lightning_accum's code.
-
-    Two probes: `aten._local_scalar_dense` (what `.item()`, `bool(t)`, `int(t)`, `float(t)` dispatch to) and,
-    through `sys.setprofile`, calls of the tensor methods that copy device memory to the host without
-    dispatching (`tolist`, `cpu`, `numpy`).
-    """
-
-    HOST_READS: ClassVar[set[str]] = {"tolist", "cpu", "numpy"}  # `.item()` is seen by the dispatch probe
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.hits: list[str] = []
-        self.package_ops = 0  # tensor operations issued by lightning_accum while watching: proof it was watching
-
-    @staticmethod
-    def _caller_in_package(frame: Any) -> str | None:
-        while frame is not None:
-            name = frame.f_globals.get("__name__", "")
-            if not name.startswith("torch"):
-                return f"{name}:{frame.f_lineno}" if name.startswith("lightning_accum") else None
-            frame = frame.f_back
-        return None
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        where = self._caller_in_package(sys._getframe(1))
-        if where:
-            self.package_ops += 1
-            if func is torch.ops.aten._local_scalar_dense.default:
-                self.hits.append(f"{func} at {where}")
-        return func(*args, **(kwargs or {}))
-
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "c_call" and getattr(arg, "__name__", "") in self.HOST_READS:
-            where = self._caller_in_package(frame)
-            if where:
-                self.hits.append(f"{arg.__name__} at {where}")
-
-    def __enter__(self) -> _HostSyncDetector:
-        super().__enter__()
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(None)
-        super().__exit__(*exc)
-
-
-class _WatchNonFinalMicrobatches(L.Callback):
-    def __init__(self) -> None:
-        self.detector = _HostSyncDetector()
-        self.watched = 0
-        self.active = False
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        last = batch_idx + 1 == trainer.num_training_batches
-        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0 and not last:
-            self.watched += 1
-            self.active = True
-            self.detector.__enter__()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.active:
-            self.detector.__exit__(None, None, None)
-            self.active = False
-
-
 def test_non_final_microbatches_make_no_host_sync_in_lightning_accum() -> None:
-    watcher = _WatchNonFinalMicrobatches()
+    counter = MicroBatchSyncCounter()
     examples = make_examples(random_lengths(16, seed=8), seed=8)
-    trainer = fit(TinyLM(), examples, batch_size=2, accumulate=4, callbacks=[watcher])
-    assert watcher.watched == 6  # 8 micro-batches in 2 groups of 4: 3 non-final each
-    assert watcher.detector.package_ops > 6 * 5  # the engine's per-micro-batch work was seen
-    assert watcher.detector.hits == []
+    trainer = fit(TinyLM(), examples, batch_size=2, accumulate=4, callbacks=[counter])
+    assert counter.non_final_batches == 6  # 8 micro-batches in 2 groups of 4: 3 non-final each
+    assert counter.non_final.package_ops > 6 * 5  # the engine's per-micro-batch work was seen
+    assert counter.non_final.hits == []
+    # The group close reads the reduced counters once per update (and nothing else, without a scaler).
+    assert len(counter.final.hits) == 2 and all("tolist" in hit for hit in counter.final.hits)
     assert trainer.strategy.ledger.updates_applied == 2
 
 
@@ -333,6 +265,6 @@ def test_host_sync_detector_catches_a_sync_in_the_package() -> None:
     # A function that the detector attributes to the package (its globals name it lightning_accum.*).
     namespace: dict[str, Any] = {"__name__": "lightning_accum._probe"}
     exec("def read(t):\n    return t.sum().item(), t.tolist()\n", namespace)
-    with _HostSyncDetector() as detector:
+    with HostReadProbe() as detector:
         namespace["read"](torch.ones(3))
     assert len(detector.hits) == 2, detector.hits

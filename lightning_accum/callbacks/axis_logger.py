@@ -92,11 +92,15 @@ class AxisLogger(Callback):
         self._progress_original: Callable[..., Any] | None = None
         self._attempts_seen = 0
         self._lrs_used: list[float] | None = None
+        self._state_key: str | None = None
 
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(axis=self.axis, prefix=self.prefix)
+        # Lightning formats this key for every hook call it profiles: build it once.
+        if self._state_key is None:
+            self._state_key = self._generate_state_key(axis=self.axis, prefix=self.prefix)
+        return self._state_key
 
     # ------------------------------------------------------------------ axis
 

@@ -1,0 +1,589 @@
+"""The cost of being exact: plain Lightning (A), lightning-accum (B) and a hand-written loop (C), interleaved.
+
+One command (``bash benchmarks/run.sh``, or ``python benchmarks/run.py``) runs every trial in its own
+child process, interleaved A B C A B C ... so that machine noise lands on all variants alike, and writes
+``benchmarks/RESULTS.md``, ``benchmarks/results.json`` and ``benchmarks/ratios.png``.
+
+- **A** ``lightning``: ``strategy="auto"``, ``accumulate_grad_batches=A``;
+- **B** ``accum``: ``strategy="accum"`` with ``AxisLogger`` and ``AccumulationReport``;
+- **C** ``loop``: a hand-written PyTorch loop doing the same token-weighted accumulation (the floor);
+- extras at A = 8: ``accum_noaxis`` (B without ``AxisLogger``) and ``accum_ignore`` (B with
+  ``on_nonfinite="ignore"``, i.e. without the non-finite guard), to price those two separately.
+
+Workloads: the demo's small byte-level GPT and a tiny MLP (where per-update overhead dominates), with
+A in {1, 8, 32}. Also measured: host reads of tensor data by the package per non-final micro-batch and
+per update, whether any tensor of a micro-batch's graph outlives its backward (weak references), and,
+with 2 processes over gloo, the collectives per update of A and B and their time ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def _demo() -> Any:
+    spec = importlib.util.spec_from_file_location("lightning_accum_demo", ROOT / "examples" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_workload(name: str, microbatches: int, seed: int = 0) -> tuple[Any, Any, int]:
+    """(LightningModule, dataset, micro-batch size) of a workload, deterministic in ``seed``."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    L.seed_everything(seed, verbose=False)
+    if name == "gpt":
+        demo = _demo()
+        m = 4
+        return demo.TinyGPT(96, width=64, layers=2), demo.ByteDocuments(microbatches * m, 96, seed=seed), m
+
+    class TinyMLP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return {"loss": F.cross_entropy(self.net(x), y), "num_samples": y.shape[0]}
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    m = 8
+    gen = torch.Generator().manual_seed(seed)
+    data = TensorDataset(
+        torch.randn(microbatches * m, 32, generator=gen), torch.randint(0, 10, (microbatches * m,), generator=gen)
+    )
+    return TinyMLP(), data, m
+
+
+def _unpack(batch: Any) -> tuple[Any, Any, Any]:
+    """(inputs, labels, units) for the hand-written loop."""
+    import torch
+
+    if isinstance(batch, dict):
+        labels = batch["labels"]
+        return batch["input_ids"], labels, (labels != -100).sum()
+    x, y = batch
+    return x, y, torch.tensor(y.shape[0])
+
+
+# ---------------------------------------------------------------------------- one trial (child process)
+
+
+def trial(spec: dict[str, Any]) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    import lightning_accum
+    from lightning_accum import AccumulationReport, AxisLogger
+
+    torch.set_num_threads(1)
+    variant, workload, a, updates = spec["variant"], spec["workload"], spec["A"], spec["updates"]
+    warmup = spec.get("warmup", 2)
+    model, data, m = make_workload(workload, a * updates)
+    loader = DataLoader(data, batch_size=m, shuffle=False)
+    stamps: list[float] = []
+
+    if variant == "loop":
+        optimizer = model.configure_optimizers()
+        params = [p for p in model.parameters()]
+        iterator = iter(loader)
+        for _ in range(updates):
+            optimizer.zero_grad(set_to_none=True)
+            total = torch.zeros((), dtype=torch.float64)
+            for _ in range(a):
+                inputs, labels, units = _unpack(next(iterator))
+                if workload == "gpt":
+                    logits = model(inputs)
+                    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+                else:
+                    loss = F.cross_entropy(model.net(inputs), labels, reduction="sum")
+                loss.backward()  # Σ of token losses; one division by the group's units at the end
+                total += units
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / float(total))
+            optimizer.step()
+            stamps.append(time.perf_counter())
+        return _timing(spec, stamps, warmup, a)
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step != self.seen:
+                self.seen = trainer.global_step
+                stamps.append(time.perf_counter())
+
+    callbacks: list[L.Callback] = [Timer()]
+    with tempfile.TemporaryDirectory() as logs:
+        logger = L.pytorch.loggers.TensorBoardLogger(logs, name="bench")
+        if variant == "lightning":
+            strategy: Any = "auto"
+        else:
+            strategy = lightning_accum.AccumulationStrategy(
+                on_nonfinite="ignore" if variant == "accum_ignore" else "skip"
+            )
+            if variant != "accum_noaxis":
+                callbacks.append(AxisLogger(axis="tokens" if workload == "gpt" else "samples"))
+            callbacks.append(AccumulationReport(path=logs))
+        probe = None
+        if spec.get("probe"):
+            from lightning_accum._probes import MicroBatchSyncCounter
+
+            probe = MicroBatchSyncCounter()
+            callbacks.append(probe)
+            graph = GraphLiveness(model)
+            callbacks.append(graph)
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=1,
+            accumulate_grad_batches=a,
+            max_steps=updates,
+            logger=logger,
+            callbacks=callbacks,
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with _quiet_stdout():
+            trainer.fit(model, loader)
+    result = _timing(spec, stamps, warmup, a)
+    if probe is not None:
+        result["host_reads_per_nonfinal_microbatch"] = len(probe.non_final.hits) / max(probe.non_final_batches, 1)
+        result["host_reads_per_update"] = len(probe.final.hits) / max(probe.final_batches, 1)
+        result["host_read_sites"] = sorted(set(hit.split(" at ")[-1] for hit in probe.final.hits))
+        result["graph_alive_after_backward"] = graph.alive
+        result["graph_checked"] = graph.checked
+    return result
+
+
+class _quiet_stdout:
+    """The report prints its table; a trial's stdout must hold only its JSON line."""
+
+    def __enter__(self) -> None:
+        self.saved = sys.stdout
+        sys.stdout = open(os.devnull, "w")
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.stdout.close()
+        sys.stdout = self.saved
+
+
+def GraphLiveness(model: Any) -> Any:
+    """A callback that holds weak references to every layer output of each micro-batch, and checks at the next
+    micro-batch's start that none of them is still alive (a kept reference would keep the whole graph)."""
+    import lightning as L
+    import torch
+
+    class _Graph(L.Callback):
+        def __init__(self) -> None:
+            self.refs: list[weakref.ref[Any]] = []
+            self.alive = 0
+            self.checked = 0
+            from torchmetrics import Metric
+
+            for module in model.modules():
+                if not list(module.children()) and not isinstance(module, Metric):
+                    module.register_forward_hook(self._keep)
+
+        def _keep(self, module: Any, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                self.refs.append(weakref.ref(output))
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            import gc
+
+            gc.collect()
+            self.checked += len(self.refs)
+            self.alive += sum(ref() is not None for ref in self.refs)
+            self.refs = []
+
+    return _Graph()
+
+
+def _timing(spec: dict[str, Any], stamps: list[float], warmup: int, a: int) -> dict[str, Any]:
+    # The median of the per-update intervals after warm-up: robust to a few intervals slowed by other tenants of
+    # the machine (the mean over the span is not).
+    measured = stamps[warmup:]
+    intervals = [b - a_ for a_, b in itertools.pairwise(measured)]
+    per_update = statistics.median(intervals) if intervals else float("nan")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {**spec, "seconds_per_update": per_update, "seconds_per_microbatch": per_update / a, "peak_rss_bytes": peak}
+
+
+# ---------------------------------------------------------------------------- DDP trial
+
+
+def ddp_trial(spec: dict[str, Any]) -> dict[str, Any]:
+    """2 processes over gloo: collectives per update and time per update of A (plain DDP) and B (accum_ddp)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_ddp_worker, args=(spec, port, out), nprocs=2, join=True)
+        return json.loads(Path(out, "rank0.json").read_text())
+
+
+def _ddp_worker(rank: int, spec: dict[str, Any], port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.utils.data import DataLoader
+
+    from lightning_accum import AccumulationReport, AxisLogger, DDPAccumulationStrategy
+
+    torch.set_num_threads(1)
+    counts = {"ddp_buckets": 0, "python_all_reduce": 0}
+    original = dist.all_reduce
+
+    def counting_all_reduce(*args: Any, **kwargs: Any) -> Any:
+        counts["python_all_reduce"] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce  # type: ignore[assignment]
+
+    def hook(state: Any, bucket: Any) -> Any:
+        counts["ddp_buckets"] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    a, updates, warmup = spec["A"], spec["updates"], spec.get("warmup", 2)
+    model, data, m = make_workload(spec["workload"], 2 * a * updates)
+    stamps: list[float] = []
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step != self.seen:
+                self.seen = trainer.global_step
+                stamps.append(time.perf_counter())
+
+    callbacks: list[L.Callback] = [Timer()]
+    if spec["variant"] == "lightning":
+        strategy: Any = DDPStrategy(ddp_comm_hook=hook)
+    else:
+        strategy = DDPAccumulationStrategy(ddp_comm_hook=hook)
+        callbacks += [
+            AxisLogger(axis="tokens" if spec["workload"] == "gpt" else "samples"),
+            AccumulationReport(path=out),
+        ]
+    with tempfile.TemporaryDirectory() as logs:
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=2,
+            accumulate_grad_batches=a,
+            max_steps=updates,
+            logger=L.pytorch.loggers.TensorBoardLogger(logs, name="bench"),
+            callbacks=callbacks,
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with _quiet_stdout():
+            trainer.fit(model, DataLoader(data, batch_size=m))
+    result = _timing(spec, stamps, warmup, a)
+    result["ddp_bucket_all_reduces_per_update"] = counts["ddp_buckets"] / updates
+    result["python_all_reduces"] = counts["python_all_reduce"]
+    result["updates"] = updates
+    if rank == 0:
+        Path(out, "rank0.json").write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------- orchestration
+
+
+def run_child(spec: dict[str, Any], timeout: float = 900, in_process: bool = False) -> dict[str, Any]:
+    if in_process:  # the smoke run: no process start-up per trial
+        return trial(spec)
+    flag = "--ddp-trial" if spec.get("ddp") else "--trial"
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__)), flag, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"trial {spec} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def machine() -> dict[str, str]:
+    import lightning
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, float]]:
+    table: dict[tuple[str, int, str], dict[str, list[float]]] = {}
+    for r in results:
+        key = (r["workload"], r["A"], r["variant"])
+        entry = table.setdefault(key, {"t": [], "mem": []})
+        entry["t"].append(r["seconds_per_update"])
+        entry["mem"].append(r["peak_rss_bytes"])
+    return {
+        key: {
+            "median": statistics.median(v["t"]),
+            "min": min(v["t"]),
+            "max": max(v["t"]),
+            "mem": statistics.median(v["mem"]),
+        }
+        for key, v in table.items()
+    }
+
+
+def write_results(
+    out: Path,
+    results: list[dict[str, Any]],
+    probes: list[dict[str, Any]],
+    ddp: list[dict[str, Any]],
+    args: argparse.Namespace,
+) -> None:
+    summary = summarize(results)
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Produced by `bash benchmarks/run.sh` (`python benchmarks/run.py --reps {args.reps} --updates {args.updates}`)"
+        f" on {time.strftime('%Y-%m-%d')}. Each trial runs in its own child process with one intra-op thread;"
+        " trials are interleaved A B C A B C ...; the first 2 updates of each trial are warm-up. A trial's time per"
+        " update is the median of its per-update intervals; the table shows the median over repetitions with"
+        " [min, max].",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in machine().items()) + ".",
+        "",
+        'A = plain Lightning, B = `strategy="accum"` + `AxisLogger` + `AccumulationReport`, C = hand-written loop.',
+        "",
+        "| workload | A (accum.) | A: s/update | B: s/update | C: s/update | B s/micro-batch | B/A | B/C"
+        " | peak RSS A / B (MB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    ratios = []
+    for workload in args.workloads:
+        for a in args.accumulate:
+            t_a = summary.get((workload, a, "lightning"))
+            t_b = summary.get((workload, a, "accum"))
+            t_c = summary.get((workload, a, "loop"))
+            if not (t_a and t_b and t_c):
+                continue
+            ba, bc = t_b["median"] / t_a["median"], t_b["median"] / t_c["median"]
+            ratios.append((f"{workload} A={a}", ba, bc))
+
+            def cell(t: dict[str, float]) -> str:
+                return f"{t['median'] * 1e3:.2f} ms [{t['min'] * 1e3:.2f}, {t['max'] * 1e3:.2f}]"
+
+            lines.append(
+                f"| {workload} | {a} | {cell(t_a)} | {cell(t_b)} | {cell(t_c)} | {t_b['median'] / a * 1e3:.3f} ms"
+                f" | {ba:.3f} | {bc:.3f} | {t_a['mem'] / 2**20:.0f} / {t_b['mem'] / 2**20:.0f} |"
+            )
+    extras = [(w, a, v) for (w, a, v) in summary if v in ("accum_noaxis", "accum_ignore")]
+    if extras:
+        lines += [
+            "",
+            "Cost of the parts of B (A = 8): time per update relative to full B.",
+            "",
+            "| workload | variant | s/update | vs B |",
+            "|---|---|---|---|",
+        ]
+        for w, a, v in sorted(extras):
+            base = summary[(w, a, "accum")]["median"]
+            t = summary[(w, a, v)]["median"]
+            what = (
+                "without AxisLogger" if v == "accum_noaxis" else "without the non-finite guard (on_nonfinite='ignore')"
+            )
+            lines.append(f"| {w} | B {what} | {t * 1e3:.2f} ms | {t / base:.3f} |")
+    if probes:
+        lines += ["", "Host reads of tensor data by the package, and graph liveness (B, A = 8):", ""]
+        for p in probes:
+            lines.append(
+                f"- {p['workload']}: {p['host_reads_per_nonfinal_microbatch']:.0f} per non-final micro-batch,"
+                f" {p['host_reads_per_update']:.0f} per update (at {', '.join(p['host_read_sites'])});"
+                f" model outputs alive at the next micro-batch: {p['graph_alive_after_backward']}"
+                f" of {p['graph_checked']}."
+            )
+    if ddp:
+        lines += [
+            "",
+            "DDP, 2 processes over gloo (A = 8):",
+            "",
+            "| workload | variant | s/update | DDP bucket all-reduces per update | other all-reduces (whole run) |",
+            "|---|---|---|---|---|",
+        ]
+        by = {}
+        for r in ddp:
+            by.setdefault((r["workload"], r["variant"]), []).append(r)
+        for (w, v), rs in sorted(by.items()):
+            t = statistics.median(r["seconds_per_update"] for r in rs)
+            lines.append(
+                f"| {w} | {v} | {t * 1e3:.2f} ms | {rs[0]['ddp_bucket_all_reduces_per_update']:.0f}"
+                f" | {rs[0]['python_all_reduces']} over {rs[0]['updates']} updates |"
+            )
+        for w in sorted({w for w, _ in by}):
+            if (w, "accum") in by and (w, "lightning") in by:
+                ta = statistics.median(r["seconds_per_update"] for r in by[(w, "lightning")])
+                tb = statistics.median(r["seconds_per_update"] for r in by[(w, "accum")])
+                lines.append(f"\nDDP {w}: B/A = {tb / ta:.3f}.")
+    lines += ["", "![B/A and B/C](ratios.png)", ""]
+    (out / "RESULTS.md").write_text("\n".join(lines))
+    (out / "results.json").write_text(
+        json.dumps({"machine": machine(), "trials": results, "probes": probes, "ddp": ddp}, indent=1)
+    )
+    _plot(out / "ratios.png", ratios)
+
+
+def _plot(path: Path, ratios: list[tuple[str, float, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    xs = range(len(ratios))
+    ax.bar([x - 0.2 for x in xs], [r[1] for r in ratios], width=0.4, label="B/A (accum vs plain Lightning)")
+    ax.bar([x + 0.2 for x in xs], [r[2] for r in ratios], width=0.4, label="B/C (accum vs hand-written loop)")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(list(xs), [r[0] for r in ratios])
+    ax.set_ylabel("time per update ratio")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--updates", type=int, default=10)
+    parser.add_argument("--workloads", nargs="+", default=["gpt", "mlp"])
+    parser.add_argument("--accumulate", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--skip-ddp", action="store_true")
+    parser.add_argument(
+        "--smoke", action="store_true", help="seconds: the MLP at A=1 and 8 once, in this process, no DDP (a test)"
+    )
+    parser.add_argument("--trial", help=argparse.SUPPRESS)
+    parser.add_argument("--ddp-trial", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trial:
+        print(json.dumps(trial(json.loads(args.trial))))
+        return
+    if args.ddp_trial:
+        print(json.dumps(ddp_trial(json.loads(args.ddp_trial))))
+        return
+    if args.smoke:
+        args.reps, args.updates, args.workloads, args.accumulate, args.skip_ddp = 1, 4, ["mlp"], [1, 8], True
+        print("smoke run: trials in this process, numbers not meaningful")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        for workload in args.workloads:
+            for a in args.accumulate:
+                variants = ["lightning", "accum", "loop"]
+                if a == 8 and not args.smoke:
+                    variants += ["accum_noaxis", "accum_ignore"]
+                for variant in variants:
+                    spec = {"workload": workload, "A": a, "variant": variant, "updates": args.updates, "rep": rep}
+                    result = run_child(spec, in_process=args.smoke)
+                    print(
+                        f"rep {rep} {workload:>4} A={a:<3} {variant:<13}"
+                        f" {result['seconds_per_update'] * 1e3:9.2f} ms/update",
+                        flush=True,
+                    )
+                    results.append(result)
+    probes = []
+    for workload in args.workloads:
+        a = 8 if 8 in args.accumulate else args.accumulate[-1]
+        spec = {"workload": workload, "A": a, "variant": "accum", "updates": 4, "probe": True}
+        probes.append(run_child(spec, in_process=args.smoke))
+    ddp: list[dict[str, Any]] = []
+    if not args.skip_ddp:
+        for rep in range(args.reps):
+            for workload in args.workloads:
+                for variant in ("lightning", "accum"):
+                    spec = {
+                        "workload": workload,
+                        "A": 8,
+                        "variant": variant,
+                        "updates": args.updates,
+                        "ddp": True,
+                        "rep": rep,
+                    }
+                    result = run_child(spec)
+                    print(
+                        f"ddp rep {rep} {workload:>4} {variant:<10}"
+                        f" {result['seconds_per_update'] * 1e3:9.2f} ms/update",
+                        flush=True,
+                    )
+                    ddp.append(result)
+    write_results(out, results, probes, ddp, args)
+    print(f"\nwrote {out / 'RESULTS.md'}, {out / 'results.json'}, {out / 'ratios.png'}")
+
+
+if __name__ == "__main__":
+    main()
