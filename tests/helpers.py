@@ -173,7 +173,7 @@ def fit(
         "num_sanity_val_steps": 0,
     }
     options.update(trainer_kwargs)
-    distributed = options["devices"] != 1
+    distributed = options["devices"] != 1 or options.get("num_nodes", 1) != 1
     if distributed:
         options["use_distributed_sampler"] = False
     trainer = L.Trainer(strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks or [], **options)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_demo() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("lightning_accum_demo", ROOT / "examples" / "demo.py")
+    spec = importlib.util.spec_from_file_location("accum_demo", ROOT / "examples" / "demo.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -152,20 +152,23 @@ def test_nonfinite_skip_without_scaler(precision: str) -> None:
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
 
 
-def test_nonfinite_raise_names_update_and_parameter() -> None:
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_nonfinite_raise_names_update_and_parameter(precision: str) -> None:
     examples, _ = examples_without((), 8)
     model = PoisonedLM(bad_groups=(1,), poison=float("nan"))
     strategy = AccumulationStrategy(on_nonfinite="raise")
     with pytest.raises(
         RuntimeError, match=r"The gradient of update 2 is not finite \(first non-finite gradient: `embed.weight`"
     ):
-        fit(model, examples, batch_size=M, accumulate=A, strategy=strategy)
+        fit(model, examples, batch_size=M, accumulate=A, strategy=strategy, precision=precision)
 
 
-def test_nonfinite_ignore_keeps_lightnings_behaviour() -> None:
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_nonfinite_ignore_keeps_lightnings_behaviour(precision: str) -> None:
     examples, _ = examples_without((), 8)
     model = PoisonedLM(bad_groups=(1,), poison=float("nan"))
-    trainer = fit(model, examples, batch_size=M, accumulate=A, strategy=AccumulationStrategy(on_nonfinite="ignore"))
+    strategy = AccumulationStrategy(on_nonfinite="ignore")
+    trainer = fit(model, examples, batch_size=M, accumulate=A, strategy=strategy, precision=precision)
     assert trainer.strategy.ledger.updates_applied == 2
     assert not torch.isfinite(params_vector(model)).all()  # the NaN update went through, as Lightning does
 

@@ -1,0 +1,67 @@
+"""Launchers: torchrun as 2 nodes x 1 process on the loopback interface, and Lightning's own `accum_ddp`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TinyLM, free_port, make_examples, relative_error, sgd_reference
+
+pytestmark = [pytest.mark.ddp, pytest.mark.timeout(600)]
+
+SCRIPT = Path(__file__).resolve().parent / "launch_script.py"
+UNEQUAL = [6, 1, 5, 2, 6, 1, 4, 1, 6, 2, 5, 1, 6, 1, 3, 2]
+
+
+def expected() -> torch.Tensor:
+    examples = make_examples(UNEQUAL, seed=21)
+    return sgd_reference(TinyLM(lr=0.5, seed=21), [examples[:8], examples[8:]], lr=0.5)
+
+
+def check(out: Path) -> None:
+    result = torch.load(out, weights_only=True)
+    assert (result["replicas"], result["world_size"]) == (2, 2)
+    assert relative_error(result["params"], expected()) < 1e-5
+    ledger = result["ledger"]
+    assert (ledger["updates_applied"], ledger["tokens"], ledger["samples"]) == (2, sum(UNEQUAL), 16)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "LOCAL_RANK", "RANK", "WORLD_SIZE"))}
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def test_torchrun_two_nodes_one_process_each(tmp_path: Path) -> None:
+    out = tmp_path / "torchrun.pt"
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                str(SCRIPT), str(out), "torchrun",
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    logs = [node.communicate(timeout=500)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
+    check(out)
+
+
+def test_lightning_launcher_from_a_script(tmp_path: Path) -> None:
+    out = tmp_path / "launcher.pt"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "launcher"], env=_env(), capture_output=True, text=True, timeout=500
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    check(out)
