@@ -270,3 +270,19 @@ def test_overflow_on_one_rank_skips_on_both(tmp_path: Path) -> None:
         1,
     )
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+def test_the_scheduler_order_warning_is_real_with_attempted_schedules() -> None:
+    # The check used above can fail: advancing on a skipped first update (schedule_on="attempted", Lightning's
+    # behaviour) makes torch warn that the scheduler stepped before the optimizer.
+    examples, _ = examples_without((), 8)
+    strategy = AccumulationStrategy(schedule_on="attempted")
+    with pytest.raises(AssertionError, match=r"lr_scheduler\.step\(\)"):
+        fit_without_scheduler_order_warning(
+            PoisonedLM(bad_groups=(0,), lr=0.1),
+            examples,
+            batch_size=M,
+            accumulate=A,
+            strategy=strategy,
+            plugins=[fp16()],
+        )
