@@ -390,3 +390,65 @@ def test_a_checkpoint_written_inside_a_group_says_so(tmp_path: Path) -> None:
             TinyLM(), ResumableLoader(ListDataset(examples), batch_size=2), ckpt_path=tmp_path / "interrupted.ckpt"
         )
     assert resumed.strategy.ledger.updates_applied >= 1
+
+
+def _ddp_resume_runs(rank: int, folder: str) -> None:
+    from helpers import RankStridedSampler
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    examples = make_examples(random_lengths(20, seed=60), seed=60)  # 5 micro-batches of 2 per rank, A = 2
+
+    def run(max_epochs: int, callbacks: list[L.Callback], ckpt: str | None) -> tuple[L.Trainer, TinyLM]:
+        model = _PoisonOnce(bad=2)
+        trainer = L.Trainer(
+            strategy="accum_ddp",
+            accelerator="cpu",
+            devices=2,
+            accumulate_grad_batches=2,
+            max_epochs=max_epochs,
+            logger=False,
+            callbacks=callbacks,
+            enable_checkpointing=bool(callbacks),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
+        loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the skipped-update warning, Lightning's resume notes
+            trainer.fit(model, loader, ckpt_path=ckpt)
+        return trainer, model
+
+    whole, whole_model = run(2, [], None)
+    checkpoints = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    run(1, [checkpoints], None)
+    resumed, resumed_model = run(2, [], f"{folder}/step=2.ckpt")
+    torch.save(
+        {
+            "whole": params_vector(whole_model),
+            "resumed": params_vector(resumed_model),
+            "same_ledger": resumed.strategy.ledger == whole.strategy.ledger,
+            "ledger": whole.strategy.ledger.state_dict(),
+            "lr": (whole.optimizers[0].param_groups[0]["lr"], resumed.optimizers[0].param_groups[0]["lr"]),
+        },
+        f"{folder}/resume-rank{rank}.pt",
+    )
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_ddp_resume_at_an_update_boundary_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    run_ddp(_ddp_resume_runs, str(tmp_path))
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"resume-rank{rank}.pt", weights_only=True)
+        assert result["same_ledger"], result["ledger"]
+        assert result["lr"][0] == result["lr"][1]
+        torch.testing.assert_close(result["resumed"], result["whole"], rtol=1e-6, atol=1e-7)
+        ledger = result["ledger"]
+        # 2 epochs x (2 full groups + 1 partial group of 1 micro-batch per rank); update 2 (before the checkpoint
+        # written at step 2) is skipped.
+        assert (ledger["updates_attempted"], ledger["updates_skipped"]["nonfinite"], ledger["partial_groups"]) == (
+            6,
+            1,
+            2,
+        )
