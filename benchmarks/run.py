@@ -83,6 +83,22 @@ def make_workload(name: str, microbatches: int, seed: int = 0) -> tuple[Any, Any
     return TinyMLP(), data, m
 
 
+def update_timer(stamps: list[float], clock: Any) -> Any:
+    """A callback that appends ``clock()`` to ``stamps`` after every optimizer step Lightning makes."""
+    import lightning as L
+
+    class UpdateTimer(L.Callback):
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step != self.seen:
+                self.seen = trainer.global_step
+                stamps.append(clock())
+
+    return UpdateTimer()
+
+
 def _unpack(batch: Any) -> tuple[Any, Any, Any]:
     """(inputs, labels, units) for the hand-written loop."""
     import torch
@@ -134,16 +150,7 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
             stamps.append(time.thread_time())
         return _timing(spec, stamps, warmup, a)
 
-    class Timer(L.Callback):
-        def __init__(self) -> None:
-            self.seen = 0
-
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            if trainer.global_step != self.seen:
-                self.seen = trainer.global_step
-                stamps.append(time.thread_time())
-
-    callbacks: list[L.Callback] = [Timer()]
+    callbacks: list[L.Callback] = [update_timer(stamps, time.thread_time)]
     with tempfile.TemporaryDirectory() as logs:
         logger = L.pytorch.loggers.TensorBoardLogger(logs, name="bench")
         if variant == "lightning":
@@ -298,20 +305,11 @@ def _ddp_worker(rank: int, spec: dict[str, Any], port: int, out: str) -> None:
     model, data, m = make_workload(spec["workload"], 2 * a * updates)
     stamps: list[float] = []
 
-    class Timer(L.Callback):
-        def __init__(self) -> None:
-            self.seen = 0
-
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            if trainer.global_step != self.seen:
-                self.seen = trainer.global_step
-                stamps.append(time.perf_counter())
-
     class CountBuckets(L.Callback):
         def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
             trainer.strategy.model.register_comm_hook(state=None, hook=hook)  # type: ignore[union-attr, operator]
 
-    callbacks: list[L.Callback] = [Timer(), CountBuckets()]
+    callbacks: list[L.Callback] = [update_timer(stamps, time.perf_counter), CountBuckets()]
     if spec["variant"] == "lightning":
         strategy: Any = DDPStrategy()
     else:

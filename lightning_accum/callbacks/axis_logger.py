@@ -198,7 +198,8 @@ class AxisLogger(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         ledger = self._ledger(trainer)
-        if ledger.updates_attempted == self._attempts_seen or ledger.last_group is None:
+        group = ledger.attempt_since(self._attempts_seen)
+        if group is None:
             return  # inside a group, or the group was dropped (no attempt)
         self._attempts_seen = ledger.updates_attempted
         lrs = self._lrs_used or [float(group["lr"]) for group in trainer.optimizers[0].param_groups]
@@ -210,7 +211,7 @@ class AxisLogger(Callback):
                 " to the strategy, or use `AxisLogger(axis='samples')`."
             )
         if trainer.is_global_zero:
-            self._write_group(trainer, ledger, ledger.last_group, lrs)
+            self._write_group(trainer, ledger, group, lrs)
 
     def _write_group(self, trainer: Trainer, ledger: AccumulationLedger, group: GroupRecord, lrs: list[float]) -> None:
         metrics: dict[str, float] = {}

@@ -314,19 +314,12 @@ class AccumulationCheck(Callback):
         )
         scratch.scale_ref = real.scale_ref
         scratch.ledger.normalization = real.ledger.normalization
-        strategy._engine = scratch
         leaks: list[tuple[str, tuple[int, ...]]] = []
-        try:
-            optimizer.zero_grad(set_to_none=True)
-            torch.manual_seed(seed)
+        with _engine_swapped(strategy, scratch):
+            _reset_for_pass(optimizer, seed)
             for i, batch in enumerate(batches):
                 final = i == len(batches) - 1
-                sync = (
-                    strategy.block_backward_sync()
-                    if not final and hasattr(strategy, "block_backward_sync")
-                    else nullcontext()
-                )
-                with sync:
+                with _replica_sync(strategy, enabled=final):
                     loss = self._call_step(strategy, module, batch)
                     if loss is not None:
                         strategy.backward(loss, optimizer)
@@ -338,15 +331,13 @@ class AccumulationCheck(Callback):
                 all_reduce=strategy._all_reduce_sum,
                 replicas=strategy.data_parallel_replicas,
             )
-            if outcome.action == "apply":
-                scale_gradients(_params(optimizer), outcome.factor)
-            self._unit = scratch.unit
-            scaler = strategy._scaler
-            unscale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
-            grads = [(p.grad * unscale) if p.grad is not None else torch.zeros_like(p) for p in _params(optimizer)]
-            return grads, outcome.action, leaks
-        finally:
-            strategy._engine = real
+        if outcome.action == "apply":
+            scale_gradients(_params(optimizer), outcome.factor)
+        self._unit = scratch.unit
+        scaler = strategy._scaler
+        unscale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+        grads = [(p.grad * unscale) if p.grad is not None else torch.zeros_like(p) for p in _params(optimizer)]
+        return grads, outcome.action, leaks
 
     def _gather_batches(self, batches: list[Any], replicas: int) -> list[Any]:
         if replicas == 1 or not torch.distributed.is_initialized():
@@ -367,19 +358,15 @@ class AccumulationCheck(Callback):
     ) -> list[Tensor]:
         """Gradient of the concatenated batch: plain autograd, no weighting, no scaler, no replica averaging."""
         big = self.collate(batches) if self.collate is not None else concat_microbatches(batches, self.ignore_index)
-        real = strategy._engine
         scratch = AccumulationEngine(normalize="batches")  # records the call, weights nothing
         scratch.scale_ref = 1.0  # no first-group collective for this scratch engine
-        strategy._engine = scratch
         # One batch is training without accumulation: code that reads `trainer.accumulate_grad_batches`
         # (e.g. to divide its loss by it) sees 1, as it would in that run.
         accumulate = trainer.accumulate_grad_batches
         trainer.accumulate_grad_batches = 1
         try:
-            optimizer.zero_grad(set_to_none=True)
-            torch.manual_seed(seed)
-            sync = strategy.block_backward_sync() if hasattr(strategy, "block_backward_sync") else nullcontext()
-            with sync:
+            with _engine_swapped(strategy, scratch), _replica_sync(strategy, enabled=False):
+                _reset_for_pass(optimizer, seed)
                 loss = self._call_step(strategy, module, big)
                 if loss is None:
                     raise AccumulationCheckError("`training_step` returned no loss for the concatenated batch.")
@@ -387,7 +374,6 @@ class AccumulationCheck(Callback):
             return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in _params(optimizer)]
         finally:
             trainer.accumulate_grad_batches = accumulate
-            strategy._engine = real
 
     @staticmethod
     def _first_nonfinite(module: LightningModule, grads: list[Tensor]) -> str:
@@ -474,6 +460,30 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
         if isinstance(g, torch.Generator):
             unique[id(g)] = g
     return list(unique.values())
+
+
+@contextmanager
+def _engine_swapped(strategy: Any, engine: AccumulationEngine) -> Iterator[AccumulationEngine]:
+    """Run the strategy's hooks on ``engine`` (a scratch one), so the run's ledger and sums are not touched."""
+    real = strategy._engine
+    strategy._engine = engine
+    try:
+        yield engine
+    finally:
+        strategy._engine = real
+
+
+def _replica_sync(strategy: Any, enabled: bool) -> Any:
+    """DDP's gradient synchronization on (``enabled``) or off (``no_sync``, forward included) for one pass."""
+    if enabled or not hasattr(strategy, "block_backward_sync"):
+        return nullcontext()
+    return strategy.block_backward_sync()
+
+
+def _reset_for_pass(optimizer: Optimizer, seed: int) -> None:
+    """Both gradients start from nothing and see the same random numbers."""
+    optimizer.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
 
 
 def _params(optimizer: Optimizer) -> list[Tensor]:

@@ -145,11 +145,12 @@ class AccumulationReport(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         ledger = self._ledger(trainer)
-        if ledger.updates_attempted == self._attempts_seen or ledger.last_group is None:
+        group = ledger.attempt_since(self._attempts_seen)
+        if group is None:
             return
         self._attempts_seen = ledger.updates_attempted
-        self._samples_per_update.append(ledger.last_group.samples)
-        self._tokens_per_update.append(ledger.last_group.tokens)
+        self._samples_per_update.append(group.samples)
+        self._tokens_per_update.append(group.tokens)
         if self._first_group_peak is None:
             self._first_group_peak = _peak_memory(trainer.strategy.root_device)[0]
 
