@@ -64,6 +64,8 @@ _UNITS, _WEIGHTED_LOSS, _TOKENS, _SAMPLES, _NEGATIVE, _SCALE_REF, _MICROBATCHES,
     10
 )
 _VECTOR_SIZE = 10
+# The additive positions a checkpoint written inside a group carries (the others are recomputed at the close).
+_CARRIED = (_UNITS, _WEIGHTED_LOSS, _TOKENS, _SAMPLES, _NEGATIVE)
 _UNIT_CODES = {"tokens": 1.0, "samples": 2.0, "batches": 3.0}
 
 
@@ -135,6 +137,13 @@ def _as_count(name: str, value: object, device: torch.device) -> Count:
                 f"`{name}` must be a single count (a 0-d tensor or an int), got a tensor of shape "
                 f"{tuple(value.shape)}. Sum it: `{name}=mask.sum()`."
             )
+        if value.device.type == "meta":
+            raise ValueError(
+                f"`{name}` is a tensor on the meta device, which holds no value. Compute it from the micro-batch's"
+                " real data, e.g. `(batch['labels'] != -100).sum()`."
+            )
+        # A count on another device than the loss (e.g. computed on the CPU before the batch moved) is copied to
+        # the loss's device without blocking; nothing is read on the host until the group closes.
         return value.reshape(()).to(device, non_blocking=True)
     raise TypeError(
         f"`{name}` must be an int or a 0-d integer tensor, got {type(value).__name__} ({value!r}). "
@@ -185,6 +194,11 @@ class _GroupSums:
 
     def __init__(self) -> None:
         self.microbatches = 0
+        #: Host sums [units, Σ w·loss, tokens, samples, negatives] of micro-batches carried over from a checkpoint
+        #: written inside this group (on one replica only; see :meth:`AccumulationEngine.resume_open_group`).
+        self.carried: list[float] | None = None
+        #: Micro-batches of this group that ran before a checkpoint but could not be carried over (lost).
+        self.missing = 0
         self.losses: list[Tensor] = []
         self.weights: list[Count] = []
         self.tokens: list[Count] = []
@@ -205,6 +219,9 @@ class _GroupSums:
         host = [0.0] * _VECTOR_SIZE
         for index, value in extra.items():
             host[index] += value
+        if self.carried is not None:
+            for index, value in zip(_CARRIED, self.carried, strict=True):
+                host[index] += value
         parts: list[tuple[int, Tensor]] = []
         for index, values in ((_UNITS, self.weights), (_TOKENS, self.tokens), (_SAMPLES, self.samples)):
             total, tensor_total, negatives = self._total(values, device)
@@ -302,6 +319,7 @@ class AccumulationEngine:
         self._group_ref: float | Tensor | None = None
         self._sums = _GroupSums()
         self._pending_backward: Tensor | None = None
+        self._backward_running = False
         self._warned_partial = False
 
     # ------------------------------------------------------------------ micro-batches
@@ -372,7 +390,21 @@ class AccumulationEngine:
     def take_backward_tensor(self) -> Tensor | None:
         """Hand over (and forget) the tensor to back-propagate for the last recorded micro-batch."""
         tensor, self._pending_backward = self._pending_backward, None
+        self._backward_running = tensor is not None
         return tensor
+
+    def backward_finished(self) -> None:
+        """Note that the backward of the last recorded micro-batch completed (its gradient is accumulated)."""
+        self._backward_running = False
+
+    @property
+    def group_consistent(self) -> bool:
+        """Whether the open group's gradient holds exactly the recorded micro-batches.
+
+        False between ``training_step`` and the end of its backward (a checkpoint written then, from an exception
+        in a backward hook, cannot be carried: the gradient is missing or holds part of that micro-batch).
+        """
+        return self._pending_backward is None and not self._backward_running
 
     def _parse(self, output: Any, batch: Any) -> tuple[Tensor | None, object, object]:
         tokens: object = None
@@ -488,6 +520,7 @@ class AccumulationEngine:
         sums = self._sums
         device = torch.device(device)
         k = sums.microbatches
+        missing = sums.missing
         ref = self._group_ref if self._group_ref is not None else (self.scale_ref or 1.0)
         extra = {
             _MICROBATCHES: float(k),
@@ -527,7 +560,7 @@ class AccumulationEngine:
         # The next group's c: this group's global weight per replica (keep the old one after an empty group).
         self.scale_ref = units / replicas if units > 0 else scale_ref_times_d / replicas
 
-        partial = k < accumulate
+        partial = k + missing < accumulate
         if partial:
             self.ledger.partial_groups += 1
             self._note_partial(k, accumulate)
@@ -642,6 +675,65 @@ class AccumulationEngine:
             f" update uses a partial group of {int(batches_per_epoch)} micro-batches (normalized by its real"
             " denominator). Lower `accumulate_grad_batches` if that is not what you intended."
         )
+
+    # ------------------------------------------------------------------ groups across a checkpoint
+
+    def open_group_state(
+        self, device: torch.device | str = "cpu", all_reduce: AllReduce | None = None, replicas: int = 1
+    ) -> dict[str, Any]:
+        """The open group's counters summed over replicas, for a checkpoint written inside a group.
+
+        A collective under DDP (every replica must call it, as every replica takes part in writing a checkpoint);
+        one host read. The gradient accumulated so far is saved by the strategy next to it.
+
+        Returns:
+            ``microbatches`` (per replica), ``sums`` (units, Σ w·loss, tokens, samples and negative counts over all
+            replicas, floats), ``scale_ref`` (the group's ``c``, or ``None`` if no micro-batch reported a loss) and
+            ``consistent`` (see :attr:`group_consistent`).
+        """
+        device = torch.device(device)
+        vector = self._sums.local_vector(device, {})
+        if all_reduce is not None and replicas > 1:
+            all_reduce(vector)
+        values = vector.tolist()
+        ref = self._group_ref
+        return {
+            "microbatches": self._sums.microbatches,
+            "sums": [values[i] for i in _CARRIED],
+            "scale_ref": float(ref) if ref is not None else None,
+            "consistent": self.group_consistent,
+        }
+
+    def resume_open_group(self, state: Mapping[str, Any], holds_sums: bool) -> None:
+        """Reopen the group a checkpoint was written in, so that it closes exactly as if never interrupted.
+
+        Args:
+            state: What :meth:`open_group_state` returned when the checkpoint was written.
+            holds_sums: Whether this replica carries the group's counters (exactly one replica does, like the
+                one that carries the accumulated gradient; the all-reduce at the close adds them to the others').
+        """
+        sums = _GroupSums()
+        sums.microbatches = int(state["microbatches"])
+        if holds_sums:
+            sums.carried = [float(v) for v in state["sums"]]
+        self._sums = sums
+        ref = state.get("scale_ref")
+        self._group_ref = float(ref) if ref is not None else None
+
+    def discard_open_group(self) -> int:
+        """Forget the open group (its gradient was discarded by ``zero_grad``); return its micro-batch count."""
+        count = self._sums.microbatches
+        self._sums = _GroupSums()
+        self._group_ref = None
+        return count
+
+    def note_missing_microbatches(self, count: int) -> None:
+        """The open group lost its first ``count`` micro-batches (a checkpoint that could not carry them).
+
+        The group still counts as a full one (not a partial group, so ``partial_group="drop"`` does not drop
+        the micro-batches that remain); the ledger counts only the micro-batches that reached the update.
+        """
+        self._sums.missing = count
 
     # ------------------------------------------------------------------ state
 

@@ -11,6 +11,10 @@ the precision plugin's unscale, clipping and step) and change three things throu
 
 ``trainer.global_step`` keeps Lightning's meaning (optimizer-step calls, a dropped partial group
 included); exact counts are in :attr:`ledger`.
+
+Checkpoints hold the ledger and ``c`` under the key ``"lightning_accum"``; one written inside a group also
+carries that group (its counters and its gradient summed over replicas), so a run resumed from it closes the
+group exactly; what cannot be carried is reported when writing and when resuming.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -67,6 +71,7 @@ class _ExactAccumulation(Strategy):
             max_consecutive_skips=max_consecutive_skips,
         )
         self._scheduled: list[Any] = []
+        self._resumed_group: dict[str, Any] | None = None
 
     @property
     def ledger(self) -> AccumulationLedger:
@@ -123,7 +128,9 @@ class _ExactAccumulation(Strategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         tensor = self._engine.take_backward_tensor()
-        return super().backward(tensor if tensor is not None else closure_loss, optimizer, *args, **kwargs)
+        result = super().backward(tensor if tensor is not None else closure_loss, optimizer, *args, **kwargs)
+        self._engine.backward_finished()
+        return result
 
     @property
     def _scaler(self) -> torch.amp.GradScaler | None:
@@ -220,20 +227,78 @@ class _ExactAccumulation(Strategy):
         self._check_supported(trainer)
         self._engine.warn_short_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches)
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def _group_parameters(self) -> list[tuple[str, Tensor]]:
+        """The optimized parameters by name, in a fixed order (the same on every replica)."""
+        module = self.lightning_module
+        assert module is not None
+        optimized = {
+            id(p) for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]
+        }
+        return [(name, p) for name, p in module.named_parameters() if id(p) in optimized]
+
+    def _summed_gradients(self) -> dict[str, Tensor]:
+        """The open group's accumulated gradient by parameter name, summed over replicas, on the CPU.
+
+        Under DDP the gradient of a group's non-final micro-batches lives on each replica (``no_sync``); the sum is
+        all DDP needs, since it averages the replicas' gradients at the group's last backward. Collective: a mask of
+        which parameters hold a gradient anywhere, then one all-reduce per dtype.
+        """
+        params = self._group_parameters()
+        replicas = self.data_parallel_replicas
+        if not params:
+            return {}
+        device = params[0][1].device
+        has_grad = torch.tensor([float(p.grad is not None) for _, p in params], device=device, dtype=torch.float64)
+        if replicas > 1:
+            self._all_reduce_sum(has_grad)
+        held = [(name, p) for (name, p), flag in zip(params, has_grad.tolist(), strict=True) if flag > 0]
+        by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+        for name, p in held:
+            by_dtype.setdefault(p.dtype, []).append((name, p))
+        gradients: dict[str, Tensor] = {}
+        for dtype, members in by_dtype.items():
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for _, p in members]
+            )
+            if replicas > 1:
+                self._all_reduce_sum(flat)
+            flat = flat.cpu()
+            offset = 0
+            for name, p in members:
+                gradients[name] = flat[offset : offset + p.numel()].reshape(p.shape).clone()
+                offset += p.numel()
+        return gradients
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         state = self._engine.state_dict()
-        # A checkpoint holds the state after the last closed group. One written inside a group (an exception,
-        # SIGTERM) does not carry that group's accumulated gradient: say so, in the file and now.
         open_microbatches = self._engine.microbatches_in_group
         state["open_group_microbatches"] = open_microbatches
         if open_microbatches:
-            rank_zero_warn(
-                f"lightning_accum: this checkpoint is written inside an accumulation group, after {open_microbatches}"
-                " micro-batch(es) whose accumulated gradient is not saved. A run resumed from it continues after"
-                " them, so their examples do not reach an update. Checkpoint at update boundaries (ModelCheckpoint"
-                " with every_n_train_steps does) to resume exactly."
-            )
+            # Written inside a group (OnExceptionCheckpoint, SIGTERM, a time-based or hand-written checkpoint):
+            # carry the group's counters and its accumulated gradient, so that a run resumed from this file
+            # finishes the group exactly (see `on_train_batch_start`). Every replica takes part (collectives).
+            group = self._engine.open_group_state(self.root_device, self._all_reduce_sum, self.data_parallel_replicas)
+            gradients = self._summed_gradients()
+            if group["consistent"]:
+                group["gradients"] = gradients
+            else:
+                rank_zero_warn(
+                    "lightning_accum: this checkpoint is written while a micro-batch's backward had not completed;"
+                    f" the open group's {open_microbatches} micro-batch(es) cannot be carried exactly and a run resumed"
+                    " from it will say how many of them are lost."
+                )
+            state["open_group"] = group
+            progress = self._trainer().fit_loop.epoch_loop.batch_progress.current
+            if progress.ready > getattr(progress, "processed", progress.ready):
+                rank_zero_warn(
+                    f"lightning_accum: this checkpoint is written while micro-batch {progress.ready} of the epoch was"
+                    " running. Lightning runs it again on resume, but a training loader that saves its position"
+                    " (`state_dict`) already counts it as consumed, so it then delivers the next batch: that"
+                    " micro-batch's examples are skipped (Lightning's behaviour, not this strategy's)."
+                )
         checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -243,13 +308,54 @@ class _ExactAccumulation(Strategy):
         if CHECKPOINT_KEY in checkpoint:
             state = checkpoint[CHECKPOINT_KEY]
             self._engine.load_state_dict(state)
-            if state.get("open_group_microbatches", 0):
-                rank_zero_warn(
-                    f"lightning_accum: resuming from a checkpoint written inside an accumulation group; the"
-                    f" {state['open_group_microbatches']} micro-batch(es) accumulated before it was written are not in"
-                    " it and do not reach an update (the ledger counts only closed groups)."
-                )
+            # Checked against the loop's position at the first micro-batch of the resumed run.
+            self._resumed_group = dict(state.get("open_group") or {"microbatches": 0})
         return checkpoint
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._resumed_group is not None:
+            group, self._resumed_group = self._resumed_group, None
+            self._reopen_group(group, batch_idx)
+        if batch_idx % self._trainer().accumulate_grad_batches == 0 and self._engine.microbatches_in_group:
+            # Lightning starts a group (and zeroes the gradient) while the previous one never reached an optimizer
+            # step: the loader yielded fewer batches than its length announced, so Lightning's epoch ended early.
+            lost = self._engine.discard_open_group()
+            rank_zero_warn(
+                f"lightning_accum: {lost} micro-batch(es) at the end of the previous epoch never reached an optimizer"
+                " step: the training loader ended before the number of batches it announced (`len()`), and Lightning"
+                " only steps on the batch it expects to be last. Their gradient is discarded and the ledger does not"
+                " count them. Make the loader's length match what it yields."
+            )
+
+    def _reopen_group(self, group: dict[str, Any], batch_idx: int) -> None:
+        """Finish, exactly, the group a checkpoint was written in; or say which micro-batches are lost."""
+        carried = int(group["microbatches"])
+        position = batch_idx % self._trainer().accumulate_grad_batches  # micro-batches of this group Lightning ran
+        if position == 0 and carried == 0:
+            return
+        if position == carried and "gradients" in group:
+            holder = self.is_global_zero  # one replica carries the sums and the gradient; DDP adds the others'
+            self._engine.resume_open_group(group, holds_sums=holder)
+            gradients: dict[str, Tensor] = group["gradients"]
+            for name, p in self._group_parameters():
+                saved = gradients.get(name) if holder else None
+                p.grad = saved.to(device=p.device, dtype=p.dtype, copy=True) if saved is not None else None
+            rank_zero_info(
+                f"lightning_accum: resumed inside an accumulation group; its first {carried} micro-batch(es) come from"
+                " the checkpoint (gradient and counters), so the group closes exactly."
+            )
+            return
+        self._engine.note_missing_microbatches(position)
+        reason = " without a consistent gradient" if carried and "gradients" not in group else ""
+        rank_zero_warn(
+            f"lightning_accum: resumed at micro-batch {position + 1} of an accumulation group, but the checkpoint"
+            f" carries {carried} micro-batch(es) of that group{reason}, so none are carried over. The first {position}"
+            " micro-batch(es) of the group, which Lightning does not run again, are not in its update (normalized by"
+            " what remains). Checkpoints written between micro-batches (on_train_batch_end, OnExceptionCheckpoint"
+            " after a failed hook there, SIGTERM) or at update boundaries resume exactly."
+        )
 
 
 class AccumulationStrategy(_ExactAccumulation, SingleDeviceStrategy):

@@ -269,3 +269,54 @@ def test_state_round_trip_restores_scale_reference() -> None:
     restored.load_state_dict(engine.state_dict())
     assert restored.scale_ref == engine.scale_ref == 100.0
     assert restored.ledger == engine.ledger
+
+
+def test_a_group_reopened_from_its_saved_state_closes_like_the_uninterrupted_one() -> None:
+    microbatches = [(512, 2.0), (1536, 4.0), (100, 1.0)]
+
+    def add(engine: AccumulationEngine, n: int, loss: float) -> torch.Tensor:
+        out = engine.add_microbatch({"loss": torch.tensor(loss), "num_tokens": torch.tensor(n)}, None, accumulate=3)
+        assert out is not None and engine.take_backward_tensor() is out
+        engine.backward_finished()
+        return out
+
+    whole = AccumulationEngine(normalize="tokens")
+    whole_backward = [add(whole, n, loss) for n, loss in microbatches]
+    expected = whole.close_group(accumulate=3)
+
+    first = AccumulationEngine(normalize="tokens")
+    for n, loss in microbatches[:2]:
+        add(first, n, loss)
+    assert first.group_consistent
+    saved = {"engine": first.state_dict(), "group": first.open_group_state()}
+    assert saved["group"]["microbatches"] == 2 and saved["group"]["sums"][:3] == [
+        2048.0,
+        512 * 2.0 + 1536 * 4.0,
+        2048.0,
+    ]
+
+    second = AccumulationEngine(normalize="tokens")
+    second.load_state_dict(saved["engine"])
+    second.resume_open_group(saved["group"], holds_sums=True)
+    assert second.microbatches_in_group == 2
+    torch.testing.assert_close(add(second, *microbatches[2]), whole_backward[2], rtol=0, atol=0)  # the same w / c
+    outcome = second.close_group(accumulate=3)
+    assert outcome.record == expected.record and outcome.factor == expected.factor
+    assert outcome.record.loss == (512 * 2.0 + 1536 * 4.0 + 100 * 1.0) / 2148
+
+    # A replica that does not hold the sums contributes only its own micro-batches (the holder adds the rest).
+    other = AccumulationEngine(normalize="tokens")
+    other.load_state_dict(saved["engine"])
+    other.resume_open_group(saved["group"], holds_sums=False)
+    add(other, *microbatches[2])
+    assert other.close_group(accumulate=3).record.tokens == 100
+
+
+def test_a_group_is_inconsistent_between_a_training_step_and_the_end_of_its_backward() -> None:
+    engine = AccumulationEngine()
+    engine.add_microbatch(torch.tensor(1.0), None, accumulate=2)
+    assert not engine.group_consistent  # recorded, not yet back-propagated
+    engine.take_backward_tensor()
+    assert not engine.group_consistent  # backward running
+    engine.backward_finished()
+    assert engine.group_consistent

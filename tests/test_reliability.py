@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -26,7 +28,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_accum import AccumulationStrategy
+from lightning_accum import AccumulationStrategy, DDPAccumulationStrategy
 
 
 def test_gradient_accumulation_scheduler_keeps_groups_exact_on_both_sides() -> None:
@@ -84,6 +86,7 @@ def test_an_applied_update_resets_the_consecutive_count() -> None:
         (-1, ValueError, r"`num_tokens` must be >= 0, got -1"),
         (torch.tensor(float("nan")), TypeError, r"got a tensor of dtype torch.float32"),
         (torch.tensor(-3), ValueError, r"A negative `num_tokens` or `num_samples` was reported in this group"),
+        (torch.tensor(3, device="meta"), ValueError, r"`num_tokens` is a tensor on the meta device"),
     ],
 )
 def test_hostile_token_counts_in_a_real_run(value: object, error: type[Exception], match: str) -> None:
@@ -96,6 +99,30 @@ def test_hostile_token_counts_in_a_real_run(value: object, error: type[Exception
     with pytest.raises(error, match=match):
         fit(model, make_examples([3, 4, 5, 6]), batch_size=1, accumulate=2)
     assert torch.equal(params_vector(model), before)  # nothing was applied
+
+
+def test_samples_that_cannot_be_inferred_under_normalize_samples_in_a_real_run() -> None:
+    def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        batch["boundaries"] = torch.arange(len(items) + 1)  # another leading size: the sample count is ambiguous
+        return batch
+
+    model = TinyLM(report="loss")
+    before = params_vector(model)
+    trainer = L.Trainer(
+        strategy=AccumulationStrategy(normalize="samples"),
+        accelerator="cpu",
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(ListDataset(make_examples([3, 4, 5, 6])), batch_size=2, collate_fn=collate)
+    with pytest.raises(ValueError, match=r"number of samples of this micro-batch cannot be inferred .* 'num_samples'"):
+        trainer.fit(model, loader)
+    assert torch.equal(params_vector(model), before)
 
 
 # ---------------------------------------------------------------------------- replicas that disagree
@@ -347,49 +374,174 @@ def test_resume_at_an_update_boundary_equals_the_uninterrupted_run(tmp_path: Pat
     assert ledger.dropped_microbatches == (3 if policy == "drop" else 0)
 
 
-class _StopMidGroup(TinyLM):
+class _Interrupted(TinyLM):
+    """AdamW + a step schedule; records the supervised tokens of every micro-batch it trains on.
+
+    `interrupt` = (how, epoch, batch): "exception" raises in on_train_batch_end (after the micro-batch ran);
+    "sigterm" sends the process a SIGTERM after the micro-batch (Lightning stops at the batch's end); "callback"
+    writes a checkpoint from on_train_batch_end and trains on; "step" raises in training_step (before the
+    micro-batch runs); "backward" raises in on_after_backward (the micro-batch's gradient is already accumulated,
+    but Lightning runs the micro-batch again on resume).
+    """
+
+    def __init__(self, interrupt: tuple[str, int, int] | None = None, folder: str = "") -> None:
+        super().__init__(lr=0.3, optimizer="adamw")
+        self.interrupt = interrupt
+        self.folder = folder
+        self.seen_tokens: list[int] = []
+
+    def _now(self, how: str, batch_idx: int) -> bool:
+        return self.interrupt is not None and self.interrupt == (how, self.current_epoch, batch_idx)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-        if batch_idx == 4:  # the 2nd micro-batch of the 2nd group (A = 3)
+        if self._now("step", batch_idx):
             raise RuntimeError("killed mid-group")
+        self.seen_tokens.append(int((batch["labels"] != -100).sum()))
         return super().training_step(batch, batch_idx)
 
+    def on_after_backward(self) -> None:
+        if self._now("backward", self.trainer.fit_loop.epoch_loop.batch_idx):
+            raise RuntimeError("killed inside a backward hook")
 
-def test_a_checkpoint_written_inside_a_group_says_so(tmp_path: Path) -> None:
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._now("exception", batch_idx):
+            raise RuntimeError("killed mid-group")
+        if self._now("sigterm", batch_idx):
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self._now("callback", batch_idx):
+            self.trainer.save_checkpoint(os.path.join(self.folder, "by_callback.ckpt"))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _ignore_on_exception_checkpoint_notes() -> None:
+    """Lightning's notes whenever OnExceptionCheckpoint is used without ckpt_path (it looks for a checkpoint)."""
+    warnings.filterwarnings("ignore", message=".*was called without a model")
+    warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint")
+
+
+def _mid_group_trainer(policy: str, folder: Path | None) -> L.Trainer:
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
-    examples = make_examples(random_lengths(12, seed=51), seed=51)
-    on_exception = OnExceptionCheckpoint(dirpath=tmp_path, filename="interrupted")
-    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError, match="killed mid-group"):
-        warnings.simplefilter("always")
-        first = L.Trainer(
-            strategy="accum",
-            accelerator="cpu",
-            accumulate_grad_batches=3,
-            max_epochs=1,
-            logger=False,
-            callbacks=[on_exception],
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        first.fit(_StopMidGroup(), ResumableLoader(ListDataset(examples), batch_size=2))
-    assert any("written inside an accumulation group, after 1 micro-batch" in str(w.message) for w in caught)
-    state = torch.load(tmp_path / "interrupted.ckpt", weights_only=True)["lightning_accum"]
-    assert state["open_group_microbatches"] == 1 and state["ledger"]["updates_applied"] == 1
-    resumed = L.Trainer(
-        strategy="accum",
+    return L.Trainer(
+        strategy=AccumulationStrategy(partial_group=policy),
         accelerator="cpu",
         accumulate_grad_batches=3,
-        max_epochs=1,
+        max_epochs=2,
         logger=False,
-        callbacks=[OnExceptionCheckpoint(dirpath=tmp_path)],
+        callbacks=[OnExceptionCheckpoint(dirpath=folder, filename="interrupted")] if folder else [],
+        enable_checkpointing=folder is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    with pytest.warns(UserWarning, match=r"resuming from a checkpoint written inside an accumulation group"):
-        resumed.fit(
-            TinyLM(), ResumableLoader(ListDataset(examples), batch_size=2), ckpt_path=tmp_path / "interrupted.ckpt"
-        )
-    assert resumed.strategy.ledger.updates_applied >= 1
+
+
+@pytest.mark.parametrize("policy", ["rescale", "drop"])
+@pytest.mark.parametrize(
+    ("interrupt", "in_checkpoint", "carried"),
+    [
+        (("exception", 0, 4), 5, 2),  # fails after the 2nd micro-batch of the 2nd group (3, 4, 5)
+        (("sigterm", 1, 6), 8 + 7, 1),  # epoch 1, after the 1st micro-batch of the partial final group (6, 7)
+        (("callback", 1, 1), 8 + 2, 2),  # a checkpoint written by a callback between micro-batches 2 and 3
+    ],
+    ids=["exception", "sigterm", "callback"],
+)
+def test_resume_from_inside_a_group_is_exact(
+    tmp_path: Path, policy: str, interrupt: tuple[str, int, int], in_checkpoint: int, carried: int
+) -> None:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    examples = make_examples(random_lengths(16, seed=52), seed=52)  # 8 micro-batches an epoch: groups 3, 3, 2
+
+    def loader() -> ResumableLoader:
+        return ResumableLoader(ListDataset(examples), batch_size=2)
+
+    whole_model = _Interrupted()
+    whole = _mid_group_trainer(policy, None)
+    whole.fit(whole_model, loader())
+
+    stopped_model = _Interrupted(interrupt, str(tmp_path))
+    stopped = _mid_group_trainer(policy, tmp_path)
+    expected = {"exception": RuntimeError, "sigterm": SIGTERMException, "callback": None}[interrupt[0]]
+    with warnings.catch_warnings():
+        _ignore_on_exception_checkpoint_notes()
+        if expected is None:
+            stopped.fit(stopped_model, loader())
+        else:
+            with pytest.raises(expected):
+                stopped.fit(stopped_model, loader())
+    path = tmp_path / ("by_callback.ckpt" if expected is None else "interrupted.ckpt")
+    state = torch.load(path, weights_only=True)["lightning_accum"]
+    assert state["open_group_microbatches"] == carried
+    assert set(state["open_group"]["gradients"]) == {"embed.weight", "head.weight", "head.bias"}
+
+    resumed_model = _Interrupted()
+    resumed = _mid_group_trainer(policy, None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint")  # Lightning's note
+        resumed.fit(resumed_model, loader(), ckpt_path=path)
+
+    # Every example trained on exactly once: the data before the checkpoint and after the resume is the whole run's.
+    assert stopped_model.seen_tokens[:in_checkpoint] + resumed_model.seen_tokens == whole_model.seen_tokens
+    ledger = resumed.strategy.ledger
+    assert ledger == whole.strategy.ledger
+    assert ledger.microbatches + ledger.dropped_microbatches == 16
+    assert ledger.tokens + ledger.dropped_tokens == sum(whole_model.seen_tokens)
+    assert ledger.dropped_microbatches == (4 if policy == "drop" else 0)
+    assert resumed.optimizers[0].param_groups[0]["lr"] == whole.optimizers[0].param_groups[0]["lr"]
+    torch.testing.assert_close(params_vector(resumed_model), params_vector(whole_model), rtol=1e-6, atol=1e-7)
+
+
+def test_a_group_that_cannot_be_carried_is_reported_and_not_counted_twice(tmp_path: Path) -> None:
+    examples = make_examples(random_lengths(16, seed=53), seed=53)  # 8 micro-batches an epoch: groups 3, 3, 2
+
+    def loader() -> ResumableLoader:
+        return ResumableLoader(ListDataset(examples), batch_size=2)
+
+    whole_model = _Interrupted()
+    whole = _mid_group_trainer("drop", None)
+    whole.fit(whole_model, loader())
+    tokens = whole_model.seen_tokens[:8]  # of micro-batches 0..7, the same in both epochs
+
+    # on_after_backward fails in micro-batch 4: its gradient is in the model, but Lightning runs it again.
+    stopped = _mid_group_trainer("drop", tmp_path)
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        pytest.raises(RuntimeError, match="backward"),
+    ):
+        warnings.simplefilter("always")
+        stopped.fit(_Interrupted(("backward", 0, 4), str(tmp_path)), loader())
+    messages = [str(w.message) for w in caught]
+    assert any("backward had not completed" in m for m in messages)
+    assert any("while micro-batch 5 of the epoch was running" in m for m in messages)
+    state = torch.load(tmp_path / "interrupted.ckpt", weights_only=True)["lightning_accum"]
+    assert state["open_group_microbatches"] == 2 and "gradients" not in state["open_group"]
+
+    resumed_model = _Interrupted()
+    resumed = _mid_group_trainer("drop", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(resumed_model, loader(), ckpt_path=tmp_path / "interrupted.ckpt")
+    messages = [str(w.message) for w in caught]
+    lost = [m for m in messages if "resumed at micro-batch 2 of an accumulation group" in m]
+    assert len(lost) == 1 and "carries 2 micro-batch(es) of that group without a consistent gradient" in lost[0]
+    ended_early = [m for m in messages if "never reached an optimizer step" in m]
+    assert len(ended_early) == 1 and ended_early[0].startswith("lightning_accum: 1 micro-batch(es)")
+
+    # What happened, micro-batch by micro-batch: 0-2 updated before the checkpoint; 3 is lost (warned); Lightning
+    # runs index 4 again but the loader's saved state already counts it, so it gets micro-batch 5 (Lightning's
+    # behaviour, warned when saving); 5 and 6 close the group [3 lost, 5, 6] as a full group (not dropped as
+    # partial); 7 arrives as Lightning's index 6, the loader then ends one batch early, so no step (warned).
+    # Epoch 1 is whole: 0-5 updated, 6-7 dropped. Nothing is counted twice.
+    assert resumed_model.seen_tokens == tokens[5:] + tokens
+    ledger = resumed.strategy.ledger
+    assert ledger.microbatches == 3 + 2 + 6 and ledger.dropped_microbatches == 2
+    assert ledger.tokens == sum(tokens[0:3]) + sum(tokens[5:7]) + sum(tokens[0:6])
+    assert ledger.dropped_tokens == sum(tokens[6:8])
+    assert ledger.updates_applied == whole.strategy.ledger.updates_applied == 4
 
 
 def _ddp_resume_runs(rank: int, folder: str) -> None:
@@ -452,3 +604,65 @@ def test_ddp_resume_at_an_update_boundary_equals_the_uninterrupted_run(tmp_path:
             1,
             2,
         )
+
+
+def _ddp_mid_group_runs(rank: int, folder: str) -> None:
+    from helpers import RankStridedSampler
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    examples = make_examples(random_lengths(20, seed=61), seed=61)  # 5 micro-batches of 2 per rank: groups 2, 2, 1
+
+    def run(callbacks: list[L.Callback], ckpt: str | None, interrupt: Any = None) -> tuple[L.Trainer, _Interrupted]:
+        model = _Interrupted(interrupt, folder)
+        trainer = L.Trainer(
+            strategy=DDPAccumulationStrategy(partial_group="drop", start_method="popen"),
+            accelerator="cpu",
+            devices=2,
+            accumulate_grad_batches=2,
+            max_epochs=2,
+            logger=False,
+            callbacks=callbacks,
+            enable_checkpointing=bool(callbacks),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
+        loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's resume notes
+            trainer.fit(model, loader, ckpt_path=ckpt)
+        return trainer, model
+
+    whole, whole_model = run([], None)
+    # One run writes both: a checkpoint at an update boundary (step 2, mid-epoch 0) and one from a callback inside
+    # the first group of epoch 1 (after its first micro-batch, batch 0).
+    boundary = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    run([boundary], None, ("callback", 1, 0))
+    results: dict[str, Any] = {"whole": params_vector(whole_model), "ledger": whole.strategy.ledger.state_dict()}
+    for name, path in (("boundary", f"{folder}/step=2.ckpt"), ("mid_group", f"{folder}/by_callback.ckpt")):
+        resumed, resumed_model = run([], path)
+        results[name] = {
+            "params": params_vector(resumed_model),
+            "same_ledger": resumed.strategy.ledger == whole.strategy.ledger,
+            "lr": resumed.optimizers[0].param_groups[0]["lr"],
+            "open": torch.load(path, weights_only=True)["lightning_accum"]["open_group_microbatches"],
+        }
+    results["lr"] = whole.optimizers[0].param_groups[0]["lr"]
+    torch.save(results, f"{folder}/mid-group-rank{rank}.pt")
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_ddp_resume_with_drop_at_a_boundary_and_inside_a_group(tmp_path: Path) -> None:
+    run_ddp(_ddp_mid_group_runs, str(tmp_path))
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"mid-group-rank{rank}.pt", weights_only=True)
+        ledger = result["ledger"]
+        # 2 epochs x (2 full groups + 1 dropped partial group of 1 micro-batch on each of the 2 replicas)
+        assert (ledger["updates_applied"], ledger["dropped_microbatches"], ledger["microbatches"]) == (4, 4, 16)
+        for name, open_microbatches in (("boundary", 0), ("mid_group", 1)):
+            resumed = result[name]
+            assert resumed["open"] == open_microbatches
+            assert resumed["same_ledger"], (name, ledger)
+            assert resumed["lr"] == result["lr"]
+            torch.testing.assert_close(resumed["params"], result["whole"], rtol=1e-6, atol=1e-7)
