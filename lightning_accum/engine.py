@@ -144,7 +144,9 @@ def _as_count(name: str, value: object, device: torch.device) -> Count:
             )
         # A count on another device than the loss (e.g. computed on the CPU before the batch moved) is copied to
         # the loss's device without blocking; nothing is read on the host until the group closes.
-        return value.reshape(()).to(device, non_blocking=True)
+        if value.ndim:
+            value = value.reshape(())
+        return value if value.device == device else value.to(device, non_blocking=True)
     raise TypeError(
         f"`{name}` must be an int or a 0-d integer tensor, got {type(value).__name__} ({value!r}). "
         f"Return e.g. `(labels != -100).sum()`."
@@ -189,7 +191,8 @@ class _GroupSums:
 
     Nothing is computed per micro-batch: appending references costs no kernel launch, and the group's
     sums (units, Σ w·loss, tokens, samples, negative counts) are formed once, vectorized, in
-    :meth:`local_vector`. Losses are detached (no graph is kept).
+    :meth:`local_vector`. Losses are detached (no graph is kept). The weights are the ``tokens`` or the
+    ``samples`` list, whichever the unit is (every micro-batch with a loss reports it), or 1 each.
     """
 
     def __init__(self) -> None:
@@ -200,50 +203,93 @@ class _GroupSums:
         #: Micro-batches of this group that ran before a checkpoint but could not be carried over (lost).
         self.missing = 0
         self.losses: list[Tensor] = []
-        self.weights: list[Count] = []
         self.tokens: list[Count] = []
         self.samples: list[Count] = []
 
     @staticmethod
     def _total(values: list[Count], device: torch.device) -> tuple[float, Tensor | None, Tensor | None]:
-        """(sum of the ints, sum of the tensors as float64, count of negative tensors)."""
+        """(sum of the ints, the tensors stacked as float64 on ``device``, count of negative tensors)."""
         host = float(sum(v for v in values if not isinstance(v, Tensor)))
         tensors = [v for v in values if isinstance(v, Tensor)]
         if not tensors:
             return host, None, None
-        stacked = torch.stack([t.to(device=device, dtype=torch.int64) for t in tensors])
-        return host, stacked.sum().to(torch.float64), (stacked < 0).sum().to(torch.float64)
+        stacked = torch.stack(tensors).to(device=device, dtype=torch.float64)
+        return host, stacked, (stacked < 0).sum(dtype=torch.float64)
 
-    def local_vector(self, device: torch.device, extra: dict[int, float]) -> Tensor:
-        """This replica's contribution to the group's reduced vector, plus host values ``extra`` by position."""
+    def local_vector(
+        self, device: torch.device, unit: str | None, extra: dict[int, float], device_extra: dict[int, Tensor]
+    ) -> Tensor:
+        """This replica's contribution to the group's reduced vector.
+
+        ``extra`` adds host values and ``device_extra`` device scalars by position. About a dozen tensor
+        operations whatever the number of micro-batches.
+        """
         host = [0.0] * _VECTOR_SIZE
         for index, value in extra.items():
             host[index] += value
         if self.carried is not None:
             for index, value in zip(_CARRIED, self.carried, strict=True):
                 host[index] += value
-        parts: list[tuple[int, Tensor]] = []
-        for index, values in ((_UNITS, self.weights), (_TOKENS, self.tokens), (_SAMPLES, self.samples)):
-            total, tensor_total, negatives = self._total(values, device)
+        parts: list[tuple[int, Tensor]] = list(device_extra.items())
+        stacked: dict[int, tuple[Tensor, Tensor]] = {}
+        host_totals: dict[int, float] = {}
+        for index, values in ((_TOKENS, self.tokens), (_SAMPLES, self.samples)):
+            total, tensors, negatives = self._total(values, device)
             host[index] += total
-            if tensor_total is not None and negatives is not None:
-                parts += [(index, tensor_total), (_NEGATIVE, negatives)]
+            host_totals[index] = total
+            if tensors is not None and negatives is not None:
+                stacked[index] = (tensors, tensors.sum())
+                parts += [(index, stacked[index][1]), (_NEGATIVE, negatives)]
         if self.losses:
-            # Σ w·loss with the weights in micro-batch order; where() keeps an empty micro-batch's NaN mean out.
-            weights = _as_float64_vector(self.weights, device)
-            losses = torch.stack([loss.to(device) for loss in self.losses]).to(torch.float64)
-            parts.append((_WEIGHTED_LOSS, torch.where(weights > 0, losses * weights, 0.0).sum()))
+            losses = torch.stack(self.losses).to(device=device, dtype=torch.float64)
+            source = {"tokens": _TOKENS, "samples": _SAMPLES}.get(unit or "")
+            if source is None:  # every micro-batch weighs 1
+                host[_UNITS] += len(self.losses)
+                parts.append((_WEIGHTED_LOSS, losses.sum()))
+            else:
+                values = self.tokens if source == _TOKENS else self.samples
+                host[_UNITS] += host_totals[source]
+                weights: Tensor | None = None
+                if source in stacked:
+                    weights, total_tensor = stacked[source]
+                    parts.append((_UNITS, total_tensor))
+                if weights is None or len(weights) != len(values):  # ints, or ints and tensors mixed: rare
+                    weights = _as_float64_vector(values, device)
+                # Σ w·loss in micro-batch order; where() keeps an empty micro-batch's NaN mean out.
+                parts.append((_WEIGHTED_LOSS, torch.dot(torch.where(weights > 0, losses, 0.0), weights)))
         vector = torch.tensor(host, dtype=torch.float64, device=device)
-        for index, part in parts:
-            vector[index] += part
+        if parts:
+            positions = tuple(index for index, _ in parts)
+            vector.index_add_(0, _positions(positions, device), torch.stack([part for _, part in parts]))
         return vector
+
+
+_POSITIONS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _positions(positions: tuple[int, ...], device: torch.device) -> Tensor:
+    """A cached index tensor (a group's layout repeats every update)."""
+    key = (positions, device)
+    cached = _POSITIONS.get(key)
+    if cached is None:
+        cached = _POSITIONS[key] = torch.tensor(positions, dtype=torch.int64, device=device)
+    return cached
+
+
+_ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _zero(like: Tensor) -> Tensor:
+    key = (like.device, like.dtype)
+    cached = _ZEROS.get(key)
+    if cached is None:
+        cached = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
+    return cached
 
 
 def _as_float64_vector(values: list[Count], device: torch.device) -> Tensor:
     if not any(isinstance(v, Tensor) for v in values):
         return torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    if all(isinstance(v, Tensor) for v in values):
-        return torch.stack([v.to(device) for v in values]).to(torch.float64)  # type: ignore[union-attr]
     return torch.stack(
         [torch.as_tensor(v, device=device).to(torch.float64) for v in values]  # mixed ints and tensors: rare
     )
@@ -367,7 +413,6 @@ class AccumulationEngine:
 
         sums = self._sums
         sums.losses.append(loss.detach())
-        sums.weights.append(weight)
         if tokens_c is not None:
             sums.tokens.append(tokens_c)
         if samples_c is not None:
@@ -379,9 +424,10 @@ class AccumulationEngine:
         # w / c in float32 at least: a half-precision factor would round the weights by ~1e-3.
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
-        if isinstance(weight, Tensor) or isinstance(ref, Tensor):
-            factor = (torch.as_tensor(weight, device=device) / ref).to(loss.dtype)
-            backward = loss * factor
+        if isinstance(ref, Tensor):  # the first group of the run: c is a device scalar
+            backward = loss * (torch.as_tensor(weight, device=device) / ref).to(loss.dtype)
+        elif isinstance(weight, Tensor):
+            backward = torch.addcmul(_zero(loss), loss, weight, value=1.0 / ref)  # one kernel: 0 + loss · w · (1/c)
         else:
             backward = loss * (weight / ref)
         self._pending_backward = backward
@@ -505,9 +551,10 @@ class AccumulationEngine:
             device: Where the reduced vector lives (the replica's device).
             all_reduce: Sum-all-reduce over replicas, in place; ``None`` on one device.
             replicas: ``D``.
-            nonfinite: A device scalar, non-zero when the group's gradient holds a NaN or Inf (checked by
-                the caller only without a GradScaler and unless ``on_nonfinite="ignore"``). Folded into the
-                same all-reduce, so every replica takes the same decision.
+            nonfinite: A device scalar that is not finite when the group's gradient holds a NaN or Inf (the
+                strategies pass the float64 sum of the per-parameter gradient norms; checked only without a
+                GradScaler and unless ``on_nonfinite="ignore"``). Folded into the same all-reduce (a NaN or Inf on
+                any replica makes the sum non-finite), so every replica takes the same decision.
             describe_nonfinite: Names the first offending parameter, for ``on_nonfinite="raise"``.
             ends_epoch: Whether this replica's data ends with this group. Replicas must agree: one whose data
                 ended while others go on would leave them waiting in a collective forever.
@@ -527,13 +574,14 @@ class AccumulationEngine:
             _UNIT_CODE: _UNIT_CODES.get(self.ledger.normalization or "", 0.0),
             _LAST: 1.0 if ends_epoch else 0.0,
         }
-        if not isinstance(ref, Tensor):
-            extra[_SCALE_REF] = float(ref)
-        vector = sums.local_vector(device, extra)
+        device_extra: dict[int, Tensor] = {}
         if isinstance(ref, Tensor):
-            vector[_SCALE_REF] += ref.to(device)
+            device_extra[_SCALE_REF] = ref.to(device=device, dtype=torch.float64)
+        else:
+            extra[_SCALE_REF] = float(ref)
         if nonfinite is not None:
-            vector[_NONFINITE] += nonfinite.to(device=device, dtype=torch.float64)
+            device_extra[_NONFINITE] = nonfinite.to(device=device, dtype=torch.float64)
+        vector = sums.local_vector(device, self.ledger.normalization, extra, device_extra)
         if all_reduce is not None and replicas > 1:
             all_reduce(vector)
         values = vector.tolist()  # the one host read of the update
@@ -570,7 +618,7 @@ class AccumulationEngine:
         if units <= 0:
             record.skip_reason = "empty"
             return GroupOutcome("skip", 1.0, record)
-        if values[_NONFINITE] > 0:
+        if not math.isfinite(values[_NONFINITE]):
             update = self.ledger.updates_attempted + 1
             where = describe_nonfinite() if describe_nonfinite is not None else "a parameter"
             if self.on_nonfinite == "raise":
@@ -692,7 +740,7 @@ class AccumulationEngine:
             ``consistent`` (see :attr:`group_consistent`).
         """
         device = torch.device(device)
-        vector = self._sums.local_vector(device, {})
+        vector = self._sums.local_vector(device, self.ledger.normalization, {}, {})
         if all_reduce is not None and replicas > 1:
             all_reduce(vector)
         values = vector.tolist()
@@ -701,6 +749,8 @@ class AccumulationEngine:
             "microbatches": self._sums.microbatches,
             "sums": [values[i] for i in _CARRIED],
             "scale_ref": float(ref) if ref is not None else None,
+            # The first group of a run computes w / c with c as a float64 tensor: resumed, it must do the same.
+            "scale_ref_is_tensor": isinstance(ref, Tensor),
             "consistent": self.group_consistent,
         }
 
@@ -718,7 +768,12 @@ class AccumulationEngine:
             sums.carried = [float(v) for v in state["sums"]]
         self._sums = sums
         ref = state.get("scale_ref")
-        self._group_ref = float(ref) if ref is not None else None
+        if ref is None:
+            self._group_ref = None
+        elif state.get("scale_ref_is_tensor"):
+            self._group_ref = torch.tensor(float(ref), dtype=torch.float64)  # a 0-d CPU tensor works on any device
+        else:
+            self._group_ref = float(ref)
 
     def discard_open_group(self) -> int:
         """Forget the open group (its gradient was discarded by ``zero_grad``); return its micro-batch count."""

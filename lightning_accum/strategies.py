@@ -141,14 +141,16 @@ class _ExactAccumulation(Strategy):
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def _nonfinite_flag(self, optimizer: Optimizer) -> Tensor | None:
-        """A device scalar, > 0 when any gradient holds a NaN/Inf; None when the check does not apply."""
+        """The float64 sum of the gradients' norms: not finite exactly when a gradient holds a NaN/Inf.
+
+        Three tensor operations (one fused norm kernel per device and dtype); None when the check does not apply.
+        """
         if self._scaler is not None or self._engine.on_nonfinite == "ignore":
             return None  # a GradScaler finds non-finite gradients itself (skip reason "overflow")
         grads = self._gradients(optimizer)
         if not grads:
             return None
-        norms = torch.stack([n.to(torch.float32) for n in torch._foreach_norm(grads)])
-        return (~torch.isfinite(norms)).sum()
+        return torch.stack(torch._foreach_norm(grads)).sum(dtype=torch.float64)
 
     def _first_nonfinite_name(self, optimizer: Optimizer) -> str:
         module = self.lightning_module

@@ -5,9 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
+import torch
+from helpers import TinyLM, fit, make_examples
+
+from lightning_accum import AccumulationStrategy
+from lightning_accum._probes import PackageTimer
+from lightning_accum.strategies import _ExactAccumulation
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,10 +33,45 @@ def test_benchmark_smoke_run_writes_its_results(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     variants = {(t["workload"], t["A"], t["variant"]) for t in results["trials"]}
-    assert variants == {("mlp", a, v) for a in (1, 8) for v in ("lightning", "accum", "loop")}
+    assert variants == {("mlp", a, v) for a in (1, 8) for v in ("lightning", "accum", "loop", "accum_timed")}
     assert all(t["seconds_per_update"] > 0 for t in results["trials"])
+    timed = [t for t in results["trials"] if t["variant"] == "accum_timed"]
+    assert all(0 < t["package_seconds_per_update"] < t["seconds_per_update"] for t in timed)
     probe = results["probes"][0]
     assert probe["host_reads_per_nonfinal_microbatch"] == 0 and probe["host_reads_per_update"] == 1
     assert probe["graph_alive_after_backward"] == 0 and probe["graph_checked"] > 0
     text = (tmp_path / "RESULTS.md").read_text()
+    assert "Time in the package's own code" in text
     assert "| mlp | 8 |" in text and (tmp_path / "ratios.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class _SlowModel(TinyLM):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        _spin(0.01)  # Lightning's side of the work: the model
+        return super().training_step(batch, batch_idx)
+
+
+class _SlowCallback(L.Callback):
+    def on_train_batch_end(self, *args: Any) -> None:
+        _spin(0.004)  # the package's side (a callback of the package would be charged like this)
+
+
+def test_package_timer_charges_the_package_and_not_the_lightning_work_it_wraps() -> None:
+    timer = PackageTimer.for_strategy(AccumulationStrategy, [_SlowCallback])
+    start = time.thread_time()
+    with timer:
+        fit(_SlowModel(), make_examples([4] * 8), batch_size=1, accumulate=4, callbacks=[_SlowCallback()])
+    total = time.thread_time() - start
+    assert total > 8 * 0.014
+    # 8 callback calls of 4 ms are charged; the model's 8 x 10 ms inside the strategy's training_step are not.
+    assert 8 * 0.004 <= timer.package_ns / 1e9 < 8 * 0.004 + 8 * 0.005
+    assert timer.by_method["_SlowCallback.on_train_batch_end"] >= 8 * 0.004 * 1e9
+    assert {"_ExactAccumulation.training_step", "_ExactAccumulation.optimizer_step"} <= set(timer.by_method)
+    # The patches are gone afterwards.
+    assert not hasattr(_ExactAccumulation.training_step, "__wrapped__")

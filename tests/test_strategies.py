@@ -254,7 +254,7 @@ def test_non_final_microbatches_make_no_host_sync_in_lightning_accum() -> None:
     examples = make_examples(random_lengths(16, seed=8), seed=8)
     trainer = fit(TinyLM(), examples, batch_size=2, accumulate=4, callbacks=[counter])
     assert counter.non_final_batches == 6  # 8 micro-batches in 2 groups of 4: 3 non-final each
-    assert counter.non_final.package_ops > 6 * 5  # the engine's per-micro-batch work was seen
+    assert counter.non_final.package_ops >= 6 * 2  # the engine's per-micro-batch work (detach, w / c) was seen
     assert counter.non_final.hits == []
     # The group close reads the reduced counters once per update (and nothing else, without a scaler).
     assert len(counter.final.hits) == 2 and all("tolist" in hit for hit in counter.final.hits)
