@@ -159,12 +159,20 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
     timer: Any = None
     if variant == "accum_timed":
         from lightning_accum._probes import PackageTimer
+        from lightning_accum.strategies import _ExactAccumulation
 
-        timer = PackageTimer.for_strategy(lightning_accum.AccumulationStrategy, [AxisLogger, AccumulationReport])
+        timer = PackageTimer.for_strategy(
+            lightning_accum.AccumulationStrategy,
+            [AxisLogger, AccumulationReport],
+            parts=[(_ExactAccumulation, "_nonfinite_flag")],
+        )
+        by_method_start: dict[str, int] = {}
 
     def clock() -> float:
         if timer is not None:
             package_stamps.append(timer.package_ns)
+            if len(package_stamps) == warmup + 1:  # the start of the measured window
+                by_method_start.update(timer.by_method)
         return time.thread_time()
 
     callbacks: list[L.Callback] = [update_timer(stamps, clock)]
@@ -210,6 +218,14 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
         total = [b - a_ for a_, b in itertools.pairwise(stamps[warmup:])]
         result["package_seconds_per_update"] = statistics.median(package)
         result["package_fraction"] = statistics.median(p / (t - p) for p, t in zip(package, total, strict=True))
+        # Where the package's time goes, per update over the measured window, by the part of the package.
+        measured_updates = max(len(package), 1)
+        parts: dict[str, float] = {}
+        for name, ns in timer.by_method.items():
+            part = _PARTS.get(name.split(".")[-1] if name.startswith("_ExactAccumulation") else name.split(".")[0])
+            spent = (ns - by_method_start.get(name, 0)) / 1e9 / measured_updates
+            parts[part or "other"] = parts.get(part or "other", 0.0) + spent
+        result["package_parts_seconds_per_update"] = parts
     if probe is not None:
         result["host_reads_per_nonfinal_microbatch"] = len(probe.non_final.hits) / max(probe.non_final_batches, 1)
         result["host_reads_per_update"] = len(probe.final.hits) / max(probe.final_batches, 1)
@@ -220,6 +236,18 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
         result["package_ops_per_nonfinal_microbatch"] = probe.non_final.package_ops / max(probe.non_final_batches, 1)
         result["package_ops_per_closing_microbatch"] = probe.final.package_ops / max(probe.final_batches, 1)
     return result
+
+
+#: How the package's time is reported: by strategy hook, the guard, and each callback.
+_PARTS = {
+    "training_step": "per micro-batch (weights, w/c, hooks)",
+    "backward": "per micro-batch (weights, w/c, hooks)",
+    "on_train_batch_start": "per micro-batch (weights, w/c, hooks)",
+    "optimizer_step": "group close and rescale",
+    "_nonfinite_flag": "non-finite guard",
+    "AxisLogger": "AxisLogger",
+    "AccumulationReport": "AccumulationReport",
+}
 
 
 class _quiet_stdout:

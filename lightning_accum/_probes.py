@@ -124,8 +124,14 @@ class PackageTimer:
         self._last = 0
 
     @classmethod
-    def for_strategy(cls, strategy_type: type, callback_types: list[type]) -> PackageTimer:
-        """Wrap every method ``strategy_type`` overrides below Lightning and every hook of ``callback_types``."""
+    def for_strategy(
+        cls, strategy_type: type, callback_types: list[type], parts: list[tuple[type, str]] | None = None
+    ) -> PackageTimer:
+        """Wrap every method ``strategy_type`` overrides below Lightning and every hook of ``callback_types``.
+
+        ``parts``: package methods called from those, to be charged separately in :attr:`by_method` (e.g. the
+        non-finite guard inside ``optimizer_step``).
+        """
         from lightning.pytorch.loops.optimization.automatic import Closure
         from lightning.pytorch.strategies import Strategy
 
@@ -145,6 +151,7 @@ class PackageTimer:
                     baseline.append((base, name))
         for klass in callback_types:
             package += [(klass, name) for name in _methods(klass) if hasattr(L.Callback, name)]
+        package += parts or []
         return cls(package, baseline)
 
     def _switch(self) -> None:

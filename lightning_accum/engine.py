@@ -115,9 +115,41 @@ def infer_num_samples(batch: Any) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def _as_count_slow(name: str, value: Tensor, device: torch.device) -> Tensor:
+    """The checks and conversions of a count tensor that is not already a 0-d integer on ``device``."""
+    if value.dtype == torch.bool:
+        raise TypeError(
+            f"`{name}` must be an integer count, got a boolean ({value!r}). "
+            f"Return the number of units, e.g. `(labels != -100).sum()`."
+        )
+    if value.is_floating_point() or value.is_complex():
+        raise TypeError(
+            f"`{name}` must be an integer count, got a tensor of dtype {value.dtype}. "
+            f"Return an integer tensor, e.g. `(labels != -100).sum()`, not a mean or a float."
+        )
+    if value.numel() != 1:
+        raise ValueError(
+            f"`{name}` must be a single count (a 0-d tensor or an int), got a tensor of shape "
+            f"{tuple(value.shape)}. Sum it: `{name}=mask.sum()`."
+        )
+    if value.device.type == "meta":
+        raise ValueError(
+            f"`{name}` is a tensor on the meta device, which holds no value. Compute it from the micro-batch's"
+            " real data, e.g. `(batch['labels'] != -100).sum()`."
+        )
+    # A count on another device than the loss (e.g. computed on the CPU before the batch moved) is copied to
+    # the loss's device without blocking; nothing is read on the host until the group closes.
+    return value.reshape(()).to(device, non_blocking=True)
+
+
 def _as_count(name: str, value: object, device: torch.device) -> Count:
     """Validate a reported count without reading device memory; negatives in tensors are caught at the close."""
-    if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
+    if isinstance(value, Tensor):
+        dtype = value.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or value.ndim or value.device != device:
+            value = _as_count_slow(name, value, device)
+        return value
+    if isinstance(value, bool):
         raise TypeError(
             f"`{name}` must be an integer count, got a boolean ({value!r}). "
             f"Return the number of units, e.g. `(labels != -100).sum()`."
@@ -126,27 +158,6 @@ def _as_count(name: str, value: object, device: torch.device) -> Count:
         if value < 0:
             raise ValueError(f"`{name}` must be >= 0, got {value}. Return the number of units in the micro-batch.")
         return value
-    if isinstance(value, Tensor):
-        if value.is_floating_point() or value.is_complex():
-            raise TypeError(
-                f"`{name}` must be an integer count, got a tensor of dtype {value.dtype}. "
-                f"Return an integer tensor, e.g. `(labels != -100).sum()`, not a mean or a float."
-            )
-        if value.numel() != 1:
-            raise ValueError(
-                f"`{name}` must be a single count (a 0-d tensor or an int), got a tensor of shape "
-                f"{tuple(value.shape)}. Sum it: `{name}=mask.sum()`."
-            )
-        if value.device.type == "meta":
-            raise ValueError(
-                f"`{name}` is a tensor on the meta device, which holds no value. Compute it from the micro-batch's"
-                " real data, e.g. `(batch['labels'] != -100).sum()`."
-            )
-        # A count on another device than the loss (e.g. computed on the CPU before the batch moved) is copied to
-        # the loss's device without blocking; nothing is read on the host until the group closes.
-        if value.ndim:
-            value = value.reshape(())
-        return value if value.device == device else value.to(device, non_blocking=True)
     raise TypeError(
         f"`{name}` must be an int or a 0-d integer tensor, got {type(value).__name__} ({value!r}). "
         f"Return e.g. `(labels != -100).sum()`."
@@ -276,17 +287,6 @@ def _positions(positions: tuple[int, ...], device: torch.device) -> Tensor:
     return cached
 
 
-_ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-
-
-def _zero(like: Tensor) -> Tensor:
-    key = (like.device, like.dtype)
-    cached = _ZEROS.get(key)
-    if cached is None:
-        cached = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
-    return cached
-
-
 def _as_float64_vector(values: list[Count], device: torch.device) -> Tensor:
     if not any(isinstance(v, Tensor) for v in values):
         return torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
@@ -367,6 +367,9 @@ class AccumulationEngine:
         self._pending_backward: Tensor | None = None
         self._backward_running = False
         self._warned_partial = False
+        #: The last micro-batch's number of samples, when known on the host (reported as an int or read from the
+        #: batch's tensor shapes); None otherwise.
+        self.batch_samples: int | None = None
 
     # ------------------------------------------------------------------ micro-batches
 
@@ -404,10 +407,13 @@ class AccumulationEngine:
         self._sums.microbatches += 1
         loss, tokens, samples = self._parse(output, batch)
         if loss is None:
+            self.batch_samples = infer_num_samples(batch)
             return None
         device = loss.device
         tokens_c = _as_count("num_tokens", tokens, device) if tokens is not None else None
         samples_c = _as_count("num_samples", samples, device) if samples is not None else None
+        # The micro-batch's number of samples as a host int when known without a device read (for the report).
+        self.batch_samples = samples_c if isinstance(samples_c, int) else infer_num_samples(batch)
         unit = self.ledger.normalization or self._decide_unit(tokens_c is not None, samples_c is not None)
         weight = self._weight(unit, tokens_c, samples_c)
 
@@ -427,7 +433,8 @@ class AccumulationEngine:
         if isinstance(ref, Tensor):  # the first group of the run: c is a device scalar
             backward = loss * (torch.as_tensor(weight, device=device) / ref).to(loss.dtype)
         elif isinstance(weight, Tensor):
-            backward = torch.addcmul(_zero(loss), loss, weight, value=1.0 / ref)  # one kernel: 0 + loss · w · (1/c)
+            factor = (weight.double() if loss.dtype == torch.float64 else weight) * (1.0 / ref)
+            backward = loss * factor.to(loss.dtype)
         else:
             backward = loss * (weight / ref)
         self._pending_backward = backward
@@ -460,7 +467,7 @@ class AccumulationEngine:
         loss: object
         if isinstance(output, Tensor):
             loss = output
-        elif isinstance(output, Mapping):
+        elif type(output) is dict or isinstance(output, Mapping):
             loss = output.get("loss")
             tokens = output.get("num_tokens")
             samples = output.get("num_samples")
@@ -483,7 +490,7 @@ class AccumulationEngine:
             tokens = self.count_tokens(batch)
         if samples is None:
             samples = infer_num_samples(batch)
-        return loss.reshape(()), tokens, samples
+        return (loss.reshape(()) if loss.ndim else loss), tokens, samples
 
     def _decide_unit(self, has_tokens: bool, has_samples: bool) -> str:
         unit = self.normalize

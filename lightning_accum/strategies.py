@@ -72,6 +72,7 @@ class _ExactAccumulation(Strategy):
         )
         self._scheduled: list[Any] = []
         self._resumed_group: dict[str, Any] | None = None
+        self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
 
     @property
     def ledger(self) -> AccumulationLedger:
@@ -92,6 +93,8 @@ class _ExactAccumulation(Strategy):
         return tensor
 
     def _trainer(self) -> Trainer:
+        if self._trainer_ref is not None:
+            return self._trainer_ref
         module = self.lightning_module
         assert module is not None
         return module.trainer
@@ -214,12 +217,14 @@ class _ExactAccumulation(Strategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
+        self._trainer_ref = trainer
         self._scheduled = take_over_schedulers(self.lr_scheduler_configs)
 
     @override
     def teardown(self) -> None:
         release_schedulers(self.lr_scheduler_configs)
         self._scheduled = []
+        self._trainer_ref = None
         super().teardown()
 
     @override
@@ -320,7 +325,7 @@ class _ExactAccumulation(Strategy):
         if self._resumed_group is not None:
             group, self._resumed_group = self._resumed_group, None
             self._reopen_group(group, batch_idx)
-        if batch_idx % self._trainer().accumulate_grad_batches == 0 and self._engine.microbatches_in_group:
+        if self._engine.microbatches_in_group and batch_idx % self._trainer().accumulate_grad_batches == 0:
             # Lightning starts a group (and zeroes the gradient) while the previous one never reached an optimizer
             # step: the loader yielded fewer batches than its length announced, so Lightning's epoch ended early.
             lost = self._engine.discard_open_group()

@@ -15,7 +15,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
-from lightning_accum.engine import infer_num_samples
 from lightning_accum.ledger import AccumulationLedger
 
 __all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
@@ -124,6 +123,7 @@ class AccumulationReport(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._ledger(trainer)
+        self._strategy: Any = trainer.strategy
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -134,17 +134,15 @@ class AccumulationReport(Callback):
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        samples = infer_num_samples(batch)  # shapes only: no device sync
-        if samples is not None:
-            self._microbatch_min = samples if self._microbatch_min is None else min(self._microbatch_min, samples)
-            self._microbatch_max = samples if self._microbatch_max is None else max(self._microbatch_max, samples)
-
-    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        ledger = self._ledger(trainer)
+        engine = self._strategy.engine
+        samples = engine.batch_samples  # read from shapes or reported as an int: no device sync
+        if samples is not None:
+            self._microbatch_min = samples if self._microbatch_min is None else min(self._microbatch_min, samples)
+            self._microbatch_max = samples if self._microbatch_max is None else max(self._microbatch_max, samples)
+        ledger = engine.ledger
         group = ledger.attempt_since(self._attempts_seen)
         if group is None:
             return
