@@ -317,7 +317,13 @@ def ddp_trial(spec: dict[str, Any]) -> dict[str, Any]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_ddp_worker, args=(spec, port, out), nprocs=2, join=True)
+        try:
+            mp.spawn(_ddp_worker, args=(spec, port, out), nprocs=2, join=True)
+        except mp.ProcessExitedException:
+            if not Path(out, "rank0.json").exists():
+                raise
+            # The measurement was written; a crash while the processes exit does not change it. Say so.
+            print("a DDP worker crashed while exiting, after its measurement was written", file=sys.stderr)
         return json.loads(Path(out, "rank0.json").read_text())
 
 
@@ -392,12 +398,17 @@ def _ddp_worker(rank: int, spec: dict[str, Any], port: int, out: str) -> None:
     result["updates"] = updates
     if rank == 0:
         Path(out, "rank0.json").write_text(json.dumps(result))
+    # Leave the process group explicitly: a worker that exits with gloo's threads still running can abort
+    # ("terminate called without an active exception") after the measurement is complete.
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------- orchestration
 
 
-def run_child(spec: dict[str, Any], timeout: float = 900, in_process: bool = False) -> dict[str, Any]:
+def run_child(spec: dict[str, Any], timeout: float = 900, in_process: bool = False, retries: int = 1) -> dict[str, Any]:
     if in_process:  # the smoke run: no process start-up per trial
         return trial(spec)
     flag = "--ddp-trial" if spec.get("ddp") else "--trial"
@@ -411,8 +422,18 @@ def run_child(spec: dict[str, Any], timeout: float = 900, in_process: bool = Fal
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
+        if retries:
+            print(f"trial {spec} failed, running it again:\n{done.stderr[-1000:]}", file=sys.stderr)
+            return run_child(spec, timeout, in_process, retries - 1)
         raise RuntimeError(f"trial {spec} failed:\n{done.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def _save_progress(out: Path, results: list[Any], probes: list[Any], ddp: list[Any]) -> None:
+    """Keep what was measured so far in results.json (``--report-only`` renders it) should a later trial fail."""
+    (out / "results.json").write_text(
+        json.dumps({"machine": machine(), "trials": results, "probes": probes, "ddp": ddp, "partial": True}, indent=1)
+    )
 
 
 def machine() -> dict[str, str]:
@@ -699,6 +720,7 @@ def main(argv: list[str] | None = None) -> None:
                         flush=True,
                     )
                     results.append(result)
+                    _save_progress(out, results, [], [])
     probes = []
     for workload in args.workloads:
         a = 8 if 8 in args.accumulate else args.accumulate[-1]
@@ -724,6 +746,7 @@ def main(argv: list[str] | None = None) -> None:
                         flush=True,
                     )
                     ddp.append(result)
+                    _save_progress(out, results, probes, ddp)
     write_results(out, results, probes, ddp, args)
     print(f"\nwrote {out / 'RESULTS.md'}, {out / 'results.json'}, {out / 'ratios.png'}")
 

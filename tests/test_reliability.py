@@ -544,32 +544,45 @@ def test_a_group_that_cannot_be_carried_is_reported_and_not_counted_twice(tmp_pa
     assert ledger.updates_applied == whole.strategy.ledger.updates_applied == 4
 
 
-def _ddp_resume_runs(rank: int, folder: str) -> None:
+def _ddp_resumable_fit(
+    model: L.LightningModule,
+    strategy: Any,
+    max_epochs: int,
+    callbacks: list[L.Callback],
+    ckpt: str | None,
+    examples: list[dict[str, torch.Tensor]],
+) -> L.Trainer:
+    """A 2-process fit (inside a run_ddp worker) on a resumable, rank-strided loader; A = 2."""
     from helpers import RankStridedSampler
+
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        accumulate_grad_batches=2,
+        max_epochs=max_epochs,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skipped-update warning, Lightning's resume notes
+        trainer.fit(model, loader, ckpt_path=ckpt)
+    return trainer
+
+
+def _ddp_resume_runs(rank: int, folder: str) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     examples = make_examples(random_lengths(20, seed=60), seed=60)  # 5 micro-batches of 2 per rank, A = 2
 
     def run(max_epochs: int, callbacks: list[L.Callback], ckpt: str | None) -> tuple[L.Trainer, TinyLM]:
         model = _PoisonOnce(bad=2)
-        trainer = L.Trainer(
-            strategy="accum_ddp",
-            accelerator="cpu",
-            devices=2,
-            accumulate_grad_batches=2,
-            max_epochs=max_epochs,
-            logger=False,
-            callbacks=callbacks,
-            enable_checkpointing=bool(callbacks),
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-        )
-        loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the skipped-update warning, Lightning's resume notes
-            trainer.fit(model, loader, ckpt_path=ckpt)
-        return trainer, model
+        return _ddp_resumable_fit(model, "accum_ddp", max_epochs, callbacks, ckpt, examples), model
 
     whole, whole_model = run(2, [], None)
     checkpoints = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, filename="{step}")
@@ -607,31 +620,14 @@ def test_ddp_resume_at_an_update_boundary_equals_the_uninterrupted_run(tmp_path:
 
 
 def _ddp_mid_group_runs(rank: int, folder: str) -> None:
-    from helpers import RankStridedSampler
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     examples = make_examples(random_lengths(20, seed=61), seed=61)  # 5 micro-batches of 2 per rank: groups 2, 2, 1
 
     def run(callbacks: list[L.Callback], ckpt: str | None, interrupt: Any = None) -> tuple[L.Trainer, _Interrupted]:
         model = _Interrupted(interrupt, folder)
-        trainer = L.Trainer(
-            strategy=DDPAccumulationStrategy(partial_group="drop", start_method="popen"),
-            accelerator="cpu",
-            devices=2,
-            accumulate_grad_batches=2,
-            max_epochs=2,
-            logger=False,
-            callbacks=callbacks,
-            enable_checkpointing=bool(callbacks),
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-        )
-        loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Lightning's resume notes
-            trainer.fit(model, loader, ckpt_path=ckpt)
-        return trainer, model
+        strategy = DDPAccumulationStrategy(partial_group="drop", start_method="popen")
+        return _ddp_resumable_fit(model, strategy, 2, callbacks, ckpt, examples), model
 
     whole, whole_model = run([], None)
     # One run writes both: a checkpoint at an update boundary (step 2, mid-epoch 0) and one from a callback inside
