@@ -19,6 +19,7 @@ group exactly; what cannot be carried is reported when writing and when resuming
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -520,6 +521,21 @@ class DDPAccumulationStrategy(_ExactAccumulation, DDPStrategy):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
         return tensor
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        text = str(exception).lower()
+        if isinstance(exception, RuntimeError) and ("timed out" in text or "timeout" in text):
+            # Every rank, not rank zero only: the rank that ran out of data may be the only one left to say so.
+            warnings.warn(
+                "lightning_accum: a collective timed out. If replicas ran out of training data at different"
+                " micro-batches of the same accumulation group (an unevenly sharded iterable dataset), their"
+                " collectives paired up wrongly before the group could close and be checked: shard the data"
+                " evenly (drop the remainder). The wait is bounded by the strategy's `timeout=`.",
+                UserWarning,
+                stacklevel=1,
+            )
 
     @override
     def _configure_launcher(self) -> None:

@@ -181,6 +181,45 @@ def test_replicas_that_disagree_get_an_error_not_a_hang(tmp_path: Path) -> None:
         assert "The training data of 1 of 2 replicas ended with this accumulation group" in messages["uneven"]
 
 
+def _uneven_inside_a_group(rank: int, folder: str) -> None:
+    import datetime
+
+    strategy = DDPAccumulationStrategy(start_method="popen", timeout=datetime.timedelta(seconds=10))
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        accumulate_grad_batches=3,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    result = {"error": "no error", "hint": False}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(TinyLM(), DataLoader(_Shard((5, 4)), batch_size=None))
+        except RuntimeError as err:
+            result["error"] = str(err)
+    result["hint"] = any("collective timed out" in str(w.message) for w in caught)
+    Path(folder, f"inside-rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(120)
+def test_data_that_ends_inside_a_group_unevenly_ends_at_the_timeout_with_a_hint(tmp_path: Path) -> None:
+    # 5 vs 4 batches with A = 3: the replicas' data ends inside the same group at different micro-batches. That
+    # cannot be caught without a collective per micro-batch (their collectives pair up wrongly first); what the
+    # package guarantees is that the strategy's `timeout=` bounds the wait and every rank says what to look at.
+    run_ddp(_uneven_inside_a_group, str(tmp_path))
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"inside-rank{rank}.json").read_text())
+        assert result["error"] != "no error" and result["hint"], result
+
+
 # ---------------------------------------------------------------------------- LightningCLI
 
 
