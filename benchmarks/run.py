@@ -104,6 +104,25 @@ def update_timer(stamps: list[float], clock: Any) -> Any:
     return UpdateTimer()
 
 
+def _bench_trainer(strategy: Any, devices: int, a: int, updates: int, logger: Any, callbacks: list[Any]) -> Any:
+    """The Trainer of every Lightning trial: CPU, `updates` optimizer steps of `a` micro-batches, one log a step."""
+    import lightning as L
+
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        accumulate_grad_batches=a,
+        max_steps=updates,
+        logger=logger,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
 def _unpack(batch: Any) -> tuple[Any, Any, Any]:
     """(inputs, labels, units) for the hand-written loop."""
     import torch
@@ -195,19 +214,7 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
             callbacks.append(probe)
             graph = GraphLiveness(model)
             callbacks.append(graph)
-        trainer = L.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=1,
-            accumulate_grad_batches=a,
-            max_steps=updates,
-            logger=logger,
-            callbacks=callbacks,
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = _bench_trainer(strategy, 1, a, updates, logger, callbacks)
         with _quiet_stdout(), timer if timer is not None else contextlib.nullcontext():
             trainer.fit(model, loader)
     result = _timing(spec, stamps, warmup, a)
@@ -377,19 +384,8 @@ def _ddp_worker(rank: int, spec: dict[str, Any], port: int, out: str) -> None:
             AccumulationReport(path=out),
         ]
     with tempfile.TemporaryDirectory() as logs:
-        trainer = L.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=2,
-            accumulate_grad_batches=a,
-            max_steps=updates,
-            logger=L.pytorch.loggers.TensorBoardLogger(logs, name="bench"),
-            callbacks=callbacks,
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        logger = L.pytorch.loggers.TensorBoardLogger(logs, name="bench")
+        trainer = _bench_trainer(strategy, 2, a, updates, logger, callbacks)
         with _quiet_stdout():
             trainer.fit(model, DataLoader(data, batch_size=m))
     result = _timing(spec, stamps, warmup, a)

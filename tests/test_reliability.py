@@ -148,21 +148,29 @@ class _TokensOnRankZero(TinyLM):
         return out if self.global_rank == 0 else out["loss"]
 
 
+def _ddp_trainer(
+    strategy: Any, accumulate: int, max_epochs: int = 1, callbacks: list[L.Callback] | None = None
+) -> L.Trainer:
+    """A 2-process CPU Trainer for run_ddp workers; each rank reads its own data (no distributed sampler)."""
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        accumulate_grad_batches=accumulate,
+        max_epochs=max_epochs,
+        logger=False,
+        callbacks=callbacks or [],
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+
+
 def _disagreeing_runs(rank: int, folder: str) -> None:
     messages = {}
     for name, model, counts in (("units", _TokensOnRankZero(), (4, 4)), ("uneven", TinyLM(), (6, 4))):
-        trainer = L.Trainer(
-            strategy="accum_ddp",
-            accelerator="cpu",
-            devices=2,
-            accumulate_grad_batches=2,
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-        )
+        trainer = _ddp_trainer("accum_ddp", accumulate=2)
         try:
             trainer.fit(model, DataLoader(_Shard(counts), batch_size=None))
             messages[name] = "no error"
@@ -185,18 +193,7 @@ def _uneven_inside_a_group(rank: int, folder: str) -> None:
     import datetime
 
     strategy = DDPAccumulationStrategy(start_method="popen", timeout=datetime.timedelta(seconds=10))
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        accumulate_grad_batches=3,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
+    trainer = _ddp_trainer(strategy, accumulate=3)
     result = {"error": "no error", "hint": False}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -594,19 +591,7 @@ def _ddp_resumable_fit(
     """A 2-process fit (inside a run_ddp worker) on a resumable, rank-strided loader; A = 2."""
     from helpers import RankStridedSampler
 
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        accumulate_grad_batches=2,
-        max_epochs=max_epochs,
-        logger=False,
-        callbacks=callbacks,
-        enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
+    trainer = _ddp_trainer(strategy, accumulate=2, max_epochs=max_epochs, callbacks=callbacks)
     loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skipped-update warning, Lightning's resume notes
