@@ -110,10 +110,22 @@ class PackageTimer:
     the engine's bookkeeping, the group close, the rescale, the guard, the logging and the report. It is an upper
     bound: the clock reads of the wrappers themselves (about a microsecond a call) are charged to it too.
 
+    ``dispatch_of``: callback types whose *dispatch* by Lightning is charged to the package too. Lightning calls every
+    hook of every callback, overridden or not, each inside a profiler context: that work exists only because the
+    callbacks are there. While active, the timer replaces Lightning's ``_call_callback_hooks`` with an equivalent
+    loop (same order, same ``_current_fx_name`` bookkeeping, same profiler actions) that charges the dispatch of
+    those callbacks, from the attribute look-up to the return of the hook, to the package (``by_method`` key
+    ``"<Class>.dispatch"``).
+
     Used as a context manager around ``trainer.fit``; the patches are removed on exit.
     """
 
-    def __init__(self, package: list[tuple[type, str]], baseline: list[tuple[type, str]]) -> None:
+    def __init__(
+        self,
+        package: list[tuple[type, str]],
+        baseline: list[tuple[type, str]],
+        dispatch_of: tuple[type, ...] = (),
+    ) -> None:
         self.package_ns = 0
         #: ``package_ns`` split by the innermost wrapped package method (``Class.method``).
         self.by_method: dict[str, int] = {}
@@ -122,6 +134,8 @@ class PackageTimer:
         self._saved: list[tuple[type, str, Any]] = []
         self._stack: list[tuple[bool, str]] = []
         self._last = 0
+        self._dispatch_of = dispatch_of
+        self._saved_dispatch: Any = None
 
     @classmethod
     def for_strategy(
@@ -136,7 +150,9 @@ class PackageTimer:
         from lightning.pytorch.strategies import Strategy
 
         package: list[tuple[type, str]] = []
-        baseline: list[tuple[type, str]] = [(Closure, "__call__")]
+        # Lightning's work that the package calls: the closure (model and backward) and a schedule's step (which the
+        # strategy advances where plain Lightning would).
+        baseline: list[tuple[type, str]] = [(Closure, "__call__"), (L.LightningModule, "lr_scheduler_step")]
         mro = strategy_type.__mro__
         lightning_start = next(i for i, klass in enumerate(mro) if klass.__module__.startswith("lightning."))
         for klass in mro[:lightning_start]:
@@ -152,7 +168,7 @@ class PackageTimer:
         for klass in callback_types:
             package += [(klass, name) for name in _methods(klass) if hasattr(L.Callback, name)]
         package += parts or []
-        return cls(package, baseline)
+        return cls(package, baseline, dispatch_of=tuple(callback_types))
 
     def _switch(self) -> None:
         now = time.thread_time_ns()
@@ -184,12 +200,54 @@ class PackageTimer:
             original = vars(cls)[name]
             self._saved.append((cls, name, original))
             setattr(cls, name, self._wrap(original, is_package))
+        if self._dispatch_of:
+            from lightning.pytorch.trainer import call
+
+            self._saved_dispatch = call._call_callback_hooks
+            call._call_callback_hooks = self._call_callback_hooks
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for cls, name, original in reversed(self._saved):
             setattr(cls, name, original)
         self._saved = []
+        if self._saved_dispatch is not None:
+            from lightning.pytorch.trainer import call
+
+            call._call_callback_hooks = self._saved_dispatch
+            self._saved_dispatch = None
+
+    def _call_callback_hooks(
+        self, trainer: Any, hook_name: str, *args: Any, monitoring_callbacks: bool | None = None, **kwargs: Any
+    ) -> None:
+        """Lightning 2.6's ``trainer.call._call_callback_hooks``, with the dispatch of ``dispatch_of`` timed."""
+        from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
+
+        pl_module = trainer.lightning_module
+        if pl_module:
+            prev_fx_name = pl_module._current_fx_name
+            pl_module._current_fx_name = hook_name
+        callbacks = trainer.callbacks
+        if monitoring_callbacks is True:
+            callbacks = [cb for cb in callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
+        elif monitoring_callbacks is False:
+            callbacks = [cb for cb in callbacks if not isinstance(cb, (EarlyStopping, Checkpoint))]
+        for callback in callbacks:
+            timed = isinstance(callback, self._dispatch_of)
+            if timed:
+                self._switch()
+                self._stack.append((True, f"{type(callback).__name__}.dispatch"))
+            try:
+                fn = getattr(callback, hook_name)
+                if callable(fn):
+                    with trainer.profiler.profile(f"[Callback]{callback.state_key}.{hook_name}"):
+                        fn(trainer, trainer.lightning_module, *args, **kwargs)
+            finally:
+                if timed:
+                    self._switch()
+                    self._stack.pop()
+        if pl_module:
+            pl_module._current_fx_name = prev_fx_name
 
 
 def _methods(klass: type) -> list[str]:

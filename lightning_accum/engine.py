@@ -29,8 +29,8 @@ of a small float64 vector and one host read happen per update.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -58,6 +58,8 @@ ON_NONFINITE_CHOICES: tuple[str, ...] = ("skip", "raise", "ignore")
 
 Count = int | Tensor
 AllReduce = Callable[[Tensor], Tensor]
+#: ``listener(record, batch_samples)``: see :meth:`AccumulationEngine.add_listener`.
+GroupListener = Callable[[GroupRecord, Sequence[int]], None]
 
 # Positions in the vector that is all-reduced (summed) once per group.
 _UNITS, _WEIGHTED_LOSS, _TOKENS, _SAMPLES, _NEGATIVE, _SCALE_REF, _MICROBATCHES, _UNIT_CODE, _NONFINITE, _LAST = range(
@@ -98,9 +100,16 @@ def infer_num_samples(batch: Any) -> int | None:
         >>> infer_num_samples({"input_ids": torch.zeros(4, 7), "lengths": torch.zeros(3)}) is None
         True
     """
-    sizes: set[int] = set()
+    # Fast path for the common flat batch (a dict, list or tuple of tensors): this runs on every micro-batch.
+    kind = type(batch)
+    flat = batch.values() if kind is dict else batch if kind is tuple or kind is list else None
+    if flat is not None:
+        sizes = {value.shape[0] for value in flat if type(value) is Tensor and value.ndim}
+        if all(type(value) is Tensor for value in flat):
+            return sizes.pop() if len(sizes) == 1 else None
+    sizes = set()
     pending = [batch]
-    while pending:  # iterative: this runs on every micro-batch
+    while pending:  # iterative, for nested batches
         obj = pending.pop()
         if isinstance(obj, Tensor):
             if obj.ndim:
@@ -164,6 +173,9 @@ def _as_count(name: str, value: object, device: torch.device) -> Count:
 def scale_gradients(parameters: Iterable[Tensor], factor: float) -> None:
     """Multiply every existing gradient in place by ``factor``, one fused kernel per device and dtype.
 
+    Rounded once: half-precision gradients are multiplied in float32 by the float32 factor (torch's
+    ``_foreach_mul_`` with a Python float rounds the factor to the gradient's dtype first on the CPU).
+
     Example:
         >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.tensor([1.0, 2.0])
         >>> scale_gradients([p], 0.5); p.grad
@@ -173,8 +185,11 @@ def scale_gradients(parameters: Iterable[Tensor], factor: float) -> None:
     for p in parameters:
         if p.grad is not None:
             groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for grads in groups.values():
-        torch._foreach_mul_(grads, factor)
+    for (device, dtype), grads in groups.items():
+        if dtype in (torch.float16, torch.bfloat16):
+            torch._foreach_mul_(grads, torch.tensor(factor, dtype=torch.float32, device=device))
+        else:
+            torch._foreach_mul_(grads, factor)
 
 
 @dataclass
@@ -182,16 +197,24 @@ class GroupOutcome:
     """What to do with a closed group.
 
     Attributes:
-        action: ``"apply"`` (scale the gradients by ``factor`` and update), ``"skip"`` (an attempt that
-            makes no update) or ``"drop"`` (a partial final group dropped by policy; not an attempt).
+        action: ``"apply"`` (scale the gradients by ``factor``, unless :attr:`scaled`, and update), ``"skip"``
+            (an attempt that makes no update) or ``"drop"`` (a partial final group dropped by policy; not an
+            attempt).
         factor: The multiplier ``c · D / W`` for the accumulated gradients (1.0 unless ``"apply"``).
         record: The group's record, to be completed and added to the ledger by
             :meth:`AccumulationEngine.finish_group`.
+        scaled: Whether :meth:`AccumulationEngine.close_group` already multiplied the ``gradients`` it was given
+            by ``factor`` (then the caller scales nothing; a group that is not applied holds no update, and the
+            caller zeroes its gradients).
+        batch_samples: The group's micro-batch sizes in samples on this replica, where known on the host
+            (reported as ints or read from the batch's tensor shapes), in order; handed to the listeners.
     """
 
     action: Literal["apply", "skip", "drop"]
     factor: float
     record: GroupRecord
+    scaled: bool = False
+    batch_samples: list[int] = field(default_factory=list)
 
 
 class _GroupSums:
@@ -213,6 +236,7 @@ class _GroupSums:
         self.losses: list[Tensor] = []
         self.tokens: list[Count] = []
         self.samples: list[Count] = []
+        self.batch_samples: list[int] = []
 
     @staticmethod
     def _total(values: list[Count], device: torch.device) -> tuple[float, Tensor | None, Tensor | None]:
@@ -376,9 +400,7 @@ class AccumulationEngine:
         self._pending_backward: Tensor | None = None
         self._backward_running = False
         self._warned_partial = False
-        #: The last micro-batch's number of samples, when known on the host (reported as an int or read from the
-        #: batch's tensor shapes); None otherwise.
-        self.batch_samples: int | None = None
+        self._listeners: list[GroupListener] = []
 
     # ------------------------------------------------------------------ micro-batches
 
@@ -413,20 +435,24 @@ class AccumulationEngine:
         Returns:
             ``loss · w / c``, or ``None`` when the step returned no loss.
         """
-        self._sums.microbatches += 1
+        sums = self._sums
+        sums.microbatches += 1
         loss, tokens, samples = self._parse(output, batch)
         if loss is None:
-            self.batch_samples = infer_num_samples(batch)
+            size = infer_num_samples(batch)
+            if size is not None:
+                sums.batch_samples.append(size)
             return None
         device = loss.device
         tokens_c = _as_count("num_tokens", tokens, device) if tokens is not None else None
         samples_c = _as_count("num_samples", samples, device) if samples is not None else None
-        # The micro-batch's number of samples as a host int when known without a device read (for the report).
-        self.batch_samples = samples_c if isinstance(samples_c, int) else infer_num_samples(batch)
+        # The micro-batch's number of samples as a host int when known without a device read (for the listeners).
+        size = samples_c if isinstance(samples_c, int) else infer_num_samples(batch)
+        if size is not None:
+            sums.batch_samples.append(size)
         unit = self.ledger.normalization or self._decide_unit(tokens_c is not None, samples_c is not None)
         weight = self._weight(unit, tokens_c, samples_c)
 
-        sums = self._sums
         sums.losses.append(loss.detach())
         if tokens_c is not None:
             sums.tokens.append(tokens_c)
@@ -559,6 +585,8 @@ class AccumulationEngine:
         nonfinite: Tensor | None = None,
         describe_nonfinite: Callable[[], str] | None = None,
         ends_epoch: bool = False,
+        gradients: Sequence[Tensor] | None = None,
+        check_gradients: bool = False,
     ) -> GroupOutcome:
         """Reduce the group's sums over replicas (one all-reduce, one host read) and decide what to do.
 
@@ -567,13 +595,19 @@ class AccumulationEngine:
             device: Where the reduced vector lives (the replica's device).
             all_reduce: Sum-all-reduce over replicas, in place; ``None`` on one device.
             replicas: ``D``.
-            nonfinite: A device scalar that is not finite when the group's gradient holds a NaN or Inf (the
-                strategies pass the float64 sum of the per-parameter gradient norms; checked only without a
-                GradScaler and unless ``on_nonfinite="ignore"``). Folded into the same all-reduce (a NaN or Inf on
-                any replica makes the sum non-finite), so every replica takes the same decision.
+            nonfinite: A device scalar that is not finite when the group's gradient holds a NaN or Inf, for callers
+                that check the gradient themselves. Folded into the same all-reduce (a NaN or Inf on any replica
+                makes the sum non-finite), so every replica takes the same decision.
             describe_nonfinite: Names the first offending parameter, for ``on_nonfinite="raise"``.
             ends_epoch: Whether this replica's data ends with this group. Replicas must agree: one whose data
                 ended while others go on would leave them waiting in a collective forever.
+            gradients: The group's accumulated gradients (what the strategies pass). They are multiplied in place
+                by ``c · D / W`` on the device, before the host read, and the outcome says so (``scaled``); the
+                caller zeroes them when the outcome is not ``"apply"``. Under DDP they are the gradients DDP has
+                already averaged over replicas, identical on every replica.
+            check_gradients: With ``gradients``: check them for NaN/Inf in the same pass as the rescale (the
+                kernel GradScaler unscales with; checked before multiplying), for ``on_nonfinite`` "skip" and
+                "raise". Every replica checks the same averaged gradient, so all take the same decision.
 
         Raises:
             ValueError: A reported count was negative (on every replica alike, so none of them hangs).
@@ -600,7 +634,11 @@ class AccumulationEngine:
         vector = sums.local_vector(device, self.ledger.normalization, extra, device_extra)
         if all_reduce is not None and replicas > 1:
             all_reduce(vector)
-        values = vector.tolist()  # the one host read of the update
+        found: Tensor | None = None
+        if gradients:
+            # c · D / W on the device: the gradient is rescaled before anything is read on the host.
+            found = self._rescale(gradients, vector[_SCALE_REF] / vector[_UNITS], check_gradients)
+        values = (torch.cat((vector, found)) if found is not None else vector).tolist()  # the one host read
 
         self._sums = _GroupSums()
         self._group_ref = None
@@ -630,11 +668,11 @@ class AccumulationEngine:
             self._note_partial(k, accumulate)
             if self.partial_group == "drop":
                 record.dropped = True
-                return GroupOutcome("drop", 1.0, record)
+                return GroupOutcome("drop", 1.0, record, batch_samples=sums.batch_samples)
         if units <= 0:
             record.skip_reason = "empty"
-            return GroupOutcome("skip", 1.0, record)
-        if not math.isfinite(values[_NONFINITE]):
+            return GroupOutcome("skip", 1.0, record, batch_samples=sums.batch_samples)
+        if not math.isfinite(values[_NONFINITE]) or sum(values[_VECTOR_SIZE:]) > 0:
             update = self.ledger.updates_attempted + 1
             where = describe_nonfinite() if describe_nonfinite is not None else "a parameter"
             if self.on_nonfinite == "raise":
@@ -647,8 +685,37 @@ class AccumulationEngine:
                 f" {where}). Parameters and optimizer state are unchanged (on_nonfinite='skip')."
             )
             record.skip_reason = "nonfinite"
-            return GroupOutcome("skip", 1.0, record)
-        return GroupOutcome("apply", scale_ref_times_d / units, record)
+            return GroupOutcome("skip", 1.0, record, batch_samples=sums.batch_samples)
+        return GroupOutcome(
+            "apply", scale_ref_times_d / units, record, scaled=bool(gradients), batch_samples=sums.batch_samples
+        )
+
+    def _rescale(self, gradients: Sequence[Tensor], factor: Tensor, check: bool) -> Tensor | None:
+        """Multiply ``gradients`` in place by the device scalar ``factor``; with ``check``, also return a tensor
+        whose sum is positive when a gradient held a NaN/Inf before the multiplication (no host read).
+
+        One kernel per device and dtype: GradScaler's fused check-and-multiply for floating-point gradients up to
+        32 bits (the float32 factor rounds as a Python-float multiplier would), a multiply plus norms for float64.
+        """
+        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for grad in gradients:
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+        flags: list[Tensor] = []
+        for (device, dtype), grads in by_kind.items():
+            if dtype == torch.float64:
+                if check:
+                    norms = torch.stack(torch._foreach_norm(grads)).sum()
+                    flags.append((~torch.isfinite(norms)).to(torch.float64).reshape(1))
+                torch._foreach_mul_(grads, factor.to(device))
+            elif check:
+                flag = torch.zeros(1, dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, factor.to(device, torch.float32))
+                flags.append(flag)
+            else:
+                torch._foreach_mul_(grads, factor.to(device, torch.float32))
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else torch.cat([f.to(flags[0].device, torch.float64) for f in flags])
 
     def schedule_due(self, record: GroupRecord, frequency: int = 1) -> bool:
         """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in the ledger).
@@ -680,6 +747,8 @@ class AccumulationEngine:
         self.ledger.record(record)
         if not record.dropped:
             self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
+        for listener in self._listeners:
+            listener(record, outcome.batch_samples)
         if self.max_consecutive_skips is not None and self.consecutive_skips >= self.max_consecutive_skips:
             raise RuntimeError(
                 f"{self.consecutive_skips} consecutive updates were skipped (the last for {record.skip_reason!r};"
@@ -687,6 +756,22 @@ class AccumulationEngine:
                 " NaN/Inf (or the empty groups), or raise `max_consecutive_skips=` on the strategy."
             )
         return record
+
+    def add_listener(self, listener: GroupListener) -> None:
+        """Call ``listener(record, batch_samples)`` after every group is added to the ledger (by
+        :meth:`finish_group`): updates, skipped attempts and dropped groups alike (``record.dropped``).
+
+        ``batch_samples`` are the group's micro-batch sizes known on the host (see :attr:`GroupOutcome.batch_samples`).
+        This is how the callbacks act once per group without a hook on every micro-batch. Adding a listener twice
+        has no effect.
+        """
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: GroupListener) -> None:
+        """Stop calling ``listener`` (no effect if it was not added)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def _check_agreement(self, values: list[float], k: int, replicas: int, ends_epoch: bool) -> None:
         ended = round(values[_LAST])

@@ -117,8 +117,13 @@ class _ExactAccumulation(Strategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
         trainer = self._trainer()
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx  # the index Lightning's hooks of this batch receive
+        if self._resumed_group is not None or (
+            self._engine.microbatches_in_group and batch_idx % trainer.accumulate_grad_batches == 0
+        ):
+            self._check_group_start(trainer, batch_idx)
+        output = super().training_step(*args, **kwargs)
         batch = args[0] if args else kwargs.get("batch")
         self._engine.add_microbatch(
             output,
@@ -144,18 +149,6 @@ class _ExactAccumulation(Strategy):
     def _gradients(self, optimizer: Optimizer) -> list[Tensor]:
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
-    def _nonfinite_flag(self, optimizer: Optimizer) -> Tensor | None:
-        """The float64 sum of the gradients' norms: not finite exactly when a gradient holds a NaN/Inf.
-
-        Three tensor operations (one fused norm kernel per device and dtype); None when the check does not apply.
-        """
-        if self._scaler is not None or self._engine.on_nonfinite == "ignore":
-            return None  # a GradScaler finds non-finite gradients itself (skip reason "overflow")
-        grads = self._gradients(optimizer)
-        if not grads:
-            return None
-        return torch.stack(torch._foreach_norm(grads)).sum(dtype=torch.float64)
-
     def _first_nonfinite_name(self, optimizer: Optimizer) -> str:
         module = self.lightning_module
         names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
@@ -177,22 +170,26 @@ class _ExactAccumulation(Strategy):
         # training_step and backward. Running it first lets the group close before unscale and clipping.
         closure_result = closure()
         trainer = self._trainer()
+        scaler = self._scaler
+        # The engine rescales the gradient by c·D/W on the device and, without a GradScaler (which finds
+        # non-finite gradients itself: skip reason "overflow"), checks it for NaN/Inf in the same pass.
         outcome = self._engine.close_group(
             accumulate=trainer.accumulate_grad_batches,
             device=self.root_device,
             all_reduce=self._all_reduce_sum,
             replicas=self.data_parallel_replicas,
-            nonfinite=self._nonfinite_flag(optimizer),
             describe_nonfinite=lambda: self._first_nonfinite_name(optimizer),
             ends_epoch=bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
+            gradients=self._gradients(optimizer),
+            check_gradients=scaler is None and self._engine.on_nonfinite != "ignore",
         )
         if outcome.action != "apply":
             optimizer.zero_grad(set_to_none=True)
             self._finish(outcome, applied=False)
             return closure_result
 
-        scale_gradients((p for group in optimizer.param_groups for p in group["params"]), outcome.factor)
-        scaler = self._scaler
+        if not outcome.scaled:
+            scale_gradients((p for group in optimizer.param_groups for p in group["params"]), outcome.factor)
         scale_before = scaler._scale.clone() if scaler is not None and scaler._scale is not None else None
         output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
         if scale_before is None or scaler is None or scaler._scale is None:
@@ -287,7 +284,7 @@ class _ExactAccumulation(Strategy):
         if open_microbatches:
             # Written inside a group (OnExceptionCheckpoint, SIGTERM, a time-based or hand-written checkpoint):
             # carry the group's counters and its accumulated gradient, so that a run resumed from this file
-            # finishes the group exactly (see `on_train_batch_start`). Every replica takes part (collectives).
+            # finishes the group exactly (see `_check_group_start`). Every replica takes part (collectives).
             group = self._engine.open_group_state(self.root_device, self._all_reduce_sum, self.data_parallel_replicas)
             gradients = self._summed_gradients()
             if group["consistent"]:
@@ -320,13 +317,14 @@ class _ExactAccumulation(Strategy):
             self._resumed_group = dict(state.get("open_group") or {"microbatches": 0})
         return checkpoint
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
+    def _check_group_start(self, trainer: Trainer, batch_idx: int) -> None:
+        """At the first micro-batch after a resume, reopen the group the checkpoint carries; at a group's first
+        micro-batch, discard a group Lightning never stepped. Runs in ``training_step``, before Lightning zeroes the
+        gradient at a group's start (no hook of its own on every micro-batch)."""
         if self._resumed_group is not None:
             group, self._resumed_group = self._resumed_group, None
             self._reopen_group(group, batch_idx)
-        if self._engine.microbatches_in_group and batch_idx % self._trainer().accumulate_grad_batches == 0:
+        if self._engine.microbatches_in_group and batch_idx % trainer.accumulate_grad_batches == 0:
             # Lightning starts a group (and zeroes the gradient) while the previous one never reached an optimizer
             # step: the loader yielded fewer batches than its length announced, so Lightning's epoch ended early.
             lost = self._engine.discard_open_group()
@@ -480,8 +478,8 @@ class DDPAccumulationStrategy(_ExactAccumulation, DDPStrategy):
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``find_unused_parameters``, ``process_group_backend``, ...).
 
-    An overflow or non-finite gradient on one replica reaches all of them (DDP averages the gradients, and
-    the non-finite flag rides in the group's all-reduce), so every replica takes the same decision.
+    An overflow or non-finite gradient on one replica reaches all of them (DDP averages the gradients before
+    they are checked, so every replica checks the same values), and every replica takes the same decision.
     ``trainer.global_step`` counts attempts, as in Lightning; applied updates are in :attr:`ledger`.
 
     ``D`` is the world size: every process is one data replica (tensor or pipeline parallelism is not

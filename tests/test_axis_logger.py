@@ -236,3 +236,33 @@ def test_ddp_rank_zero_writes_global_token_steps(tmp_path: Path) -> None:
     assert len(list(folder.glob("events.out.tfevents.*"))) == 1  # rank zero only
     # D = 2, m = 2, A = 2: an update consumes 8 examples (rank-strided, so the first 8, then the next 8).
     assert [s for s, _ in scalars(folder)["accum/loss"]] == cumulative_tokens(examples, 8)
+
+
+def test_group_metrics_are_one_tensorboard_event_read_back_like_log_metrics(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from lightning_accum.callbacks.axis_logger import _write_one_event
+
+    metrics = {"accum/loss": 2.75, "accum/lr": 3e-4, "accum/tokens_per_update": 4099, "accum/skipped_updates": 1}
+    fused, plain = TensorBoardLogger(tmp_path, name="fused"), TensorBoardLogger(tmp_path, name="plain")
+    for step in (4099, 8200):
+        assert _write_one_event(fused, metrics, step)
+        plain.log_metrics(metrics, step=step)
+    assert not _write_one_event(TensorBoardLogger(tmp_path, name="p", prefix="run"), metrics, 1)  # prefix: fall back
+    assert not _write_one_event(CSVLogger(tmp_path), metrics, 1)
+    for logger in (fused, plain):
+        logger.finalize("success")
+
+    def read(name: str) -> dict[str, list[tuple[int, float]]]:
+        accumulator = EventAccumulator(str(tmp_path / name / "version_0"))
+        accumulator.Reload()
+        return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+    assert read("fused") == read("plain") and set(read("fused")) == set(metrics)
+    events = [
+        event
+        for path in (tmp_path / "fused" / "version_0").glob("events.*")
+        for event in EventFileLoader(str(path)).Load()
+        if event.HasField("summary")
+    ]
+    assert [len(event.summary.value) for event in events] == [len(metrics)] * 2

@@ -12,7 +12,7 @@ from helpers import IGNORE, SEQ, TinyLM, make_examples, relative_error, token_we
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_accum.engine import AccumulationEngine, infer_num_samples, validate_choice
+from lightning_accum.engine import AccumulationEngine, infer_num_samples, scale_gradients, validate_choice
 
 
 def test_seed_example_gives_token_weighted_loss_not_mean_of_means() -> None:
@@ -167,6 +167,56 @@ def test_empty_group_is_a_skipped_attempt() -> None:
     assert math.isnan(outcome.record.loss)
     ledger = engine.ledger
     assert (ledger.updates_attempted, ledger.updates_applied, ledger.updates_skipped["empty"]) == (1, 0, 1)
+
+
+def _closed_with_gradients(
+    grads: list[torch.Tensor], check: bool, tokens: tuple[int, int] = (30, 10)
+) -> tuple[AccumulationEngine, object]:
+    """A second group (c = 40 from the first) of two micro-batches closed with `grads` handed to the engine."""
+    engine = AccumulationEngine(normalize="tokens")
+    for _ in range(2):  # first group: 40 tokens, sets c = 40
+        engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": 20}, None, accumulate=2)
+    engine.finish_group(engine.close_group(accumulate=2), applied=True)
+    for n in tokens:
+        engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": n}, None, accumulate=2)
+    return engine, engine.close_group(accumulate=2, gradients=grads, check_gradients=check)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_close_rescales_given_gradients_on_the_device_like_the_host_factor(dtype: torch.dtype) -> None:
+    # c · D / W = 40 / 40 would be 1: use W = 30 + 15 = 45 so that the factor 40/45 rounds.
+    grads = [torch.randn(7, dtype=dtype), torch.randn(3, 2, dtype=dtype)]
+    expected = [g.clone() for g in grads]
+    for check in (True, False):
+        moved = [g.clone() for g in grads]
+        _, outcome = _closed_with_gradients(moved, check, tokens=(30, 15))
+        assert outcome.action == "apply" and outcome.scaled and outcome.factor == pytest.approx(40 / 45, rel=1e-15)
+        # One rounding: float32 arithmetic with the float32 factor (float64 for float64 gradients).
+        math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        factor = torch.tensor(outcome.factor, dtype=torch.float64).to(math_dtype)
+        for got, before in zip(moved, expected, strict=True):
+            assert torch.equal(got, (before.to(math_dtype) * factor).to(dtype)), (dtype, check)
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in expected]  # the public helper rounds alike
+        for p, g in zip(params, expected, strict=True):
+            p.grad = g.clone()
+        scale_gradients(params, outcome.factor)
+        for p, got in zip(params, moved, strict=True):
+            assert torch.equal(p.grad, got), (dtype, check)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+def test_close_finds_a_nonfinite_gradient_in_the_rescale_pass(dtype: torch.dtype, poison: float) -> None:
+    grads = [torch.ones(4, dtype=dtype), torch.ones(5, dtype=dtype)]
+    grads[1][3] = poison
+    with pytest.warns(UserWarning, match="skipped update 2: its gradient is not finite"):
+        engine, outcome = _closed_with_gradients(grads, check=True)
+    assert outcome.action == "skip" and outcome.record.skip_reason == "nonfinite"
+    engine.finish_group(outcome, applied=False)
+    assert engine.ledger.updates_skipped["nonfinite"] == 1
+    # Unchecked (on_nonfinite="ignore", or a GradScaler checks): applied, as Lightning would.
+    _, unchecked = _closed_with_gradients([torch.ones(4, dtype=dtype), grads[1].clone()], check=False)
+    assert unchecked.action == "apply"
 
 
 def test_partial_group_policies() -> None:

@@ -238,9 +238,10 @@ def test_resume_after_a_skipped_update_continues_counters_and_lr(tmp_path: Path)
     torch.testing.assert_close(params_vector(resumed_model), params_vector(whole_model), rtol=1e-6, atol=1e-7)
 
 
-def _overflow_on_rank_one(rank: int, folder: str) -> None:
+def _poisoned_on_rank_one(rank: int, folder: str, reason: str) -> None:
     examples = make_examples([LENGTH] * 16, seed=17)
-    model = PoisonedLM(bad_groups=(1,), ranks=(1,), lr=0.1)
+    # fp16 with a GradScaler: an Inf loss overflows; fp32 without one: a NaN loss trips the non-finite guard.
+    model = PoisonedLM(bad_groups=(1,), ranks=(1,), lr=0.1, poison=float("inf" if reason == "overflow" else "nan"))
     fit(
         model,
         examples,
@@ -248,28 +249,26 @@ def _overflow_on_rank_one(rank: int, folder: str) -> None:
         accumulate=A,
         strategy="accum_ddp",
         devices=2,
-        plugins=[fp16()],
-        callbacks=[RecordOnRanks(folder, "ovf")],
+        plugins=[fp16()] if reason == "overflow" else [],
+        callbacks=[RecordOnRanks(folder, reason)],
     )
 
 
 @pytest.mark.ddp
 @pytest.mark.timeout(600)
-def test_overflow_on_one_rank_skips_on_both(tmp_path: Path) -> None:
-    run_ddp(_overflow_on_rank_one, str(tmp_path))
-    ranks = load_ranks(str(tmp_path), "ovf")
+@pytest.mark.parametrize("reason", ["overflow", "nonfinite"])
+def test_a_nonfinite_gradient_on_one_rank_skips_on_both(tmp_path: Path, reason: str) -> None:
+    run_ddp(_poisoned_on_rank_one, str(tmp_path), reason)
+    ranks = load_ranks(str(tmp_path), reason)
     ledgers = []
     for rank in ranks:
         ledger = AccumulationLedger()
         ledger.load_state_dict(rank["ledger"])
         ledgers.append(ledger)
     assert ledgers[0] == ledgers[1]
-    assert (ledgers[0].updates_attempted, ledgers[0].updates_applied, ledgers[0].updates_skipped["overflow"]) == (
-        2,
-        1,
-        1,
-    )
+    assert (ledgers[0].updates_attempted, ledgers[0].updates_applied, ledgers[0].updates_skipped[reason]) == (2, 1, 1)
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+    assert torch.isfinite(ranks[0]["params"]).all()
 
 
 def test_the_scheduler_order_warning_is_real_with_attempted_schedules() -> None:

@@ -107,6 +107,28 @@ def test_drop_policy_is_recorded(tmp_path: Path) -> None:
     assert record["tokens"]["total"] == sum(lengths[:12]) and record["updates"]["attempted"] == 2
 
 
+def test_realized_micro_batch_sizes_include_a_dropped_group(tmp_path: Path) -> None:
+    # 14 examples in micro-batches of 4 with A = 3: a full group (4, 4, 4), then a partial one (2) that is dropped.
+    report = AccumulationReport(path=tmp_path)
+    fit(
+        TinyLM(),
+        make_examples(random_lengths(14, seed=23), seed=23),
+        4,
+        3,
+        strategy=AccumulationStrategy(partial_group="drop"),
+        callbacks=[report],
+    )
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    assert record["micro_batch_size"] == {
+        "configured": 4,
+        "realized_min": 2,
+        "realized_max": 4,
+        "per_rank": [{"min": 2, "max": 4}],
+    }
+    assert record["partial_group"]["dropped_samples"] == 2 and record["updates"]["attempted"] == 1
+    assert (record["effective_batch"]["realized_min"], record["effective_batch"]["realized_max"]) == (12, 12)
+
+
 class _Failing(TinyLM):
     def __init__(self, error: type[BaseException]) -> None:
         super().__init__()
@@ -168,3 +190,42 @@ def test_ddp_reports_carry_the_seed_table_effective_batch(tmp_path: Path) -> Non
         assert record["tokens"]["total"] == sum(lengths) and record["samples"]["total"] == 64
         assert len(record["memory"]["run_peak"]) == 2 and all(v > 0 for v in record["memory"]["run_peak"])
         assert record["micro_batch_size"]["per_rank"] == [{"min": m, "max": m}] * 2
+
+
+def test_unused_per_batch_hooks_are_not_dispatched_and_overrides_still_run(tmp_path: Path) -> None:
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    from lightning_accum import AxisLogger
+    from lightning_accum.callbacks._hooks import PER_BATCH_HOOKS
+
+    class CountingReport(AccumulationReport):
+        def __init__(self) -> None:
+            super().__init__(path=tmp_path)
+            self.batch_ends = 0
+
+        def on_train_batch_end(self, *args: Any) -> None:  # a subclass's override is never silenced
+            self.batch_ends += 1
+
+    report, axis = CountingReport(), AxisLogger(axis="tokens")
+    # Lightning profiles each callback hook it dispatches as "[Callback]<state_key>.<hook>".
+    profiler = SimpleProfiler()
+    fit(
+        TinyLM(),
+        make_examples(random_lengths(8, seed=5), seed=5),
+        2,
+        2,
+        callbacks=[report, axis, L.Callback()],
+        profiler=profiler,
+    )
+    dispatched = {
+        (key.split("]")[1].rsplit(".", 1)[0], key.rsplit(".", 1)[1]): len(durations)
+        for key, durations in profiler.recorded_durations.items()
+        if key.startswith("[Callback]")
+    }
+    ours = {(owner, hook): n for (owner, hook), n in dispatched.items() if owner in (report.state_key, axis.state_key)}
+    assert {hook for _, hook in ours if hook in PER_BATCH_HOOKS} == {"on_train_batch_end"}
+    assert ours[(report.state_key, "on_train_batch_end")] == 4 == report.batch_ends
+    assert (axis.state_key, "setup") in ours and (report.state_key, "on_fit_end") in ours
+    assert dispatched[("Callback", "on_after_backward")] == 4  # a plain callback: every hook, as Lightning does
+    for callback in (report, axis):  # restored after the fit
+        assert all(callable(getattr(callback, hook)) for hook in PER_BATCH_HOOKS)

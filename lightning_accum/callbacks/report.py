@@ -8,6 +8,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -15,7 +16,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
-from lightning_accum.ledger import AccumulationLedger
+from lightning_accum.callbacks._hooks import restore_hooks, silence_unused_hooks
+from lightning_accum.ledger import AccumulationLedger, GroupRecord
 
 __all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
 
@@ -101,7 +103,6 @@ class AccumulationReport(Callback):
 
     def _reset(self) -> None:
         self._start = 0.0
-        self._attempts_seen = 0
         self._samples_per_update: list[int] = []
         self._tokens_per_update: list[int] = []
         self._microbatch_min: int | None = None
@@ -123,34 +124,37 @@ class AccumulationReport(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._ledger(trainer)
-        self._strategy: Any = trainer.strategy
+        self._trainer: Trainer | None = trainer
+        # Called by the strategy once per group (no hook on every micro-batch).
+        trainer.strategy.engine.add_listener(self._on_group)  # type: ignore[attr-defined]
+        silence_unused_hooks(self)  # Lightning would dispatch them on every micro-batch for nothing
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            engine.remove_listener(self._on_group)
+        self._trainer = None
+        restore_hooks(self)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._reset()
         self._start = time.perf_counter()
-        self._attempts_seen = self._ledger(trainer).updates_attempted
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        engine = self._strategy.engine
-        samples = engine.batch_samples  # read from shapes or reported as an int: no device sync
-        if samples is not None:
-            self._microbatch_min = samples if self._microbatch_min is None else min(self._microbatch_min, samples)
-            self._microbatch_max = samples if self._microbatch_max is None else max(self._microbatch_max, samples)
-        ledger = engine.ledger
-        group = ledger.attempt_since(self._attempts_seen)
-        if group is None:
-            return
-        self._attempts_seen = ledger.updates_attempted
+    def _on_group(self, group: GroupRecord, batch_samples: Sequence[int]) -> None:
+        if batch_samples:
+            low, high = min(batch_samples), max(batch_samples)
+            self._microbatch_min = low if self._microbatch_min is None else min(self._microbatch_min, low)
+            self._microbatch_max = high if self._microbatch_max is None else max(self._microbatch_max, high)
+        if group.dropped:
+            return  # not an attempt: its examples are in the ledger's dropped counters
         self._samples_per_update.append(group.samples)
         self._tokens_per_update.append(group.tokens)
-        if self._first_group_peak is None:
-            self._first_group_peak = _peak_memory(trainer.strategy.root_device)[0]
+        if self._first_group_peak is None and self._trainer is not None:
+            self._first_group_peak = _peak_memory(self._trainer.strategy.root_device)[0]
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
