@@ -175,6 +175,7 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
         return _timing(spec, stamps, warmup, a)
 
     package_stamps: list[int] = []
+    call_stamps: list[tuple[int, int]] = []
     timer: Any = None
     if variant == "accum_timed":
         from lightning_accum._probes import PackageTimer
@@ -191,6 +192,7 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
     def clock() -> float:
         if timer is not None:
             package_stamps.append(timer.package_ns)
+            call_stamps.append((timer.calls, timer.nested_calls))
             if len(package_stamps) == warmup + 1:  # the start of the measured window
                 by_method_start.update(timer.by_method)
             by_method_end.clear()  # the end of the window so far (set-up and tear-down fall outside)
@@ -198,17 +200,11 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
         return time.thread_time()
 
     callbacks: list[L.Callback] = [update_timer(stamps, clock)]
+    if timer is not None:
+        callbacks.append(_Calibration(timer))
     with tempfile.TemporaryDirectory() as logs:
         logger = L.pytorch.loggers.TensorBoardLogger(logs, name="bench")
-        if variant == "lightning":
-            strategy: Any = "auto"
-        else:
-            strategy = lightning_accum.AccumulationStrategy(
-                on_nonfinite="ignore" if variant == "accum_ignore" else "skip"
-            )
-            if variant != "accum_noaxis":
-                callbacks.append(AxisLogger(axis="tokens" if workload == "gpt" else "samples"))
-            callbacks.append(AccumulationReport(path=logs))
+        strategy = _variant_strategy(variant, workload, logs, callbacks)
         probe = None
         if spec.get("probe"):
             from lightning_accum._probes import MicroBatchSyncCounter
@@ -228,6 +224,15 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
         total = [b - a_ for a_, b in itertools.pairwise(stamps[warmup:])]
         result["package_seconds_per_update"] = statistics.median(package)
         result["package_fraction"] = statistics.median(p / (t - p) for p, t in zip(package, total, strict=True))
+        # Less the timer's own cost, calibrated in the same fit (see PackageTimer.calibrate).
+        own = [
+            timer.own_cost_ns(c1 - c0, n1 - n0) / 1e9 for (c0, n0), (c1, n1) in itertools.pairwise(call_stamps[warmup:])
+        ]
+        result["timer_seconds_per_update"] = statistics.median(own)
+        result["package_fraction_net"] = statistics.median(
+            (p - o) / (t - p) for p, o, t in zip(package, own, total, strict=True)
+        )
+        result["timer_ns_per_call"] = [timer.bare_ns / timer.calibrations, timer.pair_ns / timer.calibrations]
         # Where the package's time goes, per update over the measured window, by the part of the package.
         measured_updates = max(len(package), 1)
         parts: dict[str, float] = {}
@@ -260,6 +265,111 @@ _PARTS = {
     "AxisLogger": "AxisLogger",
     "AccumulationReport": "AccumulationReport",
 }
+
+
+def _variant_strategy(variant: str, workload: str, logs: str, callbacks: list[Any]) -> Any:
+    """The strategy of a Lightning variant; B's callbacks are appended to ``callbacks``."""
+    import lightning_accum
+    from lightning_accum import AccumulationReport, AxisLogger
+
+    if variant == "lightning":
+        return "auto"
+    strategy = lightning_accum.AccumulationStrategy(on_nonfinite="ignore" if variant == "accum_ignore" else "skip")
+    if variant != "accum_noaxis":
+        callbacks.append(AxisLogger(axis="tokens" if workload == "gpt" else "samples"))
+    callbacks.append(AccumulationReport(path=logs))
+    return strategy
+
+
+# ---------------------------------------------------------------------------- paired trial (child process)
+
+
+def paired_trial(spec: dict[str, Any]) -> dict[str, Any]:
+    """Two Lightning variants in one process, taking turns update by update (A B A B ...).
+
+    Each fit runs in its own thread; at the end of every update a thread hands over to the other and waits, so
+    exactly one runs at any time and each update of one variant lies next to an update of the other, a few hundred
+    milliseconds apart. Each thread's CPU time per update is its own work only. The ratios of adjacent updates
+    cancel the machine's drift, which the trials' medians cannot; with the same variant on both sides (a control)
+    they show the method's own spread.
+    """
+    import threading
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(1)
+    workload, a, updates, variants = spec["workload"], spec["A"], spec["updates"], spec["variants"]
+    turn = [threading.Event(), threading.Event()]
+    done = [False, False]
+    stamps: list[list[float]] = [[], []]
+    errors: list[BaseException] = []
+
+    class HandOver(L.Callback):
+        def __init__(self, me: int) -> None:
+            self.me, self.seen = me, 0
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step != self.seen:
+                self.seen = trainer.global_step
+                stamps[self.me].append(time.thread_time())
+                self.hand_over()
+
+        def hand_over(self) -> None:
+            other = 1 - self.me
+            if done[other]:
+                return
+            turn[other].set()
+            if not turn[self.me].wait(timeout=600):
+                raise RuntimeError("the other variant's thread stopped answering")
+            turn[self.me].clear()
+
+    with tempfile.TemporaryDirectory() as logs:
+        runs = []
+        for index, variant in enumerate(variants):
+            model, data, m = make_workload(workload, a * updates)
+            callbacks: list[L.Callback] = [HandOver(index)]
+            strategy = _variant_strategy(variant, workload, logs, callbacks)
+            logger = L.pytorch.loggers.TensorBoardLogger(logs, name=f"{variant}{index}")
+            runs.append((_bench_trainer(strategy, 1, a, updates, logger, callbacks), model, data, m))
+
+        def run(index: int) -> None:
+            trainer, model, data, m = runs[index]
+            try:
+                if index != spec.get("first", 0):
+                    turn[index].wait(timeout=600)
+                    turn[index].clear()
+                stamps[index].append(time.thread_time())
+                trainer.fit(model, DataLoader(data, batch_size=m, shuffle=False))
+            except BaseException as error:  # reported by the main thread
+                errors.append(error)
+            finally:
+                done[index] = True
+                turn[1 - index].set()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        with _quiet_stdout():
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    if errors:
+        raise errors[0]
+    warmup = spec.get("warmup", 2)
+    intervals = [[b - a_ for a_, b in itertools.pairwise(s[warmup:])] for s in stamps]
+    return {**spec, "seconds_per_update": intervals}
+
+
+def _Calibration(timer: Any) -> Any:
+    """A callback that measures the PackageTimer's own cost on every micro-batch (a cold cache, like the package's)."""
+    import lightning as L
+
+    class Calibration(L.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            timer.calibrate()
+
+    return Calibration()
 
 
 class _quiet_stdout:
@@ -411,8 +521,8 @@ def _ddp_worker(rank: int, spec: dict[str, Any], port: int, out: str) -> None:
 
 def run_child(spec: dict[str, Any], timeout: float = 900, in_process: bool = False, retries: int = 1) -> dict[str, Any]:
     if in_process:  # the smoke run: no process start-up per trial
-        return trial(spec)
-    flag = "--ddp-trial" if spec.get("ddp") else "--trial"
+        return paired_trial(spec) if spec.get("variants") else trial(spec)
+    flag = "--ddp-trial" if spec.get("ddp") else "--paired-trial" if spec.get("variants") else "--trial"
     done = subprocess.run(
         [sys.executable, str(Path(__file__)), flag, json.dumps(spec)],
         capture_output=True,
@@ -430,11 +540,12 @@ def run_child(spec: dict[str, Any], timeout: float = 900, in_process: bool = Fal
     return json.loads(lines[-1])
 
 
-def _save_progress(out: Path, results: list[Any], probes: list[Any], ddp: list[Any]) -> None:
+def _save_progress(
+    out: Path, results: list[Any], probes: list[Any], ddp: list[Any], paired: list[Any] | None = None
+) -> None:
     """Keep what was measured so far in results.json (``--report-only`` renders it) should a later trial fail."""
-    (out / "results.json").write_text(
-        json.dumps({"machine": machine(), "trials": results, "probes": probes, "ddp": ddp, "partial": True}, indent=1)
-    )
+    saved = {"machine": machine(), "trials": results, "probes": probes, "ddp": ddp, "paired": paired or []}
+    (out / "results.json").write_text(json.dumps({**saved, "partial": True}, indent=1))
 
 
 def machine() -> dict[str, str]:
@@ -493,6 +604,7 @@ def write_results(
     probes: list[dict[str, Any]],
     ddp: list[dict[str, Any]],
     args: argparse.Namespace,
+    paired: list[dict[str, Any]] | None = None,
 ) -> None:
     summary = summarize(results)
     lines = [
@@ -586,6 +698,7 @@ def write_results(
                     ]
                     cells.append(f"{statistics.median(shares) * 100:.2f} %")
                 lines.append(f"| {workload} | {a} | " + " | ".join(cells) + " |")
+    lines += _paired_lines(paired or [])
     extras = [(w, a, v) for (w, a, v) in summary if v in ("accum_noaxis", "accum_ignore")]
     if extras:
         lines += [
@@ -653,9 +766,56 @@ def write_results(
     ]
     (out / "RESULTS.md").write_text("\n".join(lines))
     (out / "results.json").write_text(
-        json.dumps({"machine": machine(), "trials": results, "probes": probes, "ddp": ddp}, indent=1)
+        json.dumps({"machine": machine(), "trials": results, "probes": probes, "ddp": ddp, "paired": paired}, indent=1)
     )
     _plot(out / "ratios.png", ratios)
+
+
+def paired_ratios(paired: list[dict[str, Any]], workload: str, variants: list[str]) -> list[float]:
+    """Second variant's time over the first's, update by update, pooled over the paired trials."""
+    ratios: list[float] = []
+    for r in paired:
+        if r["workload"] == workload and r["variants"] == variants:
+            first, second = r["seconds_per_update"]
+            ratios += [b / a for a, b in zip(first, second, strict=False)]
+    return ratios
+
+
+def geometric_mean_ci(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of ``ratios`` with a 95 % confidence interval (normal approximation on the logs)."""
+    import math
+
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else math.inf
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def _paired_lines(paired: list[dict[str, Any]]) -> list[str]:
+    workloads = list(dict.fromkeys(r["workload"] for r in paired))
+    if not workloads:
+        return []
+    lines = [
+        "",
+        "End to end, update by update (A = 8): A and B in one process, taking turns after every update (each fit in"
+        " its own thread, one running at a time), so each update of B lies next to an update of A and the machine's"
+        " drift cancels in their ratio. The control runs A against A the same way: its spread is the method's.",
+        "",
+        "| workload | pairs | B/A geometric mean [95 % CI] | B/A median | control A/A geometric mean [95 % CI] |",
+        "|---|---|---|---|---|",
+    ]
+    for workload in workloads:
+        ab = paired_ratios(paired, workload, ["lightning", "accum"])
+        aa = paired_ratios(paired, workload, ["lightning", "lightning"])
+        if len(ab) < 2 or len(aa) < 2:
+            continue
+        g, low, high = geometric_mean_ci(ab)
+        cg, clow, chigh = geometric_mean_ci(aa)
+        lines.append(
+            f"| {workload} | {len(ab)} | {g:.3f} [{low:.3f}, {high:.3f}] | {statistics.median(ab):.3f}"
+            f" | {cg:.3f} [{clow:.3f}, {chigh:.3f}] ({len(aa)} pairs) |"
+        )
+    return lines
 
 
 def _plot(path: Path, ratios: list[tuple[str, float, float, float]]) -> None:
@@ -687,11 +847,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(HERE))
     parser.add_argument("--skip-ddp", action="store_true")
     parser.add_argument(
+        "--paired-updates", type=int, default=100, help="updates per variant in each paired trial (A = 8)"
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="seconds: the MLP at A=1 and 8 once, in this process, no DDP (a test)"
     )
     parser.add_argument("--report-only", action="store_true", help="rewrite RESULTS.md from --out/results.json")
     parser.add_argument("--trial", help=argparse.SUPPRESS)
     parser.add_argument("--ddp-trial", help=argparse.SUPPRESS)
+    parser.add_argument("--paired-trial", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trial:
         print(json.dumps(trial(json.loads(args.trial))))
@@ -699,14 +863,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.ddp_trial:
         print(json.dumps(ddp_trial(json.loads(args.ddp_trial))))
         return
+    if args.paired_trial:
+        print(json.dumps(paired_trial(json.loads(args.paired_trial))))
+        return
     if args.smoke:
         args.reps, args.updates, args.workloads, args.accumulate, args.skip_ddp = 1, 4, ["mlp"], [1, 8], True
+        args.paired_updates = 5
         print("smoke run: trials in this process, numbers not meaningful")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         saved = json.loads((out / "results.json").read_text())
-        write_results(out, saved["trials"], saved["probes"], saved["ddp"], args)
+        write_results(out, saved["trials"], saved["probes"], saved["ddp"], args, saved.get("paired"))
         return
     results: list[dict[str, Any]] = []
     for rep in range(args.reps):
@@ -730,6 +898,24 @@ def main(argv: list[str] | None = None) -> None:
         a = 8 if 8 in args.accumulate else args.accumulate[-1]
         spec = {"workload": workload, "A": a, "variant": "accum", "updates": 4, "probe": True}
         probes.append(run_child(spec, in_process=args.smoke))
+    paired: list[dict[str, Any]] = []
+    if 8 in args.accumulate:
+        for rep in range(args.reps):
+            for workload in args.workloads:
+                for variants in (["lightning", "accum"], ["lightning", "lightning"]):
+                    spec = {
+                        "workload": workload,
+                        "A": 8,
+                        "variants": variants,
+                        "updates": args.paired_updates,
+                        "first": rep % 2,  # which variant takes the first turn alternates between repetitions
+                        "rep": rep,
+                    }
+                    result = run_child(spec, in_process=args.smoke)
+                    first, second = (statistics.median(side) for side in result["seconds_per_update"])
+                    print(f"paired rep {rep} {workload:>4} {'/'.join(variants)} {second / first:.3f}", flush=True)
+                    paired.append(result)
+                    _save_progress(out, results, probes, [], paired)
     ddp: list[dict[str, Any]] = []
     if not args.skip_ddp:
         for rep in range(args.reps):
@@ -750,8 +936,8 @@ def main(argv: list[str] | None = None) -> None:
                         flush=True,
                     )
                     ddp.append(result)
-                    _save_progress(out, results, probes, ddp)
-    write_results(out, results, probes, ddp, args)
+                    _save_progress(out, results, probes, ddp, paired)
+    write_results(out, results, probes, ddp, args, paired)
     print(f"\nwrote {out / 'RESULTS.md'}, {out / 'results.json'}, {out / 'ratios.png'}")
 
 

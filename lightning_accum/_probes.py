@@ -117,6 +117,12 @@ class PackageTimer:
     those callbacks, from the attribute look-up to the return of the hook, to the package (``by_method`` key
     ``"<Class>.dispatch"``).
 
+    The wrappers' own work (clock reads and Python, a few microseconds per call on a cold cache) is charged to the
+    package too. :meth:`calibrate`, called from a hook on every micro-batch, measures it in the same fit: what the
+    timer charges for an empty package call (``bare_ns``) and for one that delegates to an empty Lightning call
+    (``pair_ns``), per call; with the counts of package calls (``calls``) and of Lightning calls made from package
+    code (``nested_calls``) this estimates the timer's share of ``package_ns`` (:meth:`own_cost_ns`).
+
     Used as a context manager around ``trainer.fit``; the patches are removed on exit.
     """
 
@@ -130,6 +136,21 @@ class PackageTimer:
         #: ``package_ns`` split by the innermost wrapped package method (``Class.method``).
         self.by_method: dict[str, int] = {}
         self.calls = 0
+        self.nested_calls = 0
+        self.bare_ns = 0
+        self.pair_ns = 0
+        self.calibrations = 0
+
+        def empty() -> None:
+            return None
+
+        inner = self._wrap(empty, is_package=False)
+
+        def pair() -> None:
+            inner()
+
+        self._bare = self._wrap(empty, is_package=True, name="calibration.bare")
+        self._pair = self._wrap(pair, is_package=True, name="calibration.pair")
         self._targets = [(cls, name, True) for cls, name in package] + [(cls, name, False) for cls, name in baseline]
         self._saved: list[tuple[type, str, Any]] = []
         self._stack: list[tuple[bool, str]] = []
@@ -144,7 +165,7 @@ class PackageTimer:
         """Wrap every method ``strategy_type`` overrides below Lightning and every hook of ``callback_types``.
 
         ``parts``: package methods called from those, to be charged separately in :attr:`by_method` (e.g. the
-        non-finite guard inside ``optimizer_step``).
+        rescale inside ``optimizer_step``, or a callback's group listener).
         """
         from lightning.pytorch.loops.optimization.automatic import Closure
         from lightning.pytorch.strategies import Strategy
@@ -174,17 +195,22 @@ class PackageTimer:
         now = time.thread_time_ns()
         if self._stack and self._stack[-1][0]:
             name = self._stack[-1][1]
-            self.package_ns += now - self._last
-            self.by_method[name] = self.by_method.get(name, 0) + now - self._last
+            if name.startswith("calibration."):
+                self.by_method[name] = self.by_method.get(name, 0) + now - self._last
+            else:
+                self.package_ns += now - self._last
+                self.by_method[name] = self.by_method.get(name, 0) + now - self._last
         self._last = now
 
-    def _wrap(self, function: Any, is_package: bool) -> Any:
+    def _wrap(self, function: Any, is_package: bool, name: str | None = None) -> Any:
         timer = self
-        entry = (is_package, function.__qualname__)
+        entry = (is_package, name or function.__qualname__)
 
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             timer._switch()
+            if not is_package and timer._stack and timer._stack[-1][0]:
+                timer.nested_calls += 1
             timer._stack.append(entry)
             timer.calls += is_package
             try:
@@ -194,6 +220,26 @@ class PackageTimer:
                 timer._stack.pop()
 
         return wrapper
+
+    def calibrate(self) -> None:
+        """Measure the timer's own cost once: an empty package call, and one that makes an empty Lightning call."""
+        calls, nested = self.calls, self.nested_calls
+        first, second = (self._bare, self._pair) if self.calibrations % 2 else (self._pair, self._bare)
+        first()  # alternated: the first of the two runs on the colder cache
+        second()
+        self.calls, self.nested_calls = calls, nested  # not the package's calls
+        self.calibrations += 1
+        self.bare_ns = self.by_method.get("calibration.bare", 0)
+        self.pair_ns = self.by_method.get("calibration.pair", 0)
+
+    def own_cost_ns(self, calls: int, nested_calls: int) -> float:
+        """The timer's estimated share of the package time charged over ``calls`` package calls that made
+        ``nested_calls`` Lightning calls."""
+        if not self.calibrations:
+            return 0.0
+        bare = self.bare_ns / self.calibrations
+        pair = self.pair_ns / self.calibrations
+        return calls * bare + nested_calls * max(pair - bare, 0.0)
 
     def __enter__(self) -> PackageTimer:
         for cls, name, is_package in self._targets:

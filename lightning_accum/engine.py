@@ -311,12 +311,12 @@ def _positions(positions: tuple[int, ...], device: torch.device) -> Tensor:
 _ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
 
-def _zero(like: Tensor) -> Tensor:
-    """A cached 0-d zero of ``like``'s device and dtype (the addend of ``addcmul``)."""
-    key = (like.device, like.dtype)
+def _zero(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A cached 0-d zero of ``device`` and ``dtype`` (the addend of ``addcmul``)."""
+    key = (device, dtype)
     cached = _ZEROS.get(key)
     if cached is None:
-        cached = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
+        cached = _ZEROS[key] = torch.zeros((), device=device, dtype=dtype)
     return cached
 
 
@@ -445,13 +445,26 @@ class AccumulationEngine:
             return None
         device = loss.device
         tokens_c = _as_count("num_tokens", tokens, device) if tokens is not None else None
-        samples_c = _as_count("num_samples", samples, device) if samples is not None else None
+        # A non-negative int (the common inferred case) needs no checks.
+        samples_c = (
+            samples
+            if type(samples) is int and samples >= 0
+            else _as_count("num_samples", samples, device)
+            if samples is not None
+            else None
+        )
         # The micro-batch's number of samples as a host int when known without a device read (for the listeners).
-        size = samples_c if isinstance(samples_c, int) else infer_num_samples(batch)
+        size = samples_c if type(samples_c) is int else infer_num_samples(batch)
         if size is not None:
             sums.batch_samples.append(size)
         unit = self.ledger.normalization or self._decide_unit(tokens_c is not None, samples_c is not None)
-        weight = self._weight(unit, tokens_c, samples_c)
+        weight = (
+            tokens_c
+            if unit == "tokens" and tokens_c is not None
+            else samples_c
+            if unit == "samples" and samples_c is not None
+            else self._weight(unit, tokens_c, samples_c)
+        )
 
         sums.losses.append(loss.detach())
         if tokens_c is not None:
@@ -469,7 +482,7 @@ class AccumulationEngine:
             backward = loss * (torch.as_tensor(weight, device=device) / ref).to(loss.dtype)
         elif isinstance(weight, Tensor):
             # One kernel, 0 + loss · w · (1/c): half the cost of forming w/c first (measured inside a fit).
-            backward = torch.addcmul(_zero(loss), loss, weight, value=1.0 / ref)
+            backward = torch.addcmul(_zero(device, loss.dtype), loss, weight, value=1.0 / ref)
         else:
             backward = loss * (weight / ref)
         self._pending_backward = backward

@@ -37,11 +37,16 @@ def test_benchmark_smoke_run_writes_its_results(tmp_path: Path) -> None:
     assert all(t["seconds_per_update"] > 0 for t in results["trials"])
     timed = [t for t in results["trials"] if t["variant"] == "accum_timed"]
     assert all(0 < t["package_seconds_per_update"] < t["seconds_per_update"] for t in timed)
+    assert all(0 < t["package_fraction_net"] < t["package_fraction"] for t in timed)
+    assert {tuple(p["variants"]) for p in results["paired"]} == {("lightning", "accum"), ("lightning", "lightning")}
+    for paired in results["paired"]:  # 5 updates a side, 2 of them warm-up: 3 intervals each, all positive
+        assert [len(side) for side in paired["seconds_per_update"]] == [3, 3]
+        assert all(seconds > 0 for side in paired["seconds_per_update"] for seconds in side)
     probe = results["probes"][0]
     assert probe["host_reads_per_nonfinal_microbatch"] == 0 and probe["host_reads_per_update"] == 1
     assert probe["graph_alive_after_backward"] == 0 and probe["graph_checked"] > 0
     text = (tmp_path / "RESULTS.md").read_text()
-    assert "Time in the package's own code" in text
+    assert "Time in the package's own code" in text and "| mlp | 3 |" in text  # the paired table: 3 pairs
     assert "| mlp | 8 |" in text and (tmp_path / "ratios.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -62,6 +67,17 @@ class _SlowCallback(L.Callback):
         _spin(0.004)  # the package's side (a callback of the package would be charged like this)
 
 
+def test_package_timer_calibrates_its_own_cost() -> None:
+    timer = PackageTimer([], [])
+    with timer:
+        for _ in range(50):
+            timer.calibrate()
+    assert timer.calibrations == 50 and timer.calls == 0 and timer.nested_calls == 0 and timer.package_ns == 0
+    bare, pair = timer.bare_ns / 50, timer.pair_ns / 50
+    assert 0 < bare < 1e6 and 0 < pair < 1e6  # microseconds, not milliseconds
+    assert timer.own_cost_ns(10, 4) == pytest.approx(10 * bare + 4 * max(pair - bare, 0.0))
+
+
 def test_package_timer_charges_the_package_and_not_the_lightning_work_it_wraps() -> None:
     timer = PackageTimer.for_strategy(AccumulationStrategy, [_SlowCallback])
     start = time.thread_time()
@@ -73,5 +89,8 @@ def test_package_timer_charges_the_package_and_not_the_lightning_work_it_wraps()
     assert 8 * 0.004 <= timer.package_ns / 1e9 < 8 * 0.004 + 8 * 0.005
     assert timer.by_method["_SlowCallback.on_train_batch_end"] >= 8 * 0.004 * 1e9
     assert {"_ExactAccumulation.training_step", "_ExactAccumulation.optimizer_step"} <= set(timer.by_method)
+    # Lightning's dispatch of the callback's hooks is charged to it too: at least the 8 calls inside it.
+    dispatch = timer.by_method["_SlowCallback.dispatch"]
+    assert 0 < dispatch < 8 * 0.004 * 1e9 and timer.calls >= 8 + 8 + 2  # hooks, training steps, optimizer steps
     # The patches are gone afterwards.
     assert not hasattr(_ExactAccumulation.training_step, "__wrapped__")
