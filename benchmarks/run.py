@@ -27,6 +27,7 @@ import contextlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import platform
 import resource
@@ -237,6 +238,8 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
         measured_updates = max(len(package), 1)
         parts: dict[str, float] = {}
         for name, ns in by_method_end.items():
+            if name.startswith("calibration."):
+                continue  # the timer's own cost, reported apart
             owner, method = name.split(".")[:2]
             part = _PARTS.get(method, _PARTS.get(owner))
             spent = (ns - by_method_start.get(name, 0)) / 1e9 / measured_updates
@@ -653,11 +656,14 @@ def write_results(
             "",
             "Time in the package's own code (`accum_timed`: B with `PackageTimer`; medians over repetitions,"
             " [min, max]). The fraction is the package's time over the rest of the same update (Lightning, model,"
-            " optimizer), so `1 + fraction` is B/A as attributed, free of the drift between trials:",
+            " optimizer), so `1 + fraction` is B/A as attributed, free of the drift between trials. It includes the"
+            " timer's own work (Python and clock reads around every call, a few microseconds each on a cold cache),"
+            " so it is an upper bound; the last column subtracts that work as calibrated in the same fit (an empty"
+            " package call, and one that delegates to an empty Lightning call, timed on every micro-batch):",
             "",
             "| workload | A (accum.) | package s/update | package s/micro-batch | fraction of the update"
-            " | B/A attributed |",
-            "|---|---|---|---|---|---|",
+            " | B/A attributed | timer's own work per call | B/A attributed, less the timer's work |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for workload in args.workloads:
             for a in args.accumulate:
@@ -667,9 +673,12 @@ def write_results(
                 seconds = statistics.median(r["package_seconds_per_update"] for r in rs)
                 fractions = [r["package_fraction"] for r in rs]
                 f = statistics.median(fractions)
+                net = statistics.median(r.get("package_fraction_net", math.nan) for r in rs)
+                per_call = statistics.median(r.get("timer_ns_per_call", [math.nan])[0] for r in rs)
                 lines.append(
                     f"| {workload} | {a} | {seconds * 1e3:.3f} ms | {seconds / a * 1e6:.0f} µs"
-                    f" | {f * 100:.2f} % [{min(fractions) * 100:.2f}, {max(fractions) * 100:.2f}] | {1 + f:.3f} |"
+                    f" | {f * 100:.2f} % [{min(fractions) * 100:.2f}, {max(fractions) * 100:.2f}] | {1 + f:.3f}"
+                    f" | {per_call / 1e3:.1f} µs | {1 + net:.3f} |"
                 )
                 ratios = [
                     (label, ba, bc, 1 + f) if label == f"{workload} A={a}" else (label, ba, bc, attributed)
@@ -752,14 +761,15 @@ def write_results(
     lines += [
         "",
         "Reading these numbers: on this shared machine the spread of one variant over repetitions (the [min, max]"
-        " columns) is wider than the overhead being measured, so the end-to-end B/A is known only to within several"
-        " percent. The attributed B/A (package time over the rest of the same update) and the deterministic"
-        " figures — host reads, tensor operations dispatched by the package, collectives — are the reliable measure"
-        " of what the package adds. It includes Lightning's dispatch of the callbacks' hooks (timed through an"
-        " equivalent of Lightning's dispatch loop) and the timer's own clock reads (about a microsecond per call, so"
-        " it is an upper bound); it leaves out what happens inside Lightning's own calls because of the package:"
-        " the backward of one `addcmul` node per micro-batch (which replaces Lightning's `loss / A`) and the"
-        " package's effect on the caches of the code that runs after it.",
+        " columns) is wider than the overhead being measured, so the B/A between separate trials is known only to"
+        " within several percent. Three measures do better: the paired trials (adjacent updates of A and B in one"
+        " process; the A/A control shows their resolution, about ±1 %), the attributed B/A (the package's time"
+        " over the rest of the same update), and the deterministic figures — host reads, tensor operations"
+        " dispatched by the package, collectives. The attribution includes Lightning's dispatch of the callbacks'"
+        " hooks (timed through an equivalent of Lightning's dispatch loop); it leaves out what happens inside"
+        " Lightning's own calls because of the package: the backward of one `addcmul` node per micro-batch (which"
+        " replaces Lightning's `loss / A`) and the package's effect on the caches of the code that runs after it,"
+        " which the paired trials include.",
         "",
         "![B/A and B/C](ratios.png)",
         "",

@@ -1,4 +1,7 @@
-"""Keep Lightning from dispatching per-batch hooks that the package's callbacks do not implement.
+"""How the package's callbacks take part in a fit: once per group, through the engine, not on every micro-batch.
+
+:func:`attach` registers a callback's group listener with the strategy's engine and keeps Lightning from
+dispatching the per-batch hooks the callback does not implement; :func:`detach` undoes both.
 
 Lightning calls every hook of every callback, overridden or not, each inside a profiler context: four per micro-batch
 and two per update for each callback, about 5 µs each on a CPU core (measured: 0.5 % of an update of the small GPT of
@@ -6,16 +9,17 @@ the benchmark at A = 8 for the two callbacks). Its dispatch loop (``lightning.py
 attribute that is not callable, so during a fit the callbacks set the per-batch hooks they do not implement to
 ``None`` on the instance (never a hook a subclass overrides) and remove those attributes in ``teardown``.
 
-Only done where the installed Lightning's dispatch loop is seen to skip non-callable attributes; otherwise every hook
-is left as it is and costs what it costs.
+Only done where the installed Lightning's dispatch loop is seen to skip a ``None`` hook (asked once, by calling it);
+otherwise every hook is left as it is and costs what it costs.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
+from collections.abc import Callable
+from typing import Any
 
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, Trainer
 
 #: Hooks Lightning calls once per batch or per update on every callback.
 PER_BATCH_HOOKS: tuple[str, ...] = (
@@ -32,13 +36,25 @@ PER_BATCH_HOOKS: tuple[str, ...] = (
 
 @functools.cache
 def _dispatch_skips_non_callables() -> bool:
-    try:
-        from lightning.pytorch.trainer import call
+    """Whether Lightning's callback dispatch skips a hook attribute that is ``None`` (asked of the installed
+    Lightning once, with a callback whose hook is ``None`` and a minimal stand-in for the Trainer)."""
+    from lightning.pytorch.profilers import PassThroughProfiler
+    from lightning.pytorch.trainer import call
 
-        source = inspect.getsource(call._call_callback_hooks)
-    except (ImportError, AttributeError, OSError, TypeError):
+    probe = Callback()
+    probe.on_train_batch_start = None  # type: ignore[assignment, method-assign]
+
+    class _Trainer:
+        def __init__(self) -> None:
+            self.lightning_module = None
+            self.callbacks = [probe]
+            self.profiler = PassThroughProfiler()
+
+    try:
+        call._call_callback_hooks(_Trainer(), "on_train_batch_start", None, 0)  # type: ignore[arg-type]
+    except Exception:
         return False
-    return "if callable(fn):" in source
+    return True
 
 
 def silence_unused_hooks(callback: Callback) -> list[str]:
@@ -57,3 +73,18 @@ def restore_hooks(callback: Callback) -> None:
     for name in PER_BATCH_HOOKS:
         if callback.__dict__.get(name, 0) is None:
             del callback.__dict__[name]
+
+
+def attach(callback: Callback, trainer: Trainer, listener: Callable[..., Any]) -> None:
+    """In ``setup``: call ``listener`` after every group (see ``AccumulationEngine.add_listener``), and silence the
+    per-batch hooks ``callback`` does not implement."""
+    trainer.strategy.engine.add_listener(listener)  # type: ignore[attr-defined]
+    silence_unused_hooks(callback)
+
+
+def detach(callback: Callback, trainer: Trainer, listener: Callable[..., Any]) -> None:
+    """In ``teardown``: undo :func:`attach`."""
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:
+        engine.remove_listener(listener)
+    restore_hooks(callback)

@@ -10,7 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from typing_extensions import override
 
-from lightning_accum.callbacks._hooks import restore_hooks, silence_unused_hooks
+from lightning_accum.callbacks._hooks import attach, detach
 from lightning_accum.engine import validate_choice
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 
@@ -125,11 +125,9 @@ class AxisLogger(Callback):
             )
         for logger in trainer.loggers:
             self._move_onto_axis(trainer, logger)
-        # Called by the strategy once per group, after the update and before the schedules advance: no hook on every
-        # micro-batch.
+        # Called once per group, after the update and before the schedules advance: no hook on every micro-batch.
         self._trainer = trainer
-        trainer.strategy.engine.add_listener(self._on_group)
-        silence_unused_hooks(self)  # Lightning would dispatch them on every micro-batch for nothing
+        attach(self, trainer, self._on_group)
         bar = trainer.progress_bar_callback
         if bar is not None and self._progress_original is None:
             self._progress_original = bar.get_metrics
@@ -146,11 +144,8 @@ class AxisLogger(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        engine = getattr(trainer.strategy, "engine", None)
-        if engine is not None:
-            engine.remove_listener(self._on_group)
+        detach(self, trainer, self._on_group)
         self._trainer = None
-        restore_hooks(self)
         for logger, original in self._originals.values():
             logger.log_metrics = original  # type: ignore[method-assign]
         self._originals.clear()

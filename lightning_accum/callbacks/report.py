@@ -16,7 +16,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
-from lightning_accum.callbacks._hooks import restore_hooks, silence_unused_hooks
+from lightning_accum.callbacks._hooks import attach, detach
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 
 __all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
@@ -65,7 +65,8 @@ class AccumulationReport(Callback):
     ``status``                           ``"completed"``, ``"interrupted"`` (KeyboardInterrupt) or ``"failed"``
     ``error``                            the exception's type and message, or ``None``
     ``micro_batch_size``                 ``configured`` m (the loader's batch size), ``realized_min/max``
-                                         samples per micro-batch (over ranks), ``per_rank``
+                                         samples per micro-batch (over ranks; micro-batches of groups
+                                         that closed, dropped ones included), ``per_rank``
     ``accumulate_grad_batches``          A
     ``data_parallel_replicas``           D, from the strategy's distributed-sampler settings
     ``effective_batch``                  ``configured`` m·A·D, ``arithmetic`` ("2 × 8 × 2 = 32"),
@@ -125,17 +126,12 @@ class AccumulationReport(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._ledger(trainer)
         self._trainer: Trainer | None = trainer
-        # Called by the strategy once per group (no hook on every micro-batch).
-        trainer.strategy.engine.add_listener(self._on_group)  # type: ignore[attr-defined]
-        silence_unused_hooks(self)  # Lightning would dispatch them on every micro-batch for nothing
+        attach(self, trainer, self._on_group)  # called once per group, no hook on every micro-batch
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        engine = getattr(trainer.strategy, "engine", None)
-        if engine is not None:
-            engine.remove_listener(self._on_group)
+        detach(self, trainer, self._on_group)
         self._trainer = None
-        restore_hooks(self)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
