@@ -12,7 +12,9 @@ child process, interleaved A B C A B C ... so that machine noise lands on all va
   delegate to) and relates it to the rest of the same update: an attribution of B's overhead that the
   machine's noise cannot swamp, since both parts are measured in the same interval;
 - extras at A = 8: ``accum_noaxis`` (B without ``AxisLogger``) and ``accum_ignore`` (B with
-  ``on_nonfinite="ignore"``, i.e. without the non-finite guard), to price those two separately.
+  ``on_nonfinite="ignore"``, i.e. without the non-finite guard), to price those two separately;
+- paired trials at A = 8: A and B in one process, taking turns after every update, and an A/A control:
+  B/A end to end from hundreds of adjacent updates, which the drift between trials cannot blur.
 
 Workloads: the demo's small byte-level GPT and a tiny MLP (where per-update overhead dominates), with
 A in {1, 8, 32}. Also measured: host reads of tensor data by the package per non-final micro-batch and
@@ -613,7 +615,8 @@ def write_results(
     lines = [
         "# Benchmark results",
         "",
-        f"Produced by `bash benchmarks/run.sh` (`python benchmarks/run.py --reps {args.reps} --updates {args.updates}`)"
+        "Produced by `bash benchmarks/run.sh` (`python benchmarks/run.py --reps"
+        f" {args.reps} --updates {args.updates} --paired-updates {args.paired_updates}`)"
         f" on {time.strftime('%Y-%m-%d')}. Each trial runs in its own child process with one intra-op thread;"
         " trials are interleaved A B C A B C ...; the first 2 updates of each trial are warm-up. A trial's time per"
         " update is the median of its per-update intervals of the training thread's CPU time (this shared 2-core"
