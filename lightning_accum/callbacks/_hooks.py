@@ -5,9 +5,10 @@ dispatching the per-batch hooks the callback does not implement; :func:`detach` 
 
 Lightning calls every hook of every callback, overridden or not, each inside a profiler context: four per micro-batch
 and two per update for each callback, a few microseconds each on a cold CPU cache (measured for the two callbacks:
-about 0.2 % of an update of the benchmark's small GPT at A = 8, 1.3 % of its tiny MLP's). Its dispatch loop (``lightning.pytorch.trainer.call``) skips an
-attribute that is not callable, so during a fit the callbacks set the per-batch hooks they do not implement to
-``None`` on the instance (never a hook a subclass overrides) and remove those attributes in ``teardown``.
+about 0.2 % of an update of the benchmark's small GPT at A = 8, 1.3 % of its tiny MLP's). Its dispatch loop
+(``lightning.pytorch.trainer.call``) skips an attribute that is not callable, so during a fit the callbacks set the
+per-batch hooks they do not implement to ``None`` on the instance (never a hook a subclass overrides) and remove
+those attributes in ``teardown``.
 
 Only done where the installed Lightning's dispatch loop is seen to skip a ``None`` hook (asked once, by calling it);
 otherwise every hook is left as it is and costs what it costs.
