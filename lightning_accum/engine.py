@@ -181,15 +181,19 @@ def scale_gradients(parameters: Iterable[Tensor], factor: float) -> None:
         >>> scale_gradients([p], 0.5); p.grad
         tensor([0.5000, 1.0000])
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for (device, dtype), grads in groups.items():
+    for (device, dtype), grads in _by_kind(p.grad for p in parameters if p.grad is not None).items():
         if dtype in (torch.float16, torch.bfloat16):
             torch._foreach_mul_(grads, torch.tensor(factor, dtype=torch.float32, device=device))
         else:
             torch._foreach_mul_(grads, factor)
+
+
+def _by_kind(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    """``tensors`` grouped by device and dtype (one fused kernel each)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return groups
 
 
 @dataclass
@@ -708,13 +712,11 @@ class AccumulationEngine:
         whose sum is positive when a gradient held a NaN/Inf before the multiplication (no host read).
 
         One kernel per device and dtype: GradScaler's fused check-and-multiply for floating-point gradients up to
-        32 bits (the float32 factor rounds as a Python-float multiplier would), a multiply plus norms for float64.
+        32 bits (float32 arithmetic with the float32 factor, rounded once, as :func:`scale_gradients`), a multiply
+        plus norms for float64.
         """
-        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for grad in gradients:
-            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
         flags: list[Tensor] = []
-        for (device, dtype), grads in by_kind.items():
+        for (device, dtype), grads in _by_kind(gradients).items():
             if dtype == torch.float64:
                 if check:
                     norms = torch.stack(torch._foreach_norm(grads)).sum()

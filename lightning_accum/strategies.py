@@ -35,7 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum.engine import AccumulationEngine, Count, GroupOutcome, scale_gradients
+from lightning_accum.engine import AccumulationEngine, Count, GroupOutcome
 from lightning_accum.ledger import AccumulationLedger
 from lightning_accum.schedules import release_schedulers, take_over_schedulers
 
@@ -188,8 +188,7 @@ class _ExactAccumulation(Strategy):
             self._finish(outcome, applied=False)
             return closure_result
 
-        if not outcome.scaled:
-            scale_gradients((p for group in optimizer.param_groups for p in group["params"]), outcome.factor)
+        # Applied: the engine has rescaled the gradient (`outcome.scaled`; with no gradient there is nothing to scale).
         scale_before = scaler._scale.clone() if scaler is not None and scaler._scale is not None else None
         output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
         if scale_before is None or scaler is None or scaler._scale is None:
