@@ -7,7 +7,7 @@ child process, interleaved A B C A B C ... so that machine noise lands on all va
 - **A** ``lightning``: ``strategy="auto"``, ``accumulate_grad_batches=A``;
 - **B** ``accum``: ``strategy="accum"`` with ``AxisLogger`` and ``AccumulationReport``;
 - **C** ``loop``: a hand-written PyTorch loop doing the same token-weighted accumulation (the floor);
-- ``accum_timed``: B with :class:`lightning_accum._probes.PackageTimer`, which charges the thread CPU time
+- ``accum_timed``: B with :class:`probes.PackageTimer`, which charges the thread CPU time
   spent in the package's own code (strategy overrides and callback hooks, minus the Lightning work they
   delegate to) and relates it to the rest of the same update: an attribution of B's overhead that the
   machine's noise cannot swamp, since both parts are measured in the same interval;
@@ -46,6 +46,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 # ---------------------------------------------------------------------------- workloads
+
+
+def _magnitudes_table() -> str:
+    sys.path.insert(0, str(HERE))
+    import magnitudes
+
+    return str(magnitudes.table())
 
 
 def _demo() -> Any:
@@ -181,13 +188,14 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
     call_stamps: list[tuple[int, int]] = []
     timer: Any = None
     if variant == "accum_timed":
-        from lightning_accum._probes import PackageTimer
-        from lightning_accum.engine import AccumulationEngine
+        from probes import PackageTimer
+
+        import lightning_accum.engine as engine_module
 
         timer = PackageTimer.for_strategy(
             lightning_accum.AccumulationStrategy,
             [AxisLogger, AccumulationReport],
-            parts=[(AccumulationEngine, "_rescale"), (AxisLogger, "_on_group"), (AccumulationReport, "_on_group")],
+            parts=[(engine_module, "rescale_gradients"), (AxisLogger, "_on_group"), (AccumulationReport, "_on_group")],
         )
         by_method_start: dict[str, int] = {}
         by_method_end: dict[str, int] = {}
@@ -210,7 +218,7 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
         strategy = _variant_strategy(variant, workload, logs, callbacks)
         probe = None
         if spec.get("probe"):
-            from lightning_accum._probes import MicroBatchSyncCounter
+            from probes import MicroBatchSyncCounter
 
             probe = MicroBatchSyncCounter()
             callbacks.append(probe)
@@ -242,7 +250,8 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
         for name, ns in by_method_end.items():
             if name.startswith("calibration."):
                 continue  # the timer's own cost, reported apart
-            owner, method = name.split(".")[:2]
+            owner, _, method = name.partition(".")  # "Class.method", or a module function's plain name
+            method = method.split(".")[0] or owner
             part = _PARTS.get(method, _PARTS.get(owner))
             spent = (ns - by_method_start.get(name, 0)) / 1e9 / measured_updates
             parts[part or "other"] = parts.get(part or "other", 0.0) + spent
@@ -265,7 +274,7 @@ _PARTS = {
     "training_step": "per micro-batch (weights, w/c, hooks)",
     "backward": "per micro-batch (weights, w/c, hooks)",
     "optimizer_step": "group close (reduce, decide, ledger, schedules)",
-    "_rescale": "rescale and non-finite guard (one pass)",
+    "rescale_gradients": "rescale and non-finite guard (one pass)",
     "dispatch": "Lightning's dispatch of the callbacks' hooks",
     "AxisLogger": "AxisLogger",
     "AccumulationReport": "AccumulationReport",
@@ -775,6 +784,14 @@ def write_results(
         " which the paired trials include.",
         "",
         "![B/A and B/C](ratios.png)",
+        "",
+        "## Back-propagated magnitudes",
+        "",
+        "What each micro-batch back-propagates relative to Lightning's `loss / A` (`benchmarks/magnitudes.py`, the"
+        " real engine, A = 4, one device, 200 groups each), with the previous choice of `c` (the previous group's"
+        " units) and the current one (`c = A · M`, see docs/concepts.md):",
+        "",
+        _magnitudes_table(),
         "",
     ]
     (out / "RESULTS.md").write_text("\n".join(lines))

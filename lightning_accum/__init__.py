@@ -4,6 +4,15 @@ Importing the package registers the strategy strings ``"accum"``, ``"accum_ddp"`
 ``"accum_ddp_spawn"``, ``"accum_ddp_fork"``, ``"accum_ddp_notebook"`` and
 ``"accum_ddp_find_unused_parameters_true"`` with Lightning's strategy registry.
 
+Layout (each module imports only the ones above it)::
+
+    options, microbatch, ledger          what the user chose; reading a micro-batch; the counters
+    group, gradients, decision           a group's sums; the kernels; what to do with a closed group
+    engine                               the arithmetic of a run, composed of the above (no Lightning)
+    schedules                            schedulers that follow applied updates
+    strategies/                          Lightning's hooks adapted to the engine (base, single, ddp)
+    callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck
+
 Example:
     >>> import lightning_accum
     >>> from lightning.pytorch.strategies import StrategyRegistry
@@ -14,20 +23,23 @@ Example:
 from lightning_accum.callbacks import AccumulationCheck, AccumulationCheckError, AccumulationReport, AxisLogger
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
-from lightning_accum.strategies import AccumulationStrategy, DDPAccumulationStrategy, _register
+from lightning_accum.options import AccumulationOptions
+from lightning_accum.strategies import AccumulationStrategy, DDPAccumulationStrategy, ExactAccumulation, register
 
 __all__ = [
     "AccumulationCheck",
     "AccumulationCheckError",
     "AccumulationEngine",
     "AccumulationLedger",
+    "AccumulationOptions",
     "AccumulationReport",
     "AccumulationStrategy",
     "AxisLogger",
     "DDPAccumulationStrategy",
+    "ExactAccumulation",
     "GroupRecord",
 ]
 
 __version__ = "0.1.0"
 
-_register()
+register()

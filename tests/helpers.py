@@ -224,3 +224,22 @@ class RecordOnRanks(L.Callback):
 
 def load_ranks(folder: str, name: str = "run", world_size: int = 2) -> list[dict[str, Any]]:
     return [torch.load(os.path.join(folder, f"{name}-rank{r}.pt"), weights_only=True) for r in range(world_size)]
+
+
+def ddp_trainer(
+    strategy: Any, accumulate: int, max_epochs: int = 1, callbacks: list[L.Callback] | None = None
+) -> L.Trainer:
+    """A 2-process CPU Trainer for run_ddp workers; each rank reads its own data (no distributed sampler)."""
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        accumulate_grad_batches=accumulate,
+        max_epochs=max_epochs,
+        logger=False,
+        callbacks=callbacks or [],
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )

@@ -238,31 +238,74 @@ def test_ddp_rank_zero_writes_global_token_steps(tmp_path: Path) -> None:
     assert [s for s, _ in scalars(folder)["accum/loss"]] == cumulative_tokens(examples, 8)
 
 
-def test_group_metrics_are_one_tensorboard_event_read_back_like_log_metrics(tmp_path: Path) -> None:
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+def test_group_metrics_follow_log_every_n_steps_with_window_values_from_the_ledger(tmp_path: Path) -> None:
+    # 7 attempted updates at log_every_n_steps=3: points after updates 3 and 6, and the rest (7) when training ends.
+    examples = make_examples(random_lengths(28, seed=8), seed=8)
+    records: list[Any] = []
+    logger = TensorBoardLogger(tmp_path, name="cadence", version=0)
+    trainer = L.Trainer(
+        strategy=AccumulationStrategy(),
+        accelerator="cpu",
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        logger=logger,
+        callbacks=[AxisLogger(axis="tokens")],
+        log_every_n_steps=3,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.strategy.add_group_listener(lambda record, _: records.append(record))
+    val = DataLoader(ListDataset(examples[:4]), batch_size=2)
+    trainer.fit(LoggingLM(lr=0.5), DataLoader(ListDataset(examples), batch_size=2), val)
+    assert len(records) == 7
+    logged = scalars(tmp_path / "cadence" / "version_0")
+    # The reference, from the ledger's group records: the x after each window, its token-weighted loss, mean counts.
+    windows = [records[0:3], records[3:6], records[6:7]]
+    xs = list(itertools.accumulate(sum(r.tokens for r in w) for w in windows))
+    assert [s for s, _ in logged["accum/loss"]] == xs
+    for (_, value), window in zip(logged["accum/loss"], windows, strict=True):
+        expected = sum(r.tokens * r.loss for r in window) / sum(r.tokens for r in window)
+        assert value == pytest.approx(expected, rel=1e-6)  # float32 in the event file
+    for (_, value), window in zip(logged["accum/tokens_per_update"], windows, strict=True):
+        assert value == pytest.approx(sum(r.tokens for r in window) / len(window), rel=1e-6)
+    assert [s for s, _ in logged["accum/samples_per_update"]] == xs
+    # Lightning's own `self.log` metrics follow Lightning's cadence, on the same exact axis.
+    assert all(s in set(itertools.accumulate(r.tokens for r in records)) for s, _ in logged["train_loss"])
 
-    from lightning_accum.callbacks.axis_logger import _write_one_event
 
-    metrics = {"accum/loss": 2.75, "accum/lr": 3e-4, "accum/tokens_per_update": 4099, "accum/skipped_updates": 1}
-    fused, plain = TensorBoardLogger(tmp_path, name="fused"), TensorBoardLogger(tmp_path, name="plain")
-    for step in (4099, 8200):
-        assert _write_one_event(fused, metrics, step)
-        plain.log_metrics(metrics, step=step)
-    assert not _write_one_event(TensorBoardLogger(tmp_path, name="p", prefix="run"), metrics, 1)  # prefix: fall back
-    assert not _write_one_event(CSVLogger(tmp_path), metrics, 1)
-    for logger in (fused, plain):
-        logger.finalize("success")
+def test_two_fits_with_one_axis_logger_continue_the_axis_and_leave_the_logger_clean(tmp_path: Path) -> None:
+    examples = make_examples(random_lengths(16, seed=9), seed=9)
+    logger = TensorBoardLogger(tmp_path, name="stages", version=0)
+    axis = AxisLogger(axis="tokens")
+    model = LoggingLM(lr=0.5)
+    for _ in range(2):  # two training stages, a new Trainer each, one logger and one callback
+        trainer = L.Trainer(
+            strategy=AccumulationStrategy(),
+            accelerator="cpu",
+            accumulate_grad_batches=2,
+            max_epochs=1,
+            logger=logger,
+            callbacks=[axis],
+            log_every_n_steps=1,
+            num_sanity_val_steps=0,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, DataLoader(ListDataset(examples), batch_size=2), DataLoader(ListDataset(examples[:2])))
+        assert "log_metrics" not in vars(logger)  # nothing left on the logger instance
+    steps = [s for s, _ in scalars(tmp_path / "stages" / "version_0")["accum/loss"]]
+    per_stage = cumulative_tokens(examples, 4)
+    assert len(steps) == 8  # 4 updates per stage, none dropped
+    assert sorted(steps) == per_stage + [per_stage[-1] + x for x in per_stage]  # one event file per fit
 
-    def read(name: str) -> dict[str, list[tuple[int, float]]]:
-        accumulator = EventAccumulator(str(tmp_path / name / "version_0"))
-        accumulator.Reload()
-        return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
-    assert read("fused") == read("plain") and set(read("fused")) == set(metrics)
-    events = [
-        event
-        for path in (tmp_path / "fused" / "version_0").glob("events.*")
-        for event in EventFileLoader(str(path)).Load()
-        if event.HasField("summary")
-    ]
-    assert [len(event.summary.value) for event in events] == [len(metrics)] * 2
+def test_the_missing_token_count_is_reported_before_the_first_update(tmp_path: Path) -> None:
+    examples = make_examples(random_lengths(8, seed=3), seed=3)
+    model = TinyLM(lr=0.5, report="loss")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"AxisLogger\(axis='tokens'\) needs token counts"):
+        fit(model, examples, 2, 2, callbacks=[AxisLogger(axis="tokens")])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # nothing applied

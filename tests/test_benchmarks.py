@@ -13,10 +13,10 @@ import lightning as L
 import pytest
 import torch
 from helpers import TinyLM, fit, make_examples
+from probes import PackageTimer
 
 from lightning_accum import AccumulationStrategy
-from lightning_accum._probes import PackageTimer
-from lightning_accum.strategies import _ExactAccumulation
+from lightning_accum.strategies import ExactAccumulation
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,9 +88,9 @@ def test_package_timer_charges_the_package_and_not_the_lightning_work_it_wraps()
     # 8 callback calls of 4 ms are charged; the model's 8 x 10 ms inside the strategy's training_step are not.
     assert 8 * 0.004 <= timer.package_ns / 1e9 < 8 * 0.004 + 8 * 0.005
     assert timer.by_method["_SlowCallback.on_train_batch_end"] >= 8 * 0.004 * 1e9
-    assert {"_ExactAccumulation.training_step", "_ExactAccumulation.optimizer_step"} <= set(timer.by_method)
+    assert {"ExactAccumulation.training_step", "ExactAccumulation.optimizer_step"} <= set(timer.by_method)
     # Lightning's dispatch of the callback's hooks is charged to it too: at least the 8 calls inside it.
     dispatch = timer.by_method["_SlowCallback.dispatch"]
     assert 0 < dispatch < 8 * 0.004 * 1e9 and timer.calls >= 8 + 8 + 2  # hooks, training steps, optimizer steps
     # The patches are gone afterwards.
-    assert not hasattr(_ExactAccumulation.training_step, "__wrapped__")
+    assert not hasattr(ExactAccumulation.training_step, "__wrapped__")

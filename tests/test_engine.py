@@ -12,7 +12,10 @@ from helpers import IGNORE, SEQ, TinyLM, make_examples, relative_error, token_we
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_accum.engine import AccumulationEngine, infer_num_samples, scale_gradients, validate_choice
+from lightning_accum.engine import AccumulationEngine, Replicas
+from lightning_accum.gradients import scale_gradients
+from lightning_accum.microbatch import infer_num_samples
+from lightning_accum.options import validate_choice
 
 
 def test_seed_example_gives_token_weighted_loss_not_mean_of_means() -> None:
@@ -59,6 +62,8 @@ def simulate_update(
     reduce = _ThreadAllReduce(replicas)
     replica_models = [copy.deepcopy(model) for _ in range(replicas)]
     engines = [AccumulationEngine(normalize="tokens") for _ in range(replicas)]
+    for engine in engines:
+        engine.bind(replicas=Replicas(replicas, reduce))
     factors: list[float] = [0.0] * replicas
     errors: list[BaseException] = []
 
@@ -71,10 +76,10 @@ def simulate_update(
                 chunk = mine[i * m : (i + 1) * m]
                 batch = {k: torch.stack([e[k] for e in chunk]) for k in ("input_ids", "labels")}
                 out = {"loss": net.mean_loss(batch), "num_tokens": (batch["labels"] != IGNORE).sum()}
-                tensor = engines[rank].add_microbatch(out, batch, accumulate, all_reduce=reduce, replicas=replicas)
+                tensor = engines[rank].add_microbatch(out, batch, accumulate)
                 assert tensor is not None
                 tensor.backward()
-            outcome = engines[rank].close_group(accumulate, all_reduce=reduce, replicas=replicas)
+            outcome = engines[rank].close_group(accumulate)
             factors[rank] = outcome.factor
         except BaseException as err:  # surfaced below
             errors.append(err)
@@ -157,24 +162,28 @@ def test_zero_token_microbatch_contributes_nothing_and_no_nan() -> None:
     assert outcome.action == "apply" and outcome.record.loss == pytest.approx(3.0)
 
 
-def test_empty_group_is_a_skipped_attempt() -> None:
+def test_empty_groups_are_skipped_attempts_warned_once_and_counted() -> None:
     engine = AccumulationEngine(normalize="tokens")
-    for _ in range(2):
-        engine.add_microbatch({"loss": torch.tensor(float("nan")), "num_tokens": 0}, None, accumulate=2)
-    outcome = engine.close_group(accumulate=2)
-    engine.finish_group(outcome, applied=False)
-    assert outcome.action == "skip" and outcome.record.skip_reason == "empty"
-    assert math.isnan(outcome.record.loss)
+    with pytest.warns(UserWarning, match=r"update 1 is skipped: its group holds no tokens at all") as caught:
+        for _ in range(3):
+            for _ in range(2):
+                engine.add_microbatch({"loss": torch.tensor(float("nan")), "num_tokens": 0}, None, accumulate=2)
+            outcome = engine.close_group(accumulate=2)
+            engine.finish_group(outcome, applied=False)
+            assert outcome.action == "skip" and outcome.record.skip_reason == "empty"
+            assert math.isnan(outcome.record.loss)
+    assert len([w for w in caught if "holds no tokens" in str(w.message)]) == 1  # said once, counted always
     ledger = engine.ledger
-    assert (ledger.updates_attempted, ledger.updates_applied, ledger.updates_skipped["empty"]) == (1, 0, 1)
+    assert (ledger.updates_attempted, ledger.updates_applied, ledger.updates_skipped["empty"]) == (3, 0, 3)
 
 
 def _closed_with_gradients(
     grads: list[torch.Tensor], check: bool, tokens: tuple[int, int] = (30, 10)
 ) -> tuple[AccumulationEngine, object]:
-    """A second group (c = 40 from the first) of two micro-batches closed with `grads` handed to the engine."""
+    """A second group of two micro-batches closed with `grads` handed to the engine; c = A · max(M, w_first) with
+    M = 20 (the first group's mean micro-batch weight) and w_first = tokens[0]."""
     engine = AccumulationEngine(normalize="tokens")
-    for _ in range(2):  # first group: 40 tokens, sets c = 40
+    for _ in range(2):  # first group: two micro-batches of 20 tokens, M = 20
         engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": 20}, None, accumulate=2)
     engine.finish_group(engine.close_group(accumulate=2), applied=True)
     for n in tokens:
@@ -184,13 +193,13 @@ def _closed_with_gradients(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_close_rescales_given_gradients_on_the_device_like_the_host_factor(dtype: torch.dtype) -> None:
-    # c · D / W = 40 / 40 would be 1: use W = 30 + 15 = 45 so that the factor 40/45 rounds.
+    # c · D / W with c = 2 · max(20, 30) = 60 and W = 30 + 15 = 45: the factor 60/45 rounds.
     grads = [torch.randn(7, dtype=dtype), torch.randn(3, 2, dtype=dtype)]
     expected = [g.clone() for g in grads]
     for check in (True, False):
         moved = [g.clone() for g in grads]
         _, outcome = _closed_with_gradients(moved, check, tokens=(30, 15))
-        assert outcome.action == "apply" and outcome.scaled and outcome.factor == pytest.approx(40 / 45, rel=1e-15)
+        assert outcome.action == "apply" and outcome.scaled and outcome.factor == pytest.approx(60 / 45, rel=1e-15)
         # One rounding: float32 arithmetic with the float32 factor (float64 for float64 gradients).
         math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         factor = torch.tensor(outcome.factor, dtype=torch.float64).to(math_dtype)
@@ -317,7 +326,7 @@ def test_state_round_trip_restores_scale_reference() -> None:
     engine.finish_group(engine.close_group(accumulate=2), applied=True)
     restored = AccumulationEngine(normalize="tokens")
     restored.load_state_dict(engine.state_dict())
-    assert restored.scale_ref == engine.scale_ref == 100.0
+    assert restored.scale_ref == engine.scale_ref == 50.0  # M: the mean micro-batch weight of the group
     assert restored.ledger == engine.ledger
 
 
@@ -339,11 +348,14 @@ def test_a_group_reopened_from_its_saved_state_closes_like_the_uninterrupted_one
         add(first, n, loss)
     assert first.group_consistent
     saved = {"engine": first.state_dict(), "group": first.open_group_state()}
-    assert saved["group"]["microbatches"] == 2 and saved["group"]["sums"][:3] == [
+    sums = saved["group"]["sums"]
+    assert saved["group"]["microbatches"] == 2
+    assert (sums["units"], sums["weighted_loss"], sums["tokens_lo"], sums["tokens_hi"]) == (
         2048.0,
         512 * 2.0 + 1536 * 4.0,
         2048.0,
-    ]
+        0.0,
+    )
 
     second = AccumulationEngine(normalize="tokens")
     second.load_state_dict(saved["engine"])
@@ -370,3 +382,45 @@ def test_a_group_is_inconsistent_between_a_training_step_and_the_end_of_its_back
     assert not engine.group_consistent  # backward running
     engine.backward_finished()
     assert engine.group_consistent
+
+
+def _backward_magnitudes(engine: AccumulationEngine, groups: list[list[int]], accumulate: int) -> list[float]:
+    """For each micro-batch (unit loss), what the engine back-propagates relative to Lightning's loss / A."""
+    ratios = []
+    for group in groups:
+        for n in group:
+            out = engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": torch.tensor(n)}, None, accumulate)
+            assert out is not None
+            ratios.append(float(out) * accumulate)
+        engine.finish_group(engine.close_group(accumulate), applied=True)
+    return ratios
+
+
+def test_backward_magnitude_does_not_depend_on_the_previous_group() -> None:
+    # Groups alternate between 1 supervised token and 2 × 64: before, c was the previous group's count, so the full
+    # group after a 1-token group back-propagated 64 times Lightning's loss / A.
+    groups = [[1, 0], [64, 64]] * 4
+    ratios = _backward_magnitudes(AccumulationEngine(normalize="tokens"), groups, accumulate=2)
+    assert max(ratios) <= 1.0 + 1e-12
+    # On several replicas M comes only from closed groups (the same on every replica): a heavy group after a light
+    # history is bounded by the run's first micro-batch weights, then by the heaviest group mean seen.
+    engine = AccumulationEngine(normalize="tokens")
+    engine.bind(replicas=Replicas(2, lambda t: t.mul_(2)))  # two identical replicas
+    ratios = _backward_magnitudes(engine, [[64, 64], [1, 0], [64, 64], [1, 0], [64, 64]], accumulate=2)
+    assert max(ratios) <= 1.0 + 1e-12
+
+
+def test_counts_above_two_to_the_53_are_exact() -> None:
+    engine = AccumulationEngine(normalize="tokens")
+    big = 2**53 + 1  # a float64 sum would round it to 2**53
+    engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": torch.tensor(big)}, None, accumulate=2)
+    engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": big}, None, accumulate=2)
+    outcome = engine.close_group(accumulate=2)
+    engine.finish_group(outcome, applied=True)
+    assert outcome.record.tokens == 2 * big and engine.ledger.tokens == 2 * big
+    # Across replicas too: the parts are summed exactly by the all-reduce.
+    engine = AccumulationEngine(normalize="tokens")
+    engine.bind(replicas=Replicas(2, lambda t: t.mul_(2)))
+    engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": torch.tensor(big)}, None, accumulate=1)
+    outcome = engine.close_group(accumulate=1)
+    assert outcome.record.tokens == 2 * big and outcome.record.samples == 0

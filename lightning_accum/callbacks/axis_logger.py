@@ -7,14 +7,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
 from typing_extensions import override
 
-from lightning_accum.callbacks._hooks import attach, detach
-from lightning_accum.engine import validate_choice
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.options import validate_choice
+from lightning_accum.strategies import ExactAccumulation
 
-__all__ = ["AXES", "AxisLogger", "format_count"]
+__all__ = ["AXES", "AxisLogger", "format_count", "window_metrics"]
 
 #: The axes a run can be logged on, and the ledger counter each one reads.
 AXES: dict[str, str] = {"tokens": "tokens", "samples": "samples", "updates": "updates_applied"}
@@ -34,6 +36,39 @@ def format_count(value: int, unit: str = "") -> str:
     return f"{value}{suffix}"
 
 
+def _units(record: GroupRecord, unit: str | None) -> int:
+    """A group's weight in the run's unit (what its loss is averaged over)."""
+    return record.tokens if unit == "tokens" else record.samples if unit == "samples" else record.microbatches
+
+
+def window_metrics(records: Sequence[GroupRecord], unit: str | None) -> dict[str, float]:
+    """The group metrics of one logged point, from the attempted updates since the previous point.
+
+    ``loss``: the groups' losses weighted by their units (over every group with units and a finite loss), which
+    is the token-weighted (or sample-weighted) loss of all their examples together; ``tokens_per_update`` and
+    ``samples_per_update``: the mean per attempted update over the window (exact sums divided by the count).
+
+    Example:
+        >>> a = GroupRecord(loss=2.0, tokens=512, samples=1, microbatches=1, applied=True)
+        >>> b = GroupRecord(loss=4.0, tokens=1536, samples=1, microbatches=1, applied=True)
+        >>> window_metrics([a, b], "tokens")
+        {'loss': 3.5, 'tokens_per_update': 1024.0, 'samples_per_update': 1.0}
+    """
+    weighted = weight = 0.0
+    for record in records:
+        units = _units(record, unit)
+        if units > 0 and math.isfinite(record.loss):
+            weighted += units * record.loss
+            weight += units
+    metrics: dict[str, float] = {}
+    if weight > 0:
+        metrics["loss"] = weighted / weight
+    count = len(records)
+    metrics["tokens_per_update"] = sum(r.tokens for r in records) / count
+    metrics["samples_per_update"] = sum(r.samples for r in records) / count
+    return metrics
+
+
 class AxisLogger(Callback):
     """Write the group metrics, and move every other logged scalar, onto one explicit x-axis.
 
@@ -43,26 +78,35 @@ class AxisLogger(Callback):
     hooks, ``LearningRateMonitor``) is written at x = the exact global count from
     ``trainer.strategy.ledger`` at that moment, so runs of different ``(m, A, D)`` overlay. x is a
     Python int (no float32 rounding above 2^24), never decreases (also across a resume, since the ledger
-    is restored), and each tag is written at most once per x: the first value written there is kept, so
-    the duplicates ``LearningRateMonitor`` emits on every micro-batch of a group disappear.
+    is restored, and across several fits with this callback and the same logger: see below), and each tag
+    is written at most once per x: the first value written there is kept, so the duplicates
+    ``LearningRateMonitor`` emits on every micro-batch of a group disappear.
 
-    Keys written after every attempted update, to every logger of the Trainer, on global rank zero:
+    The group metrics follow Lightning's cadence: a point every ``Trainer(log_every_n_steps=N)`` attempted
+    updates (N = 50 by default; ``log_every_n_steps=1`` writes every update), and one more when training ends
+    with updates not yet written. A point covers every attempted update since the previous one, on global rank
+    zero, to every logger of the Trainer:
 
     =============================== ================== ================================= ===================
-    key                             unit               x-axis                            over ranks
+    key                             unit               value at a point (x: axis value)  over ranks
     =============================== ================== ================================= ===================
-    ``accum/loss``                  loss               axis value after the update       token-weighted, all
-    ``accum/lr`` (``/pg{i}``)       learning rate      axis value after the update       same on every rank
-    ``accum/tokens_per_update``     supervised tokens  axis value after the update       summed
-    ``accum/samples_per_update``    samples            axis value after the update       summed
-    ``accum/skipped_updates``       updates (total)    axis value after the update       same on every rank
-    ``accum/grad_scale``            GradScaler scale   axis value after the update       same on every rank
+    ``accum/loss``                  loss               weighted by units over the window token-weighted, all
+    ``accum/lr`` (``/pg{i}``)       learning rate      the rate the window's last update same on every rank
+                                                       used
+    ``accum/tokens_per_update``     supervised tokens  mean per attempted update         summed
+    ``accum/samples_per_update``    samples            mean per attempted update         summed
+    ``accum/skipped_updates``       updates (total)    skipped so far                    same on every rank
+    ``accum/grad_scale``            GradScaler scale   the window's last update's scale  same on every rank
     =============================== ================== ================================= ===================
 
-    ``accum/loss`` is not written for a group without units or with a non-finite loss; ``accum/lr`` is the
-    rate the update used (one key per parameter group when there are several); ``accum/grad_scale`` only
-    with a GradScaler. With ``axis="updates"`` x counts *applied* updates, so a skipped update writes
-    nothing new. The progress bar shows the tokens (or samples) seen and the skipped updates.
+    ``accum/loss`` is written only when the window holds a group with units and a finite loss; ``accum/lr`` is
+    one key per parameter group when there are several; ``accum/grad_scale`` only with a GradScaler. With
+    ``axis="updates"`` x counts *applied* updates. The progress bar shows the tokens (or samples) seen and the
+    skipped updates.
+
+    Several fits (e.g. two training stages, each with a new Trainer) logged by this callback to the same logger
+    continue one axis: a fit whose ledger starts below the highest x already written is shifted to start there
+    (announced once), so the second stage's curves follow the first's instead of being dropped.
 
     Args:
         axis: ``"tokens"``, ``"samples"`` or ``"updates"``.
@@ -71,7 +115,7 @@ class AxisLogger(Callback):
     Raises:
         ValueError: For an unknown ``axis``.
         RuntimeError: When the Trainer's strategy is not an accumulation strategy, or ``axis="tokens"``
-            while the run reports no token counts.
+            while the run reports no token counts (raised before the first backward).
 
     Example:
         >>> import lightning as L
@@ -89,6 +133,11 @@ class AxisLogger(Callback):
         self.prefix = prefix
         self._originals: dict[int, tuple[Logger, Callable[..., Any]]] = {}
         self._last_x: dict[tuple[int, str], int] = {}
+        self._high_x = -1  # the highest x written, over every fit of this callback
+        self._offset = 0  # added to the ledger's count in this fit (see "Several fits" above)
+        self._window: list[GroupRecord] = []
+        self._window_lrs: list[float] = []
+        self._checked_unit = False
         self._progress_original: Callable[..., Any] | None = None
         self._trainer: Trainer | None = None
         self._state_key: str | None = None
@@ -104,8 +153,8 @@ class AxisLogger(Callback):
     # ------------------------------------------------------------------ axis
 
     def axis_value(self, ledger: AccumulationLedger) -> int:
-        """The current x: the ledger's count for the chosen axis."""
-        return int(getattr(ledger, AXES[self.axis]))
+        """The current x: the ledger's count for the chosen axis (plus the offset of a later fit)."""
+        return int(getattr(ledger, AXES[self.axis])) + self._offset
 
     @staticmethod
     def _ledger(trainer: Trainer) -> AccumulationLedger:
@@ -115,23 +164,24 @@ class AxisLogger(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        from lightning_accum.strategies import _ExactAccumulation
-
-        if not isinstance(trainer.strategy, _ExactAccumulation):
+        strategy = trainer.strategy
+        if not isinstance(strategy, ExactAccumulation):
             raise RuntimeError(
-                f"AxisLogger needs an accumulation strategy, but the Trainer uses {type(trainer.strategy).__name__}."
+                f"AxisLogger needs an accumulation strategy, but the Trainer uses {type(strategy).__name__}."
                 " Set `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn')"
                 " on several."
             )
+        self._trainer = trainer
+        self._offset = 0
+        self._window = []
+        self._checked_unit = False
         for logger in trainer.loggers:
             self._move_onto_axis(trainer, logger)
         # Called once per group, after the update and before the schedules advance: no hook on every micro-batch.
-        self._trainer = trainer
-        attach(self, trainer, self._on_group)
+        strategy.add_group_listener(self._on_group)
         bar = trainer.progress_bar_callback
         if bar is not None and self._progress_original is None:
-            self._progress_original = bar.get_metrics
-            original = bar.get_metrics
+            self._progress_original = original = bar.get_metrics
 
             def get_metrics(
                 trainer: Trainer, pl_module: LightningModule
@@ -143,18 +193,54 @@ class AxisLogger(Callback):
             bar.get_metrics = get_metrics  # type: ignore[method-assign]
 
     @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After a checkpoint is restored: a fit that starts below what this callback already wrote continues the axis.
+        start = self.axis_value(self._ledger(trainer))
+        if start <= self._high_x:
+            self._offset = self._high_x - start
+            rank_zero_info(
+                f"AxisLogger: this fit's {self.axis} count starts at {start - self._offset}, below the"
+                f" x = {self._high_x} this callback already wrote to its loggers in an earlier fit; its points"
+                f" continue from there (x = {self._high_x} + the count)."
+            )
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
+        # The unit is decided by the first micro-batch's training_step: say so before anything is applied.
+        if self._checked_unit:
+            return
+        self._checked_unit = True
+        if self.axis == "tokens" and self._ledger(trainer).normalization not in ("tokens", None):
+            raise RuntimeError(
+                "AxisLogger(axis='tokens') needs token counts, but the run reports none. Return"
+                " `{'loss': loss, 'num_tokens': (labels != -100).sum()}` from `training_step`, pass `count_tokens=`"
+                " to the strategy, or use `AxisLogger(axis='samples')`."
+            )
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush(trainer)
+
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        detach(self, trainer, self._on_group)
+        strategy = trainer.strategy
+        if isinstance(strategy, ExactAccumulation):
+            strategy.remove_group_listener(self._on_group)
         self._trainer = None
         for logger, original in self._originals.values():
-            logger.log_metrics = original  # type: ignore[method-assign]
+            if logger.__dict__.get("log_metrics") is not None:
+                del logger.__dict__["log_metrics"]  # the class's method again, nothing left on the instance
+            else:
+                logger.log_metrics = original  # type: ignore[method-assign]
         self._originals.clear()
         bar = trainer.progress_bar_callback
         if bar is not None and self._progress_original is not None:
-            bar.get_metrics = self._progress_original  # type: ignore[method-assign]
+            bar.__dict__.pop("get_metrics", None)
         self._progress_original = None
 
     def _move_onto_axis(self, trainer: Trainer, logger: Logger) -> None:
+        # `Logger.log_metrics(metrics, step)` is the public method every logger implements; Lightning passes its own
+        # step to it. Wrapped on the instance (a proxy logger would break `isinstance` checks on `trainer.logger`).
         if id(logger) in self._originals:
             return
         original = logger.log_metrics
@@ -165,14 +251,7 @@ class AxisLogger(Callback):
 
         logger.log_metrics = log_metrics  # type: ignore[method-assign]
 
-    def _write(
-        self,
-        logger: Logger,
-        original: Callable[..., Any],
-        metrics: Mapping[str, float],
-        x: int,
-        one_event: bool = False,
-    ) -> None:
+    def _write(self, logger: Logger, original: Callable[..., Any], metrics: Mapping[str, float], x: int) -> None:
         # At most one write per (tag, x), and x never goes back for a tag: the first value at an x is kept.
         fresh = {}
         for tag, value in metrics.items():
@@ -180,7 +259,8 @@ class AxisLogger(Callback):
             if self._last_x.get(key, -1) < x:
                 self._last_x[key] = x
                 fresh[tag] = value
-        if fresh and not (one_event and _write_one_event(logger, fresh, x)):
+        if fresh:
+            self._high_x = max(self._high_x, x)
             original(fresh, step=x)
 
     def _progress_fields(self, trainer: Trainer) -> dict[str, int | str]:
@@ -206,50 +286,32 @@ class AxisLogger(Callback):
                 " `{'loss': loss, 'num_tokens': (labels != -100).sum()}` from `training_step`, pass `count_tokens=`"
                 " to the strategy, or use `AxisLogger(axis='samples')`."
             )
-        if trainer.is_global_zero:
-            # The schedules advance after the listeners: this is the rate the update used.
-            lrs = [float(param_group["lr"]) for param_group in trainer.optimizers[0].param_groups]
-            self._write_group(trainer, ledger, group, lrs)
+        if not trainer.is_global_zero:
+            return
+        self._window.append(group)
+        # The schedules advance after the listeners: this is the rate the update used.
+        self._window_lrs = [float(param_group["lr"]) for param_group in trainer.optimizers[0].param_groups]
+        # `trainer.log_every_n_steps`: set by Lightning's logger connector (public, not declared on the class).
+        every = int(getattr(trainer, "log_every_n_steps", 1) or 1)
+        if ledger.updates_attempted % every == 0:
+            self._flush(trainer)
 
-    def _write_group(self, trainer: Trainer, ledger: AccumulationLedger, group: GroupRecord, lrs: list[float]) -> None:
-        metrics: dict[str, float] = {}
-        if group.tokens > 0 or group.samples > 0:
-            if math.isfinite(group.loss):
-                metrics[f"{self.prefix}loss"] = group.loss
+    def _flush(self, trainer: Trainer) -> None:
+        """Write the point of the attempted updates since the previous one (none pending: nothing)."""
+        if not self._window or not trainer.is_global_zero:
+            return
+        records, self._window = self._window, []
+        ledger = self._ledger(trainer)
+        window = window_metrics(records, ledger.normalization)
+        metrics: dict[str, float] = {f"{self.prefix}{key}": value for key, value in window.items()}
+        lrs = self._window_lrs
         if len(lrs) == 1:
             metrics[f"{self.prefix}lr"] = lrs[0]
         else:
             metrics.update({f"{self.prefix}lr/pg{i}": lr for i, lr in enumerate(lrs)})
-        metrics[f"{self.prefix}tokens_per_update"] = group.tokens
-        metrics[f"{self.prefix}samples_per_update"] = group.samples
         metrics[f"{self.prefix}skipped_updates"] = ledger.skipped_total
-        if group.grad_scale is not None:
-            metrics[f"{self.prefix}grad_scale"] = group.grad_scale
+        if records[-1].grad_scale is not None:
+            metrics[f"{self.prefix}grad_scale"] = records[-1].grad_scale
         x = self.axis_value(ledger)
         for logger, original in self._originals.values():
-            self._write(logger, original, metrics, x, one_event=True)
-
-
-def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) -> bool:
-    """Write plain scalars to a ``TensorBoardLogger`` as one event (one ``Summary`` with a value per tag).
-
-    What ``logger.log_metrics`` writes as one event per tag, read back identically (same tags, steps and float32
-    ``simple_value``s) at about a quarter of the cost, once per update. Returns False, writing nothing, for any
-    other logger, a logger with a ``prefix``, or a writer other than torch's ``SummaryWriter`` (the caller then uses
-    ``log_metrics``).
-    """
-    if type(logger) is not TensorBoardLogger or logger._prefix:
-        return False
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # Lightning then writes with tensorboardX
-        return False
-    writer = logger.experiment
-    get_file_writer = getattr(writer, "_get_file_writer", None)
-    if not isinstance(writer, SummaryWriter) or get_file_writer is None:
-        return False
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value)) for tag, value in metrics.items()])
-    get_file_writer().add_summary(summary, step)
-    return True
+            self._write(logger, original, metrics, x)

@@ -18,7 +18,9 @@ from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
-from lightning_accum.engine import AccumulationEngine, scale_gradients
+from lightning_accum.engine import AccumulationEngine
+from lightning_accum.gradients import scale_gradients
+from lightning_accum.strategies import ExactAccumulation
 
 __all__ = ["AccumulationCheck", "AccumulationCheckError", "CheckResult", "concat_microbatches"]
 
@@ -146,16 +148,17 @@ class AccumulationCheck(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from lightning_accum.strategies import _ExactAccumulation
-
         strategy = trainer.strategy
-        if not isinstance(strategy, _ExactAccumulation):
+        if not isinstance(strategy, ExactAccumulation):
             raise RuntimeError(
                 f"AccumulationCheck needs an accumulation strategy, but the Trainer uses {type(strategy).__name__}."
                 " Set `Trainer(strategy='accum')` or `strategy='accum_ddp'`."
             )
-        if strategy.ledger.updates_attempted > 0:
-            return  # resumed run: the check is for the start of a campaign
+        if strategy.ledger.updates_attempted > 0 or trainer.ckpt_path is not None:
+            # A resumed run (also one resumed inside its first group, whose open group must not be consumed): the
+            # check is for the start of a campaign.
+            rank_zero_info("AccumulationCheck: skipped, the run resumes from a checkpoint.")
+            return
         optimizer = trainer.optimizers[0]
         with _restored(pl_module, optimizer):
             self.result = self._run(trainer, pl_module, strategy, optimizer)
@@ -168,7 +171,9 @@ class AccumulationCheck(Callback):
             return self.tolerance
         return 2e-2 if "16" in str(trainer.precision) else 1e-4
 
-    def _run(self, trainer: Trainer, module: LightningModule, strategy: Any, optimizer: Optimizer) -> CheckResult:
+    def _run(
+        self, trainer: Trainer, module: LightningModule, strategy: ExactAccumulation, optimizer: Optimizer
+    ) -> CheckResult:
         accumulate = trainer.accumulate_grad_batches
         replicas = strategy.data_parallel_replicas
         errors: list[str] = []
@@ -279,9 +284,7 @@ class AccumulationCheck(Callback):
                     batch = next(iterator)
                 except StopIteration:
                     break
-                batch = trainer.precision_plugin.convert_input(batch)
-                batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
-                batches.append(trainer.strategy.batch_to_device(batch, dataloader_idx=0))
+                batches.append(_prepare_batch(trainer, module, batch))
             del iterator
         finally:
             for generator, state in zip(generators, states, strict=True):
@@ -304,18 +307,9 @@ class AccumulationCheck(Callback):
         seed: int,
     ) -> tuple[list[Tensor], str | None, list[tuple[str, tuple[int, ...]]]]:
         """The strategy's own path for one group, on a scratch engine; gradients unscaled."""
-        real = strategy._engine
-        scratch = AccumulationEngine(
-            normalize=real.normalize,
-            count_tokens=real.count_tokens,
-            partial_group=real.partial_group,
-            schedule_on=real.schedule_on,
-            on_nonfinite="ignore",
-        )
-        scratch.scale_ref = real.scale_ref
-        scratch.ledger.normalization = real.ledger.normalization
+        scratch = strategy.engine.scratch(on_nonfinite="ignore")
         leaks: list[tuple[str, tuple[int, ...]]] = []
-        with _engine_swapped(strategy, scratch):
+        with strategy.use_engine(scratch):
             _reset_for_pass(optimizer, seed)
             for i, batch in enumerate(batches):
                 final = i == len(batches) - 1
@@ -325,16 +319,11 @@ class AccumulationCheck(Callback):
                         strategy.backward(loss, optimizer)
                 if not final:
                     leaks = _graph_attached(module) or leaks
-            outcome = scratch.close_group(
-                accumulate=trainer.accumulate_grad_batches,
-                device=strategy.root_device,
-                all_reduce=strategy._all_reduce_sum,
-                replicas=strategy.data_parallel_replicas,
-            )
+            outcome = scratch.close_group(accumulate=trainer.accumulate_grad_batches)
         if outcome.action == "apply":
             scale_gradients(_params(optimizer), outcome.factor)
         self._unit = scratch.unit
-        scaler = strategy._scaler
+        scaler = strategy.gradient_scaler
         unscale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
         grads = [(p.grad * unscale) if p.grad is not None else torch.zeros_like(p) for p in _params(optimizer)]
         return grads, outcome.action, leaks
@@ -359,13 +348,13 @@ class AccumulationCheck(Callback):
         """Gradient of the concatenated batch: plain autograd, no weighting, no scaler, no replica averaging."""
         big = self.collate(batches) if self.collate is not None else concat_microbatches(batches, self.ignore_index)
         scratch = AccumulationEngine(normalize="batches")  # records the call, weights nothing
-        scratch.scale_ref = 1.0  # no first-group collective for this scratch engine
+        scratch.scale_ref = 1.0  # no first-group collective for this scratch engine (it is bound to no replicas)
         # One batch is training without accumulation: code that reads `trainer.accumulate_grad_batches`
         # (e.g. to divide its loss by it) sees 1, as it would in that run.
         accumulate = trainer.accumulate_grad_batches
         trainer.accumulate_grad_batches = 1
         try:
-            with _engine_swapped(strategy, scratch), _replica_sync(strategy, enabled=False):
+            with strategy.use_engine(scratch), _replica_sync(strategy, enabled=False):
                 _reset_for_pass(optimizer, seed)
                 loss = self._call_step(strategy, module, big)
                 if loss is None:
@@ -448,6 +437,18 @@ class AccumulationCheck(Callback):
 # ---------------------------------------------------------------------- helpers
 
 
+def _prepare_batch(trainer: Trainer, module: LightningModule, batch: Any) -> Any:
+    """What Lightning does to a training batch before ``training_step``, through the public hooks: the precision
+    plugin's input conversion, ``on_before_batch_transfer`` of the datamodule and the module, the transfer to the
+    device (``transfer_batch_to_device`` and ``on_after_batch_transfer``)."""
+    batch = trainer.precision_plugin.convert_input(batch)
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None:
+        batch = datamodule.on_before_batch_transfer(batch, 0)
+    batch = module.on_before_batch_transfer(batch, 0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+
 def _loader_generators(loader: Any) -> list[torch.Generator]:
     """The random generators a loader's sampling draws from, each once."""
     candidates = [
@@ -460,17 +461,6 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
         if isinstance(g, torch.Generator):
             unique[id(g)] = g
     return list(unique.values())
-
-
-@contextmanager
-def _engine_swapped(strategy: Any, engine: AccumulationEngine) -> Iterator[AccumulationEngine]:
-    """Run the strategy's hooks on ``engine`` (a scratch one), so the run's ledger and sums are not touched."""
-    real = strategy._engine
-    strategy._engine = engine
-    try:
-        yield engine
-    finally:
-        strategy._engine = real
 
 
 def _replica_sync(strategy: Any, enabled: bool) -> Any:

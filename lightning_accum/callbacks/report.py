@@ -16,8 +16,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
-from lightning_accum.callbacks._hooks import attach, detach
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.strategies import ExactAccumulation
 
 __all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
 
@@ -113,9 +113,7 @@ class AccumulationReport(Callback):
 
     @staticmethod
     def _ledger(trainer: Trainer) -> AccumulationLedger:
-        from lightning_accum.strategies import _ExactAccumulation
-
-        if not isinstance(trainer.strategy, _ExactAccumulation):
+        if not isinstance(trainer.strategy, ExactAccumulation):
             raise RuntimeError(
                 "AccumulationReport needs an accumulation strategy, but the Trainer uses"
                 f" {type(trainer.strategy).__name__}. Set `Trainer(strategy='accum')` or `strategy='accum_ddp'`."
@@ -126,11 +124,12 @@ class AccumulationReport(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._ledger(trainer)
         self._trainer: Trainer | None = trainer
-        attach(self, trainer, self._on_group)  # called once per group, no hook on every micro-batch
+        trainer.strategy.add_group_listener(self._on_group)  # type: ignore[attr-defined]  # once per group
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        detach(self, trainer, self._on_group)
+        if isinstance(trainer.strategy, ExactAccumulation):
+            trainer.strategy.remove_group_listener(self._on_group)
         self._trainer = None
 
     @override

@@ -1,11 +1,9 @@
-"""Reliability: changing A mid-run, runaway skips, replicas that disagree, LightningCLI configuration."""
+"""Checkpoints: resume at update boundaries and inside a group, on one device and under DDP."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,305 +14,15 @@ import torch
 from helpers import (
     ListDataset,
     TinyLM,
-    fit,
+    ddp_trainer,
     make_examples,
     params_vector,
     random_lengths,
-    relative_error,
     run_ddp,
-    sgd_reference,
 )
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.cli import LightningCLI
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationStrategy, DDPAccumulationStrategy
-
-
-def test_gradient_accumulation_scheduler_keeps_groups_exact_on_both_sides() -> None:
-    # Epoch 0 with A = 2, epoch 1 with A = 3 (Lightning's GradientAccumulationScheduler): 6 micro-batches of 2.
-    examples = make_examples(random_lengths(12, seed=30), seed=30)
-    model = TinyLM(lr=0.5)
-    groups = [examples[0:4], examples[4:8], examples[8:12], examples[0:6], examples[6:12]]
-    expected = sgd_reference(model, groups, lr=0.5)
-    scheduler = GradientAccumulationScheduler({0: 2, 1: 3})
-    trainer = fit(model, examples, batch_size=2, accumulate=1, callbacks=[scheduler], max_epochs=2)
-    assert relative_error(params_vector(model), expected) < 1e-5
-    ledger = trainer.strategy.ledger
-    assert (ledger.updates_applied, ledger.partial_groups, ledger.microbatches) == (5, 0, 12)
-
-
-class _AlwaysNaN(TinyLM):
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-        out = super().training_step(batch, batch_idx)
-        out["loss"] = out["loss"] * float("nan")
-        return out
-
-
-def test_nan_in_every_group_stops_after_max_consecutive_skips() -> None:
-    strategy = AccumulationStrategy(max_consecutive_skips=3)
-    with (
-        pytest.warns(UserWarning, match=r"skipped update \d"),
-        pytest.raises(RuntimeError, match=r"3 consecutive updates were skipped \(the last for 'nonfinite'"),
-    ):
-        fit(_AlwaysNaN(), make_examples([4] * 20), batch_size=2, accumulate=2, strategy=strategy)
-    ledger = strategy.ledger
-    assert (ledger.updates_attempted, ledger.updates_applied, ledger.updates_skipped["nonfinite"]) == (3, 0, 3)
-    with pytest.raises(ValueError, match=r"`max_consecutive_skips` must be a positive int or None, got 0"):
-        AccumulationStrategy(max_consecutive_skips=0)
-
-
-def test_an_applied_update_resets_the_consecutive_count() -> None:
-    class _NaNEveryOther(TinyLM):
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-            out = super().training_step(batch, batch_idx)
-            if (batch_idx // 2) % 2 == 0:
-                out["loss"] = out["loss"] * float("nan")
-            return out
-
-    strategy = AccumulationStrategy(max_consecutive_skips=2)
-    with pytest.warns(UserWarning, match=r"skipped update"):
-        fit(_NaNEveryOther(), make_examples([4] * 16), batch_size=2, accumulate=2, strategy=strategy)
-    assert (strategy.ledger.updates_applied, strategy.ledger.updates_skipped["nonfinite"]) == (2, 2)
-
-
-@pytest.mark.parametrize(
-    ("value", "error", "match"),
-    [
-        (2.5, TypeError, r"`num_tokens` must be an int or a 0-d integer tensor, got float"),
-        (True, TypeError, r"`num_tokens` must be an integer count, got a boolean"),
-        (-1, ValueError, r"`num_tokens` must be >= 0, got -1"),
-        (torch.tensor(float("nan")), TypeError, r"got a tensor of dtype torch.float32"),
-        (torch.tensor(-3), ValueError, r"A negative `num_tokens` or `num_samples` was reported in this group"),
-        (torch.tensor(3, device="meta"), ValueError, r"`num_tokens` is a tensor on the meta device"),
-    ],
-)
-def test_hostile_token_counts_in_a_real_run(value: object, error: type[Exception], match: str) -> None:
-    class _Reports(TinyLM):
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-            return {"loss": self.mean_loss(batch), "num_tokens": value}
-
-    model = _Reports()
-    before = params_vector(model)
-    with pytest.raises(error, match=match):
-        fit(model, make_examples([3, 4, 5, 6]), batch_size=1, accumulate=2)
-    assert torch.equal(params_vector(model), before)  # nothing was applied
-
-
-def test_samples_that_cannot_be_inferred_under_normalize_samples_in_a_real_run() -> None:
-    def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
-        batch["boundaries"] = torch.arange(len(items) + 1)  # another leading size: the sample count is ambiguous
-        return batch
-
-    model = TinyLM(report="loss")
-    before = params_vector(model)
-    trainer = L.Trainer(
-        strategy=AccumulationStrategy(normalize="samples"),
-        accelerator="cpu",
-        accumulate_grad_batches=2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    loader = DataLoader(ListDataset(make_examples([3, 4, 5, 6])), batch_size=2, collate_fn=collate)
-    with pytest.raises(ValueError, match=r"number of samples of this micro-batch cannot be inferred .* 'num_samples'"):
-        trainer.fit(model, loader)
-    assert torch.equal(params_vector(model), before)
-
-
-# ---------------------------------------------------------------------------- replicas that disagree
-
-
-class _Shard(IterableDataset):
-    """Rank r yields `counts[r]` batches: an unevenly sharded stream."""
-
-    def __init__(self, counts: tuple[int, int]) -> None:
-        self.counts = counts
-
-    def __iter__(self) -> Any:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        examples = make_examples([4] * (2 * self.counts[rank]), seed=rank)
-        for i in range(self.counts[rank]):
-            chunk = examples[2 * i : 2 * i + 2]
-            yield {k: torch.stack([e[k] for e in chunk]) for k in ("input_ids", "labels")}
-
-
-class _TokensOnRankZero(TinyLM):
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-        out = super().training_step(batch, batch_idx)
-        return out if self.global_rank == 0 else out["loss"]
-
-
-def _ddp_trainer(
-    strategy: Any, accumulate: int, max_epochs: int = 1, callbacks: list[L.Callback] | None = None
-) -> L.Trainer:
-    """A 2-process CPU Trainer for run_ddp workers; each rank reads its own data (no distributed sampler)."""
-    return L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        accumulate_grad_batches=accumulate,
-        max_epochs=max_epochs,
-        logger=False,
-        callbacks=callbacks or [],
-        enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
-
-
-def _disagreeing_runs(rank: int, folder: str) -> None:
-    messages = {}
-    for name, model, counts in (("units", _TokensOnRankZero(), (4, 4)), ("uneven", TinyLM(), (6, 4))):
-        trainer = _ddp_trainer("accum_ddp", accumulate=2)
-        try:
-            trainer.fit(model, DataLoader(_Shard(counts), batch_size=None))
-            messages[name] = "no error"
-        except RuntimeError as err:
-            messages[name] = str(err)
-    Path(folder, f"rank{rank}.json").write_text(json.dumps(messages))
-
-
-@pytest.mark.ddp
-@pytest.mark.timeout(300)
-def test_replicas_that_disagree_get_an_error_not_a_hang(tmp_path: Path) -> None:
-    run_ddp(_disagreeing_runs, str(tmp_path))
-    for rank in (0, 1):
-        messages = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert "Replicas weight micro-batches by different units" in messages["units"], messages
-        assert "The training data of 1 of 2 replicas ended with this accumulation group" in messages["uneven"]
-
-
-def _uneven_inside_a_group(rank: int, folder: str) -> None:
-    import datetime
-
-    strategy = DDPAccumulationStrategy(start_method="popen", timeout=datetime.timedelta(seconds=10))
-    trainer = _ddp_trainer(strategy, accumulate=3)
-    result = {"error": "no error", "hint": False}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            trainer.fit(TinyLM(), DataLoader(_Shard((5, 4)), batch_size=None))
-        except RuntimeError as err:
-            result["error"] = str(err)
-    result["hint"] = any("collective timed out" in str(w.message) for w in caught)
-    Path(folder, f"inside-rank{rank}.json").write_text(json.dumps(result))
-
-
-@pytest.mark.ddp
-@pytest.mark.timeout(120)
-def test_data_that_ends_inside_a_group_unevenly_ends_at_the_timeout_with_a_hint(tmp_path: Path) -> None:
-    # 5 vs 4 batches with A = 3: the replicas' data ends inside the same group at different micro-batches. That
-    # cannot be caught without a collective per micro-batch (their collectives pair up wrongly first); what the
-    # package guarantees is that the strategy's `timeout=` bounds the wait and every rank says what to look at.
-    run_ddp(_uneven_inside_a_group, str(tmp_path))
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"inside-rank{rank}.json").read_text())
-        assert result["error"] != "no error" and result["hint"], result
-
-
-# ---------------------------------------------------------------------------- LightningCLI
-
-
-class CLIModel(TinyLM):
-    """TinyLM with its own data, for LightningCLI."""
-
-    def __init__(self, lr: float = 0.5) -> None:
-        super().__init__(lr=lr)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(ListDataset(make_examples(random_lengths(12, seed=40), seed=40)), batch_size=2)
-
-
-def run_cli(tmp_path: Path, config: str, monkeypatch: pytest.MonkeyPatch) -> LightningCLI:
-    path = tmp_path / "config.yaml"
-    path.write_text(config)
-    monkeypatch.setattr(sys, "argv", ["train.py"])  # the CLI reads its arguments from `args` alone
-    return LightningCLI(
-        CLIModel,
-        seed_everything_default=0,
-        args=["fit", "--config", str(path)],
-        save_config_callback=None,
-        trainer_defaults={"accelerator": "cpu", "logger": False, "enable_checkpointing": False},
-    )
-
-
-COMMON = """
-trainer:
-  max_epochs: 1
-  accumulate_grad_batches: 3
-  enable_progress_bar: false
-  enable_model_summary: false
-"""
-
-
-def test_cli_selects_the_strategy_by_string(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cli = run_cli(tmp_path, COMMON + "  strategy: accum\n", monkeypatch)
-    assert type(cli.trainer.strategy).__name__ == "AccumulationStrategy"
-    assert cli.trainer.strategy.ledger.updates_applied == 2
-
-
-def test_cli_selects_the_strategy_by_class_path_with_arguments_and_the_callbacks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    config = (
-        COMMON
-        + f"""  default_root_dir: {tmp_path}
-  strategy:
-    class_path: lightning_accum.AccumulationStrategy
-    init_args:
-      normalize: samples
-      partial_group: drop
-  callbacks:
-    - class_path: lightning_accum.AccumulationReport
-      init_args:
-        path: {tmp_path}/report
-    - class_path: lightning_accum.AccumulationCheck
-      init_args:
-        strict: false
-"""
-    )
-    with pytest.warns(
-        UserWarning, match=r"AccumulationCheck failed"
-    ):  # samples on padded data: token weighting missing
-        cli = run_cli(tmp_path, config, monkeypatch)
-    strategy = cli.trainer.strategy
-    assert (strategy.engine.normalize, strategy.engine.partial_group) == ("samples", "drop")
-    record = json.loads((tmp_path / "report" / "accumulation_report.json").read_text())
-    assert record["normalization"] == "samples" and record["updates"]["applied"] == 2
-
-
-def test_cli_invalid_values_give_the_packages_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    bad_strategy = (
-        COMMON
-        + """  strategy:
-    class_path: lightning_accum.AccumulationStrategy
-    init_args:
-      normalize: mean
-"""
-    )
-    with pytest.raises(
-        ValueError, match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches'; got 'mean'"
-    ):
-        run_cli(tmp_path, bad_strategy, monkeypatch)
-    bad_callback = (
-        COMMON
-        + """  strategy: accum
-  callbacks:
-    - class_path: lightning_accum.AxisLogger
-      init_args:
-        axis: steps
-"""
-    )
-    with pytest.raises(ValueError, match=r"`axis` must be one of 'tokens', 'samples', 'updates'; got 'steps'"):
-        run_cli(tmp_path, bad_callback, monkeypatch)
-
-
-# ---------------------------------------------------------------------------- resume
 
 
 class ResumableLoader(DataLoader):
@@ -591,7 +299,7 @@ def _ddp_resumable_fit(
     """A 2-process fit (inside a run_ddp worker) on a resumable, rank-strided loader; A = 2."""
     from helpers import RankStridedSampler
 
-    trainer = _ddp_trainer(strategy, accumulate=2, max_epochs=max_epochs, callbacks=callbacks)
+    trainer = ddp_trainer(strategy, accumulate=2, max_epochs=max_epochs, callbacks=callbacks)
     loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skipped-update warning, Lightning's resume notes
@@ -686,3 +394,40 @@ def test_ddp_resume_with_drop_at_a_boundary_and_inside_a_group(tmp_path: Path) -
             assert resumed["same_ledger"], (name, ledger)
             assert resumed["lr"] == result["lr"]
             torch.testing.assert_close(resumed["params"], result["whole"], rtol=1e-6, atol=1e-7)
+
+
+def test_accumulation_check_leaves_a_group_resumed_inside_the_first_group_alone(tmp_path: Path) -> None:
+    # A checkpoint written after the 2nd micro-batch of the run's first group (no attempt yet): the check must not
+    # run on (and consume) the resumed open group.
+    from lightning_accum import AccumulationCheck
+
+    examples = make_examples(random_lengths(16, seed=54), seed=54)
+
+    def loader() -> ResumableLoader:
+        return ResumableLoader(ListDataset(examples), batch_size=2)
+
+    def trainer(folder: Path | None) -> L.Trainer:
+        built = _mid_group_trainer("rescale", folder)
+        built.callbacks.append(AccumulationCheck())
+        return built
+
+    whole_model = _Interrupted()
+    whole = trainer(None)
+    whole.fit(whole_model, loader())
+
+    stopped = trainer(tmp_path)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="killed mid-group"):
+        _ignore_on_exception_checkpoint_notes()
+        stopped.fit(_Interrupted(("exception", 0, 1)), loader())
+    path = tmp_path / "interrupted.ckpt"
+    state = torch.load(path, weights_only=True)["lightning_accum"]
+    assert state["ledger"]["updates_attempted"] == 0 and state["open_group_microbatches"] == 2
+
+    resumed_model = _Interrupted()
+    resumed = trainer(None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint")  # Lightning's note
+        resumed.fit(resumed_model, loader(), ckpt_path=path)
+    assert resumed.strategy.ledger == whole.strategy.ledger
+    assert resumed.strategy.ledger.microbatches == 16
+    torch.testing.assert_close(params_vector(resumed_model), params_vector(whole_model), rtol=1e-6, atol=1e-7)

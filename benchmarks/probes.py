@@ -42,7 +42,7 @@ class HostReadProbe(TorchDispatchMode):
         while frame is not None:
             name = frame.f_globals.get("__name__", "")
             if not name.startswith("torch"):
-                if name.startswith("lightning_accum") and not name.startswith("lightning_accum._probes"):
+                if name.startswith("lightning_accum"):
                     return f"{name}:{frame.f_lineno}"
                 return None
             frame = frame.f_back

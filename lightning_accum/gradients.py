@@ -1,0 +1,129 @@
+"""Kernels on the gradients: the group's rescale (with the NaN/Inf check in the same pass), a plain rescale,
+the GradScaler skip test, and the gradient sum over replicas that a checkpoint written inside a group carries.
+
+No Lightning here; collectives arrive as a ``reduce_sum(tensor)`` callable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["by_kind", "rescale_gradients", "scale_gradients", "scaler_skipped", "summed_gradients"]
+
+
+def by_kind(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    """``tensors`` grouped by device and dtype (one fused kernel each)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return groups
+
+
+def scale_gradients(parameters: Iterable[Tensor], factor: float) -> None:
+    """Multiply every existing gradient in place by ``factor``, one fused kernel per device and dtype.
+
+    Rounded once: half-precision gradients are multiplied in float32 by the float32 factor (torch's
+    ``_foreach_mul_`` with a Python float rounds the factor to the gradient's dtype first on the CPU).
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.tensor([1.0, 2.0])
+        >>> scale_gradients([p], 0.5); p.grad
+        tensor([0.5000, 1.0000])
+    """
+    for (device, dtype), grads in by_kind(p.grad for p in parameters if p.grad is not None).items():
+        if dtype in (torch.float16, torch.bfloat16):
+            torch._foreach_mul_(grads, torch.tensor(factor, dtype=torch.float32, device=device))
+        else:
+            torch._foreach_mul_(grads, factor)
+
+
+def rescale_gradients(gradients: Sequence[Tensor], factor: Tensor, check: bool) -> Tensor | None:
+    """Multiply ``gradients`` in place by the device scalar ``factor``; with ``check``, also return a tensor whose
+    sum is positive when a gradient held a NaN/Inf before the multiplication (no host read).
+
+    One kernel per device and dtype: GradScaler's fused check-and-multiply
+    (``torch._amp_foreach_non_finite_check_and_unscale_``) for floating-point gradients up to 32 bits (float32
+    arithmetic with the float32 factor, rounded once, as :func:`scale_gradients`), a multiply plus norms for
+    float64.
+
+    Example:
+        >>> g = [torch.tensor([1.0, float("nan")])]
+        >>> flag = rescale_gradients(g, torch.tensor(2.0), check=True)
+        >>> float(flag.sum()) > 0
+        True
+    """
+    flags: list[Tensor] = []
+    for (device, dtype), grads in by_kind(gradients).items():
+        if dtype == torch.float64:
+            if check:
+                norms = torch.stack(torch._foreach_norm(grads)).sum()
+                flags.append((~torch.isfinite(norms)).to(torch.float64).reshape(1))
+            torch._foreach_mul_(grads, factor.to(device))
+        elif check:
+            flag = torch.zeros(1, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, factor.to(device, torch.float32))
+            flags.append(flag)
+        else:
+            torch._foreach_mul_(grads, factor.to(device, torch.float32))
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else torch.cat([f.to(flags[0].device, torch.float64) for f in flags])
+
+
+def scaler_skipped(scale_before: float, scale_after: float) -> bool:
+    """Whether a GradScaler skipped the update it just made, from its scale before and after ``update()``.
+
+    The scaler multiplies its scale by ``backoff_factor`` (< 1, enforced by torch) exactly when it found an
+    Inf/NaN and skipped the step, for every optimizer, fused ones included (they step unconditionally and
+    read the scaler's flag themselves); otherwise the scale stays or grows.
+
+    Example:
+        >>> scaler_skipped(65536.0, 32768.0), scaler_skipped(65536.0, 65536.0), scaler_skipped(65536.0, 131072.0)
+        (True, False, False)
+    """
+    return scale_after < scale_before
+
+
+def summed_gradients(
+    named_parameters: Sequence[tuple[str, Tensor]], reduce_sum: Callable[[Tensor], Tensor] | None
+) -> dict[str, Tensor]:
+    """The accumulated gradient by parameter name, summed over replicas, on the CPU.
+
+    Under DDP the gradient of a group's non-final micro-batches lives on each replica (``no_sync``); the sum is all
+    DDP needs, since it averages the replicas' gradients at the group's last backward. With ``reduce_sum`` this is a
+    collective (every replica must call it with the same parameters in the same order): a mask of which
+    parameters hold a gradient anywhere, then one all-reduce per dtype.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.ones(2)
+        >>> summed_gradients([("w", p)], None)["w"]
+        tensor([1., 1.])
+    """
+    if not named_parameters:
+        return {}
+    device = named_parameters[0][1].device
+    has_grad = torch.tensor(
+        [float(p.grad is not None) for _, p in named_parameters], device=device, dtype=torch.float64
+    )
+    if reduce_sum is not None:
+        reduce_sum(has_grad)
+    held = [(name, p) for (name, p), flag in zip(named_parameters, has_grad.tolist(), strict=True) if flag > 0]
+    by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+    for name, p in held:
+        by_dtype.setdefault(p.dtype, []).append((name, p))
+    gradients: dict[str, Tensor] = {}
+    for dtype, members in by_dtype.items():
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for _, p in members]
+        )
+        if reduce_sum is not None:
+            reduce_sum(flat)
+        flat = flat.cpu()
+        offset = 0
+        for name, p in members:
+            gradients[name] = flat[offset : offset + p.numel()].reshape(p.shape).clone()
+            offset += p.numel()
+    return gradients

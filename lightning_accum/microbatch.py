@@ -1,0 +1,197 @@
+"""Reading one micro-batch: what ``training_step`` returned, its unit counts, and the unit of the run.
+
+Pure functions over tensors: nothing here reads device memory (counts that arrive as tensors stay on the device
+until the group closes) and nothing imports Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Count", "as_count", "choose_unit", "infer_num_samples", "parse_step_output", "unit_weight"]
+
+#: A count of units as reported: a Python int, or a 0-d integer tensor on the loss's device.
+Count = int | Tensor
+
+_UNIT_REASONS = {
+    "tokens": "the training step reports token counts",
+    "samples": "no token count is reported; the number of samples is known",
+    "batches": "neither token counts nor the number of samples are known",
+}
+
+
+def infer_num_samples(batch: Any) -> int | None:
+    """The leading dimension shared by every tensor of ``batch``, or ``None`` when it is ambiguous or absent.
+
+    Reads only tensor shapes, so it never synchronizes with the device.
+
+    Example:
+        >>> infer_num_samples({"input_ids": torch.zeros(4, 7), "labels": torch.zeros(4, 7)})
+        4
+        >>> infer_num_samples({"input_ids": torch.zeros(4, 7), "lengths": torch.zeros(3)}) is None
+        True
+    """
+    # Fast path for the common flat batch (a dict, list or tuple of tensors): this runs on every micro-batch.
+    kind = type(batch)
+    flat = batch.values() if kind is dict else batch if kind is tuple or kind is list else None
+    if flat is not None:
+        sizes = {value.shape[0] for value in flat if type(value) is Tensor and value.ndim}
+        if all(type(value) is Tensor for value in flat):
+            return sizes.pop() if len(sizes) == 1 else None
+    sizes = set()
+    pending = [batch]
+    while pending:  # iterative, for nested batches
+        obj = pending.pop()
+        if isinstance(obj, Tensor):
+            if obj.ndim:
+                sizes.add(obj.shape[0])
+        elif isinstance(obj, (dict, Mapping)):
+            pending.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            pending.extend(obj)
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _as_count_slow(name: str, value: Tensor, device: torch.device) -> Tensor:
+    """The checks and conversions of a count tensor that is not already a 0-d integer on ``device``."""
+    if value.dtype == torch.bool:
+        raise TypeError(
+            f"`{name}` must be an integer count, got a boolean ({value!r}). "
+            f"Return the number of units, e.g. `(labels != -100).sum()`."
+        )
+    if value.is_floating_point() or value.is_complex():
+        raise TypeError(
+            f"`{name}` must be an integer count, got a tensor of dtype {value.dtype}. "
+            f"Return an integer tensor, e.g. `(labels != -100).sum()`, not a mean or a float."
+        )
+    if value.numel() != 1:
+        raise ValueError(
+            f"`{name}` must be a single count (a 0-d tensor or an int), got a tensor of shape "
+            f"{tuple(value.shape)}. Sum it: `{name}=mask.sum()`."
+        )
+    if value.device.type == "meta":
+        raise ValueError(
+            f"`{name}` is a tensor on the meta device, which holds no value. Compute it from the micro-batch's"
+            " real data, e.g. `(batch['labels'] != -100).sum()`."
+        )
+    # A count on another device than the loss (e.g. computed on the CPU before the batch moved) is copied to
+    # the loss's device without blocking; nothing is read on the host until the group closes.
+    return value.reshape(()).to(device, non_blocking=True)
+
+
+def as_count(name: str, value: object, device: torch.device) -> Count:
+    """Validate a reported count without reading device memory; negatives in tensors are caught at the close.
+
+    Example:
+        >>> as_count("num_tokens", 7, torch.device("cpu"))
+        7
+        >>> as_count("num_tokens", 2.5, torch.device("cpu"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: `num_tokens` must be an int or a 0-d integer tensor, got float (2.5). Return e.g. ...
+    """
+    if isinstance(value, Tensor):
+        dtype = value.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or value.ndim or value.device != device:
+            value = _as_count_slow(name, value, device)
+        return value
+    if isinstance(value, bool):
+        raise TypeError(
+            f"`{name}` must be an integer count, got a boolean ({value!r}). "
+            f"Return the number of units, e.g. `(labels != -100).sum()`."
+        )
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"`{name}` must be >= 0, got {value}. Return the number of units in the micro-batch.")
+        return value
+    raise TypeError(
+        f"`{name}` must be an int or a 0-d integer tensor, got {type(value).__name__} ({value!r}). "
+        f"Return e.g. `(labels != -100).sum()`."
+    )
+
+
+def parse_step_output(
+    output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None = None
+) -> tuple[Tensor | None, object, object]:
+    """``(loss, tokens, samples)`` from what ``training_step`` returned; ``loss`` is ``None`` when there is none.
+
+    An output that is neither a tensor nor a mapping with a tensor under ``"loss"`` is left to Lightning, which
+    raises its own error for it (``MisconfigurationException``) right after: it is reported as "no loss" here.
+
+    Example:
+        >>> loss, tokens, samples = parse_step_output({"loss": torch.tensor(2.0), "num_tokens": 5}, torch.zeros(3, 4))
+        >>> float(loss), tokens, samples
+        (2.0, 5, 3)
+    """
+    tokens: object = None
+    samples: object = None
+    if isinstance(output, Tensor):
+        loss: object = output
+    elif type(output) is dict or isinstance(output, Mapping):
+        loss = output.get("loss")
+        tokens = output.get("num_tokens")
+        samples = output.get("num_samples")
+        if loss is not None and not isinstance(loss, Tensor):
+            raise TypeError(
+                f"`training_step` must return the micro-batch's mean loss as a tensor under 'loss', got "
+                f"{type(loss).__name__}."
+            )
+    else:
+        return None, None, None
+    if not isinstance(loss, Tensor):
+        return None, None, None
+    if loss.ndim and loss.numel() != 1:
+        raise ValueError(
+            f"`training_step` must return a scalar (mean) loss, got a tensor of shape {tuple(loss.shape)}. "
+            f"Reduce it with `.mean()` over the micro-batch's units and report their count."
+        )
+    if tokens is None and count_tokens is not None:
+        tokens = count_tokens(batch)
+    if samples is None:
+        samples = infer_num_samples(batch)
+    return (loss.reshape(()) if loss.ndim else loss), tokens, samples
+
+
+def choose_unit(normalize: str, has_tokens: bool, has_samples: bool) -> tuple[str, str | None]:
+    """The unit of the run and, under ``normalize="auto"``, why it was chosen (else ``None``).
+
+    Example:
+        >>> choose_unit("auto", has_tokens=False, has_samples=True)
+        ('samples', 'no token count is reported; the number of samples is known')
+        >>> choose_unit("tokens", has_tokens=False, has_samples=True)
+        ('tokens', None)
+    """
+    if normalize != "auto":
+        return normalize, None
+    unit = "tokens" if has_tokens else "samples" if has_samples else "batches"
+    return unit, _UNIT_REASONS[unit]
+
+
+def unit_weight(unit: str, normalize: str, tokens: Count | None, samples: Count | None) -> Count:
+    """The weight of one micro-batch in ``unit``, or an error that says what to report.
+
+    Example:
+        >>> unit_weight("batches", "batches", None, None)
+        1
+    """
+    if unit == "tokens":
+        if tokens is None:
+            raise ValueError(
+                f"The run normalizes by tokens (`normalize={normalize!r}`) but this micro-batch reports no token"
+                " count. Return `{'loss': loss, 'num_tokens': (labels != ignore_index).sum()}` from `training_step`,"
+                " or pass `count_tokens=` to the strategy."
+            )
+        return tokens
+    if unit == "samples":
+        if samples is None:
+            raise ValueError(
+                f"The run normalizes by samples (`normalize={normalize!r}`) but the number of samples of this"
+                " micro-batch cannot be inferred (no tensor, or tensors with different leading sizes). Return"
+                " `{'loss': loss, 'num_samples': n}` from `training_step`."
+            )
+        return samples
+    return 1

@@ -1,0 +1,94 @@
+"""The options of exact accumulation: allowed values, validation, and one frozen record of them.
+
+Pure Python: no torch, no Lightning. The strategies take these as keyword arguments and hand them to the
+engine as one :class:`AccumulationOptions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "NORMALIZE_CHOICES",
+    "ON_NONFINITE_CHOICES",
+    "PARTIAL_GROUP_CHOICES",
+    "SCHEDULE_ON_CHOICES",
+    "AccumulationOptions",
+    "validate_choice",
+]
+
+NORMALIZE_CHOICES: tuple[str, ...] = ("auto", "tokens", "samples", "batches")
+PARTIAL_GROUP_CHOICES: tuple[str, ...] = ("rescale", "drop")
+SCHEDULE_ON_CHOICES: tuple[str, ...] = ("applied", "attempted")
+ON_NONFINITE_CHOICES: tuple[str, ...] = ("skip", "raise", "ignore")
+
+
+def validate_choice(argument: str, value: object, choices: Iterable[str]) -> str:
+    """Return ``value`` if it is one of ``choices``, else raise a ``ValueError`` that lists them.
+
+    Example:
+        >>> validate_choice("partial_group", "drop", PARTIAL_GROUP_CHOICES)
+        'drop'
+        >>> validate_choice("partial_group", "keep", PARTIAL_GROUP_CHOICES)
+        Traceback (most recent call last):
+        ...
+        ValueError: `partial_group` must be one of 'rescale', 'drop'; got 'keep'. Pass one of those values.
+    """
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{argument}` must be one of {listed}; got {value!r}. Pass one of those values.")
+    return value
+
+
+@dataclass(frozen=True)
+class AccumulationOptions:
+    """What the user chose, validated once.
+
+    Attributes:
+        normalize: The unit each micro-batch is weighted by: ``"tokens"``, ``"samples"``, ``"batches"``, or
+            ``"auto"`` (tokens if the step reports them, else samples, else batches).
+        count_tokens: Optional ``batch -> int | Tensor`` used when the step does not return ``num_tokens``.
+        partial_group: ``"rescale"`` updates a partial final group with its real denominator; ``"drop"`` makes
+            no update for it and records what it held.
+        schedule_on: ``"applied"``: step-interval schedules advance once per applied update; ``"attempted"``:
+            once per attempt (skipped ones included), as Lightning does.
+        on_nonfinite: Without a GradScaler, what a non-finite group gradient does: ``"skip"`` the update,
+            ``"raise"`` an error, or ``"ignore"`` it (update anyway).
+        max_consecutive_skips: Stop with an error after this many consecutive skipped updates; ``None`` never
+            stops.
+
+    Example:
+        >>> AccumulationOptions(partial_group="drop").partial_group
+        'drop'
+        >>> AccumulationOptions(max_consecutive_skips=0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `max_consecutive_skips` must be a positive int or None, got 0. Pass e.g. ...
+    """
+
+    normalize: str = "auto"
+    count_tokens: Callable[[Any], Any] | None = None
+    partial_group: str = "rescale"
+    schedule_on: str = "applied"
+    on_nonfinite: str = "skip"
+    max_consecutive_skips: int | None = 100
+
+    def __post_init__(self) -> None:
+        validate_choice("normalize", self.normalize, NORMALIZE_CHOICES)
+        validate_choice("partial_group", self.partial_group, PARTIAL_GROUP_CHOICES)
+        validate_choice("schedule_on", self.schedule_on, SCHEDULE_ON_CHOICES)
+        validate_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE_CHOICES)
+        limit = self.max_consecutive_skips
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(
+                f"`max_consecutive_skips` must be a positive int or None, got {limit!r}."
+                " Pass e.g. `max_consecutive_skips=100`, or None to never stop."
+            )
+        if self.count_tokens is not None and not callable(self.count_tokens):
+            raise TypeError(
+                f"`count_tokens` must be a callable `batch -> int | Tensor` or None, got "
+                f"{type(self.count_tokens).__name__}. Pass e.g. `count_tokens=lambda b: (b['labels'] != -100).sum()`."
+            )
