@@ -11,8 +11,10 @@ Example:
     True
 """
 
+from lightning_accum.axis_lr import AxisLR, warmup_cosine, warmup_linear
 from lightning_accum.callbacks import AccumulationCheck, AccumulationCheckError, AccumulationReport, AxisLogger
 from lightning_accum.engine import AccumulationEngine
+from lightning_accum.horizon import Horizon
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import AccumulationStrategy, DDPAccumulationStrategy, _register
 
@@ -23,9 +25,13 @@ __all__ = [
     "AccumulationLedger",
     "AccumulationReport",
     "AccumulationStrategy",
+    "AxisLR",
     "AxisLogger",
     "DDPAccumulationStrategy",
     "GroupRecord",
+    "Horizon",
+    "warmup_cosine",
+    "warmup_linear",
 ]
 
 __version__ = "0.1.0"

@@ -35,6 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accum.axis_lr import bind_schedulers
 from lightning_accum.engine import AccumulationEngine, Count, GroupOutcome
 from lightning_accum.ledger import AccumulationLedger
 from lightning_accum.schedules import release_schedulers, take_over_schedulers
@@ -215,6 +216,7 @@ class _ExactAccumulation(Strategy):
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
         self._trainer_ref = trainer
+        bind_schedulers(self.lr_scheduler_configs, self._engine)  # AxisLR counts what each update consumed
         self._scheduled = take_over_schedulers(self.lr_scheduler_configs)
 
     @override
