@@ -46,7 +46,7 @@ class HorizonLM(TinyLM):
 
 class Trace(L.Callback):
     """Records, through the engine's group listener, every update's count before it and the rate it used, and the
-    ledger's tokens at every validation run; on global rank zero writes them to `path` (JSON) at the end."""
+    ledger's tokens at every validation run; writes them to `path` (JSON) at the end."""
 
     def __init__(self, path: str | None = None) -> None:
         self.path = path
@@ -82,7 +82,8 @@ class Trace(L.Callback):
             self.validations.append(int(trainer.strategy.ledger.tokens))  # type: ignore[attr-defined]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.path is not None and trainer.is_global_zero:
+        # A path with "{rank}" is written by every rank, else by global rank zero only.
+        if self.path is not None and (trainer.is_global_zero or "{rank}" in self.path):
             params = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).tolist()
             data = {
                 "updates": self.updates,
@@ -90,7 +91,7 @@ class Trace(L.Callback):
                 "ledger": trainer.strategy.ledger.state_dict(),  # type: ignore[attr-defined]
                 "params": params,
             }
-            Path(self.path).write_text(json.dumps(data))
+            Path(self.path.format(rank=trainer.global_rank)).write_text(json.dumps(data))
 
 
 def loaders(

@@ -88,14 +88,15 @@ def test_splits_stop_validate_checkpoint_and_schedule_at_the_same_token_counts(t
 def test_ddp_split_gives_the_same_stop_schedule_validations_and_checkpoints(tmp_path: Path) -> None:
     expected = expected_run(per_update=8)
     folder = tmp_path / "ckpt"
-    trace = Trace(str(tmp_path / "trace.json"))
+    trace = Trace(str(tmp_path / "trace-{rank}.json"))
     callbacks = [trace, horizon(), ModelCheckpoint(dirpath=folder, save_top_k=0)]
     # m = 2, A = 2, D = 2: rank r reads examples r, r + 2, ...; each update holds the same 8 examples as above.
     trainer = trainer_for(2, callbacks, devices=2, strategy="accum_ddp_spawn", enable_checkpointing=True)
     model = HorizonLM(lr_lambda=SCHEDULE, lr=BASE_LR, seed=3)
     trainer.fit(model, *loaders(EXAMPLES, 2, distributed=True))
 
-    result = load_json(tmp_path / "trace.json")
+    result, other = (load_json(tmp_path / f"trace-{rank}.json") for rank in (0, 1))
+    assert other["updates"] == result["updates"] and other["validations"] == result["validations"]  # every rank
     assert result["ledger"]["tokens"] == expected["stop"]
     assert trainer.strategy.ledger.tokens == expected["stop"]  # brought back to the main process
     assert result["validations"] == expected["validations"]
