@@ -310,7 +310,7 @@ class Horizon(Callback):
     def _save(self, trainer: Trainer) -> None:
         count = self.count(trainer.strategy.ledger)  # type: ignore[attr-defined]
         path = self.checkpoint_dir(trainer) / f"{self.axis}={count}.ckpt"
-        trainer.save_checkpoint(path)  # every rank takes part; the strategy writes once
+        trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; the strategy writes once
         self.checkpoints.append(str(path))
 
     # ------------------------------------------------------------------ state
