@@ -182,13 +182,17 @@ def test_progress_bar_shows_the_budget(tmp_path: Path) -> None:
     class Peek(L.Callback):
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             assert trainer.progress_bar_callback is not None
-            seen.append(trainer.progress_bar_callback.get_metrics(trainer, pl_module)["budget"])
+            metrics = trainer.progress_bar_callback.get_metrics(trainer, pl_module)
+            seen.extend([metrics["budget"], metrics["seen"]])
 
     budget = Horizon(stop_at=STOP)
-    trainer = trainer_for(2, [budget, Peek()], enable_progress_bar=True, default_root_dir=tmp_path)
+    # Beside AxisLogger, which adds its own fields to the bar.
+    callbacks = [lightning_accum.AxisLogger(), budget, Peek()]
+    trainer = trainer_for(2, callbacks, enable_progress_bar=True, default_root_dir=tmp_path)
     trainer.fit(HorizonLM(), *loaders(EXAMPLES, 4))
-    assert seen == [f"{trainer.strategy.ledger.tokens}/{STOP} tok"]
-    assert "get_metrics" not in vars(trainer.progress_bar_callback)  # put back in teardown
+    tokens = trainer.strategy.ledger.tokens
+    assert seen == [f"{tokens}/{STOP} tok", f"{tokens} tok"]
+    assert "budget" not in trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)  # teardown
 
 
 def test_samples_and_updates_axes_and_checkpoints_beside_the_root_dir(tmp_path: Path) -> None:
@@ -320,3 +324,38 @@ def test_horizon_and_axis_lr_from_lightning_cli_yaml(tmp_path: Path, monkeypatch
     assert config.scheduler.consumed == expected["stop"]
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(BASE_LR * SCHEDULE(expected["stop"]))
     assert isinstance(next(c for c in trainer.callbacks if isinstance(c, lightning_accum.Horizon)), Horizon)
+
+
+def test_a_resumed_run_can_extend_the_budget_and_change_the_interval(tmp_path: Path) -> None:
+    def run(budget: Horizon, ckpt_path: Path | None = None) -> tuple[L.Trainer, Trace]:
+        trace = Trace()
+        trainer = trainer_for(2, [trace, budget])
+        trainer.fit(
+            HorizonLM(lr_lambda=SCHEDULE, seed=5),
+            *loaders(EXAMPLES, 4, loader_class=ResumableLoader),
+            ckpt_path=ckpt_path,
+        )
+        return trainer, trace
+
+    first, _ = run(Horizon(stop_at=STOP, checkpoint_every=CHECKPOINT, dirpath=tmp_path))
+    final = first.strategy.ledger.tokens
+    last = tmp_path / f"tokens={final}.ckpt"  # the stopping update crossed a multiple of 100: a checkpoint there
+    assert last.is_file()
+
+    # The same budget: already spent, so no update runs.
+    again, trace = run(Horizon(stop_at=STOP, checkpoint_every=CHECKPOINT, dirpath=tmp_path / "again"), last)
+    assert again.strategy.ledger == first.strategy.ledger and trace.updates == []
+
+    # A larger budget and a new validation interval: the validation points are computed from the restored count.
+    longer, trace = run(
+        Horizon(stop_at=450, validate_every=60, checkpoint_every=CHECKPOINT, dirpath=tmp_path / "x"), last
+    )
+    counts = [final + sum(u["tokens"] for u in trace.updates[: i + 1]) for i in range(len(trace.updates))]
+    assert counts[-1] == longer.strategy.ledger.tokens >= 450 > counts[-2]
+    expected = []
+    next_point = (final // 60 + 1) * 60
+    for count in counts:
+        if count >= next_point:
+            expected.append(count)
+            next_point = (count // 60 + 1) * 60
+    assert trace.validations == sorted({*expected, counts[-1]})
