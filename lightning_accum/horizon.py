@@ -72,12 +72,15 @@ class Horizon(Callback):
       written with ``trainer.save_checkpoint`` (so the strategy's state, the callbacks' states and the loops go in)
       as ``{dirpath}/{axis}={count}.ckpt``, e.g. ``tokens=250000123.ckpt``. ``dirpath`` is, in order: the argument,
       the folder of the Trainer's ``ModelCheckpoint``, ``{default_root_dir}/checkpoints``. When a validation is due
-      at the same update, the checkpoint is written after it (at ``on_validation_end``), so a run resumed from it
-      continues with the next micro-batch and meets the same remaining points. Mid-epoch, exact resumption also
-      needs a training loader that saves its position (``state_dict``), as with any mid-epoch checkpoint.
+      at the same update, the checkpoint is written after it (at ``on_validation_end``), so it holds what follows
+      that validation (``EarlyStopping``'s count, a best score); a run resumed from it does not validate again at
+      that count and continues with the next micro-batch, meeting the same remaining points. Mid-epoch, exact
+      resumption also needs a training loader that saves its position (``state_dict``), as for any mid-epoch
+      checkpoint.
     * with ``stop_at``, the progress bar shows ``budget``: the count against the budget (e.g. ``1.2M/2.0G tok``).
 
-    A count "reaches" a point when it is ``>=`` it. The next points are in :meth:`state_dict`, so a resumed run
+    The Horizon logs no metric (``AxisLogger`` puts the curves on the same axis). A count "reaches" a point when it
+    is ``>=`` it. The next points are in :meth:`state_dict`, so a resumed run
     continues; a resumed run with other intervals recomputes them from the count.
 
     Args:

@@ -32,9 +32,17 @@ class HorizonLM(TinyLM):
         super().__init__(lr=lr, seed=seed, optimizer=optimizer, report=report)
         self.lr_lambda = lr_lambda
         self.axis = axis
+        self.validation_runs = 0
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.mean_loss(batch)
+
+    def on_validation_epoch_start(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.validation_runs += 1
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["validation_runs"] = self.validation_runs  # tells whether a checkpoint came before a validation
 
     def configure_optimizers(self) -> Any:
         optimizer = super().configure_optimizers()

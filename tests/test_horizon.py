@@ -155,6 +155,10 @@ def test_resume_from_a_checkpoint_every_file_equals_the_uninterrupted_run(tmp_pa
     assert whole_trace.validations == expected["validations"]
     mid = expected["checkpoints"][1]  # mid-budget and mid-epoch (an epoch holds 176 tokens)
     assert mid % sum(LENGTHS) != 0 and mid < STOP
+    # Written after the validation of its own update: what follows validation (EarlyStopping, best scores) is in it.
+    assert mid in whole_trace.validations
+    saved = torch.load(tmp_path / "whole" / f"tokens={mid}.ckpt", weights_only=True)
+    assert saved["validation_runs"] == len([v for v in whole_trace.validations if v <= mid])
 
     resumed, resumed_trace, resumed_model = run(
         tmp_path / "resumed", ckpt_path=tmp_path / "whole" / f"tokens={mid}.ckpt"
