@@ -9,9 +9,9 @@ Layout (each module imports only the ones above it)::
     options, microbatch, ledger          what the user chose; reading a micro-batch; the counters
     group, gradients, decision           a group's sums; the kernels; what to do with a closed group
     engine                               the arithmetic of a run, composed of the above (no Lightning)
-    schedules                            schedulers that follow applied updates
+    schedules, axis_lr                   schedulers that follow applied updates; rates as a function of tokens
     strategies/                          Lightning's hooks adapted to the engine (base, single, ddp)
-    callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck
+    callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon
 
 Example:
     >>> import lightning_accum
@@ -20,7 +20,8 @@ Example:
     True
 """
 
-from lightning_accum.callbacks import AccumulationCheck, AccumulationCheckError, AccumulationReport, AxisLogger
+from lightning_accum.axis_lr import AxisLR, warmup_cosine, warmup_linear
+from lightning_accum.callbacks import AccumulationCheck, AccumulationCheckError, AccumulationReport, AxisLogger, Horizon
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.options import AccumulationOptions
@@ -34,10 +35,14 @@ __all__ = [
     "AccumulationOptions",
     "AccumulationReport",
     "AccumulationStrategy",
+    "AxisLR",
     "AxisLogger",
     "DDPAccumulationStrategy",
     "ExactAccumulation",
     "GroupRecord",
+    "Horizon",
+    "warmup_cosine",
+    "warmup_linear",
 ]
 
 __version__ = "0.1.0"

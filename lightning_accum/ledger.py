@@ -18,7 +18,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SKIP_REASONS", "AccumulationLedger", "GroupRecord"]
+__all__ = ["AXES", "SKIP_REASONS", "AccumulationLedger", "GroupRecord"]
+
+#: The axes a run can be measured on (logging, budgets, schedules), and the ledger counter each one reads.
+AXES: dict[str, str] = {"tokens": "tokens", "samples": "samples", "updates": "updates_applied"}
 
 #: Reasons an attempted update can be skipped, in the order they are checked.
 SKIP_REASONS: tuple[str, ...] = ("empty", "nonfinite", "overflow")

@@ -243,3 +243,30 @@ def ddp_trainer(
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that Lightning can checkpoint mid-epoch (it has `state_dict`/`load_state_dict`): on restore it
+    skips the batches the interrupted epoch already consumed. Plain DataLoaders restart the epoch's data from its
+    start on a mid-epoch resume (Lightning's behaviour), so exact mid-epoch resumption needs one like this (or
+    torchdata's StatefulDataLoader)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.consumed = 0
+        self.skip = 0
+
+    def __iter__(self) -> Any:
+        skip, self.skip = self.skip, 0
+        self.consumed = 0
+        for i, batch in enumerate(super().__iter__()):
+            if i < skip:
+                continue
+            self.consumed = i + 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = int(state["consumed"])

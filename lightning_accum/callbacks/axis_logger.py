@@ -12,14 +12,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.ledger import AXES, AccumulationLedger, GroupRecord
 from lightning_accum.options import validate_choice
 from lightning_accum.strategies import ExactAccumulation
 
 __all__ = ["AXES", "AxisLogger", "format_count", "window_metrics"]
-
-#: The axes a run can be logged on, and the ledger counter each one reads.
-AXES: dict[str, str] = {"tokens": "tokens", "samples": "samples", "updates": "updates_applied"}
 
 
 def format_count(value: int, unit: str = "") -> str:

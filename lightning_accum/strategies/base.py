@@ -32,6 +32,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accum.axis_lr import bind_schedulers
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine, GroupListener, Replicas
 from lightning_accum.gradients import scaler_skipped, summed_gradients
@@ -238,6 +239,7 @@ class ExactAccumulation(Strategy):
         super().setup(trainer)
         self._trainer_ref = trainer
         self._engine.bind(self.root_device, Replicas(self.data_parallel_replicas, self.reduce_sum))
+        bind_schedulers(self.lr_scheduler_configs, self._engine)  # AxisLR counts what each applied update consumed
         self._scheduled = take_over_schedulers(self.lr_scheduler_configs)
 
     @override

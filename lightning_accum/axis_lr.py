@@ -1,0 +1,294 @@
+"""A learning-rate schedule defined on tokens, samples or applied updates, not on Lightning's batch index.
+
+The rate of update ``g`` is ``base_lr × lr_lambda(n_g)``, where ``n_g`` is the count (supervised tokens, samples or
+applied updates) that the *applied* updates before ``g`` consumed, summed over all replicas. Counts come from the
+records of closed groups (:class:`~lightning_accum.ledger.GroupRecord`), which are global and identical on every
+rank, so every rank sets the same rate. A skipped update consumed data but changed no parameter: it does not advance
+the schedule (the ledger's ``tokens`` counts it; the schedule does not).
+
+Two runs whose updates hold different numbers of tokens (other ``m``, ``A`` or ``D``) then follow the same curve of
+rate against tokens: the schedule is a property of the data seen, not of how it was split.
+
+The count advances through the engine's group listener (:meth:`AxisLR.bind`, done by the accumulation strategies
+when fitting starts); the strategy steps the scheduler after every applied update, and :meth:`AxisLR.step` reads the
+count the listener has added up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from lightning_accum.ledger import AXES, GroupRecord
+from lightning_accum.options import validate_choice
+
+if TYPE_CHECKING:
+    from lightning_accum.engine import AccumulationEngine
+
+__all__ = [
+    "AxisLR",
+    "WarmupCosine",
+    "WarmupLinear",
+    "bind_schedulers",
+    "warmup_cosine",
+    "warmup_linear",
+]
+
+#: The axes a schedule or horizon can run on, and the ledger counter each one reads.
+
+
+def group_count(record: GroupRecord, axis: str) -> int:
+    """What one closed group adds to ``axis``: its tokens, its samples, or 1 (an update).
+
+    Example:
+        >>> record = GroupRecord(loss=1.0, tokens=40, samples=8, microbatches=4, applied=True)
+        >>> [group_count(record, axis) for axis in ("tokens", "samples", "updates")]
+        [40, 8, 1]
+    """
+    if axis == "tokens":
+        return int(record.tokens)
+    if axis == "samples":
+        return int(record.samples)
+    return 1
+
+
+def no_token_counts_error(who: str) -> RuntimeError:
+    """The error for ``axis="tokens"`` in a run whose ``training_step`` reports no token counts."""
+    return RuntimeError(
+        f"{who}(axis='tokens') needs token counts, but the run reports none. Return"
+        " `{'loss': loss, 'num_tokens': (labels != -100).sum()}` from `training_step`, pass `count_tokens=` to the"
+        f" strategy, or use `{who}(axis='samples')`."
+    )
+
+
+def _check_shape(warmup: int, total: int, min_ratio: float) -> None:
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"`warmup` must be an int >= 0 (a count on the schedule's axis); got {warmup!r}.")
+    if isinstance(total, bool) or not isinstance(total, int) or total <= 0 or total < warmup:
+        raise ValueError(
+            f"`total` must be a positive int >= `warmup` ({warmup!r}), the count at which the decay ends; got"
+            f" {total!r}. Pass the run's budget on the schedule's axis."
+        )
+    if not 0.0 <= float(min_ratio) <= 1.0:
+        raise ValueError(
+            f"`min_ratio` must be in [0, 1] (the final rate as a fraction of the base); got {min_ratio!r}."
+        )
+
+
+class _WarmupDecay:
+    """``lr_lambda`` that rises linearly from 0 to 1 over ``warmup``, then decays to ``min_ratio`` at ``total``."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float = 0.0) -> None:
+        _check_shape(warmup, total, min_ratio)
+        self.warmup, self.total, self.min_ratio = warmup, total, float(min_ratio)
+
+    def decay(self, progress: float) -> float:
+        """The decay's shape on ``[0, 1]``: 1 at 0, 0 at 1."""
+        raise NotImplementedError
+
+    def __call__(self, count: int) -> float:
+        if count < self.warmup:
+            return count / self.warmup
+        if self.total == self.warmup:
+            return self.min_ratio
+        progress = min(1.0, (count - self.warmup) / (self.total - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * self.decay(progress)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(warmup={self.warmup}, total={self.total}, min_ratio={self.min_ratio})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and repr(other) == repr(self)
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+
+class WarmupCosine(_WarmupDecay):
+    """Linear warm-up over ``warmup``, then a half cosine from 1 down to ``min_ratio`` at ``total``; see
+    :func:`warmup_cosine`."""
+
+    def decay(self, progress: float) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class WarmupLinear(_WarmupDecay):
+    """Linear warm-up over ``warmup``, then a straight line from 1 down to ``min_ratio`` at ``total``; see
+    :func:`warmup_linear`."""
+
+    def decay(self, progress: float) -> float:
+        return 1.0 - progress
+
+
+def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0) -> WarmupCosine:
+    """An ``lr_lambda``: linear warm-up from 0 over ``warmup``, cosine decay to ``min_ratio`` at ``total``, flat after.
+
+    ``warmup`` and ``total`` are counts on the schedule's axis (e.g. tokens). The factor at count ``n`` is ``n /
+    warmup`` during the warm-up (so the first update, at ``n = 0``, runs at rate 0), then ``min_ratio + (1 -
+    min_ratio) · (1 + cos(π p)) / 2`` with ``p = (n - warmup) / (total - warmup)``. The result is a picklable object
+    (it travels to spawned processes) and can be named from LightningCLI YAML
+    (``class_path: lightning_accum.warmup_cosine``).
+
+    Example:
+        >>> schedule = warmup_cosine(warmup=100, total=1100, min_ratio=0.1)
+        >>> [round(schedule(n), 3) for n in (0, 50, 100, 600, 1100, 5000)]
+        [0.0, 0.5, 1.0, 0.55, 0.1, 0.1]
+    """
+    return WarmupCosine(warmup, total, min_ratio)
+
+
+def warmup_linear(warmup: int, total: int, min_ratio: float = 0.0) -> WarmupLinear:
+    """An ``lr_lambda``: linear warm-up from 0 over ``warmup``, linear decay to ``min_ratio`` at ``total``, flat after.
+
+    Example:
+        >>> schedule = warmup_linear(warmup=100, total=1100)
+        >>> [round(schedule(n), 3) for n in (0, 50, 100, 600, 1100, 5000)]
+        [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
+        >>> warmup_linear(warmup=10, total=5)
+        Traceback (most recent call last):
+        ...
+        ValueError: `total` must be a positive int >= `warmup` (10), the count at which the decay ends; got 5. Pass the run's budget on the schedule's axis.
+    """  # noqa: E501
+    return WarmupLinear(warmup, total, min_ratio)
+
+
+class AxisLR(LRScheduler):
+    """Learning rate ``base_lr × lr_lambda(count consumed before the update)`` on a tokens, samples or updates axis.
+
+    The count is what the *applied* updates so far consumed, summed over replicas (see the module's notes); a skipped
+    update does not advance it, a dropped partial group neither. Use it as a normal scheduler from
+    ``configure_optimizers``::
+
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-4)
+        scheduler = lightning_accum.AxisLR(optimizer, axis="tokens", lr_lambda=warmup_cosine(50_000_000, 2 * 10**9))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    The accumulation strategies bind it to their engine when fitting starts and advance it once per applied update,
+    whatever ``interval`` and ``frequency`` its config says (LightningCLI puts the scheduler it builds in an
+    epoch-interval config; for this scheduler that would be wrong). Its state (:meth:`state_dict`: the count and
+    the step counters, plain ints and floats) goes into checkpoints, so a resumed run continues on the same curve.
+
+    Args:
+        optimizer: The optimizer; each parameter group's ``lr`` at construction is its ``base_lr``.
+        axis: ``"tokens"`` (supervised tokens), ``"samples"`` or ``"updates"`` (applied updates).
+        lr_lambda: ``count -> factor``, e.g. :func:`warmup_cosine` or :func:`warmup_linear`; a picklable object or
+            module-level function when the run spawns processes.
+        last_epoch: As for every torch scheduler; leave at ``-1``.
+
+    Raises:
+        ValueError: For an unknown ``axis``.
+        TypeError: For an ``lr_lambda`` that is not callable.
+        RuntimeError: When stepped without an accumulation strategy (nothing binds it), or for ``axis="tokens"`` in
+            a run that reports no token counts.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        >>> scheduler = AxisLR(optimizer, axis="tokens", lr_lambda=warmup_linear(warmup=1000, total=3000))
+        >>> scheduler.consumed, optimizer.param_groups[0]["lr"]  # the first update runs at lr_lambda(0)
+        (0, 0.0)
+        >>> scheduler.step()
+        Traceback (most recent call last):
+        ...
+        RuntimeError: AxisLR needs an accumulation strategy to count what each update consumed, but it was stepped without one. Set `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn') on several.
+    """  # noqa: E501
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        axis: str = "tokens",
+        *,
+        lr_lambda: Callable[[int], float],
+        last_epoch: int = -1,
+    ) -> None:
+        self.axis = validate_choice("axis", axis, AXES)
+        if not callable(lr_lambda):
+            raise TypeError(
+                f"`lr_lambda` must be callable (count -> factor), e.g. `lightning_accum.warmup_cosine(warmup, total)`;"
+                f" got {type(lr_lambda).__name__}."
+            )
+        self.lr_lambda = lr_lambda
+        #: The count on :attr:`axis` the applied updates so far consumed (summed over replicas).
+        self.consumed = 0
+        self._engine: AccumulationEngine | None = None
+        super().__init__(optimizer, last_epoch)
+
+    def bind(self, engine: AccumulationEngine) -> None:
+        """Count what every applied update of ``engine``'s groups consumed (the strategies call this at fit start)."""
+        if self._engine is not None and self._engine is not engine:
+            self._engine.remove_listener(self._on_group)
+        self._engine = engine
+        engine.add_listener(self._on_group)
+
+    def _on_group(self, record: GroupRecord, batch_samples: Sequence[int]) -> None:
+        if record.dropped or not record.applied:
+            return
+        engine = self._engine
+        if self.axis == "tokens" and record.tokens == 0 and engine is not None:
+            ledger = engine.ledger
+            if ledger.tokens == 0 and ledger.normalization != "tokens":
+                raise no_token_counts_error("AxisLR")
+        self.consumed += group_count(record, self.axis)
+
+    def get_lr(self) -> list[float]:  # type: ignore[override]
+        factor = float(self.lr_lambda(self.consumed))
+        return [float(base) * factor for base in self.base_lrs]
+
+    def step(self, epoch: int | None = None) -> None:
+        # torch's constructor steps once (`_step_count` is 0 then) to set the first rate: lr_lambda(0).
+        if self._engine is None and getattr(self, "_step_count", 0) > 0:
+            raise RuntimeError(
+                "AxisLR needs an accumulation strategy to count what each update consumed, but it was stepped without"
+                " one. Set `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn')"
+                " on several."
+            )
+        super().step(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (loadable with ``weights_only=True``): the count, the axis and torch's step counters."""
+        return {
+            "axis": self.axis,
+            "consumed": self.consumed,
+            "base_lrs": list(self.base_lrs),
+            "last_epoch": self.last_epoch,
+            "_step_count": self._step_count,
+            "_last_lr": list(self._last_lr),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the ``lr_lambda`` is the one given to the constructor)."""
+        saved_axis = state_dict.get("axis", self.axis)
+        if saved_axis != self.axis:
+            raise ValueError(
+                f"This AxisLR runs on axis={self.axis!r}, but the checkpoint's was saved on axis={saved_axis!r}."
+                " Resume with the same `axis`, or start the schedule afresh (no `ckpt_path`)."
+            )
+        self.consumed = int(state_dict.get("consumed", 0))
+        self.base_lrs = [float(x) for x in state_dict.get("base_lrs", self.base_lrs)]
+        self.last_epoch = int(state_dict.get("last_epoch", self.last_epoch))
+        self._step_count = int(state_dict.get("_step_count", self._step_count))
+        self._last_lr = [float(x) for x in state_dict.get("_last_lr", self._last_lr)]
+
+
+def bind_schedulers(configs: Sequence[LRSchedulerConfig], engine: AccumulationEngine) -> None:
+    """Bind every :class:`AxisLR` of ``configs`` to ``engine`` and make its config advance once per update.
+
+    Called by the accumulation strategies in ``setup``, before they take the step-interval schedulers over.
+    """
+    for config in configs:
+        scheduler = getattr(config.scheduler, "scheduler", config.scheduler)  # under an UpdateDrivenScheduler
+        if not isinstance(scheduler, AxisLR):
+            continue
+        scheduler.bind(engine)
+        if config.interval != "step" or config.frequency != 1:
+            rank_zero_info(
+                f"lightning_accum: AxisLR advances once per update; its config said interval={config.interval!r},"
+                f" frequency={config.frequency}."
+            )
+            config.interval, config.frequency = "step", 1

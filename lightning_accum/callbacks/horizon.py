@@ -1,0 +1,334 @@
+"""Drive a run by tokens, samples or applied updates: a budget, validation points and checkpoint points."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_accum.axis_lr import no_token_counts_error
+from lightning_accum.callbacks.axis_logger import format_count
+from lightning_accum.engine import AccumulationEngine
+from lightning_accum.ledger import AXES, AccumulationLedger
+from lightning_accum.options import validate_choice
+from lightning_accum.strategies import ExactAccumulation
+
+__all__ = ["Horizon"]
+
+#: Short unit names for the progress bar.
+_UNITS = {"tokens": "tok", "samples": "sp", "updates": "upd"}
+
+
+def _positive(argument: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"`{argument}` must be a positive int (a count on the Horizon's axis) or None; got {value!r}. Pass e.g."
+            f" `{argument}=2_000_000_000` for 2 B tokens, or leave it out."
+        )
+    return value
+
+
+def next_multiple(count: int, every: int) -> int:
+    """The first multiple of ``every`` above ``count``: the next point once ``count`` has been reached.
+
+    Example:
+        >>> next_multiple(0, 100), next_multiple(99, 100), next_multiple(100, 100), next_multiple(250, 100)
+        (100, 100, 200, 300)
+    """
+    return (count // every + 1) * every
+
+
+class Horizon(Callback):
+    """Stop, validate and checkpoint at counts of tokens, samples or applied updates, read from the ledger.
+
+    Language models are planned in tokens ("2 B tokens, evaluate every 100 M, a checkpoint every 250 M") because
+    only tokens and samples stay comparable when ``m``, ``A`` or ``D`` change. The Horizon reads the exact global
+    count (``trainer.strategy.ledger``: ``tokens``, ``samples`` or ``updates_applied``) after every attempted update
+    (at the end of the group's last micro-batch, identically on every rank) and acts at that update boundary:
+
+    * ``stop_at=N``: at the first update after which the count is ``>= N`` it sets ``trainer.should_stop``, so no
+      micro-batch of another group starts. The final count (``>= N``, by less than one update) is in the ledger and
+      the report. Lightning runs a validation when training is asked to stop (as after ``EarlyStopping``), and does
+      not stop before ``min_epochs``/``min_steps``. ``max_epochs``/``max_steps`` still end a run early: set
+      ``max_epochs=-1`` to let the budget decide (a warning says when the data ran out before the budget).
+    * ``validate_every=V``: a validation run after the first update at which the count reaches each multiple of
+      ``V`` (one run when an update crosses several). These come **in addition to** the validation Lightning
+      schedules (``val_check_interval``, ``check_val_every_n_epoch``); when both fall on the same micro-batch it is
+      one run. To validate on the axis only, pass ``Trainer(check_val_every_n_epoch=None,
+      val_check_interval=10**12)`` (Lightning's own schedule then never fires). It needs a validation loader and a
+      ``validation_step``.
+    * ``checkpoint_every=C``: a checkpoint after the first update at which the count reaches each multiple of ``C``,
+      written with ``trainer.save_checkpoint`` (so the strategy's state, the callbacks' states and the loops go in)
+      as ``{dirpath}/{axis}={count}.ckpt``, e.g. ``tokens=250000123.ckpt``. ``dirpath`` is, in order: the argument,
+      the folder of the Trainer's ``ModelCheckpoint``, ``{default_root_dir}/checkpoints``. When a validation is due
+      at the same update, the checkpoint is written after it (at ``on_validation_end``), so it holds what follows
+      that validation (``EarlyStopping``'s count, a best score); a run resumed from it does not validate again at
+      that count and continues with the next micro-batch, meeting the same remaining points. Mid-epoch, exact
+      resumption also needs a training loader that saves its position (``state_dict``), as for any mid-epoch
+      checkpoint.
+    * with ``stop_at``, the progress bar shows ``budget``: the count against the budget (e.g. ``1.2M/2.0G tok``).
+
+    The Horizon logs no metric (``AxisLogger`` puts the curves on the same axis). A count "reaches" a point when it
+    is ``>=`` it. The next points are in :meth:`state_dict`, so a resumed run
+    continues; a resumed run with other intervals recomputes them from the count.
+
+    Args:
+        axis: ``"tokens"`` (supervised tokens; the run must report them), ``"samples"`` or ``"updates"`` (applied
+            updates).
+        stop_at: The budget, or ``None``.
+        validate_every: The validation interval, or ``None``.
+        checkpoint_every: The checkpoint interval, or ``None``.
+        dirpath: Folder of the checkpoints (see above).
+
+    Raises:
+        ValueError: For an unknown ``axis`` or a budget or interval that is not a positive int.
+        RuntimeError: When the Trainer's strategy is not an accumulation strategy, or ``axis="tokens"`` while the run
+            reports no token counts.
+
+    Private Lightning name used: ``trainer.fit_loop.epoch_loop._should_check_val_fx`` (Lightning asks it after every
+    micro-batch whether to validate; ``validate_every`` answers yes after its updates, so Lightning runs its own
+    validation loop, with its bookkeeping, at that point). Checked at ``setup``: an error names it if it is missing.
+
+    Example:
+        >>> import lightning as L
+        >>> import lightning_accum
+        >>> horizon = lightning_accum.Horizon(axis="tokens", stop_at=2_000_000_000, validate_every=100_000_000)
+        >>> trainer = L.Trainer(strategy="accum", callbacks=[horizon], max_epochs=-1, accelerator="cpu",
+        ...                     logger=False, enable_checkpointing=False)
+        >>> lightning_accum.Horizon(stop_at=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `stop_at` must be a positive int (a count on the Horizon's axis) or None; got 0. Pass e.g. `stop_at=2_000_000_000` for 2 B tokens, or leave it out.
+    """  # noqa: E501
+
+    def __init__(
+        self,
+        axis: str = "tokens",
+        stop_at: int | None = None,
+        validate_every: int | None = None,
+        checkpoint_every: int | None = None,
+        dirpath: str | Path | None = None,
+    ) -> None:
+        self.axis = validate_choice("axis", axis, AXES)
+        self.stop_at = _positive("stop_at", stop_at)
+        self.validate_every = _positive("validate_every", validate_every)
+        self.checkpoint_every = _positive("checkpoint_every", checkpoint_every)
+        self.dirpath = dirpath
+        #: The next count at which to validate / write a checkpoint (``None`` until fitting starts).
+        self.next_validation: int | None = None
+        self.next_checkpoint: int | None = None
+        #: Paths of the checkpoints written by this instance, in order.
+        self.checkpoints: list[str] = []
+        self._attempts_seen = 0
+        self._validate_now = False
+        self._checkpoint_after_validation = False
+        self._trainer: Trainer | None = None
+        self._patched_loop: Any = None
+        self._progress_original: Callable[..., Any] | None = None
+        self._progress_wrapper: Callable[..., Any] | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # The axis only: a run resumed with another budget or interval still finds its state (and recomputes).
+        return self._generate_state_key(axis=self.axis)
+
+    # ------------------------------------------------------------------ counts
+
+    def count(self, ledger: AccumulationLedger) -> int:
+        """The current count on the Horizon's axis."""
+        return int(getattr(ledger, AXES[self.axis]))
+
+    @staticmethod
+    def _engine(trainer: Trainer) -> AccumulationEngine:
+        strategy = trainer.strategy
+        if not isinstance(strategy, ExactAccumulation):
+            raise RuntimeError(
+                f"Horizon needs an accumulation strategy, but the Trainer uses {type(trainer.strategy).__name__}."
+                " Set `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn')"
+                " on several."
+            )
+        return strategy.engine
+
+    # ------------------------------------------------------------------ set-up and tear-down
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._engine(trainer)
+        if stage != "fit":
+            return
+        self._trainer = trainer
+        self.next_validation = self.next_checkpoint = None  # set by `load_state_dict` or `on_train_start`
+        self.checkpoints = []
+        self._validate_now = self._checkpoint_after_validation = False
+        if self.validate_every is not None:
+            self._patch_validation_check(trainer)
+        bar = trainer.progress_bar_callback
+        if self.stop_at is not None and bar is not None and self._progress_original is None:
+            self._progress_original = original = bar.get_metrics
+
+            def get_metrics(trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+                metrics = original(trainer, pl_module)
+                if self._trainer is not None:
+                    metrics["budget"] = self._budget_text(trainer)
+                return metrics  # type: ignore[no-any-return]
+
+            bar.get_metrics = get_metrics  # type: ignore[method-assign]
+            self._progress_wrapper = get_metrics
+
+    def _patch_validation_check(self, trainer: Trainer) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        original = getattr(loop, "_should_check_val_fx", None)
+        if not callable(original):
+            import lightning
+
+            raise RuntimeError(
+                "Horizon(validate_every=...) asks Lightning's training loop to validate through"
+                f" `fit_loop.epoch_loop._should_check_val_fx`, which Lightning {lightning.__version__} does not have."
+                " Pin lightning to a tested version (2.6), or leave `validate_every` out and use `val_check_interval`."
+            )
+
+        def should_check_val(*args: Any, **kwargs: Any) -> bool:
+            if self._validate_now and trainer.enable_validation:
+                return True
+            return bool(original(*args, **kwargs))
+
+        loop._should_check_val_fx = should_check_val  # type: ignore[method-assign]
+        self._patched_loop = loop
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._patched_loop is not None:
+            self._patched_loop.__dict__.pop("_should_check_val_fx", None)
+            self._patched_loop = None
+        bar = trainer.progress_bar_callback
+        if bar is not None and self._progress_original is not None:
+            if bar.__dict__.get("get_metrics") is self._progress_wrapper:  # not wrapped again by someone else
+                if getattr(self._progress_original, "__self__", None) is bar:
+                    del bar.__dict__["get_metrics"]  # the class's own method again
+                else:
+                    bar.get_metrics = self._progress_original  # type: ignore[method-assign]
+            self._progress_original = None
+        self._trainer = None
+
+    def _budget_text(self, trainer: Trainer) -> str:
+        count = self.count(trainer.strategy.ledger)  # type: ignore[attr-defined]
+        assert self.stop_at is not None
+        return f"{format_count(count)}/{format_count(self.stop_at)} {_UNITS[self.axis]}"
+
+    # ------------------------------------------------------------------ the run
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        ledger = self._engine(trainer).ledger
+        count = self.count(ledger)
+        self._attempts_seen = ledger.updates_attempted
+        if self.validate_every is not None and self.next_validation is None:
+            self.next_validation = next_multiple(count, self.validate_every)
+        if self.checkpoint_every is not None and self.next_checkpoint is None:
+            self.next_checkpoint = next_multiple(count, self.checkpoint_every)
+        if self.validate_every is not None and not trainer.enable_validation:
+            rank_zero_warn(
+                f"Horizon(validate_every={self.validate_every}) has nothing to run: the Trainer has no validation"
+                " (a `val_dataloaders` loader, a `validation_step` and `limit_val_batches > 0` are needed)."
+            )
+        if self.stop_at is not None and count >= self.stop_at:
+            rank_zero_info(f"Horizon: the run is already at {count} {self.axis}, at or past stop_at={self.stop_at}.")
+            trainer.should_stop = True
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._validate_now = False
+        if self._checkpoint_after_validation:  # the validation did not run after all: write it now
+            self._checkpoint_after_validation = False
+            self._save(trainer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        ledger = trainer.strategy.ledger  # type: ignore[attr-defined]
+        if ledger.updates_attempted == self._attempts_seen:
+            return  # inside a group, or a dropped partial group: no update boundary
+        self._attempts_seen = ledger.updates_attempted
+        if self.axis == "tokens" and ledger.tokens == 0 and ledger.normalization != "tokens":
+            raise no_token_counts_error("Horizon")
+        count = self.count(ledger)
+        checkpoint_due = False
+        if self.next_checkpoint is not None and self.checkpoint_every is not None and count >= self.next_checkpoint:
+            self.next_checkpoint = next_multiple(count, self.checkpoint_every)
+            checkpoint_due = True
+        if self.next_validation is not None and self.validate_every is not None and count >= self.next_validation:
+            self.next_validation = next_multiple(count, self.validate_every)
+            self._validate_now = True
+        if self.stop_at is not None and count >= self.stop_at:
+            rank_zero_info(f"Horizon: stopping at {count} {self.axis} (stop_at={self.stop_at}).")
+            trainer.should_stop = True
+        if checkpoint_due:
+            if self._validate_now and trainer.enable_validation:
+                self._checkpoint_after_validation = True  # Lightning validates right after this hook
+            else:
+                self._save(trainer)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._checkpoint_after_validation and not trainer.sanity_checking:
+            self._checkpoint_after_validation = False
+            self._save(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._checkpoint_after_validation:
+            self._checkpoint_after_validation = False
+            self._save(trainer)
+        count = self.count(trainer.strategy.ledger)  # type: ignore[attr-defined]
+        if self.stop_at is not None and count < self.stop_at:
+            rank_zero_warn(
+                f"Horizon: training ended at {count} {self.axis}, before stop_at={self.stop_at}: the Trainer's"
+                " `max_epochs`/`max_steps`/`max_time` ended it first. Pass `max_epochs=-1` to let the budget decide."
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_dir(self, trainer: Trainer) -> Path:
+        """The checkpoints' folder: ``dirpath``, the ``ModelCheckpoint``'s, else ``{default_root_dir}/checkpoints``."""
+        if self.dirpath is not None:
+            return Path(self.dirpath)
+        callback = trainer.checkpoint_callback
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            return Path(callback.dirpath)
+        return Path(trainer.default_root_dir) / "checkpoints"
+
+    def _save(self, trainer: Trainer) -> None:
+        count = self.count(trainer.strategy.ledger)  # type: ignore[attr-defined]
+        path = self.checkpoint_dir(trainer) / f"{self.axis}={count}.ckpt"
+        trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; the strategy writes once
+        self.checkpoints.append(str(path))
+
+    # ------------------------------------------------------------------ state
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "axis": self.axis,
+            "stop_at": self.stop_at,
+            "validate_every": self.validate_every,
+            "checkpoint_every": self.checkpoint_every,
+            "next_validation": self.next_validation,
+            "next_checkpoint": self.next_checkpoint,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The saved points hold only for the intervals they were computed with; otherwise `on_train_start` recomputes.
+        if state_dict.get("validate_every") == self.validate_every:
+            self.next_validation = state_dict.get("next_validation")
+        if state_dict.get("checkpoint_every") == self.checkpoint_every:
+            self.next_checkpoint = state_dict.get("next_checkpoint")
