@@ -15,6 +15,7 @@ from lightning_accum.callbacks import AccumulationCheck, AccumulationCheckError,
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import AccumulationStrategy, DDPAccumulationStrategy, _register
+from lightning_accum.tokens import TokenWeightingWarning, causal_lm_tokens, seq2seq_tokens, supervised_tokens
 
 __all__ = [
     "AccumulationCheck",
@@ -26,6 +27,10 @@ __all__ = [
     "AxisLogger",
     "DDPAccumulationStrategy",
     "GroupRecord",
+    "TokenWeightingWarning",
+    "causal_lm_tokens",
+    "seq2seq_tokens",
+    "supervised_tokens",
 ]
 
 __version__ = "0.1.0"

@@ -38,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.tokens import TokenWeightingWarning, token_weighting_hint
 
 __all__ = [
     "NORMALIZE_CHOICES",
@@ -461,7 +462,7 @@ class AccumulationEngine:
         size = samples_c if type(samples_c) is int else infer_num_samples(batch)
         if size is not None:
             sums.batch_samples.append(size)
-        unit = self.ledger.normalization or self._decide_unit(tokens_c is not None, samples_c is not None)
+        unit = self.ledger.normalization or self._decide_unit(tokens_c is not None, samples_c is not None, batch)
         weight = (
             tokens_c
             if unit == "tokens" and tokens_c is not None
@@ -544,7 +545,7 @@ class AccumulationEngine:
             samples = infer_num_samples(batch)
         return (loss.reshape(()) if loss.ndim else loss), tokens, samples
 
-    def _decide_unit(self, has_tokens: bool, has_samples: bool) -> str:
+    def _decide_unit(self, has_tokens: bool, has_samples: bool, batch: Any = None) -> str:
         unit = self.normalize
         if unit == "auto":
             unit = "tokens" if has_tokens else "samples" if has_samples else "batches"
@@ -554,6 +555,9 @@ class AccumulationEngine:
                 "batches": "neither token counts nor the number of samples are known",
             }[unit]
             rank_zero_info(f"lightning_accum: micro-batches are weighted by {unit} (normalize='auto': {reason}).")
+            hint = token_weighting_hint(unit, batch)  # reads the device once, at the run's first micro-batch
+            if hint is not None:
+                rank_zero_warn(hint, category=TokenWeightingWarning)
         self.ledger.normalization = unit
         return unit
 

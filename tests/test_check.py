@@ -14,7 +14,7 @@ from helpers import ListDataset, TinyLM, fit, make_examples, params_vector, rand
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_accum import AccumulationCheck, AccumulationCheckError
+from lightning_accum import AccumulationCheck, AccumulationCheckError, TokenWeightingWarning
 from lightning_accum.callbacks.check import concat_microbatches
 
 A = 4
@@ -90,7 +90,10 @@ def test_mean_of_means_without_token_counts() -> None:
 
 def test_strict_false_turns_failures_into_warnings() -> None:
     check = AccumulationCheck(strict=False)
-    with pytest.warns(UserWarning, match=r"AccumulationCheck failed:\n- token weighting is missing"):
+    with (
+        pytest.warns(UserWarning, match=r"AccumulationCheck failed:\n- token weighting is missing"),
+        pytest.warns(TokenWeightingWarning, match=r"token weighting is probably intended"),  # then the run's own hint
+    ):
         fit(TinyLM(report="loss"), examples(), batch_size=2, accumulate=A, callbacks=[check])
     assert check.result is not None and not check.result.passed
 
@@ -204,3 +207,61 @@ def test_ddp_warns_on_undistributed_sampler_and_identical_examples(tmp_path: Pat
     assert any("not a DistributedSampler" in w for w in result["warnings"])
     assert any("replicas received identical first micro-batches" in w for w in result["warnings"])
     assert result["error"] < 1e-5  # the group still matches one batch of all replicas' examples
+
+
+# ---------------------------------------------------------------------------- Hugging Face causal LMs
+
+
+def _hf() -> Any:
+    pytest.importorskip("transformers")
+    import hf_models
+
+    return hf_models
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_naive_count_for_a_shifted_loss_is_named_as_the_shift(precision: str) -> None:
+    hf = _hf()
+    with pytest.raises(AccumulationCheckError, match=r"the token count is off by the shift.*causal_lm_tokens") as info:
+        hf.fit_hf(
+            hf.HFCausalLM(count="naive"),
+            hf.sequences(16, seed=3),
+            batch_size=2,
+            accumulate=A,
+            callbacks=[AccumulationCheck()],
+            precision=precision,
+        )
+    # The check measured in float32 (autocast off) against its tight default tolerance, also under bf16.
+    assert "tolerance 1.0e-04" in str(info.value)
+
+
+def test_bf16_mixed_correct_count_passes_with_a_tight_tolerance() -> None:
+    # Autocast off for the check's passes: without it, bf16 rounding alone (~1e-2) would exceed 1e-4.
+    hf = _hf()
+    check = AccumulationCheck()
+    hf.fit_hf(
+        hf.HFCausalLM(count="helper"),
+        hf.sequences(16, seed=3),
+        batch_size=2,
+        accumulate=A,
+        callbacks=[check],
+        precision="bf16-mixed",
+    )
+    assert check.result is not None and check.result.passed and check.result.relative_error < 1e-5
+
+
+def test_one_sequence_per_microbatch_without_counts_is_missing_token_weighting() -> None:
+    # m = 1 and a loss only: no micro-batch holds padding, yet the update is a mean of per-sequence means.
+    hf = _hf()
+    with pytest.raises(
+        AccumulationCheckError,
+        match=r"token weighting is missing: micro-batches are weighted by samples.*weighted by shifted tokens"
+        r".*the error falls to .*causal_lm_tokens",
+    ):
+        hf.fit_hf(
+            hf.HFCausalLM(count="loss"),
+            hf.sequences(8, seed=3),
+            batch_size=1,
+            accumulate=A,
+            callbacks=[AccumulationCheck()],
+        )
