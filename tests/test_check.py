@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 from helpers import ListDataset, TinyLM, fit, make_examples, params_vector, random_lengths, run_ddp
+from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -235,18 +236,23 @@ def test_naive_count_for_a_shifted_loss_is_named_as_the_shift(precision: str) ->
     assert "tolerance 1.0e-04" in str(info.value)
 
 
-def test_bf16_mixed_correct_count_passes_with_a_tight_tolerance() -> None:
-    # Autocast off for the check's passes: without it, bf16 rounding alone (~1e-2) would exceed 1e-4.
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_correct_count_passes_with_a_tight_tolerance(precision: str) -> None:
+    # Autocast off for the check's passes: without it, bf16 rounding alone (3e-3 here) would exceed 1e-4.
     hf = _hf()
     check = AccumulationCheck()
-    hf.fit_hf(
+    options: dict[str, Any] = {"precision": precision}
+    if precision == "16-mixed":  # fp16 with a GradScaler, on the CPU
+        options = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+    trainer = hf.fit_hf(
         hf.HFCausalLM(count="helper"),
         hf.sequences(16, seed=3),
         batch_size=2,
         accumulate=A,
         callbacks=[check],
-        precision="bf16-mixed",
+        **options,
     )
+    assert check._tolerance(trainer) == 1e-4  # the default stays tight under mixed precision
     assert check.result is not None and check.result.passed and check.result.relative_error < 1e-5
 
 
@@ -265,3 +271,40 @@ def test_one_sequence_per_microbatch_without_counts_is_missing_token_weighting()
             accumulate=A,
             callbacks=[AccumulationCheck()],
         )
+
+
+def _ddp_hf_naive(rank: int, folder: str) -> None:
+    import hf_models as hf
+
+    check = AccumulationCheck(strict=False)
+    trainer = L.Trainer(
+        strategy="accum_ddp",
+        accelerator="cpu",
+        devices=2,
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        logger=False,
+        callbacks=[check],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(hf.sequences(16, seed=3), batch_size=2, collate_fn=hf.pad_collate)  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        trainer.fit(hf.HFCausalLM(count="naive"), loader)
+    assert check.result is not None
+    with open(f"{folder}/rank{rank}.json", "w") as f:
+        json.dump({"errors": check.result.errors, "error": check.result.relative_error}, f)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_ddp_naive_count_for_a_shifted_loss_is_named_on_every_replica(tmp_path: Path) -> None:
+    # The per-micro-batch gradients of every replica's micro-batches are weighed alike on each rank.
+    _hf()
+    run_ddp(_ddp_hf_naive, str(tmp_path))
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for result in results:
+        assert len(result["errors"]) == 1 and result["errors"][0].startswith("the token count is off by the shift")
+    assert results[0]["error"] == results[1]["error"] > 1e-4
