@@ -26,6 +26,7 @@ from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.strategies import AccumulationStrategy, DDPAccumulationStrategy, ExactAccumulation, register
+from lightning_accum.tokens import TokenWeightingWarning, causal_lm_tokens, seq2seq_tokens, supervised_tokens
 
 __all__ = [
     "AccumulationCheck",
@@ -41,6 +42,10 @@ __all__ = [
     "ExactAccumulation",
     "GroupRecord",
     "Horizon",
+    "TokenWeightingWarning",
+    "causal_lm_tokens",
+    "seq2seq_tokens",
+    "supervised_tokens",
     "warmup_cosine",
     "warmup_linear",
 ]

@@ -62,8 +62,9 @@ def no_token_counts_error(who: str) -> RuntimeError:
     """The error for ``axis="tokens"`` in a run whose ``training_step`` reports no token counts."""
     return RuntimeError(
         f"{who}(axis='tokens') needs token counts, but the run reports none. Return"
-        " `{'loss': loss, 'num_tokens': (labels != -100).sum()}` from `training_step`, pass `count_tokens=` to the"
-        f" strategy, or use `{who}(axis='samples')`."
+        " `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels)}` from `training_step` (shift=False"
+        " when the labels are already aligned with the logits), pass `count_tokens=` to the strategy (e.g."
+        f" `lightning_accum.causal_lm_tokens`), or use `{who}(axis='samples')`."
     )
 
 

@@ -67,6 +67,7 @@ from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGro
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count, as_count, choose_unit, infer_num_samples, parse_step_output, unit_weight
 from lightning_accum.options import AccumulationOptions
+from lightning_accum.tokens import TokenWeightingWarning, token_weighting_hint
 
 __all__ = ["AccumulationEngine", "GroupListener", "GroupOutcome", "Replicas"]
 
@@ -77,8 +78,8 @@ ReduceSum = Callable[[Tensor], Tensor]
 _log = logging.getLogger("lightning_accum")
 
 
-def _warn(message: str) -> None:
-    warnings.warn(message, UserWarning, stacklevel=3)
+def _warn(message: str, category: type[Warning] = UserWarning) -> None:
+    warnings.warn(message, category, stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class AccumulationEngine:
         self.consecutive_skips = 0
         #: Where messages go (the strategies route them to rank zero through Lightning's utilities).
         self.info: Callable[[str], None] = _log.info
-        self.warn: Callable[[str], None] = _warn
+        self.warn: Callable[..., None] = _warn  # warn(message, category=UserWarning)
         self.device = torch.device("cpu")
         self.replicas = Replicas()
         self._group_ref: float | Tensor | None = None
@@ -179,7 +180,7 @@ class AccumulationEngine:
         device: torch.device | str = "cpu",
         replicas: Replicas | None = None,
         info: Callable[[str], None] | None = None,
-        warn: Callable[[str], None] | None = None,
+        warn: Callable[..., None] | None = None,
     ) -> None:
         """Set the device the group's vector lives on, the replicas it is summed over, and where messages go."""
         self.device = torch.device(device)
@@ -246,7 +247,7 @@ class AccumulationEngine:
         )
         # The micro-batch's number of samples as a host int when known without a device read (for the listeners).
         size = samples_c if type(samples_c) is int else infer_num_samples(batch)
-        unit = self.ledger.normalization or self._decide_unit(tokens_c is not None, samples_c is not None)
+        unit = self.ledger.normalization or self._decide_unit(tokens_c is not None, samples_c is not None, batch)
         weight = (
             tokens_c
             if unit == "tokens" and tokens_c is not None
@@ -291,10 +292,13 @@ class AccumulationEngine:
         """
         return self._pending_backward is None and not self._backward_running
 
-    def _decide_unit(self, has_tokens: bool, has_samples: bool) -> str:
+    def _decide_unit(self, has_tokens: bool, has_samples: bool, batch: Any = None) -> str:
         unit, reason = choose_unit(self.options.normalize, has_tokens, has_samples)
         if reason is not None:
             self.info(f"lightning_accum: micro-batches are weighted by {unit} (normalize='auto': {reason}).")
+            hint = token_weighting_hint(unit, batch)  # reads the device once, at the run's first micro-batch
+            if hint is not None:
+                self.warn(hint, category=TokenWeightingWarning)
         self.ledger.normalization = unit
         return unit
 

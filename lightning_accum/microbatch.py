@@ -182,8 +182,9 @@ def unit_weight(unit: str, normalize: str, tokens: Count | None, samples: Count 
         if tokens is None:
             raise ValueError(
                 f"The run normalizes by tokens (`normalize={normalize!r}`) but this micro-batch reports no token"
-                " count. Return `{'loss': loss, 'num_tokens': (labels != ignore_index).sum()}` from `training_step`,"
-                " or pass `count_tokens=` to the strategy."
+                " count. Return `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels)}` from"
+                " `training_step` (shift=False when the labels are already aligned with the logits), or pass"
+                " `count_tokens=` to the strategy (e.g. `lightning_accum.causal_lm_tokens`)."
             )
         return tokens
     if unit == "samples":

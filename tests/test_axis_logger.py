@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader
 
-from lightning_accum import AccumulationStrategy, AxisLogger
+from lightning_accum import AccumulationStrategy, AxisLogger, TokenWeightingWarning
 from lightning_accum.callbacks.axis_logger import format_count
 
 
@@ -180,7 +180,10 @@ def test_tokens_axis_without_token_counts_is_a_clear_error(tmp_path: Path) -> No
         max_epochs=1,
         enable_progress_bar=False,
     )
-    with pytest.raises(RuntimeError, match=r"axis='tokens'\) needs token counts.*axis='samples'"):
+    with (
+        pytest.raises(RuntimeError, match=r"axis='tokens'\) needs token counts.*axis='samples'"),
+        pytest.warns(TokenWeightingWarning, match=r"token weighting is probably intended"),
+    ):
         trainer.fit(TinyLM(report="loss"), DataLoader(ListDataset(make_examples([2, 3])), batch_size=1))
 
 

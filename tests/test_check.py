@@ -11,10 +11,11 @@ import lightning as L
 import pytest
 import torch
 from helpers import ListDataset, TinyLM, fit, make_examples, params_vector, random_lengths, run_ddp
+from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_accum import AccumulationCheck, AccumulationCheckError
+from lightning_accum import AccumulationCheck, AccumulationCheckError, TokenWeightingWarning
 from lightning_accum.callbacks.check import concat_microbatches
 
 A = 4
@@ -90,7 +91,10 @@ def test_mean_of_means_without_token_counts() -> None:
 
 def test_strict_false_turns_failures_into_warnings() -> None:
     check = AccumulationCheck(strict=False)
-    with pytest.warns(UserWarning, match=r"AccumulationCheck failed:\n- token weighting is missing"):
+    with (
+        pytest.warns(UserWarning, match=r"AccumulationCheck failed:\n- token weighting is missing"),
+        pytest.warns(TokenWeightingWarning, match=r"token weighting is probably intended"),  # then the run's own hint
+    ):
         fit(TinyLM(report="loss"), examples(), batch_size=2, accumulate=A, callbacks=[check])
     assert check.result is not None and not check.result.passed
 
@@ -204,3 +208,103 @@ def test_ddp_warns_on_undistributed_sampler_and_identical_examples(tmp_path: Pat
     assert any("not a DistributedSampler" in w for w in result["warnings"])
     assert any("replicas received identical first micro-batches" in w for w in result["warnings"])
     assert result["error"] < 1e-5  # the group still matches one batch of all replicas' examples
+
+
+# ---------------------------------------------------------------------------- Hugging Face causal LMs
+
+
+def _hf() -> Any:
+    pytest.importorskip("transformers")
+    import hf_models
+
+    return hf_models
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_naive_count_for_a_shifted_loss_is_named_as_the_shift(precision: str) -> None:
+    hf = _hf()
+    with pytest.raises(AccumulationCheckError, match=r"the token count is off by the shift.*causal_lm_tokens") as info:
+        hf.fit_hf(
+            hf.HFCausalLM(count="naive"),
+            hf.sequences(16, seed=3),
+            batch_size=2,
+            accumulate=A,
+            callbacks=[AccumulationCheck()],
+            precision=precision,
+        )
+    # The check measured in float32 (autocast off) against its tight default tolerance, also under bf16.
+    assert "tolerance 1.0e-04" in str(info.value)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_correct_count_passes_with_a_tight_tolerance(precision: str) -> None:
+    # Autocast off for the check's passes: without it, bf16 rounding alone (3e-3 here) would exceed 1e-4.
+    hf = _hf()
+    check = AccumulationCheck()
+    options: dict[str, Any] = {"precision": precision}
+    if precision == "16-mixed":  # fp16 with a GradScaler, on the CPU
+        options = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+    trainer = hf.fit_hf(
+        hf.HFCausalLM(count="helper"),
+        hf.sequences(16, seed=3),
+        batch_size=2,
+        accumulate=A,
+        callbacks=[check],
+        **options,
+    )
+    assert check._tolerance(trainer) == 1e-4  # the default stays tight under mixed precision
+    assert check.result is not None and check.result.passed and check.result.relative_error < 1e-5
+
+
+def test_one_sequence_per_microbatch_without_counts_is_missing_token_weighting() -> None:
+    # m = 1 and a loss only: no micro-batch holds padding, yet the update is a mean of per-sequence means.
+    hf = _hf()
+    with pytest.raises(
+        AccumulationCheckError,
+        match=r"token weighting is missing: micro-batches are weighted by samples.*weighted by shifted tokens"
+        r".*the error falls to .*causal_lm_tokens",
+    ):
+        hf.fit_hf(
+            hf.HFCausalLM(count="loss"),
+            hf.sequences(8, seed=3),
+            batch_size=1,
+            accumulate=A,
+            callbacks=[AccumulationCheck()],
+        )
+
+
+def _ddp_hf_naive(rank: int, folder: str) -> None:
+    import hf_models as hf
+
+    check = AccumulationCheck(strict=False)
+    trainer = L.Trainer(
+        strategy="accum_ddp",
+        accelerator="cpu",
+        devices=2,
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        logger=False,
+        callbacks=[check],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(hf.sequences(16, seed=3), batch_size=2, collate_fn=hf.pad_collate)  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        trainer.fit(hf.HFCausalLM(count="naive"), loader)
+    assert check.result is not None
+    with open(f"{folder}/rank{rank}.json", "w") as f:
+        json.dump({"errors": check.result.errors, "error": check.result.relative_error}, f)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_ddp_naive_count_for_a_shifted_loss_is_named_on_every_replica(tmp_path: Path) -> None:
+    # The per-micro-batch gradients of every replica's micro-batches are weighed alike on each rank.
+    _hf()
+    run_ddp(_ddp_hf_naive, str(tmp_path))
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for result in results:
+        assert len(result["errors"]) == 1 and result["errors"][0].startswith("the token count is off by the shift")
+    assert results[0]["error"] == results[1]["error"] > 1e-4

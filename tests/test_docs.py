@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from pathlib import Path
@@ -23,6 +24,16 @@ def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
     os.chdir(tmp_path)
     try:
         for block in BLOCK.findall(page.read_text()):
+            if "import transformers" in block and not _importable("transformers"):
+                continue  # the optional `hf` extra is not installed
             exec(compile(block, f"{page.name}", "exec"), {"__name__": "__docs__"})
     finally:
         os.chdir(cwd)
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_accum.axis_lr import no_token_counts_error
 from lightning_accum.ledger import AXES, AccumulationLedger, GroupRecord
 from lightning_accum.options import validate_choice
 from lightning_accum.strategies import ExactAccumulation
@@ -208,11 +209,7 @@ class AxisLogger(Callback):
             return
         self._checked_unit = True
         if self.axis == "tokens" and self._ledger(trainer).normalization not in ("tokens", None):
-            raise RuntimeError(
-                "AxisLogger(axis='tokens') needs token counts, but the run reports none. Return"
-                " `{'loss': loss, 'num_tokens': (labels != -100).sum()}` from `training_step`, pass `count_tokens=`"
-                " to the strategy, or use `AxisLogger(axis='samples')`."
-            )
+            raise no_token_counts_error("AxisLogger")
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -278,11 +275,7 @@ class AxisLogger(Callback):
             return  # a dropped group is no attempt: nothing is written for it
         ledger = self._ledger(trainer)
         if self.axis == "tokens" and ledger.tokens == 0 and ledger.normalization != "tokens":
-            raise RuntimeError(
-                "AxisLogger(axis='tokens') needs token counts, but the run reports none. Return"
-                " `{'loss': loss, 'num_tokens': (labels != -100).sum()}` from `training_step`, pass `count_tokens=`"
-                " to the strategy, or use `AxisLogger(axis='samples')`."
-            )
+            raise no_token_counts_error("AxisLogger")
         if not trainer.is_global_zero:
             return
         self._window.append(group)

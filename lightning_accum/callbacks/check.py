@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
@@ -20,11 +22,15 @@ from typing_extensions import override
 
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.gradients import scale_gradients
+from lightning_accum.microbatch import infer_num_samples
 from lightning_accum.strategies import ExactAccumulation
+from lightning_accum.tokens import TokenWeightingWarning, find_labels, supervised_tokens
 
 __all__ = ["AccumulationCheck", "AccumulationCheckError", "CheckResult", "concat_microbatches"]
 
 _BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+#: The token counts the diagnosis tries: a causal LM's shifted count, and every unignored label position.
+_TOKEN_COUNTS = ("shifted tokens", "tokens")
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -103,13 +109,20 @@ class AccumulationCheck(Callback):
     gradient of the concatenated batch with the model's current weights, and compares them. Dropout is
     disabled and the random generators are seeded identically for both. Afterwards it restores everything
     it touched (weights, buffers, optimizer state, gradients, random generator states, so the data order is
-    unchanged): the training that follows is the training without the check.
+    unchanged): the training that follows is the training without the check. Under mixed precision
+    (``"16-mixed"``, ``"bf16-mixed"``) both gradients are computed with autocast off, in float32: the check is about
+    the accumulation arithmetic, not the precision, so its tolerance stays tight.
 
     Diagnoses, from the checklist of symptoms and causes:
 
     - gradient ratio near ``1/A`` → the loss is divided by ``A`` twice;
     - mismatch while micro-batches are weighted by samples or batches and the labels hold ignored
-      positions → token weighting is missing (the update is a mean of micro-batch means);
+      positions, or the check's own token-weighted update matches the one-batch gradient (also when no
+      micro-batch holds padding, e.g. one sequence per micro-batch) → token weighting is missing (the update is
+      a mean of micro-batch means);
+    - mismatch with token counts that vanishes when the check weights every micro-batch by its shifted count
+      ``(labels[..., 1:] != ignore_index).sum()`` → the count is off by the shift of a causal LM's loss (one
+      token per sequence too many; use :func:`lightning_accum.supervised_tokens`), and the opposite case;
     - BatchNorm layers → named, as a warning: statistics are per micro-batch, so no exact match is expected;
     - non-finite gradients; the group's boundaries (``A`` micro-batches, or the partial-group policy);
     - tensors attached to the autograd graph kept on the LightningModule across micro-batches (memory then
@@ -119,7 +132,8 @@ class AccumulationCheck(Callback):
       micro-batches are identical (warnings).
 
     Args:
-        tolerance: Largest accepted relative error; by default ``1e-4``, or ``2e-2`` with 16-bit precision.
+        tolerance: Largest accepted relative error; by default ``1e-4`` (mixed precision included, compared in
+            float32), or ``2e-2`` with 16-bit weights (``"16-true"``, ``"bf16-true"``).
         strict: Raise :class:`AccumulationCheckError` on failures (``True``) or only warn (``False``).
         collate: ``list of micro-batches -> batch`` for batch structures that cannot be concatenated.
         ignore_index: Padding value for label tensors when right-padding variable lengths.
@@ -169,7 +183,11 @@ class AccumulationCheck(Callback):
     def _tolerance(self, trainer: Trainer) -> float:
         if self.tolerance is not None:
             return self.tolerance
-        return 2e-2 if "16" in str(trainer.precision) else 1e-4
+        # Mixed precision is compared in float32 (see `_float32_compute`); only 16-bit weights ("16-true",
+        # "bf16-true") keep 16-bit arithmetic in the check, and their rounding needs the loose tolerance.
+        if "16" in str(trainer.precision) and not isinstance(trainer.strategy.precision_plugin, MixedPrecision):
+            return 2e-2
+        return 1e-4
 
     def _run(
         self, trainer: Trainer, module: LightningModule, strategy: ExactAccumulation, optimizer: Optimizer
@@ -194,9 +212,12 @@ class AccumulationCheck(Callback):
                 )
 
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-        group, outcome, leaks = self._group_gradient(trainer, module, strategy, optimizer, batches, seed)
-        everything = self._gather_batches(batches, replicas)
-        reference = self._batch_gradient(trainer, module, strategy, optimizer, everything, seed)
+        # Both computations in float32 (autocast off): the check is about the accumulation arithmetic, so the
+        # tolerance stays tight under mixed precision. The run's own "auto" unit hint is given once, by the run.
+        with _float32_compute(strategy), _token_hints_muted():
+            group, outcome, leaks = self._group_gradient(trainer, module, strategy, optimizer, batches, seed)
+            everything = self._gather_batches(batches, replicas)
+            reference = self._batch_gradient(trainer, module, strategy, optimizer, everything, seed)
 
         g = torch.cat([x.reshape(-1).to(torch.float64) for x in group])
         r = torch.cat([x.reshape(-1).to(torch.float64) for x in reference])
@@ -223,13 +244,28 @@ class AccumulationCheck(Callback):
             )
         tolerance = self._tolerance(trainer)
         if rel > tolerance and not batchnorms:
-            errors.append(self._diagnose(rel, ratio, tolerance, accumulate, strategy, batches))
+            alternatives: dict[str, float] = {}
+            if find_labels(everything[0]) and (accumulate > 1 or len(everything) > 1):
+                with _float32_compute(strategy), _token_hints_muted():
+                    alternatives = self._alternative_weightings(
+                        trainer, module, strategy, optimizer, everything, seed, r
+                    )
+            errors.append(self._diagnose(rel, ratio, tolerance, accumulate, strategy, batches, alternatives))
         warnings.extend(self._scheduler_findings(trainer, accumulate))
         if replicas > 1:
             warnings.extend(self._replica_findings(trainer, batches))
         return CheckResult(rel, ratio, len(batches), errors, warnings)
 
-    def _diagnose(self, rel: float, ratio: float, tolerance: float, a: int, strategy: Any, batches: list[Any]) -> str:
+    def _diagnose(
+        self,
+        rel: float,
+        ratio: float,
+        tolerance: float,
+        a: int,
+        strategy: Any,
+        batches: list[Any],
+        alternatives: Mapping[str, float] | None = None,
+    ) -> str:
         measured = f"relative error {rel:.3e} > tolerance {tolerance:.1e}, gradient ratio {ratio:.4f}"
         if a > 1 and abs(ratio - 1.0 / a) < 0.25 / a:
             return (
@@ -237,18 +273,91 @@ class AccumulationCheck(Callback):
                 f" ({measured}). Return the micro-batch's mean loss; the strategy does the normalization."
             )
         unit = self._unit
-        if unit in ("samples", "batches") and self._has_ignored_labels(batches):
+        ignore = self.ignore_index
+        # Which token weighting reproduces the one-batch gradient (formed by the check from per-micro-batch
+        # gradients), if any: it names the count the loss really averages over.
+        matches = sorted((err, name) for name, err in (alternatives or {}).items() if name in _TOKEN_COUNTS)
+        best = matches[0][1] if matches and matches[0][0] <= tolerance else None
+        index = "" if ignore == -100 else f", ignore_index={ignore}"
+        shifted = f"lightning_accum.supervised_tokens(labels{index})"
+        unshifted = f"lightning_accum.supervised_tokens(labels, shift=False{index})"
+        if unit == "tokens" and best == "shifted tokens":
             return (
-                f"token weighting is missing: micro-batches are weighted by {unit} while the labels hold ignored"
-                f" positions, so the update is a mean of micro-batch means and depends on how examples are split"
-                f" ({measured}). Return `{{'loss': loss, 'num_tokens': (labels != {self.ignore_index}).sum()}}`"
-                " from `training_step`, or pass `count_tokens=` to the strategy."
+                "the token count is off by the shift: the loss shifts the labels by one (as Hugging Face causal"
+                " LMs do: it compares logits[:, :-1] with labels[:, 1:]), so it averages over"
+                f" `(labels[..., 1:] != {ignore}).sum()` positions, one token fewer per sequence than the reported"
+                f" `num_tokens`; weighted by that shifted count, the error falls to {matches[0][0]:.1e}"
+                f" ({measured}). Report `num_tokens={shifted}`,"
+                " or pass `count_tokens=lightning_accum.causal_lm_tokens` to the strategy."
+            )
+        if unit == "tokens" and best == "tokens":
+            return (
+                "the token count is off by the shift the other way: the loss compares every label position (no shift),"
+                f" but the reported `num_tokens` is not `(labels != {ignore}).sum()`; weighted by that count, the"
+                f" error falls to {matches[0][0]:.1e} ({measured}). Report `num_tokens={unshifted}` (or"
+                " `count_tokens=lightning_accum.seq2seq_tokens`)."
+            )
+        if unit in ("samples", "batches") and (best is not None or self._has_ignored_labels(batches)):
+            if best is not None:
+                count = shifted if best == "shifted tokens" else unshifted
+                evidence = f"weighted by {best} (`{count}`), the error falls to {matches[0][0]:.1e}"
+            else:
+                count = f"{shifted} (or shift=False when the loss does not shift the labels)"
+                evidence = "the labels hold ignored positions"
+            return (
+                f"token weighting is missing: micro-batches are weighted by {unit}, so the update is a mean of"
+                f" micro-batch means and depends on how examples are split; {evidence} ({measured}). Return"
+                f" `{{'loss': loss, 'num_tokens': {count}}}` from `training_step`, or pass `count_tokens=` to the"
+                " strategy (`lightning_accum.causal_lm_tokens` for a Hugging Face causal LM)."
             )
         return (
             f"the group gradient differs from the gradient of the same examples in one batch ({measured}). Check that"
             " `training_step` returns the mean loss over the units it reports, and that nothing in the model depends"
             " on the micro-batch composition."
         )
+
+    def _alternative_weightings(
+        self,
+        trainer: Trainer,
+        module: LightningModule,
+        strategy: Any,
+        optimizer: Optimizer,
+        batches: list[Any],
+        seed: int,
+        reference: Tensor,
+    ) -> dict[str, float]:
+        """Relative error against ``reference`` of the group gradient weighted by other counts.
+
+        One extra forward and backward per micro-batch (of all replicas) gives each micro-batch's own mean-loss
+        gradient ``g_i``; for each way of counting, ``Σ w_i g_i / Σ w_i`` is the update that weighting would make.
+        Runs only when the check has already failed.
+        """
+        weightings: dict[str, list[float]] = {name: [] for name in (*_TOKEN_COUNTS, "samples", "batches")}
+        sums: dict[str, Tensor] = {}
+        for batch in batches:
+            found = find_labels(batch)
+            if not found:
+                return {}
+            labels = found[0][1]
+            counts = {
+                "shifted tokens": float(supervised_tokens(labels, shift=True, ignore_index=self.ignore_index)),
+                "tokens": float(supervised_tokens(labels, shift=False, ignore_index=self.ignore_index)),
+                "samples": float(infer_num_samples(batch) or 0),
+                "batches": 1.0,
+            }
+            grad = self._batch_gradient(trainer, module, strategy, optimizer, [batch], seed)
+            flat = torch.cat([x.reshape(-1).to(torch.float64) for x in grad])
+            for name, w in counts.items():
+                weightings[name].append(w)
+                if w > 0:  # an empty micro-batch's mean is NaN and weighs nothing
+                    sums[name] = sums[name] + w * flat if name in sums else w * flat
+        norm = float(reference.norm())
+        errors = {}
+        for name, weights in weightings.items():
+            total = sum(weights)
+            if total > 0 and name in sums and norm > 0:
+                errors[name] = float((sums[name] / total - reference).norm() / norm)
+        return errors
 
     def _has_ignored_labels(self, batches: list[Any]) -> bool:
         found = False
@@ -461,6 +570,36 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
         if isinstance(g, torch.Generator):
             unique[id(g)] = g
     return list(unique.values())
+
+
+@contextmanager
+def _float32_compute(strategy: Any) -> Iterator[None]:
+    """Autocast off for the check's passes under mixed precision ("16-mixed", "bf16-mixed"), so that both
+    gradients are computed in float32 (the weights already are) and compared with a tight tolerance.
+
+    Lightning's ``MixedPrecision`` opens its autocast region from its public ``autocast_context_manager()`` inside
+    ``training_step``; an autocast region opened around the call would be re-enabled there, so the check replaces
+    that method on the plugin instance for its passes (and removes the replacement after). Other precision plugins
+    are left as they are. ``test_check.py::test_bf16_mixed_correct_count_passes_tight`` fails if this stops working.
+    """
+    plugin = strategy.precision_plugin
+    if not isinstance(plugin, MixedPrecision):
+        yield
+        return
+    plugin.__dict__["autocast_context_manager"] = lambda: torch.autocast(plugin.device, enabled=False)
+    try:
+        yield
+    finally:
+        plugin.__dict__.pop("autocast_context_manager", None)
+
+
+@contextmanager
+def _token_hints_muted() -> Iterator[None]:
+    """The check's scratch engines decide their unit too; the "token weighting is probably intended" warning is
+    the run's to give, once, at its first micro-batch (the check diagnoses the same case itself when it fails)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=TokenWeightingWarning)
+        yield
 
 
 def _replica_sync(strategy: Any, enabled: bool) -> Any:

@@ -1,0 +1,205 @@
+"""Counting the tokens a loss really averages over, and noticing when nobody counts them.
+
+A token-weighted update needs, for every micro-batch, the number of positions its mean loss divides by.
+That number depends on how the loss treats the labels:
+
+- **Causal language models shift inside their loss.** Hugging Face's ``*ForCausalLM`` models (GPT-2,
+  Llama, ...) predict token ``t + 1`` from the tokens up to ``t``: given ``labels`` of shape
+  ``(batch, T)`` their loss compares ``logits[:, :-1]`` with ``labels[:, 1:]``, so the first label of
+  every sequence is never supervised. The count is ``(labels[..., 1:] != ignore_index).sum()``, one
+  token per sequence fewer than ``(labels != ignore_index).sum()`` when the first label is not ignored.
+  Counting that extra token puts ``1 / n`` too much weight on a sequence of ``n`` supervised tokens:
+  short sequences gain the most, and the update depends on how examples are split into micro-batches.
+- **Sequence-to-sequence models and already-shifted labels do not shift.** T5/BART-style models
+  (``*ForConditionalGeneration``) build the decoder input from the labels and compare every label
+  position; token classifiers compare every position too; so does a hand-written loss whose labels
+  were shifted by the collator. There the count is ``(labels != ignore_index).sum()``.
+
+:func:`supervised_tokens` counts either way on the device (no host read), and :func:`causal_lm_tokens`
+and :func:`seq2seq_tokens` are ready-made ``count_tokens=`` functions for batches with a ``"labels"``
+key. :func:`ignored_label_key` and :func:`token_weighting_hint` find, once per run, a micro-batch whose
+labels hold ignored positions while ``normalize="auto"`` found no token count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "LABEL_KEY_WORDS",
+    "TokenWeightingWarning",
+    "causal_lm_tokens",
+    "find_labels",
+    "ignored_label_key",
+    "seq2seq_tokens",
+    "supervised_tokens",
+    "token_weighting_hint",
+]
+
+#: Words that mark a tensor of a batch as labels (matched in its key, case-insensitively).
+LABEL_KEY_WORDS: tuple[str, ...] = ("label", "target")
+
+
+class TokenWeightingWarning(UserWarning):
+    """Micro-batches are weighted by samples or batches although their labels hold ignored positions."""
+
+
+def supervised_tokens(labels: Tensor, shift: bool = True, ignore_index: int = -100) -> Tensor:
+    """The number of label positions a token-level mean loss averages over, as a 0-d int64 tensor.
+
+    With ``shift=True`` (causal language models, whose loss drops the first label of every sequence) it
+    is ``(labels[..., 1:] != ignore_index).sum()``; with ``shift=False`` (sequence-to-sequence models,
+    token classification, labels already shifted by the collator) ``(labels != ignore_index).sum()``.
+    The count stays on the labels' device: nothing is read on the host.
+
+    Args:
+        labels: Integer labels, the sequence along the last dimension (e.g. ``(batch, T)``).
+        shift: Whether the loss compares ``logits[..., :-1]`` with ``labels[..., 1:]``.
+        ignore_index: The label value the loss ignores (padding, prompt tokens).
+
+    Example:
+        Two sequences; the second is padded. A causal LM's loss supervises 2 + 1 positions, not 3 + 2:
+
+        >>> labels = torch.tensor([[5, 6, 7], [8, 9, -100]])
+        >>> supervised_tokens(labels)
+        tensor(3)
+        >>> supervised_tokens(labels, shift=False)
+        tensor(5)
+    """
+    if not isinstance(labels, Tensor):
+        raise TypeError(
+            f"`labels` must be a tensor of label ids, got {type(labels).__name__}. Pass e.g. `batch['labels']`."
+        )
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(
+            f"`labels` must hold integer label ids, got dtype {labels.dtype}. Pass the labels the loss compares"
+            " with (e.g. `batch['labels']`), not logits or a mask."
+        )
+    if shift:
+        if labels.ndim == 0:
+            raise ValueError(
+                "`labels` must have a sequence dimension to shift, got a 0-d tensor. Pass labels of shape"
+                " (batch, T), or `shift=False` if the loss does not shift them."
+            )
+        labels = labels[..., 1:]
+    return (labels != ignore_index).sum(dtype=torch.int64)
+
+
+def causal_lm_tokens(batch: Mapping[str, Any]) -> Tensor:
+    """``count_tokens=`` for causal language models: the shifted count of ``batch["labels"]`` (ignore -100).
+
+    For Hugging Face ``*ForCausalLM`` models, whose ``out.loss`` averages over
+    ``(labels[..., 1:] != -100).sum()`` positions.
+
+    Example:
+        >>> from lightning_accum import AccumulationStrategy
+        >>> strategy = AccumulationStrategy(count_tokens=causal_lm_tokens)
+        >>> causal_lm_tokens({"input_ids": torch.zeros(2, 3), "labels": torch.tensor([[5, 6, 7], [8, 9, -100]])})
+        tensor(3)
+    """
+    return supervised_tokens(_labels_of(batch, "causal_lm_tokens"), shift=True)
+
+
+def seq2seq_tokens(batch: Mapping[str, Any]) -> Tensor:
+    """``count_tokens=`` for sequence-to-sequence models: the unshifted count of ``batch["labels"]`` (ignore -100).
+
+    For Hugging Face ``*ForConditionalGeneration`` models (T5, BART), whose decoder input is built from the
+    labels and whose ``out.loss`` averages over every label position that is not -100.
+
+    Example:
+        >>> seq2seq_tokens({"labels": torch.tensor([[5, 6, 7], [8, 9, -100]])})
+        tensor(5)
+    """
+    return supervised_tokens(_labels_of(batch, "seq2seq_tokens"), shift=False)
+
+
+def _labels_of(batch: Any, name: str) -> Tensor:
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, Tensor):
+        keys = list(batch.keys()) if isinstance(batch, Mapping) else type(batch).__name__
+        raise KeyError(
+            f"`{name}` reads `batch['labels']`, but the batch has none (got {keys}). Pass"
+            " `count_tokens=lambda batch: supervised_tokens(<your labels>, shift=...)` instead."
+        )
+    return labels
+
+
+def find_labels(batch: Any) -> list[tuple[str, Tensor]]:
+    """The labels-like tensors of ``batch``: integer tensors whose key contains "label" or "target".
+
+    Reads only keys, shapes and dtypes (no device access). Nested mappings, lists and tuples are searched;
+    an item of a list or tuple inherits the key of its container.
+
+    Example:
+        >>> batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "labels": torch.zeros(2, 3, dtype=torch.long)}
+        >>> [key for key, _ in find_labels(batch)]
+        ['labels']
+    """
+    found: list[tuple[str, Tensor]] = []
+    pending: list[tuple[str, Any]] = [("", batch)]
+    while pending:
+        key, obj = pending.pop()
+        if isinstance(obj, Tensor):
+            if (
+                obj.ndim
+                and not (obj.is_floating_point() or obj.is_complex() or obj.dtype == torch.bool)
+                and any(word in key.lower() for word in LABEL_KEY_WORDS)
+            ):
+                found.append((key, obj))
+        elif isinstance(obj, Mapping):
+            pending.extend((str(k), v) for k, v in reversed(list(obj.items())))
+        elif isinstance(obj, (list, tuple)):
+            pending.extend((key, v) for v in reversed(obj))
+    return found
+
+
+def ignored_label_key(batch: Any, ignore_index: int = -100) -> str | None:
+    """The key of the first labels-like tensor of ``batch`` that holds ``ignore_index``, or ``None``.
+
+    Reads the device (one host read per labels-like tensor): call it once per run, not per micro-batch.
+
+    Example:
+        >>> ignored_label_key({"labels": torch.tensor([[5, 6, -100]])})
+        'labels'
+        >>> ignored_label_key({"labels": torch.tensor([[5, 6, 7]])}) is None
+        True
+    """
+    for key, labels in find_labels(batch):
+        if bool((labels == ignore_index).any()):
+            return key
+    return None
+
+
+def token_weighting_hint(unit: str, batch: Any, ignore_index: int = -100) -> str | None:
+    """The warning to give when ``normalize="auto"`` chose ``unit`` but ``batch`` has ignored label positions.
+
+    ``None`` when the unit is tokens or no labels-like tensor holds ``ignore_index``. Reads the device once
+    (see :func:`ignored_label_key`): meant for the first micro-batch of a run.
+
+    Example:
+        >>> hint = token_weighting_hint("samples", {"labels": torch.tensor([[5, 6, -100]])})
+        >>> "token weighting is probably intended" in hint
+        True
+        >>> token_weighting_hint("tokens", {"labels": torch.tensor([[5, 6, -100]])}) is None
+        True
+    """
+    if unit == "tokens":
+        return None
+    key = ignored_label_key(batch, ignore_index)
+    if key is None:
+        return None
+    return (
+        f"lightning_accum: micro-batches are weighted by {unit} (normalize='auto' found no token count), but the"
+        f" batch's {key!r} holds ignored positions ({ignore_index}): token weighting is probably intended, else"
+        " the update is a mean of micro-batch means and depends on how examples are split. For a Hugging Face"
+        " causal LM (its loss shifts the labels) pass\n"
+        "    count_tokens=lightning_accum.causal_lm_tokens\n"
+        "to the strategy (`AccumulationStrategy(...)` or `DDPAccumulationStrategy(...)`), or return"
+        f" `{{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(batch[{key!r}])}}` from"
+        f" `training_step`; use `shift=False` (or `seq2seq_tokens`) when the loss does not shift the labels. Pass"
+        f" `normalize='{unit}'` to keep the {unit} weighting and silence this warning."
+    )
