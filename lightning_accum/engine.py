@@ -247,7 +247,11 @@ class AccumulationEngine:
         )
         # The micro-batch's number of samples as a host int when known without a device read (for the listeners).
         size = samples_c if type(samples_c) is int else infer_num_samples(batch)
-        unit = self.ledger.normalization or self._decide_unit(tokens_c is not None, samples_c is not None, batch)
+        # A step that reports `num_samples` itself chose samples: no hint that tokens were probably intended.
+        reported = isinstance(output, Mapping) and output.get("num_samples") is not None
+        unit = self.ledger.normalization or self._decide_unit(
+            tokens_c is not None, samples_c is not None, None if reported else batch
+        )
         weight = (
             tokens_c
             if unit == "tokens" and tokens_c is not None
@@ -296,7 +300,7 @@ class AccumulationEngine:
         unit, reason = choose_unit(self.options.normalize, has_tokens, has_samples)
         if reason is not None:
             self.info(f"lightning_accum: micro-batches are weighted by {unit} (normalize='auto': {reason}).")
-            hint = token_weighting_hint(unit, batch)  # reads the device once, at the run's first micro-batch
+            hint = token_weighting_hint(unit, batch) if batch is not None else None  # one device read, once a run
             if hint is not None:
                 self.warn(hint, category=TokenWeightingWarning)
         self.ledger.normalization = unit
