@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,22 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import IGNORE, ListDataset, RankStridedSampler, free_port, make_examples, relative_error, run_ddp
+from helpers import (
+    IGNORE,
+    ListDataset,
+    RankStridedSampler,
+    ResumableLoader,
+    make_examples,
+    relative_error,
+    run_ddp,
+)
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 import lightning_accum
 from lightning_accum import AccumulationLedger, AccumulationReport, AxisLogger, ModelParallelAccumulationStrategy
+from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
 
 WIDTH = 12  # vocabulary rows and logits (the data's ids and labels stay below helpers.VOCAB = 11)
 # Even positions go to data-parallel rank 0, odd ones to rank 1: rank 0 holds the long sequences.
@@ -33,11 +43,14 @@ class ShardedLM(L.LightningModule):
     """Embedding, a residual MLP and a head; `configure_model` shards it with FSDP2 (`layout="fsdp"`), tensor
     parallelism (`"tp"`) or not at all (`None`, and always on one device)."""
 
-    def __init__(self, layout: str | None = None, seed: int = 5, optimizer: str = "adamw") -> None:
+    def __init__(
+        self, layout: str | None = None, seed: int = 5, optimizer: str = "adamw", nan_in_group: int | None = None
+    ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.layout = layout
         self.optimizer = optimizer
+        self.nan_in_group = nan_in_group  # that group's gradient gets a NaN in the last embedding row only
         self.embed = nn.Embedding(WIDTH, 8)
         self.up = nn.Linear(8, 16)
         self.down = nn.Linear(16, 8)
@@ -71,6 +84,10 @@ class ShardedLM(L.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
         logits = self(batch["input_ids"])
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+        if self.nan_in_group is not None and batch_idx // self.trainer.accumulate_grad_batches == self.nan_in_group:
+            # Only the last row's gradient is NaN: after FSDP2's reduce-scatter it sits in the last rank's shard alone.
+            last_row = self.embed(torch.tensor([WIDTH - 1], device=self.device))
+            loss = loss + (last_row * float("nan")).sum()
         return {"loss": loss, "num_tokens": (batch["labels"] != IGNORE).sum()}
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -165,6 +182,10 @@ def _fsdp_runs(rank: int, folder: str) -> None:
         _fit(ShardedLM("fsdp", optimizer=optimizer), examples, strategy, 2, 2, 2, callbacks, split=True)
     plain = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     _fit(ShardedLM("fsdp"), examples, plain, 2, 2, 2, [Record(folder, "plain")], split=True)
+    # A NaN in the second group's gradient, in rank 1's shard only: both ranks skip that update.
+    model = ShardedLM("fsdp", optimizer="sgd", nan_in_group=1)
+    with warnings.catch_warnings(record=True):
+        _fit(model, examples[:8], "accum_fsdp", 2, 1, 2, [Record(folder, "nan")], split=True)
 
 
 def _tp_runs(rank: int, folder: str) -> None:
@@ -173,6 +194,10 @@ def _tp_runs(rank: int, folder: str) -> None:
         name = f"tp-{optimizer}"
         callbacks: list[L.Callback] = [Record(folder, name), AccumulationReport(path=os.path.join(folder, name))]
         _fit(ShardedLM("tp", optimizer=optimizer), examples, "accum_model_parallel", 2, 2, 2, callbacks, split=False)
+    try:  # a module whose configure_model shards nothing
+        _fit(ShardedLM(None), examples, "accum_fsdp", 2, 2, 2, [], split=False)
+    except RuntimeError as error:
+        torch.save(str(error), os.path.join(folder, f"unsharded-rank{rank}.pt"))
 
 
 @pytest.mark.ddp
@@ -200,6 +225,14 @@ def test_fsdp2_matches_the_single_process_run_in_both_sync_modes_and_plain_light
     error = relative_error(plain["params"], singles["adamw"]["params"])
     assert error > 1e-3, error  # mean of micro-batch means, the partial group at k/A: a different update
 
+    # The NaN was in rank 1's shard only; rank 0 knows it too (the check is summed over the mesh).
+    nan_runs = _load(str(tmp_path), "nan")
+    for rank in nan_runs:
+        assert rank["ledger"]["updates_skipped"]["nonfinite"] == 1 and rank["ledger"]["updates_applied"] == 1
+    assert torch.equal(nan_runs[0]["params"], nan_runs[1]["params"]) and bool(
+        torch.isfinite(nan_runs[0]["params"]).all()
+    )
+
 
 @pytest.mark.ddp
 @pytest.mark.timeout(600)
@@ -216,5 +249,117 @@ def test_tensor_parallel_counts_tokens_once_with_d_equal_one(tmp_path: Path) -> 
         assert ranks[0]["ledger"]["tokens"] == sum(UNEQUAL[:18])  # not twice: the two devices share one replica
         assert ranks[0]["ledger"]["partial_groups"] == 1
     report = json.loads((tmp_path / "tp-adamw" / "accumulation_report.json").read_text())
+    unsharded = torch.load(tmp_path / "unsharded-rank0.pt", weights_only=True)
+    assert "after `ShardedLM.configure_model()` no parameter is sharded" in unsharded
     assert report["data_parallel_replicas"] == 1 and report["tensor_parallel_size"] == 2
     assert report["effective_batch"]["arithmetic"] == "2 × 2 × 1 = 4; tensor parallel 2 (devices sharing one replica)"
+
+
+class SaveAt(L.Callback):
+    """Writes a checkpoint after micro-batch `batch_idx` of epoch 0, or at its end (every rank takes part)."""
+
+    def __init__(self, path: str, batch_idx: int | None = None) -> None:
+        self.path, self.batch_idx = path, batch_idx
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.current_epoch == 0 and args[-1] == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 0 and self.batch_idx is None:
+            trainer.save_checkpoint(self.path)
+
+
+def _checkpoint_runs(rank: int, folder: str) -> None:
+    examples = make_examples(UNEQUAL[:16], seed=3)
+
+    def fit(name: str, distributed: bool, epochs: int, callbacks: list[L.Callback], ckpt: str | None = None) -> None:
+        strategy = ModelParallelAccumulationStrategy(tensor_parallel_size=1, save_distributed_checkpoint=distributed)
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=2,
+            accumulate_grad_batches=2,
+            max_epochs=epochs,
+            logger=False,
+            callbacks=[Record(folder, name), *callbacks],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
+        loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
+        trainer.fit(ShardedLM("fsdp", optimizer="adamw"), loader, ckpt_path=ckpt)
+
+    for distributed in (True, False):
+        kind = "sharded" if distributed else "full"
+        path = os.path.join(folder, f"{kind}.ckpt")
+        # Two epochs of 2 updates each; the checkpoint is written at the end of epoch 0 (an update boundary).
+        fit(f"whole-{kind}", distributed, 2, [SaveAt(path)])
+        fit(f"resumed-{kind}", distributed, 2, [], ckpt=path)
+    # Inside a group: written after the first micro-batch of a group; both writing and resuming say what is lost.
+    path = os.path.join(folder, "inside.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit("inside", True, 1, [SaveAt(path, batch_idx=2)])
+        fit("inside-resumed", True, 1, [], ckpt=path)
+    torch.save([str(w.message) for w in caught], os.path.join(folder, f"inside-warnings-rank{rank}.pt"))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_sharded_and_full_checkpoints_carry_the_ledger_and_a_group_inside_is_said_to_be_lost(tmp_path: Path) -> None:
+    run_ddp(_checkpoint_runs, str(tmp_path))
+    assert (tmp_path / "sharded.ckpt").is_dir() and (tmp_path / "full.ckpt").is_file()
+    for kind in ("sharded", "full"):
+        whole, resumed = _load(str(tmp_path), f"whole-{kind}"), _load(str(tmp_path), f"resumed-{kind}")
+        for a, b in zip(whole, resumed, strict=True):
+            assert relative_error(b["params"], a["params"]) < 1e-6, kind
+            assert _counts(b["ledger"]) == _counts(a["ledger"]), kind
+        assert resumed[0]["ledger"]["updates_applied"] == 4 and resumed[0]["ledger"]["tokens"] == 2 * sum(UNEQUAL[:16])
+
+    said = " ".join(torch.load(tmp_path / "inside-warnings-rank0.pt", weights_only=True))
+    assert "cannot carry the group's sharded gradient" in said
+    assert "resumed at micro-batch 2 of an accumulation group" in said
+    ledger = _load(str(tmp_path), "inside-resumed")[0]["ledger"]
+    assert ledger["microbatches"] == 8 - 2  # the epoch's 8 micro-batches, less the one lost on each replica
+
+
+def test_strategy_strings_sizes_and_argument_errors() -> None:
+    assert "accum_fsdp" in lightning_accum.strategies.StrategyRegistry
+    fsdp = L.Trainer(strategy="accum_fsdp", accelerator="cpu", devices=2, logger=False).strategy
+    assert isinstance(fsdp, ModelParallelAccumulationStrategy) and fsdp.gradient_sync == "every_microbatch"
+    assert fsdp.tensor_parallel_size == 1
+    with pytest.raises(ValueError, match=r"`gradient_sync` must be one of 'every_microbatch', 'last_microbatch', got"):
+        ModelParallelAccumulationStrategy(gradient_sync="never")
+    with pytest.raises(ValueError, match=r"`tensor_parallel_size` must be 'auto' or an int ≥ 1, got 0"):
+        ModelParallelAccumulationStrategy(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (
+            {"data_parallel_size": 2, "tensor_parallel_size": 2},
+            r"`data_parallel_size=2` × `tensor_parallel_size=2` = 4,",
+        ),
+        ({"data_parallel_size": 3}, r"not a multiple of data_parallel_size=3, so `tensor_parallel_size` cannot be"),
+    ],
+)
+def test_a_world_size_that_is_not_dp_times_tp_is_named_before_any_process_starts(
+    sizes: dict[str, int], message: str
+) -> None:
+    strategy = ModelParallelAccumulationStrategy(**sizes)  # type: ignore[arg-type]
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(ValueError, match=message):
+        strategy.setup_environment()  # the first thing Lightning runs on every process, before the process group
+
+
+def test_lightning_sharding_strategies_with_the_callbacks_name_what_is_supported_instead() -> None:
+    # Lightning refuses FSDP1 on the CPU, so its sentence is checked directly; the callbacks append it.
+    fsdp1 = unsupported_strategy_hint(FSDPStrategy())
+    assert "FSDPStrategy (FSDP1) is not supported: use strategy='accum_fsdp'" in fsdp1
+    trainer = L.Trainer(strategy=ModelParallelStrategy(), accelerator="cpu", devices=1, logger=False)
+    for callback in (AxisLogger(), AccumulationReport()):
+        with pytest.raises(RuntimeError, match=r"use ModelParallelAccumulationStrategy \(strategy='accum_fsdp' or"):
+            callback.setup(trainer, ShardedLM(), "fit")

@@ -67,6 +67,11 @@ def unsupported_strategy_hint(strategy: object) -> str:
             " ModelParallelAccumulationStrategy(data_parallel_size=, tensor_parallel_size=) for FSDP2 with tensor"
             " parallelism."
         )
+    if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, ExactAccumulation):
+        return (
+            " For FSDP2 and tensor parallelism use ModelParallelAccumulationStrategy (strategy='accum_fsdp' or"
+            " 'accum_model_parallel'), which takes the same sizes."
+        )
     return ""
 
 
