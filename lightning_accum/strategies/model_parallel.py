@@ -149,24 +149,27 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
 
     # ------------------------------------------------------------------ the mesh
 
+    def _mesh_size(self, dimension: str, given: Literal["auto"] | int) -> int:
+        try:
+            return int(self.device_mesh[dimension].size())
+        except RuntimeError:  # before the processes are set up: the size given, or 1 while "auto"
+            return given if isinstance(given, int) else 1
+
     @property
     @override
     def data_parallel_replicas(self) -> int:
-        if self._device_mesh is not None:
-            return int(self._device_mesh["data_parallel"].size())
-        return self._data_parallel_size if isinstance(self._data_parallel_size, int) else 1
+        return self._mesh_size("data_parallel", self._data_parallel_size)
 
     @property
     def tensor_parallel_size(self) -> int:
-        """The devices that share one model replica (the mesh's ``tensor_parallel`` size; 1 before set-up)."""
-        if self._device_mesh is not None:
-            return int(self._device_mesh["tensor_parallel"].size())
-        return self._tensor_parallel_size if isinstance(self._tensor_parallel_size, int) else 1
+        """The devices that share one model replica (the mesh's ``tensor_parallel`` size; 1 before set-up while
+        ``"auto"``)."""
+        return self._mesh_size("tensor_parallel", self._tensor_parallel_size)
 
     @override
     def reduce_sum(self, tensor: Tensor) -> Tensor:
-        if self._device_mesh is not None and self.data_parallel_replicas > 1:
-            group = self._device_mesh["data_parallel"].get_group()
+        if self.data_parallel_replicas > 1:
+            group = self.device_mesh["data_parallel"].get_group()
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=group)
         return tensor
 
