@@ -273,8 +273,17 @@ class SaveAt(L.Callback):
 def _checkpoint_runs(rank: int, folder: str) -> None:
     examples = make_examples(UNEQUAL[:16], seed=3)
 
-    def fit(name: str, distributed: bool, epochs: int, callbacks: list[L.Callback], ckpt: str | None = None) -> None:
-        strategy = ModelParallelAccumulationStrategy(tensor_parallel_size=1, save_distributed_checkpoint=distributed)
+    def fit(
+        name: str,
+        distributed: bool,
+        epochs: int,
+        callbacks: list[L.Callback],
+        ckpt: str | None = None,
+        sync: str = "every_microbatch",
+    ) -> None:
+        strategy = ModelParallelAccumulationStrategy(
+            tensor_parallel_size=1, save_distributed_checkpoint=distributed, gradient_sync=sync
+        )
         trainer = L.Trainer(
             strategy=strategy,
             accelerator="cpu",
@@ -297,18 +306,22 @@ def _checkpoint_runs(rank: int, folder: str) -> None:
         # Two epochs of 2 updates each; the checkpoint is written at the end of epoch 0 (an update boundary).
         fit(f"whole-{kind}", distributed, 2, [SaveAt(path)])
         fit(f"resumed-{kind}", distributed, 2, [], ckpt=path)
-    # Inside a group: written after the first micro-batch of a group; both writing and resuming say what is lost.
+    # Inside a group (after the first micro-batch of epoch 0's second group): carried under every_microbatch ...
     path = os.path.join(folder, "inside.ckpt")
+    fit("inside", True, 2, [SaveAt(path, batch_idx=2)])
+    fit("inside-resumed", True, 2, [], ckpt=path)
+    # ... and said to be lost under last_microbatch, when writing and when resuming.
+    path = os.path.join(folder, "inside-last.ckpt")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit("inside", True, 1, [SaveAt(path, batch_idx=2)])
-        fit("inside-resumed", True, 1, [], ckpt=path)
+        fit("inside-last", True, 1, [SaveAt(path, batch_idx=2)], sync="last_microbatch")
+        fit("inside-last-resumed", True, 1, [], ckpt=path, sync="last_microbatch")
     torch.save([str(w.message) for w in caught], os.path.join(folder, f"inside-warnings-rank{rank}.pt"))
 
 
 @pytest.mark.ddp
 @pytest.mark.timeout(600)
-def test_sharded_and_full_checkpoints_carry_the_ledger_and_a_group_inside_is_said_to_be_lost(tmp_path: Path) -> None:
+def test_checkpoints_carry_the_ledger_and_the_open_group_and_resume_exactly(tmp_path: Path) -> None:
     run_ddp(_checkpoint_runs, str(tmp_path))
     assert (tmp_path / "sharded.ckpt").is_dir() and (tmp_path / "full.ckpt").is_file()
     for kind in ("sharded", "full"):
@@ -318,10 +331,16 @@ def test_sharded_and_full_checkpoints_carry_the_ledger_and_a_group_inside_is_sai
             assert _counts(b["ledger"]) == _counts(a["ledger"]), kind
         assert resumed[0]["ledger"]["updates_applied"] == 4 and resumed[0]["ledger"]["tokens"] == 2 * sum(UNEQUAL[:16])
 
+    # Written inside a group under every_microbatch: the resumed run equals the uninterrupted one.
+    whole, inside = _load(str(tmp_path), "whole-sharded"), _load(str(tmp_path), "inside-resumed")
+    for a, b in zip(whole, inside, strict=True):
+        assert relative_error(b["params"], a["params"]) < 1e-6
+        assert _counts(b["ledger"]) == _counts(a["ledger"])
+
     said = " ".join(torch.load(tmp_path / "inside-warnings-rank0.pt", weights_only=True))
-    assert "cannot carry the group's sharded gradient" in said
+    assert "under gradient_sync='last_microbatch' the group's gradient is held unreduced inside FSDP2" in said
     assert "resumed at micro-batch 2 of an accumulation group" in said
-    ledger = _load(str(tmp_path), "inside-resumed")[0]["ledger"]
+    ledger = _load(str(tmp_path), "inside-last-resumed")[0]["ledger"]
     assert ledger["microbatches"] == 8 - 2  # the epoch's 8 micro-batches, less the one lost on each replica
 
 

@@ -26,12 +26,14 @@ import torch
 import torch.distributed
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum.engine import Replicas
+from lightning_accum.group import group_position
 from lightning_accum.microbatch import Count
 from lightning_accum.strategies.base import ExactAccumulation
 
@@ -106,10 +108,11 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
             (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
-    Checkpoints (distributed or full) carry the ledger. One written *inside* an accumulation group cannot carry that
-    group's sharded gradient: a warning says so when it is written, and the run resumed from it says which
-    micro-batches are missing from that group's update (normalized by what remains). Checkpoints written at update
-    boundaries (``ModelCheckpoint``'s default) resume exactly.
+    Checkpoints (distributed or full) carry the ledger. One written *inside* an accumulation group also carries the
+    group under ``gradient_sync="every_microbatch"``: its counters and its gradient (gathered whole, a collective per
+    parameter), so the resumed run closes the group exactly. Under ``"last_microbatch"`` the group's gradient is held
+    unreduced inside FSDP2 and is not carried: a warning says so when the checkpoint is written, and the run resumed
+    from it says which micro-batches are missing from that group's update (normalized by what remains).
 
     Example:
         >>> import lightning as L
@@ -218,7 +221,6 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
 
     def _check_sharded(self) -> None:
         from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
 
         model = self.model
         if model is None or self.world_size <= 1:
@@ -280,15 +282,52 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
 
     @override
     def _open_group_gradients(self) -> dict[str, Tensor] | None:
-        open_microbatches = self._engine.microbatches_in_group
-        rank_zero_warn(
-            f"lightning_accum: this checkpoint is written inside an accumulation group ({open_microbatches}"
-            f" micro-batch(es) of {self._trainer().accumulate_grad_batches}); {type(self).__name__} cannot carry the"
-            " group's sharded gradient, so a run resumed from it updates that group without those micro-batches"
-            " (normalized by what remains, and said again on resume). Write checkpoints at update boundaries"
-            " (ModelCheckpoint's default) for an exact resume."
+        if self.gradient_sync == "last_microbatch":
+            # The group's gradient sits unreduced in FSDP2's own accumulators, not in `.grad`: nothing public to save.
+            open_microbatches = self._engine.microbatches_in_group
+            rank_zero_warn(
+                f"lightning_accum: this checkpoint is written inside an accumulation group ({open_microbatches}"
+                f" micro-batch(es) of {self._trainer().accumulate_grad_batches}); under gradient_sync='last_microbatch'"
+                " the group's gradient is held unreduced inside FSDP2 and cannot be carried, so a run resumed from it"
+                " updates that group without those micro-batches (normalized by what remains, and said again on"
+                " resume). Use gradient_sync='every_microbatch', or write checkpoints at update boundaries"
+                " (ModelCheckpoint's default), for an exact resume."
+            )
+            return None
+        # Every micro-batch was reduce-scattered: each rank's shard holds its part of the data-parallel average so far.
+        # Gathered whole (a collective per parameter, the same order on every rank), as a full checkpoint holds it.
+        gradients: dict[str, Tensor] = {}
+        for name, p in self._group_parameters():
+            if p.grad is None:
+                continue
+            full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            gradients[name] = full.detach().to("cpu", copy=True)
+        return gradients
+
+    @override
+    def _reopen_group(self, group: dict[str, Any], batch_idx: int) -> None:
+        carried = int(group["microbatches"])
+        position = group_position(batch_idx, self._trainer().accumulate_grad_batches)
+        if not (carried and position == carried and "gradients" in group):
+            super()._reopen_group(group, batch_idx)
+            return
+        # One rank per data-parallel group carries the counters (the close sums them over that group); every rank
+        # takes back its own shard of the averaged gradient, to which the remaining backwards add.
+        self._engine.resume_open_group(group, holds_sums=self.device_mesh["data_parallel"].get_local_rank() == 0)
+        saved: dict[str, Tensor] = group["gradients"]
+        for name, p in self._group_parameters():
+            full = saved.get(name)
+            if full is None:
+                p.grad = None
+            elif isinstance(p, DTensor):
+                local = full.to(device=p.device, dtype=p.dtype)
+                p.grad = distribute_tensor(local, p.device_mesh, p.placements, src_data_rank=None)
+            else:
+                p.grad = full.to(device=p.device, dtype=p.dtype, copy=True)
+        rank_zero_info(
+            f"lightning_accum: resumed inside an accumulation group; its first {carried} micro-batch(es) come from the"
+            " checkpoint (sharded gradient and counters), so the group closes exactly."
         )
-        return None
 
     @classmethod
     @override
