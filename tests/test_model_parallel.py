@@ -41,7 +41,7 @@ OPTIMIZERS = {"adamw": (0.05, CLIP), "sgd": (0.5, None)}
 
 class ShardedLM(L.LightningModule):
     """Embedding, a residual MLP and a head; `configure_model` shards it with FSDP2 (`layout="fsdp"`), tensor
-    parallelism (`"tp"`) or not at all (`None`, and always on one device)."""
+    parallelism (`"tp"`), both (`"2d"`) or not at all (`None`, and always on one device)."""
 
     def __init__(
         self, layout: str | None = None, seed: int = 5, optimizer: str = "adamw", nan_in_group: int | None = None
@@ -60,22 +60,27 @@ class ShardedLM(L.LightningModule):
         mesh = self.device_mesh
         if mesh is None or self.layout is None:
             return
-        if self.layout == "fsdp":
+        if self.layout in ("fsdp", "2d"):
+            if self.layout == "2d":
+                self._tensor_parallel(mesh["tensor_parallel"])
             from torch.distributed.fsdp import fully_shard
 
             for module in (self.embed, self.up, self.down, self.head):
                 fully_shard(module, mesh=mesh["data_parallel"])
         else:
-            from torch.distributed.tensor import Replicate
-            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+            self._tensor_parallel(mesh["tensor_parallel"])
 
-            plan = {
-                "embed": RowwiseParallel(input_layouts=Replicate()),
-                "up": ColwiseParallel(),
-                "down": RowwiseParallel(),
-                "head": ColwiseParallel(output_layouts=Replicate()),
-            }
-            parallelize_module(self, mesh["tensor_parallel"], plan)  # type: ignore[arg-type]
+    def _tensor_parallel(self, mesh: Any) -> None:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {
+            "embed": RowwiseParallel(input_layouts=Replicate()),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        }
+        parallelize_module(self, mesh, plan)  # type: ignore[arg-type]
 
     def forward(self, input_ids: Tensor) -> Tensor:
         h = torch.tanh(self.embed(input_ids))
@@ -382,3 +387,55 @@ def test_lightning_sharding_strategies_with_the_callbacks_name_what_is_supported
     for callback in (AxisLogger(), AccumulationReport()):
         with pytest.raises(RuntimeError, match=r"use ModelParallelAccumulationStrategy \(strategy='accum_fsdp' or"):
             callback.setup(trainer, ShardedLM(), "fit")
+
+
+class DataParallelStridedSampler(RankStridedSampler):
+    """Data-parallel rank `r` of `D` reads examples r, r + D, ...; the ranks of one tensor-parallel group alike."""
+
+    def __init__(self, length: int, tensor_parallel: int) -> None:
+        super().__init__(length)
+        self.tensor_parallel = tensor_parallel
+
+    def _layout(self) -> tuple[int, int]:
+        rank, world = super()._layout()
+        return (
+            rank // self.tensor_parallel,
+            world // self.tensor_parallel,
+        )  # the mesh is (data_parallel, tensor_parallel)
+
+
+def _two_d_run(rank: int, folder: str) -> None:
+    examples = make_examples(UNEQUAL, seed=8)
+    strategy = ModelParallelAccumulationStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    report = AccumulationReport(path=os.path.join(folder, "2d"))
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=4,
+        accumulate_grad_batches=2,
+        gradient_clip_val=CLIP,
+        max_epochs=1,
+        logger=False,
+        callbacks=[Record(folder, "2d"), report],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    sampler = DataParallelStridedSampler(len(examples), tensor_parallel=2)
+    trainer.fit(ShardedLM("2d"), DataLoader(ListDataset(examples), batch_size=2, sampler=sampler))
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp2_with_tensor_parallel_on_four_processes_matches_the_single_process_run(tmp_path: Path) -> None:
+    # dp = 2 × tp = 2: the same groups as the FSDP2 test (m = 2, A = 2, D = 2; on one process A = 4).
+    run_ddp(_two_d_run, str(tmp_path), world_size=4)
+    single = _single(str(tmp_path), make_examples(UNEQUAL, seed=8), 4, "adamw")
+    ranks = [torch.load(tmp_path / f"2d-rank{r}.pt", weights_only=True) for r in range(4)]
+    for rank in ranks:
+        assert relative_error(rank["params"], single["params"]) < 1e-5
+        assert _counts(rank["ledger"]) == _counts(single["ledger"])
+    report = json.loads((tmp_path / "2d" / "accumulation_report.json").read_text())
+    assert report["effective_batch"]["arithmetic"] == "2 × 2 × 2 = 8; tensor parallel 2 (devices sharing one replica)"
