@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from helpers import (
     ListDataset,
     RankStridedSampler,
     ResumableLoader,
+    free_port,
     make_examples,
     relative_error,
     run_ddp,
@@ -439,3 +442,35 @@ def test_fsdp2_with_tensor_parallel_on_four_processes_matches_the_single_process
         assert _counts(rank["ledger"]) == _counts(single["ledger"])
     report = json.loads((tmp_path / "2d" / "accumulation_report.json").read_text())
     assert report["effective_batch"]["arithmetic"] == "2 × 2 × 2 = 8; tensor parallel 2 (devices sharing one replica)"
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_two_nodes_one_process_each_with_accum_fsdp(tmp_path: Path) -> None:
+    out, port = tmp_path / "torchrun.pt", free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "LOCAL_RANK", "RANK", "WORLD_SIZE"))}
+    env["PYTHONWARNINGS"] = "ignore"
+    # This checkout's package, whatever copy the interpreter has installed.
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                str(Path(__file__).resolve().parent / "model_parallel_launch_script.py"), str(out),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    logs = [node.communicate(timeout=500)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
+    result = torch.load(out, weights_only=True)
+    assert (result["replicas"], result["world_size"]) == (2, 2)
+    single = _single(str(tmp_path), make_examples(UNEQUAL, seed=8), 4, "adamw")
+    assert relative_error(result["params"], single["params"]) < 1e-5
+    assert _counts(result["ledger"]) == _counts(single["ledger"])
