@@ -31,7 +31,13 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 import lightning_accum
-from lightning_accum import AccumulationLedger, AccumulationReport, AxisLogger, ModelParallelAccumulationStrategy
+from lightning_accum import (
+    AccumulationCheck,
+    AccumulationLedger,
+    AccumulationReport,
+    AxisLogger,
+    ModelParallelAccumulationStrategy,
+)
 from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
 
 WIDTH = 12  # vocabulary rows and logits (the data's ids and labels stay below helpers.VOCAB = 11)
@@ -187,7 +193,14 @@ def _fsdp_runs(rank: int, folder: str) -> None:
         name = f"{mode}-{optimizer}"
         strategy = ModelParallelAccumulationStrategy(tensor_parallel_size=1, gradient_sync=mode)
         callbacks: list[L.Callback] = [Record(folder, name), AccumulationReport(path=os.path.join(folder, name))]
-        _fit(ShardedLM("fsdp", optimizer=optimizer), examples, strategy, 2, 2, 2, callbacks, split=True)
+        check = AccumulationCheck()  # the pre-flight check on sharded gradients; it leaves the run unchanged
+        if optimizer == "sgd":
+            callbacks.append(check)
+        with warnings.catch_warnings(record=True):  # the check names the test's own (non-distributed) sampler
+            _fit(ShardedLM("fsdp", optimizer=optimizer), examples, strategy, 2, 2, 2, callbacks, split=True)
+        if check.result is not None:
+            result = {"relative_error": check.result.relative_error, "errors": check.result.errors}
+            torch.save(result, os.path.join(folder, f"check-rank{rank}.pt"))
     plain = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     _fit(ShardedLM("fsdp"), examples, plain, 2, 2, 2, [Record(folder, "plain")], split=True)
     # A NaN in the second group's gradient, in rank 1's shard only: both ranks skip that update.
@@ -228,6 +241,10 @@ def test_fsdp2_matches_the_single_process_run_in_both_sync_modes_and_plain_light
         assert report["data_parallel_replicas"] == 2 and report["tensor_parallel_size"] == 1
         assert report["effective_batch"]["arithmetic"] == "2 × 2 × 2 = 8"
         assert report["tokens"]["total"] == sum(UNEQUAL)
+
+    for rank in range(2):  # AccumulationCheck on sharded gradients: one update equals the same examples in one batch
+        check = torch.load(tmp_path / f"check-rank{rank}.pt", weights_only=True)
+        assert check["errors"] == [] and check["relative_error"] < 1e-5
 
     plain = _load(str(tmp_path), "plain")[0]
     error = relative_error(plain["params"], singles["adamw"]["params"])
