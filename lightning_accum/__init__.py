@@ -1,8 +1,9 @@
 """Exact, visible gradient accumulation for PyTorch Lightning.
 
 Importing the package registers the strategy strings ``"accum"``, ``"accum_ddp"``,
-``"accum_ddp_spawn"``, ``"accum_ddp_fork"``, ``"accum_ddp_notebook"`` and
-``"accum_ddp_find_unused_parameters_true"`` with Lightning's strategy registry.
+``"accum_ddp_spawn"``, ``"accum_ddp_fork"``, ``"accum_ddp_notebook"``,
+``"accum_ddp_find_unused_parameters_true"``, ``"accum_fsdp"`` and ``"accum_model_parallel"`` with Lightning's
+strategy registry.
 
 Layout (each module imports only the ones above it)::
 
@@ -10,7 +11,7 @@ Layout (each module imports only the ones above it)::
     group, gradients, decision           a group's sums; the kernels; what to do with a closed group
     engine                               the arithmetic of a run, composed of the above (no Lightning)
     schedules, axis_lr                   schedulers that follow applied updates; rates as a function of tokens
-    strategies/                          Lightning's hooks adapted to the engine (base, single, ddp)
+    strategies/                          Lightning's hooks adapted to the engine (base, single, ddp, model_parallel)
     callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon
 
 Example:
@@ -25,7 +26,13 @@ from lightning_accum.callbacks import AccumulationCheck, AccumulationCheckError,
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.options import AccumulationOptions
-from lightning_accum.strategies import AccumulationStrategy, DDPAccumulationStrategy, ExactAccumulation, register
+from lightning_accum.strategies import (
+    AccumulationStrategy,
+    DDPAccumulationStrategy,
+    ExactAccumulation,
+    ModelParallelAccumulationStrategy,
+    register,
+)
 from lightning_accum.tokens import TokenWeightingWarning, causal_lm_tokens, seq2seq_tokens, supervised_tokens
 
 __all__ = [
@@ -42,6 +49,7 @@ __all__ = [
     "ExactAccumulation",
     "GroupRecord",
     "Horizon",
+    "ModelParallelAccumulationStrategy",
     "TokenWeightingWarning",
     "causal_lm_tokens",
     "seq2seq_tokens",

@@ -89,10 +89,14 @@ class Replicas:
     Attributes:
         size: ``D``, the number of replicas that see different data and whose gradients are averaged.
         reduce_sum: Sum-all-reduce over those replicas, in place; ``None`` on one replica.
+        check_sum: Sum-all-reduce, in place, of the gradient's NaN/Inf check over every rank that holds a different
+            part of the gradient (the whole mesh when gradients are sharded); ``None`` when every rank checks the
+            same gradient (one device, DDP).
     """
 
     size: int = 1
     reduce_sum: ReduceSum | None = None
+    check_sum: ReduceSum | None = None
 
     def sum_(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over the replicas, in place (nothing to do on one)."""
@@ -370,6 +374,9 @@ class AccumulationEngine:
         if gradients:
             # c · D / W on the device: the gradient is rescaled before anything is read on the host.
             found = rescale_gradients(gradients, vector[Slot.SCALE_REF] / vector[Slot.UNITS], check_gradients)
+            if found is not None and self.replicas.check_sum is not None:
+                # Sharded gradients: each rank checked its own shard; every rank must take the same decision.
+                found = self.replicas.check_sum(found.to(torch.float64).sum().reshape(1))
         values = (torch.cat((vector, found)) if found is not None else vector).tolist()  # the one host read
 
         self._sums = GroupSums()

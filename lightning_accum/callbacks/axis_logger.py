@@ -16,6 +16,7 @@ from lightning_accum.axis_lr import no_token_counts_error
 from lightning_accum.ledger import AXES, AccumulationLedger, GroupRecord
 from lightning_accum.options import validate_choice
 from lightning_accum.strategies import ExactAccumulation
+from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
 
 __all__ = ["AXES", "AxisLogger", "format_count", "window_metrics"]
 
@@ -167,7 +168,7 @@ class AxisLogger(Callback):
             raise RuntimeError(
                 f"AxisLogger needs an accumulation strategy, but the Trainer uses {type(strategy).__name__}."
                 " Set `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn')"
-                " on several."
+                " on several." + unsupported_strategy_hint(strategy)
             )
         self._trainer = trainer
         self._offset = 0

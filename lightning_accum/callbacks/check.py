@@ -24,6 +24,7 @@ from lightning_accum.engine import AccumulationEngine
 from lightning_accum.gradients import scale_gradients
 from lightning_accum.microbatch import infer_num_samples
 from lightning_accum.strategies import ExactAccumulation
+from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
 from lightning_accum.tokens import TokenWeightingWarning, find_labels, supervised_tokens
 
 __all__ = ["AccumulationCheck", "AccumulationCheckError", "CheckResult", "concat_microbatches"]
@@ -166,7 +167,7 @@ class AccumulationCheck(Callback):
         if not isinstance(strategy, ExactAccumulation):
             raise RuntimeError(
                 f"AccumulationCheck needs an accumulation strategy, but the Trainer uses {type(strategy).__name__}."
-                " Set `Trainer(strategy='accum')` or `strategy='accum_ddp'`."
+                " Set `Trainer(strategy='accum')` or `strategy='accum_ddp'`." + unsupported_strategy_hint(strategy)
             )
         if strategy.ledger.updates_attempted > 0 or trainer.ckpt_path is not None:
             # A resumed run (also one resumed inside its first group, whose open group must not be consumed): the

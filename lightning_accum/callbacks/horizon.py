@@ -17,6 +17,7 @@ from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AXES, AccumulationLedger
 from lightning_accum.options import validate_choice
 from lightning_accum.strategies import ExactAccumulation
+from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
 
 __all__ = ["Horizon"]
 
@@ -153,7 +154,7 @@ class Horizon(Callback):
             raise RuntimeError(
                 f"Horizon needs an accumulation strategy, but the Trainer uses {type(trainer.strategy).__name__}."
                 " Set `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn')"
-                " on several."
+                " on several." + unsupported_strategy_hint(trainer.strategy)
             )
         return strategy.engine
 

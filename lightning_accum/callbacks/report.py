@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import ExactAccumulation
+from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
 
 __all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
 
@@ -68,8 +69,10 @@ class AccumulationReport(Callback):
                                          samples per micro-batch (over ranks; micro-batches of groups
                                          that closed, dropped ones included), ``per_rank``
     ``accumulate_grad_batches``          A
-    ``data_parallel_replicas``           D, from the strategy's distributed-sampler settings
-    ``effective_batch``                  ``configured`` m·A·D, ``arithmetic`` ("2 × 8 × 2 = 32"),
+    ``data_parallel_replicas``           D, the strategy's ``data_parallel_replicas`` (data replicas, not devices)
+    ``tensor_parallel_size``             devices sharing one replica (1 without tensor parallelism)
+    ``effective_batch``                  ``configured`` m·A·D, ``arithmetic`` ("2 × 8 × 2 = 32", with
+                                         "; tensor parallel 2 (devices sharing one replica)" when tp > 1),
                                          ``realized_min/mean/max`` samples per attempted update
     ``tokens``                           ``total`` supervised tokens, ``per_update_min/mean/max``
     ``samples``                          ``total``
@@ -117,6 +120,7 @@ class AccumulationReport(Callback):
             raise RuntimeError(
                 "AccumulationReport needs an accumulation strategy, but the Trainer uses"
                 f" {type(trainer.strategy).__name__}. Set `Trainer(strategy='accum')` or `strategy='accum_ddp'`."
+                + unsupported_strategy_hint(trainer.strategy)
             )
         return trainer.strategy.ledger
 
@@ -183,9 +187,10 @@ class AccumulationReport(Callback):
         loader = trainer.train_dataloader
         m = getattr(loader, "batch_size", None)
         a = trainer.accumulate_grad_batches
-        # D counts data-parallel replicas: what the distributed sampler splits the data into, not devices.
-        sampler_kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        d = int(sampler_kwargs.get("num_replicas", 1))
+        # D counts data-parallel replicas, not devices: the devices of one tensor-parallel group share one replica.
+        d = int(getattr(trainer.strategy, "data_parallel_replicas", 1))
+        tp = int(getattr(trainer.strategy, "tensor_parallel_size", 1))
+        tp_note = f"; tensor parallel {tp} (devices sharing one replica)" if tp > 1 else ""
         configured = m * a * d if m is not None else None
         wall = time.perf_counter() - self._start if self._start else 0.0
         mins = [row[2] for row in per_rank if row[2] >= 0]
@@ -204,9 +209,10 @@ class AccumulationReport(Callback):
             },
             "accumulate_grad_batches": a,
             "data_parallel_replicas": d,
+            "tensor_parallel_size": tp,
             "effective_batch": {
                 "configured": configured,
-                "arithmetic": f"{m} × {a} × {d} = {configured}" if m is not None else f"? × {a} × {d}",
+                "arithmetic": (f"{m} × {a} × {d} = {configured}" if m is not None else f"? × {a} × {d}") + tp_note,
                 "realized_min": samples_stats["min"],
                 "realized_mean": samples_stats["mean"],
                 "realized_max": samples_stats["max"],

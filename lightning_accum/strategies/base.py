@@ -267,6 +267,12 @@ class ExactAccumulation(Strategy):
         }
         return [(name, p) for name, p in module.named_parameters() if id(p) in optimized]
 
+    def _open_group_gradients(self) -> dict[str, Tensor] | None:
+        """The open group's gradient summed over replicas, by parameter name, for a checkpoint written inside a
+        group (a collective: every replica calls it); ``None`` where the strategy cannot carry it (it says why)."""
+        reduce = self.reduce_sum if self.data_parallel_replicas > 1 else None
+        return summed_gradients(self._group_parameters(), reduce)
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None) -> None:
         state = self._engine.state_dict()
@@ -277,11 +283,10 @@ class ExactAccumulation(Strategy):
             # carry the group's counters and its accumulated gradient, so that a run resumed from this file
             # finishes the group exactly (see `_check_group_start`). Every replica takes part (collectives).
             group = self._engine.open_group_state()
-            reduce = self.reduce_sum if self.data_parallel_replicas > 1 else None
-            gradients = summed_gradients(self._group_parameters(), reduce)
-            if group["consistent"]:
+            gradients = self._open_group_gradients()
+            if gradients is not None and group["consistent"]:
                 group["gradients"] = gradients
-            else:
+            elif gradients is not None:
                 rank_zero_warn(
                     "lightning_accum: this checkpoint is written while a micro-batch's backward had not completed;"
                     f" the open group's {open_microbatches} micro-batch(es) cannot be carried exactly and a run resumed"

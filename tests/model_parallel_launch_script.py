@@ -1,0 +1,57 @@
+"""A training script that torchrun starts as 2 nodes x 1 process on loopback, with strategy "accum_fsdp" (used by
+tests/test_model_parallel.py).
+
+Usage: python model_parallel_launch_script.py OUT_FILE
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lightning as L
+import torch
+from helpers import ListDataset, RankStridedSampler, make_examples
+from test_model_parallel import UNEQUAL, ShardedLM, full_params
+from torch.utils.data import DataLoader
+
+import lightning_accum  # noqa: F401  (registers the strategy strings)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    examples = make_examples(UNEQUAL, seed=8)
+    model = ShardedLM("fsdp")
+    trainer = L.Trainer(
+        strategy="accum_fsdp",
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    loader = DataLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
+    trainer.fit(model, loader)
+    params = full_params(model)  # a collective: every rank gathers
+    if trainer.is_global_zero:
+        torch.save(
+            {
+                "params": params,
+                "ledger": trainer.strategy.ledger.state_dict(),
+                "replicas": trainer.strategy.data_parallel_replicas,
+                "world_size": trainer.world_size,
+            },
+            sys.argv[1],
+        )
+
+
+if __name__ == "__main__":
+    main()
