@@ -1,10 +1,11 @@
 """lightning-accum demo: the same data and effective batch, split differently; plain Lightning against exact.
 
 One small byte-level GPT trains on documents whose lengths vary strongly, mixed within every
-accumulation group: about half are very short (a Python keyword such as ``None`` or ``pass``, 2 to 8
-bytes: the one-word answers that instruction data is full of), the others long (half the maximum
-length up to the maximum) passages of the help text that every CPython installation ships
-(``pydoc_data.topics``; so the exact figures differ a little between Python versions). Padding
+accumulation group: about half are very short (random identifiers of 2 to 8 letters and digits,
+such as ``k3Xq9``, the IDs, codes and hashes that scraped data is full of: high loss that no model
+can lower), the others long (half the maximum length up to the maximum) passages of the help text
+that every CPython installation ships (``pydoc_data.topics``; so the exact figures differ a little
+between Python versions). Padding
 carries ``ignore_index``, so micro-batches hold very different numbers of supervised tokens.
 
 Every configuration reads the same documents in the same order and updates on the same 32
@@ -29,11 +30,11 @@ Run it with ``bash scripts/demo.sh`` (options below); ``--quick`` is a reduced s
 from __future__ import annotations
 
 import argparse
-import keyword
 import math
 import os
 import random
 import shutil
+import string
 import sys
 import time
 from collections.abc import Iterator
@@ -56,7 +57,7 @@ from lightning_accum import AccumulationCheck, AccumulationReport, AxisLogger
 
 IGNORE_INDEX = -100
 EFFECTIVE_BATCH = 32
-KEYWORDS = sorted(keyword.kwlist)  # the same on every Python 3.10+: 2..8 bytes
+ID_CHARACTERS = string.ascii_letters + string.digits  # the short documents: random identifiers
 PICTURE = "loss_vs_tokens.png"
 
 
@@ -64,7 +65,7 @@ PICTURE = "loss_vs_tokens.png"
 
 
 class ByteDocuments(Dataset):
-    """Half very short documents (a Python keyword: 2..8 bytes), half long (max_len/2..max_len bytes of help text).
+    """Half very short documents (random identifiers, 2..8 bytes), half long (max_len/2..max_len bytes of help text).
 
     Each is right-padded to ``max_len``; padding is not supervised (``ignore_index``).
     """
@@ -76,7 +77,7 @@ class ByteDocuments(Dataset):
         self.docs: list[bytes] = []  # plain bytes: cheap to send to spawned processes
         for _ in range(count):
             if rng.random() < 0.5:
-                self.docs.append(rng.choice(KEYWORDS).encode())
+                self.docs.append("".join(rng.choices(ID_CHARACTERS, k=rng.randint(2, 8))).encode())
             else:
                 length = rng.randint(max_len // 2, max_len)
                 start = rng.randrange(0, len(text) - length)
@@ -517,7 +518,7 @@ def main(argv: list[str] | None = None) -> list[Config]:
     configs = configurations(ddp=not args.no_ddp)
     print(
         f"lightning_accum {lightning_accum.__version__}: {len(configs)} runs of {args.updates} updates,"
-        f" {EFFECTIVE_BATCH} documents per update, half keywords of 2..8 bytes, half passages of"
+        f" {EFFECTIVE_BATCH} documents per update, half random identifiers of 2..8 bytes, half passages of"
         f" {args.max_len // 2}..{args.max_len} bytes;"
         f" writing to {Path(args.out).resolve()} (earlier runs there are cleared)",
         flush=True,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import itertools
 import shlex
 import shutil
@@ -17,12 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_demo() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("accum_demo", ROOT / "examples" / "demo.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    # Imported by name from examples/ (on sys.path, which spawned processes inherit), so that the DDP run's
+    # processes can unpickle the demo's classes.
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))
+    return importlib.import_module("demo")
 
 
 def test_ddp_replicas_read_exactly_the_single_device_groups() -> None:
