@@ -407,7 +407,7 @@ def plot(configs: list[Config], curves: dict[str, Curves], out: str) -> str:
         ylabel="loss (nats/token)",
     )
     gap_ax.set(
-        title=f"per update: |token-weighted group loss − {configs[0].name}'s|",
+        title=f"per update: |token-weighted group loss − {configs[0].name}'s|\n(a difference of 0 is drawn at 1e-9)",
         xlabel="update",
         ylabel="absolute difference (nats/token)",
         yscale="log",
@@ -459,8 +459,8 @@ def results(configs: list[Config], curves: dict[str, Curves]) -> list[str]:
 
     lines += [
         "",
-        "'last loss' is what each run back-propagates (plain Lightning: the mean of micro-batch means);"
-        " the gap column compares the token-weighted group loss, update by update.",
+        "last loss: what the run back-propagates (plain Lightning: the mean of micro-batch means);",
+        f"largest gap: its token-weighted group loss against {configs[0].name}'s, update by update.",
         f"exact splits ({', '.join(c.split for c in exact)}): largest difference between their training"
         f" curves {spread(exact, 'objective'):.1e}, validation {spread(exact, 'val'):.1e}",
         f"plain Lightning ({', '.join(c.split for c in plain)}): largest difference between their training"
@@ -476,7 +476,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     pass
 
 
-QUICK = {"updates": 6, "documents": 256, "val_documents": 32, "val_every": 3, "max_len": 32, "width": 32}
+QUICK = {"updates": 6, "documents": 192, "val_documents": 32, "val_every": 3, "max_len": 32, "width": 32, "layers": 1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
