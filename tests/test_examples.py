@@ -28,6 +28,7 @@ def load(name: str) -> ModuleType:
 
 def test_lightning_cli_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # the YAML's logger writes to ./runs
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / "cli.py")])  # as if run from the command line with `args`
     args = ["fit", "--config", str(EXAMPLES / "cli.yaml"), "--data.num_examples", "36", "--trainer.max_epochs", "1"]
     cli = load("cli").main([*args, "--trainer.enable_progress_bar", "false"])
     from _data import RandomSequences  # the recipe put examples/ on sys.path
