@@ -1,42 +1,55 @@
-"""lightning-accum demo: one small byte-level GPT, the same data and effective batch, several splits.
+"""lightning-accum demo: the same data and effective batch, split differently; plain Lightning against exact.
 
-The corpus is the help-topic text every CPython installation ships (``pydoc_data.topics``), cut into
-documents of varying length and right-padded; padding carries ``ignore_index``, so the number of
-supervised tokens differs from micro-batch to micro-batch and token weighting matters.
+One small byte-level GPT trains on documents whose lengths vary strongly, mixed within every
+accumulation group: about half are very short (random identifiers of 2 to 8 letters and digits,
+such as ``k3Xq9``, the IDs, codes and hashes that scraped data is full of: high loss that no model
+can lower), the others long (half the maximum length up to the maximum) passages of the help text
+that every CPython installation ships (``pydoc_data.topics``; so the exact figures differ a little
+between Python versions). Padding
+carries ``ignore_index``, so micro-batches hold very different numbers of supervised tokens.
 
-Every configuration sees the same examples in the same order with an effective batch of 32
-documents per update:
+Every configuration reads the same documents in the same order and updates on the same 32
+documents (the same groups):
 
-- ``accum_m16_a2``, ``accum_m4_a8``, ``accum_m2_a16``: ``strategy="accum"`` with ``AxisLogger(axis="tokens")``,
-  ``AccumulationReport`` and ``AccumulationCheck``. Their updates are the same, so their curves on the tokens
-  axis lie on top of each other;
-- ``lightning_m4_a8``: plain Lightning ``accumulate_grad_batches=8`` (a mean of micro-batch means), logged on
-  the same tokens axis by a small callback of this file, for contrast;
-- with ``--ddp``: ``accum_ddp_m4_a4_d2``, 2 processes on CPU (gloo), 4 x 4 x 2 = 32.
+- plain Lightning (``strategy="auto"``, its own ``accumulate_grad_batches``) at (m, A) = (16, 2),
+  (4, 8), (2, 16): it back-propagates the mean of the micro-batch means, an objective that changes
+  with the split, so the three runs train differently;
+- ``strategy="accum"`` at the same three splits, and ``strategy="accum_ddp_spawn"`` with 2 processes
+  (m, A, D) = (4, 4, 2) whose replicas together read exactly the single-device groups: every update
+  is the gradient of the token-weighted mean over the group, so the four runs draw one curve.
 
-It writes TensorBoard logs (one run per configuration), the run records and a PNG plot of training and
-validation loss against tokens, drawn from the event files, under ``--out`` (default ``runs/demo``).
+The picture (``loss_vs_tokens.png``) has three panels: the training loss each run back-propagates,
+the validation loss (the same token-weighted measure for every run), and per update the difference
+of the group's token-weighted training loss from the exact (16, 2) run, on a log scale. Each
+invocation clears the folders of its runs under ``--out`` first, so the picture and the TensorBoard
+logs hold only the latest runs.
 
-Run it with ``bash scripts/demo.sh`` (``--help`` lists the options).
+Run it with ``bash scripts/demo.sh`` (options below); ``--quick`` is a reduced size for tests.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
+import shutil
+import string
+import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from pydoc_data.topics import topics
 from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torchmetrics.text import Perplexity
 
 import lightning_accum
@@ -44,23 +57,31 @@ from lightning_accum import AccumulationCheck, AccumulationReport, AxisLogger
 
 IGNORE_INDEX = -100
 EFFECTIVE_BATCH = 32
+ID_CHARACTERS = string.ascii_letters + string.digits  # the short documents: random identifiers
+PICTURE = "loss_vs_tokens.png"
 
 
 # ---------------------------------------------------------------------------- data
 
 
 class ByteDocuments(Dataset):
-    """Documents of ``min_len``..``max_len`` bytes cut from the pydoc topics, right-padded to ``max_len``."""
+    """Half very short documents (random identifiers, 2..8 bytes), half long (max_len/2..max_len bytes of help text).
 
-    def __init__(self, count: int, max_len: int, seed: int, min_len: int = 8) -> None:
+    Each is right-padded to ``max_len``; padding is not supervised (``ignore_index``).
+    """
+
+    def __init__(self, count: int, max_len: int, seed: int) -> None:
         text = "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
         rng = random.Random(seed)
         self.max_len = max_len
-        self.docs: list[bytes] = []  # plain bytes: cheap to send to spawned processes (no shared memory)
+        self.docs: list[bytes] = []  # plain bytes: cheap to send to spawned processes
         for _ in range(count):
-            length = rng.randint(min_len, max_len + 1)
-            start = rng.randrange(0, len(text) - length)
-            self.docs.append(text[start : start + length])
+            if rng.random() < 0.5:
+                self.docs.append("".join(rng.choices(ID_CHARACTERS, k=rng.randint(2, 8))).encode())
+            else:
+                length = rng.randint(max_len // 2, max_len)
+                start = rng.randrange(0, len(text) - length)
+                self.docs.append(text[start : start + length])
 
     def __len__(self) -> int:
         return len(self.docs)
@@ -72,6 +93,58 @@ class ByteDocuments(Dataset):
         ids[: len(doc) - 1] = doc[:-1]
         labels[: len(doc) - 1] = doc[1:]  # next-byte prediction; padding is ignored
         return {"input_ids": ids, "labels": labels}
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class GroupSampler(Sampler[int]):
+    """The same accumulation groups on one device and on ``D`` replicas.
+
+    One seeded permutation per epoch, cut into groups of ``group_size`` examples (an incomplete last
+    group is left out). On ``D`` replicas, replica ``r`` reads the ``r``-th of ``D`` consecutive
+    shares of every group, so the union of what the replicas read in an update is exactly the group
+    a single device reads. The rank is read when iterating (inside the spawned process), so use it
+    with ``Trainer(use_distributed_sampler=False)``. Without ``seed`` the order is the dataset's.
+
+    Example:
+        >>> list(GroupSampler(10, 4, seed=None))
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    """
+
+    def __init__(self, num_examples: int, group_size: int, seed: int | None) -> None:
+        self.num_examples = num_examples
+        self.group_size = group_size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this at the start of every epoch
+        self.epoch = epoch
+
+    def _order(self) -> list[int]:
+        if self.seed is None:
+            return list(range(self.num_examples))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_examples, generator=generator).tolist()
+
+    def indices(self, rank: int, world: int) -> list[int]:
+        """What replica ``rank`` of ``world`` reads this epoch, in order."""
+        share = self.group_size // world
+        order = self._order()
+        return [
+            index
+            for start in range(0, len(order) - self.group_size + 1, self.group_size)
+            for index in order[start + rank * share : start + (rank + 1) * share]
+        ]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices(*_rank_and_world()))
+
+    def __len__(self) -> int:
+        return (self.num_examples // self.group_size) * (self.group_size // _rank_and_world()[1])
 
 
 # ---------------------------------------------------------------------------- model
@@ -91,6 +164,8 @@ class TinyGPT(L.LightningModule):
         self.head = nn.Linear(width, 256)
         self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(max_len), persistent=False)
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)  # sums over tokens: exact under DDP
+        self.log_validation = True  # the plain runs write validation on the tokens axis themselves
+        self.last_val_loss = math.nan
 
     def forward(self, input_ids: Tensor) -> Tensor:
         t = input_ids.shape[1]
@@ -107,38 +182,51 @@ class TinyGPT(L.LightningModule):
         self.val_perplexity.update(self(batch["input_ids"]), batch["labels"])
 
     def on_validation_epoch_end(self) -> None:
-        perplexity = self.val_perplexity.compute()
-        self.log("val/loss", perplexity.log(), sync_dist=False)  # already reduced over replicas by the metric
+        loss = self.val_perplexity.compute().log()  # token-weighted over the whole set and all replicas
         self.val_perplexity.reset()
+        self.last_val_loss = float(loss)
+        if self.log_validation:
+            self.log("val/loss", loss, sync_dist=False)  # already reduced over replicas by the metric
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=0.0)
 
 
 class PlainTokenAxis(L.Callback):
-    """For the plain Lightning contrast run only: its group loss and validation loss at x = tokens seen.
+    """For the plain Lightning runs (one device): their curves on the same tokens axis as the exact runs.
 
-    Lightning back-propagates Σ_i loss_i / A (a mean of micro-batch means); this writes that value as
-    ``accum/loss`` so the plot can show both objectives on one axis. One device only.
+    Lightning back-propagates ``Σ_i loss_i / A`` (a mean of micro-batch means); this writes that value as
+    ``plain/objective``, the group's token-weighted loss ``Σ_i n_i·loss_i / Σ_i n_i`` (the exact runs'
+    objective, same measure for every run) as ``accum/loss``, and the validation loss as ``val/loss``,
+    each at x = supervised tokens seen.
     """
 
     def __init__(self) -> None:
         self.tokens = 0
-        self.group_loss = 0.0
+        self.objective = 0.0
+        self.weighted = 0.0
+        self.group_tokens = 0
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.tokens += int((batch["labels"] != IGNORE_INDEX).sum())
-        self.group_loss += float(outputs["loss"])  # Lightning's outputs["loss"] is already divided by A
-        if not trainer.fit_loop._should_accumulate():
-            trainer.logger.log_metrics({"accum/loss": self.group_loss}, step=self.tokens)  # type: ignore[union-attr]
-            self.group_loss = 0.0
+        a = trainer.accumulate_grad_batches
+        n = int((batch["labels"] != IGNORE_INDEX).sum())
+        divided = float(outputs["loss"])  # Lightning's outputs["loss"] is the micro-batch mean divided by A
+        self.objective += divided
+        self.weighted += divided * a * n
+        self.group_tokens += n
+        self.tokens += n
+        if (batch_idx + 1) % a == 0:  # the sampler yields whole groups only
+            logger = trainer.logger
+            assert logger is not None
+            metrics = {"plain/objective": self.objective, "accum/loss": self.weighted / max(self.group_tokens, 1)}
+            logger.log_metrics(metrics, step=self.tokens)
+            self.objective, self.weighted, self.group_tokens = 0.0, 0.0, 0
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if "val/loss" in trainer.callback_metrics and self.tokens > 0:
-            value = float(trainer.callback_metrics["val/loss"])
-            trainer.logger.log_metrics({"val/loss_on_tokens": value}, step=self.tokens)  # type: ignore[union-attr]
+        if trainer.logger is not None and self.tokens > 0:
+            trainer.logger.log_metrics({"val/loss": pl_module.last_val_loss}, step=self.tokens)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------- runs
@@ -152,36 +240,62 @@ class Config:
     replicas: int = 1
     plain: bool = False
 
+    @property
+    def split(self) -> str:
+        return f"({self.m}, {self.accumulate}, {self.replicas})"
+
 
 def configurations(ddp: bool) -> list[Config]:
-    configs = [
-        Config("accum_m16_a2", 16, 2),
-        Config("accum_m4_a8", 4, 8),
-        Config("accum_m2_a16", 2, 16),
-        Config("lightning_m4_a8", 4, 8, plain=True),
-    ]
+    """The runs, the reference first: the exact splits (and DDP), then plain Lightning at the same splits."""
+    configs = [Config("accum_m16_a2", 16, 2), Config("accum_m4_a8", 4, 8), Config("accum_m2_a16", 2, 16)]
     if ddp:
         configs.append(Config("accum_ddp_m4_a4_d2", 4, 4, replicas=2))
+    configs += [
+        Config("lightning_m16_a2", 16, 2, plain=True),
+        Config("lightning_m4_a8", 4, 8, plain=True),
+        Config("lightning_m2_a16", 2, 16, plain=True),
+    ]
     return configs
 
 
-def train(config: Config, args: argparse.Namespace) -> None:
+def log_folder(out: str | os.PathLike[str], config: Config) -> Path:
+    return Path(out) / config.name / "version_0"
+
+
+def clear_previous_runs(out: str) -> None:
+    """Remove what an earlier invocation left: every configuration's folder (DDP too) and the picture."""
+    for config in configurations(ddp=True):
+        shutil.rmtree(Path(out) / config.name, ignore_errors=True)
+    (Path(out) / PICTURE).unlink(missing_ok=True)
+
+
+def train(config: Config, args: argparse.Namespace, index: int, count: int) -> float:
     assert config.m * config.accumulate * config.replicas == EFFECTIVE_BATCH
+    kind = "plain Lightning, strategy='auto'" if config.plain else "exact, strategy='accum'"
+    if config.replicas > 1:
+        kind = f"exact, strategy='accum_ddp_spawn', {config.replicas} processes (gloo)"
     print(
-        f"\n== {config.name}: m = {config.m}, A = {config.accumulate}, D = {config.replicas}:"
-        f" {config.m} x {config.accumulate} x {config.replicas} = {EFFECTIVE_BATCH} documents per update"
+        f"\n== run {index}/{count}: {config.name} ({kind}): m = {config.m}, A = {config.accumulate},"
+        f" D = {config.replicas}: {config.m} × {config.accumulate} × {config.replicas} = {EFFECTIVE_BATCH}"
+        f" documents per update, {args.updates} updates",
+        flush=True,
     )
+    start = time.perf_counter()
     L.seed_everything(args.seed, verbose=False)
     model = TinyGPT(args.max_len, width=args.width, layers=args.layers, lr=args.lr)
     train_data = ByteDocuments(args.documents, args.max_len, seed=args.seed)
     val_data = ByteDocuments(args.val_documents, args.max_len, seed=args.seed + 1)
     logger = TensorBoardLogger(args.out, name=config.name, version=0, default_hp_metric=False)
+    callbacks: list[L.Callback]
     if config.plain:
         strategy: Any = "auto"
-        callbacks: list[L.Callback] = [PlainTokenAxis()]
+        model.log_validation = False
+        callbacks = [PlainTokenAxis()]
     else:
         strategy = "accum_ddp_spawn" if config.replicas > 1 else "accum"
-        callbacks = [AxisLogger(axis="tokens"), AccumulationReport(), AccumulationCheck()]
+        callbacks = [AxisLogger(axis="tokens"), AccumulationReport()]
+        if index == 1:  # the pre-flight check once: one group against the same examples in one batch
+            callbacks.append(AccumulationCheck())
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -192,6 +306,7 @@ def train(config: Config, args: argparse.Namespace) -> None:
         val_check_interval=args.val_every * config.accumulate,  # in micro-batches: every `val_every` updates
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # GroupSampler shards the groups itself (the same groups as one device)
         logger=logger,
         callbacks=callbacks,
         log_every_n_steps=1,
@@ -199,94 +314,228 @@ def train(config: Config, args: argparse.Namespace) -> None:
         enable_model_summary=False,
         enable_progress_bar=not args.quiet,
     )
-    # One device: a generator with the same seed, so every configuration reads the same document order.
-    # Several: Lightning's DistributedSampler shuffles (seeded) and shards; a torch.Generator cannot be
-    # sent to spawned processes, so none is given there.
-    generator = torch.Generator().manual_seed(args.seed) if config.replicas == 1 else None
-    per_replica = DataLoader(train_data, batch_size=config.m, shuffle=True, generator=generator)
-    trainer.fit(model, per_replica, DataLoader(val_data, batch_size=16))
+    train_loader = DataLoader(
+        train_data, batch_size=config.m, sampler=GroupSampler(len(train_data), EFFECTIVE_BATCH, seed=args.seed)
+    )
+    # Validation: each replica reads its share of the set; the perplexity metric sums over replicas.
+    val_loader = DataLoader(val_data, batch_size=16, sampler=GroupSampler(len(val_data), len(val_data), seed=None))
+    trainer.fit(model, train_loader, val_loader)
+    seconds = time.perf_counter() - start
+    print(f"   {config.name}: {seconds:.1f} s", flush=True)
+    return seconds
 
 
-def read_curves(folder: str, tag: str) -> list[tuple[int, float]]:
+# ---------------------------------------------------------------------------- reading back
+
+
+def read_curves(folder: str | os.PathLike[str], tag: str) -> list[tuple[int, float]]:
     """(step, value) pairs of ``tag`` from the TensorBoard event files in ``folder``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(folder, size_guidance={"scalars": 0})
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     events.Reload()
     if tag not in events.Tags()["scalars"]:
         return []
     return [(int(e.step), float(e.value)) for e in events.Scalars(tag)]
 
 
-def plot(configs: list[Config], out: str) -> str:
-    """Training and validation loss against tokens for every configuration, from the event files."""
+@dataclass
+class Curves:
+    objective: dict[int, float]  # what the run back-propagates, at x = tokens
+    weighted: dict[int, float]  # the group's token-weighted training loss, at x = tokens
+    val: dict[int, float]
+
+
+def read_run(out: str | os.PathLike[str], config: Config) -> Curves:
+    folder = log_folder(out, config)
+    weighted = dict(read_curves(folder, "accum/loss"))
+    objective = dict(read_curves(folder, "plain/objective")) if config.plain else weighted
+    return Curves(objective, weighted, dict(read_curves(folder, "val/loss")))
+
+
+def largest_gap(a: dict[int, float], b: dict[int, float]) -> float:
+    """The largest |a - b| over the x both curves share (NaN if they share none)."""
+    common = a.keys() & b.keys()
+    return max((abs(a[x] - b[x]) for x in common), default=math.nan)
+
+
+def plot(configs: list[Config], curves: dict[str, Curves], out: str) -> str:
+    """The three panels, from the event files just written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (obj_ax, val_ax, gap_ax) = plt.subplots(1, 3, figsize=(17, 5))
+    reference = curves[configs[0].name].weighted
+    exact_styles = [
+        {"color": "tab:blue", "linewidth": 5, "alpha": 0.35},
+        {"color": "tab:blue", "linewidth": 2},
+        {"color": "navy", "linewidth": 1, "linestyle": "--"},
+        {"color": "black", "linewidth": 1, "linestyle": ":"},
+    ]
+    plain_colors = ["tab:orange", "tab:red", "tab:purple"]
+    exact_i = plain_i = 0
     for config in configs:
-        folder = os.path.join(out, config.name, "version_0")
-        style = {"linestyle": "--", "color": "black"} if config.plain else {}
-        train_curve = read_curves(folder, "accum/loss")
-        val_curve = read_curves(folder, "val/loss_on_tokens" if config.plain else "val/loss")
-        if train_curve:
-            train_ax.plot(*zip(*train_curve, strict=True), label=config.name, **style)
-        if val_curve:
-            val_ax.plot(*zip(*val_curve, strict=True), marker="o", label=config.name, **style)
-    train_ax.set(title="training loss per update", xlabel="supervised tokens seen", ylabel="loss (nats/token)")
-    val_ax.set(title="validation loss (log perplexity)", xlabel="supervised tokens seen", ylabel="loss (nats/token)")
-    for ax in (train_ax, val_ax):
+        run = curves[config.name]
+        if config.plain:
+            style: dict[str, Any] = {"color": plain_colors[plain_i % 3], "linewidth": 1.5}
+            plain_i += 1
+            label = f"plain Lightning (m, A, D) = {config.split}"
+        else:
+            style = exact_styles[exact_i % 4]
+            exact_i += 1
+            label = f"accum{'_ddp' if config.replicas > 1 else ''} (m, A, D) = {config.split}"
+        if run.objective:
+            obj_ax.plot(*zip(*sorted(run.objective.items()), strict=True), label=label, **style)
+        if run.val:
+            val_ax.plot(*zip(*sorted(run.val.items()), strict=True), marker="o", markersize=3, label=label, **style)
+        if config.name != configs[0].name:
+            common = sorted(run.weighted.keys() & reference.keys())
+            updates = [reference_updates(reference, x) for x in common]
+            # A difference of exactly zero cannot be drawn on a log scale: drawn at 1e-9.
+            gaps = [max(abs(run.weighted[x] - reference[x]), 1e-9) for x in common]
+            gap_ax.plot(updates, gaps, label=label, **style)
+    obj_ax.set(
+        title="training loss each run back-propagates\n(plain Lightning: the mean of micro-batch means)",
+        xlabel="supervised tokens seen",
+        ylabel="loss (nats/token)",
+    )
+    val_ax.set(
+        title="validation loss (token-weighted, the same for every run)",
+        xlabel="supervised tokens seen",
+        ylabel="loss (nats/token)",
+    )
+    gap_ax.set(
+        title=f"per update: |token-weighted group loss − {configs[0].name}'s|\n(a difference of 0 is drawn at 1e-9)",
+        xlabel="update",
+        ylabel="absolute difference (nats/token)",
+        yscale="log",
+    )
+    for ax in (obj_ax, val_ax, gap_ax):
         ax.grid(alpha=0.3)
-        ax.legend()
+    obj_ax.legend(fontsize=8)
+    gap_ax.legend(fontsize=8)
+    fig.suptitle(
+        f"The same documents, {EFFECTIVE_BATCH} per update, split as (m, A, D):"
+        " exact accumulation draws one curve, plain Lightning one per split"
+    )
     fig.tight_layout()
-    path = os.path.join(out, "loss_vs_tokens.png")
-    fig.savefig(path, dpi=110)
+    path = os.path.join(out, PICTURE)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
+def reference_updates(reference: dict[int, float], x: int) -> int:
+    """The update number (1-based) at which the reference run reached ``x`` tokens."""
+    return sorted(reference).index(x) + 1
+
+
+def results(configs: list[Config], curves: dict[str, Curves]) -> list[str]:
+    """The results table and the gaps it shows, as lines."""
+    reference = curves[configs[0].name]
+    lines = [
+        f"{'run':>20}  {'(m, A, D)':>11}  {'updates':>7}  {'tokens':>8}  {'last loss':>9}  {'last val':>8}"
+        f"  {'largest gap to ' + configs[0].name:>30}"
+    ]
+    for config in configs:
+        run = curves[config.name]
+        tokens = max(run.weighted, default=0)
+        last = run.objective[tokens] if tokens in run.objective else math.nan
+        val = run.val[max(run.val)] if run.val else math.nan
+        gap = largest_gap(run.weighted, reference.weighted) if config.name != configs[0].name else 0.0
+        lines.append(
+            f"{config.name:>20}  {config.split:>11}  {len(run.weighted):>7}  {tokens:>8,}  {last:>9.4f}  {val:>8.4f}"
+            f"  {gap:>30.2e}"
+        )
+    exact = [c for c in configs if not c.plain]
+    plain = [c for c in configs if c.plain]
+
+    def spread(runs: list[Config], attribute: str) -> float:
+        # the largest difference between two runs of the list at the same x
+        values = [getattr(curves[c.name], attribute) for c in runs]
+        return max((largest_gap(a, b) for i, a in enumerate(values) for b in values[i + 1 :]), default=0.0)
+
+    lines += [
+        "",
+        "last loss: what the run back-propagates (plain Lightning: the mean of micro-batch means);",
+        f"largest gap: its token-weighted group loss against {configs[0].name}'s, update by update.",
+        f"exact splits ({', '.join(c.split for c in exact)}): largest difference between their training"
+        f" curves {spread(exact, 'objective'):.1e}, validation {spread(exact, 'val'):.1e}",
+        f"plain Lightning ({', '.join(c.split for c in plain)}): largest difference between their training"
+        f" curves {spread(plain, 'objective'):.3f}, validation {spread(plain, 'val'):.3f}",
+    ]
+    return lines
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+QUICK = {"updates": 6, "documents": 192, "val_documents": 32, "val_every": 3, "max_len": 32, "width": 32, "layers": 1}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/demo", help="folder for the logs, records and the plot")
-    parser.add_argument("--updates", type=int, default=60, help="optimizer updates per configuration")
-    parser.add_argument("--documents", type=int, default=1024, help="training documents")
-    parser.add_argument("--val-documents", type=int, default=64)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--out", default="runs/demo", help="folder for the logs, records and the picture")
+    parser.add_argument("--updates", type=int, default=40, help="optimizer updates per run")
+    parser.add_argument("--documents", type=int, default=1280, help="training documents")
+    parser.add_argument("--val-documents", type=int, default=64, help="validation documents")
     parser.add_argument("--val-every", type=int, default=10, help="validate every this many updates")
-    parser.add_argument("--max-len", type=int, default=96, help="longest document in bytes")
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ddp", action="store_true", help="also run a 2-process DDP configuration (gloo, CPU)")
+    parser.add_argument("--max-len", type=int, default=64, help="longest document in bytes")
+    parser.add_argument("--width", type=int, default=64, help="model width")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, its order and the model")
+    parser.add_argument("--no-ddp", action="store_true", help="leave out the 2-process DDP run")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a reduced size for tests ({', '.join(f'{k}={v}' for k, v in QUICK.items())})",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    return args
+
+
+def tensorboard_command(out: str) -> str:
+    """A command that opens the logs from any folder: the TensorBoard beside this Python, absolute paths."""
+    executable = Path(sys.executable).parent / "tensorboard"
+    program = str(executable) if executable.exists() else f"{sys.executable} -m tensorboard.main"
+    return f"{program} --logdir {Path(out).resolve()}"
 
 
 def main(argv: list[str] | None = None) -> list[Config]:
     args = parse_args(argv)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    print(f"lightning_accum {lightning_accum.__version__}: effective batch {EFFECTIVE_BATCH} documents per update")
-    configs = configurations(args.ddp)
-    for config in configs:
-        train(config, args)
-    picture = plot(configs, args.out)
-    print("\n== results")
-    for config in configs:
-        report = os.path.join(args.out, config.name, "version_0", "accumulation_report.json")
-        if os.path.exists(report):
-            with open(report) as f:
-                record = json.load(f)
-            loss = record["ledger"]["last_group"]["loss"]
-            print(
-                f"{config.name:>20}: {record['effective_batch']['arithmetic']}, {record['updates']['applied']} updates,"
-                f" {record['tokens']['total']:,} tokens, last loss {loss:.4f}"
-                + ("" if loss is None or math.isfinite(loss) else " (not finite)")
-            )
-    print(f"\nlogs and run records: {os.path.abspath(args.out)}")
-    print(f"picture:              {os.path.abspath(picture)}")
-    print(f"open TensorBoard:     tensorboard --logdir {args.out}")
+    configs = configurations(ddp=not args.no_ddp)
+    print(
+        f"lightning_accum {lightning_accum.__version__}: {len(configs)} runs of {args.updates} updates,"
+        f" {EFFECTIVE_BATCH} documents per update, half random identifiers of 2..8 bytes, half passages of"
+        f" {args.max_len // 2}..{args.max_len} bytes;"
+        f" writing to {Path(args.out).resolve()} (earlier runs there are cleared)",
+        flush=True,
+    )
+    clear_previous_runs(args.out)
+    start = time.perf_counter()
+    for index, config in enumerate(configs, start=1):
+        train(config, args, index, len(configs))
+    training = time.perf_counter() - start
+    print("\n== drawing the picture from the event files", flush=True)
+    curves = {config.name: read_run(args.out, config) for config in configs}
+    picture = plot(configs, curves, args.out)
+    print(f"\n== results ({training:.0f} s of training)")
+    print("\n".join(results(configs, curves)))
+    print(f"\nlogs and run records: {Path(args.out).resolve()}")
+    print(f"picture:              {Path(picture).resolve()}")
+    print(f"open TensorBoard:     {tensorboard_command(args.out)}")
     return configs
 
 

@@ -1,9 +1,11 @@
-"""The demo in a reduced size: its artefacts, and the curves it is there to show."""
+"""The demo in a reduced size (``--quick``): what it shows, what it leaves behind, what it prints."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
+import importlib
+import itertools
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -15,51 +17,95 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_demo() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("accum_demo", ROOT / "examples" / "demo.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    # Imported by name from examples/ (on sys.path, which spawned processes inherit), so that the DDP run's
+    # processes can unpickle the demo's classes.
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))
+    return importlib.import_module("demo")
 
 
-@pytest.mark.timeout(600)
-def test_demo_artefacts_and_curves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ddp_replicas_read_exactly_the_single_device_groups() -> None:
+    demo = load_demo()
+    sampler = demo.GroupSampler(100, 32, seed=3)
+    sampler.set_epoch(1)
+    single = sampler.indices(0, 1)
+    shares = [sampler.indices(rank, 2) for rank in range(2)]
+    assert len(single) == 96 and sorted(single) != single  # whole groups only, shuffled
+    for g in range(3):  # group g: the union of the replicas' shares is the single device's group, in its order
+        assert shares[0][16 * g : 16 * (g + 1)] + shares[1][16 * g : 16 * (g + 1)] == single[32 * g : 32 * (g + 1)]
+    sampler.set_epoch(2)
+    assert sampler.indices(0, 1) != single  # a new order every epoch, the same for every configuration
+
+
+def scalar_steps(folder: Path) -> dict[str, list[int]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(900)  # a minute on an idle 2-core machine; much more on a shared, loaded one
+def test_two_demo_runs_in_a_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     demo = load_demo()
     out = tmp_path / "demo"
-    configs = demo.main(
-        ["--out", str(out), "--updates", "6", "--documents", "256", "--val-every", "3", "--max-len", "48", "--quiet"]
-    )
-    printed = capsys.readouterr().out
-    assert f"tensorboard --logdir {out}" in printed and "loss_vs_tokens.png" in printed
 
-    curves = {}
+    # First run, with the 2-process DDP configuration: exact runs draw one curve, plain Lightning does not.
+    configs = demo.main(["--quick", "--quiet", "--out", str(out)])
+    assert [c.name for c in configs if c.replicas > 1] == ["accum_ddp_m4_a4_d2"]
+    curves = {c.name: demo.read_run(out, c) for c in configs}
+    reference = curves["accum_m16_a2"]
+    assert len(reference.weighted) == 6 and len(reference.val) == 2
     for config in configs:
-        folder = str(out / config.name / "version_0")
-        curves[config.name] = dict(demo.read_curves(folder, "accum/loss"))
-        assert len(curves[config.name]) == 6, config.name
+        run = curves[config.name]
+        assert run.weighted.keys() == reference.weighted.keys(), config.name  # the same groups: the same x
+        assert run.val.keys() == reference.val.keys(), config.name
+        gap = demo.largest_gap(run.weighted, reference.weighted)
         if config.plain:
-            continue
-        record = json.loads((out / config.name / "version_0" / "accumulation_report.json").read_text())
-        steps = sorted(curves[config.name])
-        # The report agrees with the ledger and the tokens axis: the last x is the run's token count.
-        assert record["tokens"]["total"] == record["ledger"]["tokens"] == steps[-1]
-        assert record["updates"]["applied"] == record["ledger"]["updates_applied"] == 6
-        assert record["effective_batch"]["arithmetic"] == f"{config.m} × {config.accumulate} × 1 = 32"
-        assert record["status"] == "completed"
-        val = demo.read_curves(folder, "val/loss")
-        assert [step for step, _ in val] == [steps[2], steps[5]]  # validation after updates 3 and 6
+            # The first update starts from the same parameters on the same examples: the same token-weighted loss.
+            first = min(reference.weighted)
+            assert abs(run.weighted[first] - reference.weighted[first]) < 1e-5, config.name
+            if config.m < 16:
+                assert gap > 1e-3, config.name  # then another objective, another trajectory
+        else:
+            assert gap < 1e-5, config.name  # DDP included
+            assert demo.largest_gap(run.val, reference.val) < 1e-5, config.name
+    plain_objectives = [curves[c.name].objective for c in configs if c.plain]
+    assert demo.largest_gap(plain_objectives[0], plain_objectives[-1]) > 1e-2  # the objective depends on the split
+    first_output = capsys.readouterr().out
+    assert "largest gap to accum_m16_a2" in first_output and "lightning_m2_a16" in first_output
 
-    accum = [name for name in curves if name.startswith("accum")]
-    reference = curves[accum[0]]
-    for name in accum[1:]:
-        assert curves[name].keys() == reference.keys()  # the same tokens axis
-        assert max(abs(curves[name][x] - reference[x]) for x in reference) < 1e-4, name
-    plain = curves["lightning_m4_a8"]
-    assert plain.keys() == reference.keys()  # same data order, so the same token counts...
-    assert max(abs(plain[x] - reference[x]) for x in reference) > 1e-3  # ...but another objective
-
-    picture = out / "loss_vs_tokens.png"
-    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Second run into the same folder, without DDP: only the latest runs remain, each written once.
+    picture = out / demo.PICTURE
+    first_picture_time = picture.stat().st_mtime_ns
+    configs = demo.main(["--quick", "--quiet", "--no-ddp", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert not (out / "accum_ddp_m4_a4_d2").exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted([c.name for c in configs] + [demo.PICTURE])
+    for config in configs:
+        folder = demo.log_folder(out, config)
+        assert len(list(folder.glob("events.out.tfevents.*"))) == 1, config.name
+        steps = scalar_steps(folder)
+        assert {"accum/loss", "val/loss"} <= steps.keys(), config.name
+        for tag, values in steps.items():
+            assert all(a < b for a, b in itertools.pairwise(values)), (config.name, tag, values)
+            assert len(values) == len(set(values)), (config.name, tag)
+    assert picture.stat().st_mtime_ns > first_picture_time
     image = matplotlib.image.imread(picture)
-    assert image.shape[0] > 200 and image.shape[1] > 400
+    assert image.shape[0] > 300 and image.shape[1] > 1000
+
+    # The printed TensorBoard command works from any folder: an executable, an absolute log folder.
+    line = next(line for line in printed.splitlines() if line.startswith("open TensorBoard:"))
+    command = shlex.split(line.split(":", 1)[1])
+    assert shutil.which(command[0]) is not None and Path(command[0]).is_absolute()
+    logdir = Path(command[command.index("--logdir") + 1])
+    assert logdir.is_absolute() and logdir == out.resolve()
+
+
+def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    demo = load_demo()
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "(default: 40)" in text and "--quick" in text and "--no-ddp" in text

@@ -37,3 +37,22 @@ def _importable(name: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_readme_python_blocks_run_in_order(tmp_path: Path) -> None:
+    # The README's blocks build on each other (the "Use" block defines `L`, the model and the loader), so
+    # they run in one namespace, in order, as a reader pasting them into one session would.
+    readme = DOCS.parent / "README.md"
+    blocks = BLOCK.findall(readme.read_text())
+    assert len(blocks) >= 3 and "trainer.fit(" in blocks[0] and "def configure_optimizers" in blocks[0]
+    namespace: dict[str, object] = {"__name__": "__readme__"}
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        exec(compile(blocks[0], "README.md", "exec"), namespace)
+        ledger = namespace["trainer"].strategy.ledger  # type: ignore[attr-defined]
+        assert ledger.updates_applied == 2 and ledger.samples == 64 and ledger.normalization == "tokens"
+        for block in blocks[1:]:
+            exec(compile(block, "README.md", "exec"), namespace)
+    finally:
+        os.chdir(cwd)

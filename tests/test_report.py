@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -190,3 +191,60 @@ def test_ddp_reports_carry_the_seed_table_effective_batch(tmp_path: Path) -> Non
         assert record["tokens"]["total"] == sum(lengths) and record["samples"]["total"] == 64
         assert len(record["memory"]["run_peak"]) == 2 and all(v > 0 for v in record["memory"]["run_peak"])
         assert record["micro_batch_size"]["per_rank"] == [{"min": m, "max": m}] * 2
+
+
+def _values(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [v for inner in tree.values() for v in _values(inner)]
+    if isinstance(tree, list):
+        return [v for inner in tree for v in _values(inner)]
+    return [tree]
+
+
+def test_path_may_name_the_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "records" / "first.json"
+    report = AccumulationReport(path=target)
+    fit(TinyLM(), make_examples(random_lengths(8, seed=31), seed=31), 2, 2, callbacks=[report])
+    assert target.is_file() and not (target / REPORT_FILENAME).exists()
+    assert json.loads(target.read_text())["status"] == "completed"
+    assert report.written_to == str(target)
+    assert f"(written to {target})" in capsys.readouterr().out
+
+
+def test_console_table_has_units_and_no_exponents(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fit(TinyLM(), make_examples(random_lengths(8, seed=32), seed=32), 2, 2, callbacks=[AccumulationReport(tmp_path)])
+    table = capsys.readouterr().out
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    rows = dict(
+        re.split(r"\s{2,}", line, maxsplit=1) for line in table.splitlines() if line.startswith(("memory", "time"))
+    )
+    peak_mib = record["memory"]["run_peak"][0] / 2**20
+    assert rows["memory.run_peak (per rank)"] == f"{peak_mib:.1f} MiB"
+    assert rows["time.tokens_per_second"].endswith(" tokens/s") and rows["time.wall_seconds"].endswith(" s")
+    assert "e+" not in table and "bytes" not in table
+    assert f"(written to {tmp_path / REPORT_FILENAME})" in table
+
+
+class _FailsAtOnce(TinyLM):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        raise ValueError("stopped before any group closed")
+
+
+def test_a_failed_run_records_none_not_placeholders(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="stopped before any group closed"):
+        fit(_FailsAtOnce(), make_examples([3] * 8), 2, 2, callbacks=[AccumulationReport(path=tmp_path)])
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    assert record["status"] == "failed"
+    assert record["micro_batch_size"]["per_rank"] == [{"min": None, "max": None}]
+    assert record["memory"]["first_group_peak"] == [None]
+    assert -1 not in _values(record)
+
+
+def test_an_error_in_an_earlier_setup_stays_the_only_error(tmp_path: Path) -> None:
+    from lightning_accum import AxisLogger
+
+    report = AccumulationReport(path=tmp_path)
+    with pytest.raises(RuntimeError, match="AxisLogger needs an accumulation strategy") as caught:
+        fit(TinyLM(), make_examples([3] * 8), 2, 2, strategy="auto", callbacks=[AxisLogger(axis="tokens"), report])
+    assert caught.value.__context__ is None and caught.value.__cause__ is None  # no second, chained error
+    assert not (tmp_path / REPORT_FILENAME).exists() and report.written_to is None

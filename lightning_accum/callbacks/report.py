@@ -90,19 +90,28 @@ class AccumulationReport(Callback):
     on CPU the source is the process's peak resident memory, a lifetime peak that includes what the
     process held before ``fit``.
 
+    The console table shows memory in MiB and rates per second, and ends with the JSON file's path
+    (also kept in :attr:`written_to`). When the Trainer stops before this callback's ``setup`` ran
+    (for example another callback's ``setup`` raised), nothing is written and the first error stays the
+    only one.
+
     Args:
-        path: Folder for the JSON file; by default the first logger's log directory, or the Trainer's
+        path: Folder for the JSON file (written as ``accumulation_report.json`` there), or a file name
+            ending in ``.json``; by default the first logger's log directory, or the Trainer's
             ``default_root_dir`` without a logger.
 
     Example:
         >>> from lightning_accum import AccumulationReport
-        >>> AccumulationReport(path="runs").path
-        'runs'
+        >>> AccumulationReport(path="runs").path, AccumulationReport(path="runs/first.json").path
+        ('runs', 'runs/first.json')
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = os.fspath(path) if path is not None else None
         self.record: dict[str, Any] | None = None
+        #: Where the latest record went (``None`` before one is written, and on ranks other than zero).
+        self.written_to: str | None = None
+        self._active = False  # setup ran on an accumulation strategy: the hooks after it have something to record
         self._reset()
 
     def _reset(self) -> None:
@@ -129,12 +138,16 @@ class AccumulationReport(Callback):
         self._ledger(trainer)
         self._trainer: Trainer | None = trainer
         trainer.strategy.add_group_listener(self._on_group)  # type: ignore[attr-defined]  # once per group
+        self._active = True
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not self._active:  # setup raised or never ran: nothing was attached
+            return
         if isinstance(trainer.strategy, ExactAccumulation):
             trainer.strategy.remove_group_listener(self._on_group)
         self._trainer = None
+        self._active = False
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -161,6 +174,8 @@ class AccumulationReport(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if not self._active:
+            return  # the run stopped before this callback's setup: no record, and no second error
         status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
         # Other ranks may be gone: no collective here, this rank's values only.
         self._finish(trainer, status=status, error=f"{type(exception).__name__}: {exception}", gather=False)
@@ -180,10 +195,14 @@ class AccumulationReport(Callback):
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
         device = trainer.strategy.root_device
         run_peak, source = _peak_memory(device)
+        # -1 marks "none" in the gathered integer tensor only; the record says None.
         first_peak = self._first_group_peak if self._first_group_peak is not None else -1
-        per_rank = self._gather(
-            trainer, [first_peak, run_peak, self._microbatch_min or -1, self._microbatch_max or -1], gather
-        )
+        low = self._microbatch_min if self._microbatch_min is not None else -1
+        high = self._microbatch_max if self._microbatch_max is not None else -1
+        per_rank = [
+            [v if v >= 0 else None for v in row]
+            for row in self._gather(trainer, [first_peak, run_peak, low, high], gather)
+        ]
         loader = trainer.train_dataloader
         m = getattr(loader, "batch_size", None)
         a = trainer.accumulate_grad_batches
@@ -193,8 +212,8 @@ class AccumulationReport(Callback):
         tp_note = f"; tensor parallel {tp} (devices sharing one replica)" if tp > 1 else ""
         configured = m * a * d if m is not None else None
         wall = time.perf_counter() - self._start if self._start else 0.0
-        mins = [row[2] for row in per_rank if row[2] >= 0]
-        maxs = [row[3] for row in per_rank if row[3] >= 0]
+        mins = [row[2] for row in per_rank if row[2] is not None]
+        maxs = [row[3] for row in per_rank if row[3] is not None]
         samples_stats = _stats(self._samples_per_update)
         tokens_stats = _stats(self._tokens_per_update)
         return {
@@ -241,7 +260,7 @@ class AccumulationReport(Callback):
             "memory": {
                 "source": source,
                 "unit": "bytes",
-                "first_group_peak": [row[0] if row[0] >= 0 else None for row in per_rank],
+                "first_group_peak": [row[0] for row in per_rank],
                 "run_peak": [row[1] for row in per_rank],
             },
             "time": {
@@ -260,12 +279,15 @@ class AccumulationReport(Callback):
         self.record = record
         if not trainer.is_global_zero:
             return
-        folder = self.path or _log_dir(trainer)
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, REPORT_FILENAME), "w") as f:
+        target = self.path or _log_dir(trainer)
+        if not target.endswith(".json"):
+            target = os.path.join(target, REPORT_FILENAME)
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        with open(target, "w") as f:
             json.dump(record, f, indent=2, allow_nan=False, default=str)
+        self.written_to = target
         table = format_report(record)
-        print(table)
+        print(f"{table}\n(written to {os.path.abspath(target)})")
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 markdown = "\n".join("    " + line for line in table.splitlines())  # preformatted in TensorBoard
@@ -288,30 +310,65 @@ def ledger_axis(record: dict[str, Any]) -> int:
     return int(record["tokens"]["total"] or record["samples"]["total"])
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.4g}" if abs(value) < 1e6 else f"{value:,.0f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
+_MIB = 1024 * 1024
+
+#: Console units of the record's keys (the JSON keeps plain numbers: bytes, seconds).
+_UNITS: dict[str, str] = {
+    "time.wall_seconds": "s",
+    "time.tokens_per_second": "tokens/s",
+    "time.samples_per_second": "samples/s",
+}
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    """One value for the console: thousands separated, rates and times without exponents, ``unit`` appended."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        text = str(value)
+    elif isinstance(value, float):
+        text = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}" if abs(value) >= 1 else f"{value:.3g}"
+    elif isinstance(value, int):
+        text = f"{value:,}"
+    elif isinstance(value, dict):
+        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items()) or "-"
+    elif isinstance(value, list):
+        return ", ".join(_fmt(v, unit) for v in value) or "-"
+    else:
+        text = str(value)
+    return f"{text} {unit}" if unit else text
+
+
+def _mib(values: list[int | None]) -> str:
+    return ", ".join("-" if v is None else f"{v / _MIB:,.1f} MiB" for v in values) or "-"
 
 
 def format_report(record: dict[str, Any]) -> str:
-    """The record as a two-column text table.
+    """The record as a two-column text table: memory in MiB, rates per second, lists per rank.
 
     Example:
-        >>> print(format_report({"status": "completed", "tokens": {"total": 2048}}).splitlines()[1])
-        status        completed
+        >>> print(format_report({"status": "completed", "time": {"tokens_per_second": 12270.4}}))
+        lightning_accum run record
+        status                  completed
+        time.tokens_per_second  12,270 tokens/s
     """
     rows: list[tuple[str, str]] = []
     for key, value in record.items():
         if key in ("schema", "ledger"):
             continue
-        if isinstance(value, dict):
-            for sub, inner in value.items():
-                rows.append((f"{key}.{sub}", _fmt(inner)))
-        else:
+        if not isinstance(value, dict):
             rows.append((key, _fmt(value)))
+            continue
+        for sub, inner in value.items():
+            name = f"{key}.{sub}"
+            if key == "memory" and sub == "unit":
+                continue  # the console shows MiB
+            if key == "memory" and isinstance(inner, list):
+                rows.append((name + " (per rank)", _mib(inner)))
+            elif sub == "per_rank" and isinstance(inner, list):
+                rows.append((name, "; ".join(_fmt(r) for r in inner)))
+            else:
+                rows.append((name, _fmt(inner, _UNITS.get(name, ""))))
     width = max(len(k) for k, _ in rows)
     lines = ["lightning_accum run record"] + [f"{k.ljust(width)}  {v}" for k, v in rows]
     return "\n".join(lines)

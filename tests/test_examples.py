@@ -1,0 +1,67 @@
+"""The recipes in examples/ run as documented, in a reduced size: LightningCLI with its YAML, torchrun with DDP."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from lightning_accum.callbacks.report import REPORT_FILENAME
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lightning_cli_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the YAML's logger writes to ./runs
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / "cli.py")])  # as if run from the command line with `args`
+    args = ["fit", "--config", str(EXAMPLES / "cli.yaml"), "--data.num_examples", "36", "--trainer.max_epochs", "1"]
+    cli = load("cli").main([*args, "--trainer.enable_progress_bar", "false"])
+    from _data import RandomSequences  # the recipe put examples/ on sys.path
+
+    ledger = cli.trainer.strategy.ledger
+    # 9 micro-batches of 4 with A = 4 (from the YAML): two full groups and a partial one of 4 sequences.
+    assert (ledger.updates_applied, ledger.partial_groups, ledger.samples) == (3, 1, 36)
+    assert ledger.tokens == RandomSequences(36).supervised_tokens() and ledger.normalization == "tokens"
+    record = json.loads((tmp_path / "runs" / "cli" / "version_0" / REPORT_FILENAME).read_text())
+    assert record["effective_batch"]["arithmetic"] == "4 × 4 × 1 = 16"
+    assert record["partial_group"]["policy"] == "rescale"
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_torchrun_recipe_on_two_processes(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [str(EXAMPLES / "ddp_torchrun.py"), "--quick", "--out", str(tmp_path)]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "m = 4, A = 4, D = 2: 4 × 4 × 2 = 32 sequences per update" in done.stdout
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from _data import RandomSequences
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    record = json.loads((tmp_path / "ddp_torchrun" / "version_0" / REPORT_FILENAME).read_text())
+    assert record["data_parallel_replicas"] == 2 and record["effective_batch"]["arithmetic"] == "4 × 4 × 2 = 32"
+    # Every sequence counted once over both replicas: 64 sequences, two updates of 32.
+    assert record["samples"]["total"] == 64 and record["updates"]["applied"] == 2
+    assert record["tokens"]["total"] == RandomSequences(64).supervised_tokens()
