@@ -35,6 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accum._worker_exit import close_process_group
 from lightning_accum.engine import AccumulationEngine, Count, GroupOutcome
 from lightning_accum.ledger import AccumulationLedger
 from lightning_accum.schedules import release_schedulers, take_over_schedulers
@@ -445,7 +446,13 @@ class AccumulationStrategy(_ExactAccumulation, SingleDeviceStrategy):
 
 
 class _LedgerReturningLauncher(_MultiProcessingLauncher):
-    """Spawn/fork launcher that also brings rank zero's ledger back to the main process."""
+    """Spawn/fork launcher that also brings rank zero's ledger back to the main process, and closes the process
+    group in each worker before it exits (see :mod:`lightning_accum._worker_exit`)."""
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        close_process_group(self._strategy)
 
     @override
     def get_extra_results(self, trainer: Trainer) -> dict[str, Any]:
