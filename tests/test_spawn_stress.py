@@ -101,3 +101,23 @@ def test_stress_loop_counts_runs_and_finds_no_crash(tmp_path: Path) -> None:
 def test_stress_loop_rejects_an_unknown_variant(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"`variants` must be among .* got 'ddp_fork'"):
         _stress_module().stress(1, ["ddp_fork"], tmp_path)
+
+
+def _race_module() -> Any:
+    spec = importlib.util.spec_from_file_location("spawn_exit_race", ROOT / "benchmarks" / "spawn_exit_race.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="Python 3.14 hangs such threads instead of ending them")
+def test_forced_exit_race_aborts_unless_the_group_is_closed() -> None:
+    race = _race_module()
+    crashed = race.run("exit", 1)
+    assert crashed["sigabrt"] == 1 and crashed["terminate_message"] == 1, crashed
+    closed = race.run("close", 1)
+    assert closed == {"mode": "close", "runs": 1, "sigabrt": 0, "terminate_message": 0, "other": 0}
