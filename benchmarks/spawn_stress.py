@@ -289,7 +289,8 @@ def stress(
             for variant in variants:
                 new = run_batch(variant, indices, out, **options)
                 records.extend(new)
-                (out / "runs.jsonl").open("a").write("".join(json.dumps(r) + "\n" for r in new))
+                with (out / "runs.jsonl").open("a") as log:
+                    log.write("".join(json.dumps(r) + "\n" for r in new))
                 if progress:
                     bad = [r for r in new if r["outcome"] != "ok"]
                     print(f"{variant} runs {indices[0]}-{indices[-1]}: {len(bad)} failed {bad or ''}", flush=True)
