@@ -14,6 +14,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_accum._worker_exit import close_process_group
 from lightning_accum.microbatch import Count
 from lightning_accum.strategies.base import CHECKPOINT_KEY, ExactAccumulation
 
@@ -21,7 +22,13 @@ __all__ = ["DDPAccumulationStrategy"]
 
 
 class _LedgerReturningLauncher(_MultiProcessingLauncher):
-    """Spawn/fork launcher that also brings rank zero's ledger back to the main process."""
+    """Spawn/fork launcher that also brings rank zero's ledger back to the main process, and closes the process
+    group in each worker before it exits (see :mod:`lightning_accum._worker_exit`)."""
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        close_process_group(self._strategy)
 
     @override
     def get_extra_results(self, trainer: Trainer) -> dict[str, Any]:

@@ -1,0 +1,54 @@
+"""An orderly end of the process group in a worker that the package's spawn/fork launcher started (issue 23).
+
+Lightning destroys the default process group at interpreter exit only for NCCL; with gloo it is left to the
+interpreter's finalization (or to the C++ static destructors at ``exit()``, since torch also keeps the group in a
+C++ registry). The group owns native threads: two gloo work threads, gloo's TCP event loop, and on rank 0 the
+TCPStore server. A native thread that needs the GIL while the interpreter finalizes (for instance to drop the last
+reference to a tensor that has a Python object) is ended by CPython with ``pthread_exit``; its forced unwinding
+through a ``noexcept`` C++ destructor calls ``std::terminate``: "terminate called without an active exception",
+SIGABRT, and ``ProcessExitedException`` in the main process although the fit completed. Upstream:
+pytorch/pytorch#190489 and #117762 (the GIL taken during finalization), the abandoned pytorch/pytorch#179291 (an
+``atexit`` ``destroy_process_group`` for the same crash with gloo), python/cpython#87135 (``pthread_exit`` of such
+threads; Python 3.14 hangs them instead).
+
+:func:`close_process_group` removes that window in the package's spawned workers: after the worker's function has
+returned, every rank meets at a barrier (all collectives are done on all ranks), the group is destroyed and
+unreferenced objects are collected, so that the group's threads are joined while the interpreter is fully alive.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+import torch.distributed
+
+__all__ = ["close_process_group"]
+
+
+def close_process_group(strategy: Any) -> bool:
+    """Barrier, ``destroy_process_group()`` and a garbage collection, if a default process group exists.
+
+    Called in a spawned or forked worker after Lightning's work in it is done (the worker exits next), on every
+    rank and only on the success path: a rank that raised never gets here, and the main process then terminates
+    the others. The group's threads are joined when its last reference goes (the DDP wrapper is already unwrapped
+    by Lightning's teardown; the collection frees reference cycles).
+
+    Args:
+        strategy: The Lightning strategy whose ``barrier`` to use (it passes the device ids NCCL needs).
+
+    Returns:
+        Whether a process group was destroyed.
+
+    Example:
+        >>> from lightning.pytorch.strategies import DDPStrategy
+        >>> close_process_group(DDPStrategy())  # no process group in this process: nothing to do
+        False
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    strategy.barrier("lightning_accum.close_process_group")
+    torch.distributed.destroy_process_group()
+    gc.collect()
+    return True
