@@ -243,8 +243,8 @@ def test_a_group_that_cannot_be_carried_is_reported_and_not_counted_twice(tmp_pa
         warnings.simplefilter("always")
         resumed.fit(resumed_model, loader(), ckpt_path=tmp_path / "interrupted.ckpt")
     messages = [str(w.message) for w in caught]
-    lost = [m for m in messages if "resumed at micro-batch 2 of an accumulation group" in m]
-    assert len(lost) == 1 and "carries 2 micro-batch(es) of that group without a consistent gradient" in lost[0]
+    lost = [m for m in messages if "does not carry the 2 micro-batch(es) of that group" in m]
+    assert len(lost) == 1 and "backward had not completed): 1 of them, which Lightning does not run" in lost[0]
     ended_early = [m for m in messages if "never reached an optimizer step" in m]
     assert len(ended_early) == 1 and ended_early[0].startswith("lightning_accum: 1 micro-batch(es)")
 
@@ -404,3 +404,112 @@ def test_accumulation_check_leaves_a_group_resumed_inside_the_first_group_alone(
     assert resumed.strategy.ledger == whole.strategy.ledger
     assert resumed.strategy.ledger.microbatches == 16
     torch.testing.assert_close(params_vector(resumed_model), params_vector(whole_model), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------- faults: a dead peer
+
+
+class _StopsForAKill(TinyLM):
+    """On rank 1, after micro-batch `at` of epoch 0, writes `ready` and waits to be killed (SIGKILL from outside)."""
+
+    def __init__(self, folder: str, at: int) -> None:
+        super().__init__(lr=0.3, optimizer="adamw")
+        self.folder, self.at = folder, at
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.global_rank == 1 and batch_idx == self.at:
+            Path(self.folder, "ready").write_text(str(os.getpid()))
+            while True:  # the test kills this process with SIGKILL; nothing here ends by itself
+                signal.pause()
+
+
+def _killed_peer_worker(rank: int, folder: str) -> None:
+    import datetime
+    import json
+    import traceback
+
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    examples = make_examples(random_lengths(24, seed=70), seed=70)
+    strategy = DDPAccumulationStrategy(start_method="popen", timeout=datetime.timedelta(seconds=30))
+    trainer = ddp_trainer(
+        strategy, accumulate=3, max_epochs=1, callbacks=[OnExceptionCheckpoint(dirpath=folder, filename="dead_peer")]
+    )
+    from helpers import RankStridedSampler
+
+    loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
+    result: dict[str, Any] = {"error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(_StopsForAKill(folder, at=4), loader)  # group 2 holds micro-batches 3, 4, 5
+        except BaseException as err:
+            result["error"] = f"{type(err).__name__}: {err}"
+            result["context"] = repr(err.__context__)
+            result["traceback"] = traceback.format_exc()
+    result["warnings"] = [str(w.message) for w in caught]
+    Path(folder, f"killed-rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(240)
+def test_a_peer_killed_with_sigkill_leaves_a_checkpoint_from_the_survivor(tmp_path: Path) -> None:
+    import json
+    import time
+
+    from helpers import _ddp_worker, free_port
+
+    context = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    workers = [
+        context.Process(target=_ddp_worker, args=(rank, 2, port, _killed_peer_worker, (str(tmp_path),)))
+        for rank in (0, 1)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        ready = tmp_path / "ready"
+        while not ready.exists() or not ready.read_text():  # rank 1 reached the point where it waits to be killed
+            assert workers[1].is_alive(), "rank 1 ended before it could be killed"
+            time.sleep(0.05)
+        os.kill(int(ready.read_text()), signal.SIGKILL)
+        workers[1].join(30)
+        workers[0].join(120)
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+    assert workers[1].exitcode == -signal.SIGKILL
+    result = json.loads((tmp_path / "killed-rank0.json").read_text())
+    # The user sees the failure that stopped training (the collective with the dead peer), not a second one from
+    # writing the checkpoint (which summed the open group's gradient over replicas, and waited at a barrier, before).
+    assert result["error"].startswith("RuntimeError:") and "Connection closed by peer" in result["error"], result
+    assert "During handling of the above exception" not in result["traceback"]
+    assert "save_checkpoint" not in result["traceback"]
+    assert any("a collective failed" in m for m in result["warnings"]), result["warnings"]
+    assert any("cannot be carried exactly" in m for m in result["warnings"]), result["warnings"]
+
+    checkpoint = torch.load(tmp_path / "dead_peer.ckpt", weights_only=True)
+    assert set(checkpoint["state_dict"]) == {"embed.weight", "head.weight", "head.bias"}
+    assert checkpoint["optimizer_states"][0]["state"]  # AdamW's moments after the first update
+    state = checkpoint["lightning_accum"]
+    assert state["ledger"]["updates_applied"] == 1 and state["ledger"]["microbatches"] == 6
+    group = state["open_group"]
+    assert group["carried"] is False and "gradients" not in group
+    assert "could not be reached" in group["reason"] and "Connection closed by peer" in group["reason"]
+    assert (group["microbatches"], group["replicas"], group["total_microbatches"]) == (3, 2, 6)
+
+    # Resumed on one device (D = 2 -> 1): the ledger goes on from the checkpoint and the loss is reported in numbers
+    # of the run that wrote it (3 micro-batches on each of 2 replicas; the one that was running is run again).
+    resumed = _mid_group_trainer("rescale", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(
+            TinyLM(optimizer="adamw"),
+            ResumableLoader(ListDataset(make_examples([3] * 24)), batch_size=2),
+            ckpt_path=tmp_path / "dead_peer.ckpt",
+        )
+    messages = [str(w.message) for w in caught]
+    lost = [m for m in messages if "does not carry the 6 micro-batch(es) of that group it holds (over 2" in m]
+    assert len(lost) == 1 and ": 4 of them, which Lightning does not run again, are lost" in lost[0], messages
+    assert resumed.strategy.ledger.updates_applied > 1
