@@ -513,3 +513,173 @@ def test_a_peer_killed_with_sigkill_leaves_a_checkpoint_from_the_survivor(tmp_pa
     lost = [m for m in messages if "does not carry the 6 micro-batch(es) of that group it holds (over 2" in m]
     assert len(lost) == 1 and ": 4 of them, which Lightning does not run again, are lost" in lost[0], messages
     assert resumed.strategy.ledger.updates_applied > 1
+
+
+# ---------------------------------------------------------------------------- changes between runs, damaged entries
+
+
+def _plain_trainer(strategy: Any, accumulate: int, callbacks: list[L.Callback] | None = None) -> L.Trainer:
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        accumulate_grad_batches=accumulate,
+        max_epochs=1,
+        logger=False,
+        callbacks=callbacks or [],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+_EXAMPLES = make_examples(random_lengths(16, seed=55), seed=55)  # 8 micro-batches of 2
+
+
+def _loader() -> ResumableLoader:
+    return ResumableLoader(ListDataset(_EXAMPLES), batch_size=2)
+
+
+def _resume(
+    ckpt: Path, strategy: Any, accumulate: int, model: L.LightningModule | None = None
+) -> tuple[L.Trainer, L.LightningModule, list[str]]:
+    model = model if model is not None else TinyLM()
+    trainer = _plain_trainer(strategy, accumulate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _loader(), ckpt_path=ckpt)
+    return trainer, model, [str(w.message) for w in caught if "callbacks used to create" not in str(w.message)]
+
+
+class _WritesAt(TinyLM):
+    """Writes `folder/at.ckpt` from on_train_batch_end of micro-batch `at` (between micro-batches) and trains on."""
+
+    def __init__(self, folder: Path, at: int) -> None:
+        super().__init__()
+        self.folder, self.at = folder, at
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.at:
+            self.trainer.save_checkpoint(self.folder / "at.ckpt")
+
+
+def _written_at(folder: Path, at: int, strategy: Any = "accum", accumulate: int = 3) -> Path:
+    _plain_trainer(strategy, accumulate).fit(_WritesAt(folder, at), _loader())
+    return folder / "at.ckpt"
+
+
+def test_a_plain_lightning_checkpoint_inside_a_group_is_not_taken_for_the_epochs_last_group(tmp_path: Path) -> None:
+    # Written by plain Lightning after micro-batch 4 (the group 3, 4, 5 is open); resumed under "drop" at 5.
+    ckpt = _written_at(tmp_path, 4, strategy="auto")
+    assert "lightning_accum" not in torch.load(ckpt, weights_only=True)
+    trainer, _, messages = _resume(ckpt, AccumulationStrategy(partial_group="drop"), 3)
+    announced = [m for m in messages if "holds no 'lightning_accum' entry" in m]
+    assert len(announced) == 1, messages
+    assert sum("first 2 micro-batch(es) per replica" in m for m in messages) == 1, messages
+    ledger = trainer.strategy.ledger
+    # The rest of the open group (micro-batch 5) is updated as the end of a full group; only 6, 7 end the epoch.
+    assert (ledger.updates_applied, ledger.microbatches, ledger.partial_groups) == (1, 1, 1)
+    assert ledger.dropped_microbatches == 2
+
+
+def test_a_boundary_checkpoint_resumed_with_another_accumulate_is_exact(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from helpers import sgd_reference
+
+    ckpt = _written_at(tmp_path, 2)  # after the first update (A = 3), resumed with A = 4
+    assert torch.load(ckpt, weights_only=True)["lightning_accum"]["config"] == {
+        "accumulate": 3,
+        "replicas": 1,
+        "normalize": "auto",
+        "partial_group": "rescale",
+    }
+    with caplog.at_level("INFO"):
+        trainer, model, messages = _resume(ckpt, "accum", 4)
+    assert not [m for m in messages if "lost" in m or "resumed" in m], messages
+    assert any("accumulate_grad_batches 3 -> 4" in r.message and "3 place(s) of 4" in r.message for r in caplog.records)
+    # Lightning groups by index: micro-batch 3 closes the first group after the resume, then 4..7.
+    ex = _EXAMPLES
+    expected = sgd_reference(TinyLM(), [ex[0:6], ex[6:8], ex[8:16]])
+    torch.testing.assert_close(params_vector(model), expected, rtol=1e-5, atol=1e-6)
+    ledger = trainer.strategy.ledger
+    assert (ledger.updates_applied, ledger.microbatches, ledger.partial_groups) == (3, 8, 0)
+
+
+def test_a_group_carried_into_another_accumulate_closes_exactly(tmp_path: Path) -> None:
+    from helpers import sgd_reference
+
+    ckpt = _written_at(tmp_path, 4)  # micro-batches 3, 4 of the second group (A = 3) are carried
+    trainer, model, messages = _resume(ckpt, "accum", 4)
+    assert not [m for m in messages if "lost" in m], messages
+    # Resumed at 5 with A = 4: place 1 of Lightning's group 4..7; the carried 3, 4 join it, which closes at 7.
+    ex = _EXAMPLES
+    torch.testing.assert_close(params_vector(model), sgd_reference(TinyLM(), [ex[0:6], ex[6:16]]), rtol=1e-5, atol=1e-6)
+    ledger = trainer.strategy.ledger
+    assert (ledger.updates_applied, ledger.microbatches, ledger.last_group.microbatches) == (2, 8, 5)
+
+
+def test_a_conflicting_normalize_wins_at_a_boundary_and_is_an_error_inside_a_group(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    boundary = _written_at(tmp_path, 2)
+    with caplog.at_level("INFO"):
+        trainer, _, _ = _resume(boundary, AccumulationStrategy(normalize="samples"), 3)
+    assert any("micro-batches by tokens; from now on they are weighted by samples" in r.message for r in caplog.records)
+    assert trainer.strategy.ledger.normalization == "samples"
+    inside = _written_at(tmp_path, 4)
+    with pytest.raises(ValueError, match=r"`normalize='samples'` conflicts with the checkpoint: .* weighted by tokens"):
+        _resume(inside, AccumulationStrategy(normalize="samples"), 3)
+
+
+def _damage(state: dict[str, Any], how: str) -> None:
+    group = state["lightning_accum"].get("open_group") or {}
+    if how == "no entry":
+        del state["lightning_accum"]
+    elif how == "unit":
+        state["lightning_accum"]["ledger"]["normalization"] = "words"
+    elif how == "ledger":
+        state["lightning_accum"]["ledger"] = None
+    elif how == "scale_ref":
+        state["lightning_accum"]["scale_ref"] = 0.0
+    elif how == "sums":
+        del group["sums"]["units"]
+    elif how == "microbatches":
+        group["microbatches"] = "2"
+    elif how == "gradient":
+        del group["gradients"]["head.bias"]
+    elif how == "shape":
+        group["gradients"]["head.bias"] = torch.zeros(3)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        (
+            "unit",
+            r"`ledger.normalization` should be None or one of \('tokens', 'samples', 'batches'\), but it is 'words'",
+        ),
+        ("ledger", r"`ledger` should be a dict of the ledger's counters, but it is None"),
+        ("scale_ref", r"`scale_ref` should be None or a number > 0, but it is 0.0"),
+        ("sums", r"`open_group.sums` should be a dict of finite numbers with keys \['units'"),
+        ("microbatches", r"`open_group.microbatches` should be an int >= 0, but it is '2'"),
+        ("gradient", r"`open_group.gradients\['head.bias'\]` should be a tensor .*, but it is 'missing'"),
+        ("shape", r"`open_group.gradients\['head.bias'\]` should be a tensor of shape \(11,\), but it is torch.Size"),
+    ],
+)
+def test_a_damaged_entry_is_an_error_naming_the_key(tmp_path: Path, how: str, message: str) -> None:
+    ckpt = _written_at(tmp_path, 4)
+    state = torch.load(ckpt, weights_only=True)
+    _damage(state, how)
+    torch.save(state, ckpt)
+    with pytest.raises(ValueError, match=r"The checkpoint's 'lightning_accum' entry is damaged: " + message):
+        _resume(ckpt, "accum", 3)
+
+
+def test_a_checkpoint_without_the_entry_is_announced_once(tmp_path: Path) -> None:
+    ckpt = _written_at(tmp_path, 2)  # at an update boundary
+    state = torch.load(ckpt, weights_only=True)
+    _damage(state, "no entry")
+    torch.save(state, ckpt)
+    trainer, _, messages = _resume(ckpt, "accum", 3)
+    assert sum("holds no 'lightning_accum' entry" in m for m in messages) == 1, messages
+    assert trainer.strategy.ledger.updates_applied == 2  # the counters start again at 0, as announced
