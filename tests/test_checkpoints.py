@@ -368,6 +368,29 @@ def test_ddp_resume_with_drop_at_a_boundary_and_inside_a_group(tmp_path: Path) -
             assert resumed["lr"] == result["lr"]
             torch.testing.assert_close(resumed["params"], result["whole"], rtol=1e-6, atol=1e-7)
 
+    # The group written on 2 replicas (1 micro-batch each) resumed on one device: it counts 2 micro-batches, not 1.
+    ckpt = tmp_path / "by_callback.ckpt"
+    group = torch.load(ckpt, weights_only=True)["lightning_accum"]["open_group"]
+    assert (group["microbatches"], group["replicas"], group["total_microbatches"]) == (1, 2, 2)
+    examples = make_examples(random_lengths(10, seed=61), seed=61)  # 5 micro-batches; the loader skips the first
+    trainer = L.Trainer(
+        strategy=AccumulationStrategy(partial_group="drop"),
+        accelerator="cpu",
+        accumulate_grad_batches=2,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's resume notes
+        trainer.fit(_Interrupted(), ResumableLoader(ListDataset(examples), batch_size=2), ckpt_path=ckpt)
+    ledger = trainer.strategy.ledger
+    # Written: epoch 0 (8 micro-batches in updates, 2 dropped). Resumed at batch 1 of epoch 1: the carried 2 and
+    # batch 1 close a group of 3, then 2, 3; batch 4 is a partial group, dropped.
+    assert ledger.microbatches == 8 + 3 + 2 and ledger.dropped_microbatches == 2 + 1
+
 
 def test_accumulation_check_leaves_a_group_resumed_inside_the_first_group_alone(tmp_path: Path) -> None:
     # A checkpoint written after the 2nd micro-batch of the run's first group (no attempt yet): the check must not
