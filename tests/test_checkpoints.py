@@ -124,7 +124,9 @@ class _Interrupted(TinyLM):
         if self._now("exception", batch_idx):
             raise RuntimeError("killed mid-group")
         if self._now("sigterm", batch_idx):
-            os.kill(os.getpid(), signal.SIGTERM)
+            # To this thread (the main one), not to the process: a process-directed signal may be taken by another
+            # thread (torch's), and Lightning's handler would then run at a moment that depends on scheduling.
+            signal.raise_signal(signal.SIGTERM)
         if self._now("callback", batch_idx):
             self.trainer.save_checkpoint(os.path.join(self.folder, "by_callback.ckpt"))
 
