@@ -203,6 +203,8 @@ class ExactAccumulation(Strategy):
         # Lightning calls this once per group, on its last micro-batch; the closure runs that micro-batch's
         # training_step and backward. Running it first lets the group close before unscale and clipping.
         closure_result = closure()
+        if self._carried_gradients is not None:  # a resumed group whose remaining micro-batches had no backward
+            self._install_carried_gradients()
         trainer = self._trainer()
         scaler = self.gradient_scaler
         # The engine rescales the gradient by c·D/W on the device and, without a GradScaler (which finds

@@ -88,6 +88,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         super().__init__(**kwargs)
         self._peers_lost: str | None = None  # why the replicas cannot be reached, once a collective failed
         self._check_data_ends = False
+        self._run_engine = self._engine
 
     @property
     @override
@@ -148,8 +149,13 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         self._check_data_ends = _iterable_training_data(self._trainer()) and self.data_parallel_replicas > 1
 
     @override
+    def teardown(self) -> None:
+        self._check_data_ends = False
+        super().teardown()
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._check_data_ends:
+        if self._check_data_ends and self._engine is self._run_engine:  # not for AccumulationCheck's scratch steps
             self._agree_data_goes_on()
         return super().training_step(*args, **kwargs)
 
