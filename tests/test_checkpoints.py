@@ -508,7 +508,9 @@ def test_a_peer_killed_with_sigkill_leaves_a_checkpoint_from_the_survivor(tmp_pa
     result = json.loads((tmp_path / "killed-rank0.json").read_text())
     # The user sees the failure that stopped training (the collective with the dead peer), not a second one from
     # writing the checkpoint (which summed the open group's gradient over replicas, and waited at a barrier, before).
-    assert result["error"].startswith("RuntimeError:") and "Connection closed by peer" in result["error"], result
+    # gloo sees the closed socket at once; a peer that stopped answering without closing would end at the timeout.
+    failed = ("Connection closed by peer", "Connection reset by peer", "timeout")
+    assert result["error"].startswith("RuntimeError:") and any(f in result["error"] for f in failed), result
     assert "During handling of the above exception" not in result["traceback"]
     assert "save_checkpoint" not in result["traceback"]
     assert any("a collective failed" in m for m in result["warnings"]), result["warnings"]
@@ -521,7 +523,7 @@ def test_a_peer_killed_with_sigkill_leaves_a_checkpoint_from_the_survivor(tmp_pa
     assert state["ledger"]["updates_applied"] == 1 and state["ledger"]["microbatches"] == 6
     group = state["open_group"]
     assert group["carried"] is False and "gradients" not in group
-    assert "could not be reached" in group["reason"] and "Connection closed by peer" in group["reason"]
+    assert "could not be reached" in group["reason"] and any(f in group["reason"] for f in failed)
     assert (group["microbatches"], group["replicas"], group["total_microbatches"]) == (3, 2, 6)
 
     # Resumed on one device (D = 2 -> 1): the ledger goes on from the checkpoint and the loss is reported in numbers
