@@ -11,9 +11,12 @@ plugin's unscale, clipping and step); three strategy hooks change:
 ``trainer.global_step`` keeps Lightning's meaning (optimizer-step calls, a dropped partial group
 included); exact counts are in :attr:`ExactAccumulation.ledger`.
 
-Checkpoints hold the ledger and ``c`` under the key ``"lightning_accum"``; one written inside a group also
-carries that group (its counters and its gradient summed over replicas), so a run resumed from it closes the
-group exactly; what cannot be carried is reported when writing and when resuming.
+Checkpoints hold the ledger, ``c`` and the configuration they were written under (``A``, ``D``, ``normalize``,
+``partial_group``) under the key ``"lightning_accum"``; one written inside a group also carries that group (its
+counters and its gradient summed over replicas), so a run resumed from it closes the group exactly, also under
+another ``A`` or ``D``; what cannot be carried (a backward in progress, replicas that cannot be reached) is reported
+when writing and when resuming. The entry is checked when loading: a damaged one is an error naming the key, a
+missing one is announced. See ``docs/reliability.md``.
 """
 
 from __future__ import annotations
