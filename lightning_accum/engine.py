@@ -51,6 +51,7 @@ and route its messages (:attr:`AccumulationEngine.info`, :attr:`AccumulationEngi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -382,7 +383,9 @@ class AccumulationEngine:
         self._sums = GroupSums()
         self._group_ref = None
         reduced = ReducedGroup.from_values(values)
-        check_agreement(reduced, k, replicas, ends_epoch, self.ledger.normalization)
+        carried = sums.carried_microbatches  # known alike on every replica (from the checkpoint)
+        checked = dataclasses.replace(reduced, microbatches=reduced.microbatches - carried) if carried else reduced
+        check_agreement(checked, k, replicas, ends_epoch, self.ledger.normalization)
         units = reduced.units
         record = GroupRecord(
             loss=reduced.weighted_loss / units if units > 0 else math.nan,
@@ -544,20 +547,36 @@ class AccumulationEngine:
             "consistent": self.group_consistent,
         }
 
-    def resume_open_group(self, state: Mapping[str, Any], holds_sums: bool) -> None:
+    def resume_open_group(
+        self, state: Mapping[str, Any], holds_sums: bool, position: int | None = None, total: int | None = None
+    ) -> None:
         """Reopen the group a checkpoint was written in, so that it closes exactly as if never interrupted.
 
         Args:
             state: What :meth:`open_group_state` returned when the checkpoint was written.
             holds_sums: Whether this replica carries the group's counters (exactly one replica does, like the
                 one that carries the accumulated gradient; the all-reduce at the close adds them to the others').
+            position: Where the resumed run stands in Lightning's grouping now (micro-batches of the group it does
+                not run again). Given, the carried micro-batches are counted as ``total`` wherever they fall (another
+                ``A`` or world size than when written), and the group is full when it reaches ``A`` places.
+            total: The carried micro-batches over all replicas of the run that wrote the checkpoint.
         """
         microbatches = int(state["microbatches"])
-        if holds_sums:
-            self._sums = GroupSums.from_carried(microbatches, state["sums"])
+        if position is None:
+            if holds_sums:
+                self._sums = GroupSums.from_carried(microbatches, state["sums"])
+            else:
+                self._sums = GroupSums()
+                self._sums.microbatches = microbatches
         else:
-            self._sums = GroupSums()
-            self._sums.microbatches = microbatches
+            # Regrouped: the carried micro-batches count as `total` (all replicas of the written run), and the
+            # group's first `position` places (Lightning's grouping now) as present, whatever the grouping then.
+            carried_total = int(total if total is not None else microbatches * self.replicas.size)
+            self._sums = GroupSums.from_carried(0, state["sums"]) if holds_sums else GroupSums()
+            self._sums.missing = position
+            self._sums.carried_microbatches = carried_total
+            if holds_sums:
+                self._sums.carried[Slot.MICROBATCHES] = float(carried_total)
         ref = state.get("scale_ref")
         if ref is None:
             self._group_ref = None
@@ -565,6 +584,12 @@ class AccumulationEngine:
             self._group_ref = torch.tensor(float(ref), dtype=torch.float64)  # a 0-d CPU tensor works on any device
         else:
             self._group_ref = float(ref)
+
+    @property
+    def carried_microbatches(self) -> int:
+        """Micro-batches of the open group carried over from a checkpoint, over all replicas of the run that wrote it
+        (0 unless the group was reopened with a ``position``)."""
+        return self._sums.carried_microbatches
 
     def discard_open_group(self) -> int:
         """Forget the open group (its gradient was discarded by ``zero_grad``); return its micro-batch count."""

@@ -128,6 +128,9 @@ class GroupSums:
         self.carried: dict[Slot, float] = {}
         #: Micro-batches of this group that ran before a checkpoint but could not be carried over (lost).
         self.missing = 0
+        #: Micro-batches carried over from a checkpoint over all replicas of the run that wrote it (identical on
+        #: every replica; one replica adds them to the reduced vector, see :attr:`carried`).
+        self.carried_microbatches = 0
         self.losses: list[Tensor] = []
         self.tokens: list[Count] = []
         self.samples: list[Count] = []

@@ -200,12 +200,30 @@ def _ddp_worker(rank: int, world_size: int, port: int, fn: Callable[..., None], 
         NODE_RANK="0",
     )
     torch.set_num_threads(1)
-    fn(rank, *args)
+    try:
+        fn(rank, *args)
+    finally:
+        # Left to interpreter shutdown, the process group's destructor can abort the process (SIGABRT) after `fn`
+        # finished, failing a test whose work had passed; destroyed here, it goes in a fixed order.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def run_ddp(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
-    """Run `fn(rank, *args)` in `world_size` fresh processes laid out like a torchrun launch."""
-    torch.multiprocessing.spawn(_ddp_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    """Run `fn(rank, *args)` in `world_size` fresh processes laid out like a torchrun launch.
+
+    The port is free when chosen but only bound seconds later, by rank zero's store: on a shared machine another
+    process may take it in between. That start-up failure (nothing of `fn` ran) is retried with a new port.
+    """
+    for attempt in range(3):
+        try:
+            torch.multiprocessing.spawn(
+                _ddp_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True
+            )
+            return
+        except torch.multiprocessing.ProcessRaisedException as err:
+            if attempt == 2 or "address already in use" not in str(err).lower():
+                raise
 
 
 class RecordOnRanks(L.Callback):

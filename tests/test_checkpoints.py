@@ -124,7 +124,9 @@ class _Interrupted(TinyLM):
         if self._now("exception", batch_idx):
             raise RuntimeError("killed mid-group")
         if self._now("sigterm", batch_idx):
-            os.kill(os.getpid(), signal.SIGTERM)
+            # To this thread (the main one), not to the process: a process-directed signal may be taken by another
+            # thread (torch's), and Lightning's handler would then run at a moment that depends on scheduling.
+            signal.raise_signal(signal.SIGTERM)
         if self._now("callback", batch_idx):
             self.trainer.save_checkpoint(os.path.join(self.folder, "by_callback.ckpt"))
 
@@ -243,8 +245,8 @@ def test_a_group_that_cannot_be_carried_is_reported_and_not_counted_twice(tmp_pa
         warnings.simplefilter("always")
         resumed.fit(resumed_model, loader(), ckpt_path=tmp_path / "interrupted.ckpt")
     messages = [str(w.message) for w in caught]
-    lost = [m for m in messages if "resumed at micro-batch 2 of an accumulation group" in m]
-    assert len(lost) == 1 and "carries 2 micro-batch(es) of that group without a consistent gradient" in lost[0]
+    lost = [m for m in messages if "does not carry the 2 micro-batch(es) of that group" in m]
+    assert len(lost) == 1 and "backward had not completed): 1 of them, which Lightning does not run" in lost[0]
     ended_early = [m for m in messages if "never reached an optimizer step" in m]
     assert len(ended_early) == 1 and ended_early[0].startswith("lightning_accum: 1 micro-batch(es)")
 
@@ -368,6 +370,29 @@ def test_ddp_resume_with_drop_at_a_boundary_and_inside_a_group(tmp_path: Path) -
             assert resumed["lr"] == result["lr"]
             torch.testing.assert_close(resumed["params"], result["whole"], rtol=1e-6, atol=1e-7)
 
+    # The group written on 2 replicas (1 micro-batch each) resumed on one device: it counts 2 micro-batches, not 1.
+    ckpt = tmp_path / "by_callback.ckpt"
+    group = torch.load(ckpt, weights_only=True)["lightning_accum"]["open_group"]
+    assert (group["microbatches"], group["replicas"], group["total_microbatches"]) == (1, 2, 2)
+    examples = make_examples(random_lengths(10, seed=61), seed=61)  # 5 micro-batches; the loader skips the first
+    trainer = L.Trainer(
+        strategy=AccumulationStrategy(partial_group="drop"),
+        accelerator="cpu",
+        accumulate_grad_batches=2,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's resume notes
+        trainer.fit(_Interrupted(), ResumableLoader(ListDataset(examples), batch_size=2), ckpt_path=ckpt)
+    ledger = trainer.strategy.ledger
+    # Written: epoch 0 (8 micro-batches in updates, 2 dropped). Resumed at batch 1 of epoch 1: the carried 2 and
+    # batch 1 close a group of 3, then 2, 3; batch 4 is a partial group, dropped.
+    assert ledger.microbatches == 8 + 3 + 2 and ledger.dropped_microbatches == 2 + 1
+
 
 def test_accumulation_check_leaves_a_group_resumed_inside_the_first_group_alone(tmp_path: Path) -> None:
     # A checkpoint written after the 2nd micro-batch of the run's first group (no attempt yet): the check must not
@@ -404,3 +429,284 @@ def test_accumulation_check_leaves_a_group_resumed_inside_the_first_group_alone(
     assert resumed.strategy.ledger == whole.strategy.ledger
     assert resumed.strategy.ledger.microbatches == 16
     torch.testing.assert_close(params_vector(resumed_model), params_vector(whole_model), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------- faults: a dead peer
+
+
+class _StopsForAKill(TinyLM):
+    """On rank 1, after micro-batch `at` of epoch 0, writes `ready` and waits to be killed (SIGKILL from outside)."""
+
+    def __init__(self, folder: str, at: int) -> None:
+        super().__init__(lr=0.3, optimizer="adamw")
+        self.folder, self.at = folder, at
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.global_rank == 1 and batch_idx == self.at:
+            Path(self.folder, "ready").write_text(str(os.getpid()))
+            while True:  # the test kills this process with SIGKILL; nothing here ends by itself
+                signal.pause()
+
+
+def _killed_peer_worker(rank: int, folder: str) -> None:
+    import datetime
+    import json
+    import traceback
+
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    examples = make_examples(random_lengths(24, seed=70), seed=70)
+    strategy = DDPAccumulationStrategy(start_method="popen", timeout=datetime.timedelta(seconds=30))
+    trainer = ddp_trainer(
+        strategy, accumulate=3, max_epochs=1, callbacks=[OnExceptionCheckpoint(dirpath=folder, filename="dead_peer")]
+    )
+    from helpers import RankStridedSampler
+
+    loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
+    result: dict[str, Any] = {"error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(_StopsForAKill(folder, at=4), loader)  # group 2 holds micro-batches 3, 4, 5
+        except BaseException as err:
+            result["error"] = f"{type(err).__name__}: {err}"
+            result["context"] = repr(err.__context__)
+            result["traceback"] = traceback.format_exc()
+    result["warnings"] = [str(w.message) for w in caught]
+    Path(folder, f"killed-rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(240)
+def test_a_peer_killed_with_sigkill_leaves_a_checkpoint_from_the_survivor(tmp_path: Path) -> None:
+    import json
+    import time
+
+    from helpers import _ddp_worker, free_port
+
+    context = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    workers = [
+        context.Process(target=_ddp_worker, args=(rank, 2, port, _killed_peer_worker, (str(tmp_path),)))
+        for rank in (0, 1)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        ready = tmp_path / "ready"
+        while not ready.exists() or not ready.read_text():  # rank 1 reached the point where it waits to be killed
+            assert workers[1].is_alive(), "rank 1 ended before it could be killed"
+            time.sleep(0.05)
+        os.kill(int(ready.read_text()), signal.SIGKILL)
+        workers[1].join(30)
+        workers[0].join(120)
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+    assert workers[1].exitcode == -signal.SIGKILL
+    result = json.loads((tmp_path / "killed-rank0.json").read_text())
+    # The user sees the failure that stopped training (the collective with the dead peer), not a second one from
+    # writing the checkpoint (which summed the open group's gradient over replicas, and waited at a barrier, before).
+    # gloo sees the closed socket at once; a peer that stopped answering without closing would end at the timeout.
+    failed = ("Connection closed by peer", "Connection reset by peer", "timeout")
+    assert result["error"].startswith("RuntimeError:") and any(f in result["error"] for f in failed), result
+    assert "During handling of the above exception" not in result["traceback"]
+    assert "save_checkpoint" not in result["traceback"]
+    assert any("a collective failed" in m for m in result["warnings"]), result["warnings"]
+    assert any("cannot be carried exactly" in m for m in result["warnings"]), result["warnings"]
+
+    checkpoint = torch.load(tmp_path / "dead_peer.ckpt", weights_only=True)
+    assert set(checkpoint["state_dict"]) == {"embed.weight", "head.weight", "head.bias"}
+    assert checkpoint["optimizer_states"][0]["state"]  # AdamW's moments after the first update
+    state = checkpoint["lightning_accum"]
+    assert state["ledger"]["updates_applied"] == 1 and state["ledger"]["microbatches"] == 6
+    group = state["open_group"]
+    assert group["carried"] is False and "gradients" not in group
+    assert "could not be reached" in group["reason"] and any(f in group["reason"] for f in failed)
+    assert (group["microbatches"], group["replicas"], group["total_microbatches"]) == (3, 2, 6)
+
+    # Resumed on one device (D = 2 -> 1): the ledger goes on from the checkpoint and the loss is reported in numbers
+    # of the run that wrote it (3 micro-batches on each of 2 replicas; the one that was running is run again).
+    resumed = _mid_group_trainer("rescale", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(
+            TinyLM(optimizer="adamw"),
+            ResumableLoader(ListDataset(make_examples([3] * 24)), batch_size=2),
+            ckpt_path=tmp_path / "dead_peer.ckpt",
+        )
+    messages = [str(w.message) for w in caught]
+    lost = [m for m in messages if "does not carry the 6 micro-batch(es) of that group it holds (over 2" in m]
+    assert len(lost) == 1 and ": 4 of them, which Lightning does not run again, are lost" in lost[0], messages
+    assert resumed.strategy.ledger.updates_applied > 1
+
+
+# ---------------------------------------------------------------------------- changes between runs, damaged entries
+
+
+def _plain_trainer(strategy: Any, accumulate: int, callbacks: list[L.Callback] | None = None) -> L.Trainer:
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        accumulate_grad_batches=accumulate,
+        max_epochs=1,
+        logger=False,
+        callbacks=callbacks or [],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+_EXAMPLES = make_examples(random_lengths(16, seed=55), seed=55)  # 8 micro-batches of 2
+
+
+def _loader() -> ResumableLoader:
+    return ResumableLoader(ListDataset(_EXAMPLES), batch_size=2)
+
+
+def _resume(
+    ckpt: Path, strategy: Any, accumulate: int, model: L.LightningModule | None = None
+) -> tuple[L.Trainer, L.LightningModule, list[str]]:
+    model = model if model is not None else TinyLM()
+    trainer = _plain_trainer(strategy, accumulate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _loader(), ckpt_path=ckpt)
+    return trainer, model, [str(w.message) for w in caught if "callbacks used to create" not in str(w.message)]
+
+
+class _WritesAt(TinyLM):
+    """Writes `folder/at.ckpt` from on_train_batch_end of micro-batch `at` (between micro-batches) and trains on."""
+
+    def __init__(self, folder: Path, at: int) -> None:
+        super().__init__()
+        self.folder, self.at = folder, at
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.at:
+            self.trainer.save_checkpoint(self.folder / "at.ckpt")
+
+
+def _written_at(folder: Path, at: int, strategy: Any = "accum", accumulate: int = 3) -> Path:
+    _plain_trainer(strategy, accumulate).fit(_WritesAt(folder, at), _loader())
+    return folder / "at.ckpt"
+
+
+def test_a_plain_lightning_checkpoint_inside_a_group_is_not_taken_for_the_epochs_last_group(tmp_path: Path) -> None:
+    # Written by plain Lightning after micro-batch 4 (the group 3, 4, 5 is open); resumed under "drop" at 5.
+    ckpt = _written_at(tmp_path, 4, strategy="auto")
+    assert "lightning_accum" not in torch.load(ckpt, weights_only=True)
+    trainer, _, messages = _resume(ckpt, AccumulationStrategy(partial_group="drop"), 3)
+    announced = [m for m in messages if "holds no 'lightning_accum' entry" in m]
+    assert len(announced) == 1, messages
+    assert sum("first 2 micro-batch(es) per replica" in m for m in messages) == 1, messages
+    ledger = trainer.strategy.ledger
+    # The rest of the open group (micro-batch 5) is updated as the end of a full group; only 6, 7 end the epoch.
+    assert (ledger.updates_applied, ledger.microbatches, ledger.partial_groups) == (1, 1, 1)
+    assert ledger.dropped_microbatches == 2
+
+
+def test_a_boundary_checkpoint_resumed_with_another_accumulate_is_exact(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from helpers import sgd_reference
+
+    ckpt = _written_at(tmp_path, 2)  # after the first update (A = 3), resumed with A = 4
+    assert torch.load(ckpt, weights_only=True)["lightning_accum"]["config"] == {
+        "accumulate": 3,
+        "replicas": 1,
+        "normalize": "auto",
+        "partial_group": "rescale",
+    }
+    with caplog.at_level("INFO"):
+        trainer, model, messages = _resume(ckpt, "accum", 4)
+    assert not [m for m in messages if "lost" in m or "resumed" in m], messages
+    assert any("accumulate_grad_batches 3 -> 4" in r.message and "3 place(s) of 4" in r.message for r in caplog.records)
+    # Lightning groups by index: micro-batch 3 closes the first group after the resume, then 4..7.
+    ex = _EXAMPLES
+    expected = sgd_reference(TinyLM(), [ex[0:6], ex[6:8], ex[8:16]])
+    torch.testing.assert_close(params_vector(model), expected, rtol=1e-5, atol=1e-6)
+    ledger = trainer.strategy.ledger
+    assert (ledger.updates_applied, ledger.microbatches, ledger.partial_groups) == (3, 8, 0)
+
+
+def test_a_group_carried_into_another_accumulate_closes_exactly(tmp_path: Path) -> None:
+    from helpers import sgd_reference
+
+    ckpt = _written_at(tmp_path, 4)  # micro-batches 3, 4 of the second group (A = 3) are carried
+    trainer, model, messages = _resume(ckpt, "accum", 4)
+    assert not [m for m in messages if "lost" in m], messages
+    # Resumed at 5 with A = 4: place 1 of Lightning's group 4..7; the carried 3, 4 join it, which closes at 7.
+    ex = _EXAMPLES
+    torch.testing.assert_close(params_vector(model), sgd_reference(TinyLM(), [ex[0:6], ex[6:16]]), rtol=1e-5, atol=1e-6)
+    ledger = trainer.strategy.ledger
+    assert (ledger.updates_applied, ledger.microbatches, ledger.last_group.microbatches) == (2, 8, 5)
+
+
+def test_a_conflicting_normalize_wins_at_a_boundary_and_is_an_error_inside_a_group(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    boundary = _written_at(tmp_path, 2)
+    with caplog.at_level("INFO"):
+        trainer, _, _ = _resume(boundary, AccumulationStrategy(normalize="samples"), 3)
+    assert any("micro-batches by tokens; from now on they are weighted by samples" in r.message for r in caplog.records)
+    assert trainer.strategy.ledger.normalization == "samples"
+    inside = _written_at(tmp_path, 4)
+    with pytest.raises(ValueError, match=r"`normalize='samples'` conflicts with the checkpoint: .* weighted by tokens"):
+        _resume(inside, AccumulationStrategy(normalize="samples"), 3)
+
+
+def _damage(state: dict[str, Any], how: str) -> None:
+    group = state["lightning_accum"].get("open_group") or {}
+    if how == "no entry":
+        del state["lightning_accum"]
+    elif how == "unit":
+        state["lightning_accum"]["ledger"]["normalization"] = "words"
+    elif how == "ledger":
+        state["lightning_accum"]["ledger"] = None
+    elif how == "scale_ref":
+        state["lightning_accum"]["scale_ref"] = 0.0
+    elif how == "sums":
+        del group["sums"]["units"]
+    elif how == "microbatches":
+        group["microbatches"] = "2"
+    elif how == "gradient":
+        del group["gradients"]["head.bias"]
+    elif how == "shape":
+        group["gradients"]["head.bias"] = torch.zeros(3)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        (
+            "unit",
+            r"`ledger.normalization` should be None or one of \('tokens', 'samples', 'batches'\), but it is 'words'",
+        ),
+        ("ledger", r"`ledger` should be a dict of the ledger's counters, but it is None"),
+        ("scale_ref", r"`scale_ref` should be None or a number > 0, but it is 0.0"),
+        ("sums", r"`open_group.sums` should be a dict of finite numbers with keys \['units'"),
+        ("microbatches", r"`open_group.microbatches` should be an int >= 0, but it is '2'"),
+        ("gradient", r"`open_group.gradients\['head.bias'\]` should be a tensor .*, but it is 'missing'"),
+        ("shape", r"`open_group.gradients\['head.bias'\]` should be a tensor of shape \(11,\), but it is torch.Size"),
+    ],
+)
+def test_a_damaged_entry_is_an_error_naming_the_key(tmp_path: Path, how: str, message: str) -> None:
+    ckpt = _written_at(tmp_path, 4)
+    state = torch.load(ckpt, weights_only=True)
+    _damage(state, how)
+    torch.save(state, ckpt)
+    with pytest.raises(ValueError, match=r"The checkpoint's 'lightning_accum' entry is damaged: " + message):
+        _resume(ckpt, "accum", 3)
+
+
+def test_a_checkpoint_without_the_entry_is_announced_once(tmp_path: Path) -> None:
+    ckpt = _written_at(tmp_path, 2)  # at an update boundary
+    state = torch.load(ckpt, weights_only=True)
+    _damage(state, "no entry")
+    torch.save(state, ckpt)
+    trainer, _, messages = _resume(ckpt, "accum", 3)
+    assert sum("holds no 'lightning_accum' entry" in m for m in messages) == 1, messages
+    assert trainer.strategy.ledger.updates_applied == 2  # the counters start again at 0, as announced

@@ -11,14 +11,20 @@ plugin's unscale, clipping and step); three strategy hooks change:
 ``trainer.global_step`` keeps Lightning's meaning (optimizer-step calls, a dropped partial group
 included); exact counts are in :attr:`ExactAccumulation.ledger`.
 
-Checkpoints hold the ledger and ``c`` under the key ``"lightning_accum"``; one written inside a group also
-carries that group (its counters and its gradient summed over replicas), so a run resumed from it closes the
-group exactly; what cannot be carried is reported when writing and when resuming.
+Checkpoints hold the ledger, ``c`` and the configuration they were written under (``A``, ``D``, ``normalize``,
+``partial_group``) under the key ``"lightning_accum"``; one written inside a group also carries that group (its
+counters and its gradient summed over replicas), so a run resumed from it closes the group exactly, also under
+another ``A`` or ``D``; what cannot be carried (a backward in progress, replicas that cannot be reached) is reported
+when writing and when resuming. The entry is checked when loading: a damaged one is an error naming the key, a
+missing one is announced. See ``docs/reliability.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,7 +42,7 @@ from lightning_accum.axis_lr import bind_schedulers
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine, GroupListener, Replicas
 from lightning_accum.gradients import scaler_skipped, summed_gradients
-from lightning_accum.group import group_position
+from lightning_accum.group import CARRIED, group_position
 from lightning_accum.ledger import AccumulationLedger
 from lightning_accum.microbatch import Count
 from lightning_accum.schedules import release_schedulers, take_over_schedulers
@@ -81,6 +87,7 @@ class ExactAccumulation(Strategy):
         self._engine.bind(info=rank_zero_info, warn=rank_zero_warn)
         self._scheduled: list[Any] = []
         self._resumed_group: dict[str, Any] | None = None
+        self._carried_gradients: dict[str, Tensor] | None = None  # added at the first backward after a resume
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
 
     # ------------------------------------------------------------------ the public interface
@@ -123,12 +130,12 @@ class ExactAccumulation(Strategy):
     def use_engine(self, engine: AccumulationEngine) -> Iterator[AccumulationEngine]:
         """Run the strategy's hooks on ``engine`` (e.g. :meth:`AccumulationEngine.scratch`) inside the block, so
         the run's ledger, open group and pending resume are not touched."""
-        real, resumed = self._engine, self._resumed_group
-        self._engine, self._resumed_group = engine, None
+        real, resumed, carried = self._engine, self._resumed_group, self._carried_gradients
+        self._engine, self._resumed_group, self._carried_gradients = engine, None, None
         try:
             yield engine
         finally:
-            self._engine, self._resumed_group = real, resumed
+            self._engine, self._resumed_group, self._carried_gradients = real, resumed, carried
 
     # ------------------------------------------------------------------ hooks
 
@@ -169,6 +176,8 @@ class ExactAccumulation(Strategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._carried_gradients is not None:
+            self._install_carried_gradients()
         tensor = self._engine.take_backward_tensor()
         result = super().backward(tensor if tensor is not None else closure_loss, optimizer, *args, **kwargs)
         self._engine.backward_finished()
@@ -197,6 +206,8 @@ class ExactAccumulation(Strategy):
         # Lightning calls this once per group, on its last micro-batch; the closure runs that micro-batch's
         # training_step and backward. Running it first lets the group close before unscale and clipping.
         closure_result = closure()
+        if self._carried_gradients is not None:  # a resumed group whose remaining micro-batches had no backward
+            self._install_carried_gradients()
         trainer = self._trainer()
         scaler = self.gradient_scaler
         # The engine rescales the gradient by c·D/W on the device and, without a GradScaler (which finds
@@ -273,27 +284,68 @@ class ExactAccumulation(Strategy):
         reduce = self.reduce_sum if self.data_parallel_replicas > 1 else None
         return summed_gradients(self._group_parameters(), reduce)
 
+    def _collectives_failed(self) -> str | None:
+        """Why the replicas cannot be reached for a collective now (``None``: they can, or there is one replica).
+
+        The DDP strategy answers from the exception being handled (a checkpoint written by ``on_exception`` after a
+        collective failed: a dead peer, a timeout)."""
+        return None
+
+    def _configuration(self) -> dict[str, Any]:
+        """What the checkpoint's groups depend on: ``A``, ``D``, the ``normalize=`` and ``partial_group=`` options."""
+        trainer = self._trainer()
+        return {
+            "accumulate": int(trainer.accumulate_grad_batches),
+            "replicas": int(self.data_parallel_replicas),
+            "normalize": self._engine.normalize,
+            "partial_group": self._engine.partial_group,
+        }
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None) -> None:
         state = self._engine.state_dict()
+        config = self._configuration()
+        state["config"] = config
         open_microbatches = self._engine.microbatches_in_group
+        carried_before = self._engine.carried_microbatches
         state["open_group_microbatches"] = open_microbatches
-        if open_microbatches:
+        failed = self._collectives_failed() if self.data_parallel_replicas > 1 else None
+        if open_microbatches or carried_before:
             # Written inside a group (OnExceptionCheckpoint, SIGTERM, a time-based or hand-written checkpoint):
             # carry the group's counters and its accumulated gradient, so that a run resumed from this file
-            # finishes the group exactly (see `_check_group_start`). Every replica takes part (collectives).
-            group = self._engine.open_group_state()
-            gradients = self._open_group_gradients()
-            if gradients is not None and group["consistent"]:
-                group["gradients"] = gradients
-            elif gradients is not None:
-                rank_zero_warn(
-                    "lightning_accum: this checkpoint is written while a micro-batch's backward had not completed;"
-                    f" the open group's {open_microbatches} micro-batch(es) cannot be carried exactly and a run resumed"
-                    " from it will say how many of them are lost."
-                )
-            state["open_group"] = group
+            # finishes the group exactly (see `_reopen_group`). Every replica takes part (collectives).
+            total = carried_before + open_microbatches * config["replicas"]
+            if failed is not None:
+                group: dict[str, Any] = {"microbatches": open_microbatches, "consistent": False}
+                reason = f"the replicas could not be reached to sum it ({failed})"
+            else:
+                group = self._engine.open_group_state()
+                reason = "a micro-batch's backward had not completed"
             progress = self._trainer().fit_loop.epoch_loop.batch_progress.current
+            rerun = 1 if progress.ready > getattr(progress, "processed", progress.ready) else 0  # Lightning reruns it
+            group.update(
+                replicas=config["replicas"], accumulate=config["accumulate"], total_microbatches=total, rerun=rerun
+            )
+            gradients = self._open_group_gradients() if group["consistent"] else None
+            if group["consistent"] and gradients is None:
+                reason = "the strategy cannot carry this group's gradient (see its warning)"
+            if gradients is not None:
+                group["gradients"] = gradients
+                group["no_gradient"] = [name for name, _ in self._group_parameters() if name not in gradients]
+                group["carried"] = True
+            else:
+                group["carried"] = False
+                group["reason"] = reason
+                message = (
+                    f"lightning_accum: this checkpoint is written while {reason}; the open group's {total}"
+                    " micro-batch(es) (over all replicas) cannot be carried exactly and a run resumed from it will"
+                    " say how many of them are lost."
+                )
+                if failed is not None:
+                    warnings.warn(message, UserWarning, stacklevel=2)  # every surviving rank: rank 0 may be gone
+                else:
+                    rank_zero_warn(message)
+            state["open_group"] = group
             if progress.ready > getattr(progress, "processed", progress.ready):
                 rank_zero_warn(
                     f"lightning_accum: this checkpoint is written while micro-batch {progress.ready} of the epoch was"
@@ -302,17 +354,64 @@ class ExactAccumulation(Strategy):
                     " micro-batch's examples are skipped (Lightning's behaviour, not this strategy's)."
                 )
         checkpoint[CHECKPOINT_KEY] = state
+        if failed is not None:
+            self._save_without_peers(checkpoint, filepath, storage_options)
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_without_peers(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None) -> None:
+        """Every surviving rank writes the checkpoint (rank zero, which alone writes otherwise, may be the dead one):
+        a private file first, then an atomic rename, so that concurrent writers leave one whole file."""
+        path = str(filepath)
+        if "://" in path:  # a remote file system: no atomic rename to rely on
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        partial = f"{path}.rank{getattr(self, 'global_rank', 0)}.partial"
+        self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        os.replace(partial, path)
 
     @override
     def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only)
-        if CHECKPOINT_KEY in checkpoint:
-            state = checkpoint[CHECKPOINT_KEY]
-            self._engine.load_state_dict(state)
-            # Checked against the loop's position at the first micro-batch of the resumed run.
-            self._resumed_group = dict(state.get("open_group") or {"microbatches": 0})
+        if CHECKPOINT_KEY not in checkpoint:
+            rank_zero_warn(
+                f"lightning_accum: the checkpoint {str(checkpoint_path)!r} holds no {CHECKPOINT_KEY!r} entry (written"
+                " by another strategy, or the entry was removed): the ledger starts again at 0, the unit is chosen"
+                " again, and if it was written inside an accumulation group, the micro-batches of that group before"
+                " it are not in its update (the group is closed as a full one, not dropped as a partial one)."
+            )
+            self._resumed_group = {"microbatches": 0, "unknown": True}
+            return checkpoint
+        state = _validated_state(checkpoint[CHECKPOINT_KEY])
+        written_unit = (state.get("ledger") or {}).get("normalization")
+        self._engine.load_state_dict(state)
+        group = dict(state.get("open_group") or {"microbatches": 0})
+        self._honour_normalize(written_unit, group)
+        # Checked against the loop's position at the first micro-batch of the resumed run.
+        group["config"] = dict(state.get("config") or {})
+        self._resumed_group = group
         return checkpoint
+
+    def _honour_normalize(self, written_unit: str | None, group: dict[str, Any]) -> None:
+        """An explicit ``normalize=`` that differs from the unit the checkpoint's run used wins at an update boundary
+        (announced; ``M`` is measured again in the new unit); inside a carried group it is an error, since that
+        group's gradient is already weighted by the other unit."""
+        wanted = self._engine.normalize
+        if wanted == "auto" or written_unit is None or wanted == written_unit:
+            return
+        if group.get("gradients") is not None:
+            raise ValueError(
+                f"`normalize={wanted!r}` conflicts with the checkpoint: it was written inside an accumulation group"
+                f" whose gradient is weighted by {written_unit}. Resume with `normalize={written_unit!r}` (or"
+                " 'auto') to finish that group exactly, or resume from a checkpoint written at an update boundary to"
+                " change the unit."
+            )
+        self._engine.ledger.normalization = wanted
+        self._engine.scale_ref = None
+        rank_zero_info(
+            f"lightning_accum: the checkpoint's run weighted micro-batches by {written_unit}; from now on they are"
+            f" weighted by {wanted} (`normalize={wanted!r}` given to the strategy wins at an update boundary)."
+        )
 
     def _check_group_start(self, trainer: Trainer, batch_idx: int) -> None:
         """At the first micro-batch after a resume, reopen the group the checkpoint carries; at a group's first
@@ -332,30 +431,223 @@ class ExactAccumulation(Strategy):
                 " count them. Make the loader's length match what it yields."
             )
 
+    def _announce_changes(self, written: dict[str, Any], position: int) -> None:
+        """Say which of ``A``, ``D`` and ``partial_group`` differ from the run that wrote the checkpoint."""
+        now = self._configuration()
+        changes = [
+            f"{label} {written[key]!r} -> {now[key]!r}"
+            for key, label in (
+                ("accumulate", "accumulate_grad_batches"),
+                ("replicas", "data-parallel replicas"),
+                ("partial_group", "partial_group"),
+            )
+            if key in written and written[key] != now[key]
+        ]
+        if not changes:
+            return
+        where = (
+            f" Lightning groups micro-batches by their index in the epoch, so the first group after the resume already"
+            f" counts {position} place(s) of {now['accumulate']} as done: it closes after"
+            f" {now['accumulate'] - position} more micro-batch(es) per replica and is updated with its real"
+            " denominator (a full group, not a partial one)."
+            if position
+            else ""
+        )
+        rank_zero_info(f"lightning_accum: resumed with {', '.join(changes)}; the new values apply from here on.{where}")
+
     def _reopen_group(self, group: dict[str, Any], batch_idx: int) -> None:
         """Finish, exactly, the group a checkpoint was written in; or say which micro-batches are lost."""
-        carried = int(group["microbatches"])
-        position = group_position(batch_idx, self._trainer().accumulate_grad_batches)  # ran by Lightning already
-        if position == 0 and carried == 0:
+        trainer = self._trainer()
+        position = group_position(batch_idx, trainer.accumulate_grad_batches)  # ran by Lightning already
+        self._announce_changes(group.get("config") or {}, position)
+        per_replica = int(group["microbatches"])
+        written_replicas = int(group.get("replicas", self.data_parallel_replicas))
+        total = int(group.get("total_microbatches", per_replica * written_replicas))
+        if group.get("unknown"):
+            if position:
+                self._engine.note_missing_microbatches(position)
+                rank_zero_warn(
+                    f"lightning_accum: resumed at micro-batch {position + 1} of an accumulation group from a checkpoint"
+                    f" without {CHECKPOINT_KEY!r} state: the group's first {position} micro-batch(es) per replica,"
+                    " which Lightning does not run again, are not in its update (normalized by what remains)."
+                )
             return
-        if position == carried and "gradients" in group:
+        if total == 0:
+            if position:
+                self._engine.note_missing_microbatches(position)  # a shorter first group after a change of A
+            return
+        if "gradients" in group:
             holder = self.is_global_zero  # one replica carries the sums and the gradient; DDP adds the others'
-            self._engine.resume_open_group(group, holds_sums=holder)
-            gradients: dict[str, Tensor] = group["gradients"]
-            for name, p in self._group_parameters():
-                saved = gradients.get(name) if holder else None
-                p.grad = saved.to(device=p.device, dtype=p.dtype, copy=True) if saved is not None else None
+            gradients = _checked_gradients(group, self._group_parameters())
+            self._engine.resume_open_group(group, holds_sums=holder, position=position, total=total)
+            self._carried_gradients = gradients if holder else {}
             rank_zero_info(
-                f"lightning_accum: resumed inside an accumulation group; its first {carried} micro-batch(es) come from"
-                " the checkpoint (gradient and counters), so the group closes exactly."
+                f"lightning_accum: resumed inside an accumulation group; its first {total} micro-batch(es) (over all"
+                " replicas) come from the checkpoint (gradient and counters), so the group closes exactly."
             )
             return
         self._engine.note_missing_microbatches(position)
-        reason = " without a consistent gradient" if carried and "gradients" not in group else ""
+        # Lightning runs again the micro-batch whose step was running when the checkpoint was written (one per
+        # replica); checkpoints of earlier versions did not say, their count is the place in the group.
+        rerun = int(group.get("rerun", max(per_replica - position, 0)))
+        lost = max(total - rerun * written_replicas, 0)
+        reason = group.get("reason") or "no consistent gradient"
         rank_zero_warn(
-            f"lightning_accum: resumed at micro-batch {position + 1} of an accumulation group, but the checkpoint"
-            f" carries {carried} micro-batch(es) of that group{reason}, so none are carried over. The first {position}"
-            " micro-batch(es) of the group, which Lightning does not run again, are not in its update (normalized by"
-            " what remains). Checkpoints written between micro-batches (on_train_batch_end, OnExceptionCheckpoint"
-            " after a failed hook there, SIGTERM) or at update boundaries resume exactly."
+            f"lightning_accum: resumed inside an accumulation group, but the checkpoint does not carry the"
+            f" {total} micro-batch(es) of that group it holds (over {written_replicas} replica(s); {reason}):"
+            f" {lost} of them, which Lightning does not run again, are lost (not in the update, normalized by what"
+            " remains, and not counted by the ledger). Checkpoints written between micro-batches"
+            " (on_train_batch_end, OnExceptionCheckpoint after a failed hook there, SIGTERM) or at update boundaries"
+            " resume exactly."
         )
+
+    def _install_carried_gradients(self) -> None:
+        """Add the gradient a resumed group carries, right before its first backward after the resume (after
+        Lightning's ``zero_grad`` at a group's start, so it survives a group that starts at the resume)."""
+        gradients, self._carried_gradients = self._carried_gradients, None
+        if not gradients:
+            return
+        for name, p in self._group_parameters():
+            saved = gradients.get(name)
+            if saved is None:
+                continue
+            saved = saved.to(device=p.device, dtype=p.dtype, copy=True)
+            p.grad = saved if p.grad is None else p.grad.add_(saved)
+
+
+# ---------------------------------------------------------------------- the checkpoint's entry, checked
+
+_UNITS = ("tokens", "samples", "batches")
+_LEDGER_COUNTERS = (
+    "microbatches",
+    "updates_attempted",
+    "updates_applied",
+    "samples",
+    "tokens",
+    "partial_groups",
+    "dropped_microbatches",
+    "dropped_samples",
+    "dropped_tokens",
+)
+
+
+def _malformed(key: str, expected: str, found: Any) -> ValueError:
+    shown = repr(found)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ValueError(
+        f"The checkpoint's {CHECKPOINT_KEY!r} entry is damaged: `{key}` should be {expected}, but it is {shown}."
+        f" Resume from another checkpoint, or remove the {CHECKPOINT_KEY!r} entry to start the ledger again at 0"
+        " (announced when loading)."
+    )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(state: Mapping[str, Any], key: str, prefix: str, test: Callable[[Any], bool], expected: str) -> None:
+    if key in state and not test(state[key]):
+        raise _malformed(prefix + key, expected, state[key])
+
+
+def _validated_state(state: Any) -> dict[str, Any]:
+    """The package's checkpoint entry after checking every field it reads: a ``ValueError`` naming the key, the
+    expected form and what was found, never a silent change. Entries of earlier versions (no ``config``, an open group
+    without ``replicas``, ``sums`` as five numbers) pass."""
+    if not isinstance(state, Mapping):
+        raise _malformed(CHECKPOINT_KEY, "a dict", state)
+    ledger = state.get("ledger")
+    if not isinstance(ledger, Mapping):
+        raise _malformed("ledger", "a dict of the ledger's counters", ledger)
+    for name in _LEDGER_COUNTERS:
+        _check(ledger, name, "ledger.", _is_count, "an int >= 0")
+    skipped = ledger.get("updates_skipped", {})
+    if not isinstance(skipped, Mapping) or not all(isinstance(k, str) and _is_count(v) for k, v in skipped.items()):
+        raise _malformed("ledger.updates_skipped", "a dict of reason -> int >= 0", skipped)
+    _check(ledger, "normalization", "ledger.", lambda u: u is None or u in _UNITS, f"None or one of {_UNITS}")
+    last = ledger.get("last_group")
+    if last is not None:
+        fields = {"loss", "tokens", "samples", "microbatches", "applied"}
+        if not isinstance(last, Mapping) or not fields <= set(last):
+            raise _malformed("ledger.last_group", f"None or a dict with {sorted(fields)}", last)
+    _check(state, "scale_ref", "", lambda v: v is None or (_is_number(v) and v > 0), "None or a number > 0")
+    _check(state, "consecutive_skips", "", _is_count, "an int >= 0")
+    _check(state, "open_group_microbatches", "", _is_count, "an int >= 0")
+    config = state.get("config")
+    if config is not None:
+        if not isinstance(config, Mapping):
+            raise _malformed("config", "a dict", config)
+        _check(config, "accumulate", "config.", lambda v: _is_count(v) and v > 0, "an int >= 1")
+        _check(config, "replicas", "config.", lambda v: _is_count(v) and v > 0, "an int >= 1")
+        _check(config, "normalize", "config.", lambda v: v in ("auto", *_UNITS), f"one of {('auto', *_UNITS)}")
+        _check(config, "partial_group", "config.", lambda v: v in ("rescale", "drop"), "'rescale' or 'drop'")
+    group = state.get("open_group")
+    if group is not None:
+        _validate_group(group)
+    return dict(state)
+
+
+def _validate_group(group: Any) -> None:
+    if not isinstance(group, Mapping):
+        raise _malformed("open_group", "None or a dict", group)
+    if not _is_count(group.get("microbatches")):
+        raise _malformed("open_group.microbatches", "an int >= 0", group.get("microbatches"))
+    for key in ("replicas", "accumulate"):
+        _check(group, key, "open_group.", lambda v: _is_count(v) and v > 0, "an int >= 1")
+    _check(group, "total_microbatches", "open_group.", _is_count, "an int >= 0")
+    _check(group, "scale_ref", "open_group.", lambda v: v is None or (_is_number(v) and v > 0), "None or a number > 0")
+    if "gradients" not in group:
+        return
+    sums = group.get("sums")
+    names = [slot.name.lower() for slot in CARRIED]
+    if isinstance(sums, Mapping):
+        if set(sums) != set(names) or not all(_is_number(v) for v in sums.values()):
+            raise _malformed("open_group.sums", f"a dict of finite numbers with keys {names}", sums)
+    elif not (isinstance(sums, list | tuple) and len(sums) == 5 and all(_is_number(v) for v in sums)):
+        raise _malformed("open_group.sums", f"a dict of finite numbers with keys {names} (or 5 numbers)", sums)
+    gradients = group["gradients"]
+    if not isinstance(gradients, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in gradients.items()
+    ):
+        raise _malformed("open_group.gradients", "a dict of parameter name -> tensor", gradients)
+    _check(
+        group,
+        "no_gradient",
+        "open_group.",
+        lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+        "a list of parameter names",
+    )
+
+
+def _checked_gradients(group: Mapping[str, Any], parameters: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """The carried gradient, checked against the parameters it is added to (names, shapes, completeness)."""
+    gradients: dict[str, Tensor] = dict(group["gradients"])
+    shapes = {name: tuple(p.shape) for name, p in parameters}
+    for name, gradient in gradients.items():
+        if name not in shapes:
+            raise _malformed(
+                f"open_group.gradients[{name!r}]", f"the gradient of one of the parameters {sorted(shapes)}", name
+            )
+        if tuple(gradient.shape) != shapes[name]:
+            raise _malformed(f"open_group.gradients[{name!r}]", f"a tensor of shape {shapes[name]}", gradient.shape)
+    if "no_gradient" in group:  # written by this version: every parameter is either carried or named as unused
+        known = set(gradients) | set(group["no_gradient"])
+        for name in shapes:
+            if name not in known:
+                raise _malformed(
+                    f"open_group.gradients[{name!r}]",
+                    "a tensor (the parameter is neither carried nor listed in `open_group.no_gradient`)",
+                    "missing",
+                )
+    else:
+        absent = [name for name in shapes if name not in gradients]
+        if absent:
+            rank_zero_warn(
+                f"lightning_accum: the checkpoint's open group carries no gradient for {absent} (a checkpoint of an"
+                " earlier version, which did not record unused parameters): they are taken as unused in that group."
+            )
+    return gradients

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,9 @@ import torch.distributed
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor
+from torch.utils.data import IterableDataset
 from typing_extensions import override
 
 from lightning_accum._worker_exit import close_process_group
@@ -57,6 +60,13 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         schedule_on: See :class:`AccumulationStrategy`.
         on_nonfinite: See :class:`AccumulationStrategy`.
         max_consecutive_skips: See :class:`AccumulationStrategy`.
+        check_data_ends: With an iterable training dataset (whose per-rank length nothing makes equal): before each
+            micro-batch that does not end a group, agree over the replicas whether any replica's data ends there,
+            so that data ending inside a group on some replicas only is a prompt error on every rank instead of a
+            wait until the process-group timeout. It costs one all-reduce of one number per such micro-batch, on
+            the CPU (a gloo group of its own when the backend is not gloo: no device synchronisation); ``False``
+            turns it off for data you know to be sharded evenly. Map-style data is never checked this way (its
+            sampler gives every rank the same length).
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``find_unused_parameters``, ``process_group_backend``, ...).
 
@@ -86,10 +96,16 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        check_data_ends: bool = True,
         **kwargs: Any,
     ) -> None:
         self._init_engine(normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips)
         super().__init__(**kwargs)
+        self._peers_lost: str | None = None  # why the replicas cannot be reached, once a collective failed
+        self.check_data_ends = bool(check_data_ends)
+        self._check_data_ends = False
+        self._flag_group: Any = None  # a CPU (gloo) group for the data-end flag when the backend is not gloo
+        self._run_engine = self._engine
 
     @property
     @override
@@ -102,19 +118,92 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
         return tensor
 
+    # ------------------------------------------------------------------ faults
+
+    @override
+    def _collectives_failed(self) -> str | None:
+        if self._peers_lost is not None:
+            return self._peers_lost
+        trainer = self._trainer_ref
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+            return None
+        # Inside Lightning's `on_exception` (OnExceptionCheckpoint): the exception being handled says whether the
+        # replicas can still be reached. No collective is tried to find out (it would wait for a dead peer).
+        failure = _collective_failure(sys.exc_info()[1])
+        if failure is not None:
+            self._peers_lost = failure
+        return failure
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._peers_lost is not None:
+            return  # a replica is gone or unreachable: waiting for it would replace the user's error by a second one
+        super().barrier(*args, **kwargs)
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        text = str(exception).lower()
-        if isinstance(exception, RuntimeError) and ("timed out" in text or "timeout" in text):
-            # Every rank, not rank zero only: the rank that ran out of data may be the only one left to say so.
-            warnings.warn(
-                "lightning_accum: a collective timed out. If replicas ran out of training data at different"
-                " micro-batches of the same accumulation group (an unevenly sharded iterable dataset), their"
-                " collectives paired up wrongly before the group could close and be checked: shard the data"
-                " evenly (drop the remainder). The wait is bounded by the strategy's `timeout=`.",
-                UserWarning,
-                stacklevel=1,
+        failure = _collective_failure(exception)
+        if failure is None:
+            return
+        self._peers_lost = failure
+        # Every rank, not rank zero only: the rank that ran out of data may be the only one left to say so.
+        warnings.warn(
+            f"lightning_accum: a collective failed ({failure}). Either a replica died (its own log shows why; an"
+            " OnExceptionCheckpoint on this rank wrote what it holds, without the open group's gradient), or the"
+            " replicas' collectives paired up wrongly: replicas that run different numbers of batches per epoch"
+            " (an unevenly sharded dataset) are detected with an error on every rank for iterable datasets, not for"
+            " a map-style dataset whose sampler or length differs between ranks. The wait is bounded by the"
+            " strategy's `timeout=`.",
+            UserWarning,
+            stacklevel=1,
+        )
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._peers_lost = None
+        self._check_data_ends = (
+            self.check_data_ends and _iterable_training_data(self._trainer()) and self.data_parallel_replicas > 1
+        )
+        if self._check_data_ends and torch.distributed.get_backend() != "gloo" and self._flag_group is None:
+            # The flag is a host value: summed on the CPU, it never waits for the device (every rank runs this).
+            self._flag_group = torch.distributed.new_group(backend="gloo")
+
+    @override
+    def teardown(self) -> None:
+        self._check_data_ends = False
+        super().teardown()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._check_data_ends and self._engine is self._run_engine:  # not for AccumulationCheck's scratch steps
+            self._agree_data_goes_on()
+        return super().training_step(*args, **kwargs)
+
+    def _agree_data_goes_on(self) -> None:
+        """Under iterable training data, at every micro-batch that does not end a group in Lightning's grouping: one
+        all-reduce of "this replica's data ends here", so that data ending inside a group on some replicas only is an
+        error on every replica at once. (At a group's last micro-batch the group's own all-reduce carries the flag.)
+
+        Every replica runs it at the same batch indices, so these collectives pair up as long as the replicas are in
+        step, that is until the first batch where one replica's data ends: the one checked here."""
+        trainer = self._trainer()
+        epoch_loop = trainer.fit_loop.epoch_loop
+        batch_idx = epoch_loop.batch_idx
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            return
+        ends = bool(epoch_loop.batch_progress.is_last_batch)
+        flag = torch.tensor([1 if ends else 0], dtype=torch.int64)  # on the CPU: no device synchronisation
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.SUM, group=self._flag_group)
+        ended = int(flag.item())
+        if 0 < ended < self.data_parallel_replicas:
+            raise RuntimeError(
+                f"The training data of {ended} of {self.data_parallel_replicas} replicas ended at batch {batch_idx}"
+                f" of the epoch, inside an accumulation group of {trainer.accumulate_grad_batches} micro-batches,"
+                f" while the others have more batches (this replica's data {'ended' if ends else 'goes on'})."
+                " Replicas must see the same number of batches per epoch, or the others would wait in a collective"
+                " until the timeout: shard the iterable dataset evenly (drop the remainder)."
             )
 
     @override
@@ -136,3 +225,51 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
             strategy_registry.register(
                 name, cls, description=f"Exact gradient accumulation with DDP ({options})", override=True, **options
             )
+
+
+#: Words of the errors a failed collective raises (gloo, NCCL, the c10d store), for the exception's chain.
+_COLLECTIVE_FAILURES = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "timed out",
+    "timeout",
+    "broken pipe",
+    "nccl",
+    "gloo",
+    "processgroup",
+)
+
+
+def _collective_failure(exception: BaseException | None) -> str | None:
+    """A short description when ``exception`` (or one it was raised from) is a failed collective, else ``None``."""
+    seen = 0
+    while exception is not None and seen < 8:
+        text = str(exception)
+        if isinstance(exception, torch.distributed.DistError) or any(w in text.lower() for w in _COLLECTIVE_FAILURES):
+            first = text.strip().splitlines()[0] if text.strip() else type(exception).__name__
+            return f"{type(exception).__name__}: {first[:200]}"
+        exception = exception.__cause__ or exception.__context__
+        seen += 1
+    return None
+
+
+def _iterable_training_data(trainer: Trainer) -> bool:
+    """Whether a training loader reads an iterable dataset (whose per-rank length nothing makes equal) or has none."""
+    loaders = trainer.train_dataloader
+    if loaders is None:
+        return False
+    found: list[bool] = []
+
+    def visit(item: Any) -> None:
+        if isinstance(item, dict):
+            for value in item.values():
+                visit(value)
+        elif isinstance(item, list | tuple):
+            for value in item:
+                visit(value)
+        else:
+            dataset = getattr(item, "dataset", None)
+            found.append(isinstance(dataset, IterableDataset) or not hasattr(item, "__len__"))
+
+    visit(loaders)
+    return any(found)
