@@ -199,24 +199,6 @@ def test_strategy_argument_errors() -> None:
         lightning_accum.DDPAccumulationStrategy(partial_group="pad")
 
 
-class _Manual(TinyLM):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-        opt = self.optimizers()
-        loss = self.mean_loss(batch)
-        self.manual_backward(loss)
-        opt.step()  # type: ignore[union-attr]
-        opt.zero_grad()  # type: ignore[union-attr]
-
-
-def test_manual_optimization_is_a_clear_error() -> None:
-    with pytest.raises(RuntimeError, match=r"supports automatic optimization only.*automatic_optimization` is False"):
-        fit(_Manual(), make_examples([3, 4], seed=0), batch_size=1, accumulate=1)
-
-
 def test_accum_on_several_devices_names_the_ddp_string() -> None:
     with pytest.raises(ValueError, match=r"strategy='accum' runs on one device.*'accum_ddp'"):
         L.Trainer(strategy="accum", accelerator="cpu", devices=2, logger=False)

@@ -490,7 +490,7 @@ class AccumulationCheck(Callback):
         if microbatches == float("inf"):
             return findings
         for config in trainer.lr_scheduler_configs:
-            scheduler = getattr(config.scheduler, "scheduler", config.scheduler)
+            scheduler = config.scheduler
             if config.interval != "step":
                 continue
             for attr in ("total_steps", "T_max"):
