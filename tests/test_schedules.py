@@ -35,7 +35,10 @@ class HookLM(TinyLM):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
         scheduler = StepLR(optimizer, step_size=1, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": self.frequency}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": self.frequency},
+        }
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         self.hook_types.append(type(scheduler))
