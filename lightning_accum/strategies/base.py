@@ -1,12 +1,18 @@
 """The base every accumulation strategy shares: Lightning's hooks adapted to one :class:`AccumulationEngine`.
 
-Lightning's own loop stays (zero_grad at a group's start, ``no_sync`` on non-final micro-batches, the precision
-plugin's unscale, clipping and step); three strategy hooks change:
+Lightning's own loop stays (zero_grad at a group's start, ``no_sync`` on non-final micro-batches, the optimizer
+evaluating the closure inside its ``step``, the precision plugin's unscale, clipping and step, Lightning's hook order
+and its own errors); three strategy hooks change:
 
 * ``training_step``: read the micro-batch's loss and unit count and prepare ``loss · w / c``;
 * ``backward``: back-propagate that tensor instead of Lightning's ``loss / A``;
-* ``optimizer_step``: after the group's last backward, reduce the group's counters once, rescale the
-  gradient by ``c · D / W`` (before unscale and clipping), then update, skip or drop.
+* ``optimizer_step``: the closure handed to the optimizer runs Lightning's (the group's last micro-batch) and then
+  reduces the group's counters once and rescales the gradient by ``c · D / W``, before unscale and clipping; the
+  update is applied, skipped or dropped. A closure-re-evaluating optimizer (LBFGS) runs as in Lightning at
+  ``A = 1`` and is an error at ``A > 1``.
+
+With ``automatic_optimization = False`` every hook passes through (Lightning's behaviour); a manual loop gets exact
+weighting through :meth:`ExactAccumulation.accumulate` and :meth:`ExactAccumulation.close_group`.
 
 ``trainer.global_step`` keeps Lightning's meaning (optimizer-step calls, a dropped partial group
 included); exact counts are in :attr:`ExactAccumulation.ledger`.
