@@ -529,7 +529,12 @@ class ExactAccumulation(Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only)
+        # Lightning < 2.5 has no `weights_only` (and never passes it): call its method as it is declared there.
+        checkpoint: dict[str, Any] = (
+            super().load_checkpoint(checkpoint_path)
+            if weights_only is None
+            else super().load_checkpoint(checkpoint_path, weights_only)
+        )
         if CHECKPOINT_KEY in checkpoint:
             state = checkpoint[CHECKPOINT_KEY]
             self._engine.load_state_dict(state)
