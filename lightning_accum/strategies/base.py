@@ -85,7 +85,8 @@ class ExactAccumulation(Strategy):
     (``super()`` is the single-device or DDP strategy in the method resolution order). Callbacks and user code
     program against this class: ``isinstance(trainer.strategy, ExactAccumulation)``, then :attr:`ledger`,
     :attr:`data_parallel_replicas`, :meth:`add_group_listener` / :meth:`remove_group_listener`,
-    :meth:`reduce_sum`, :attr:`gradient_scaler` and :meth:`use_engine`.
+    :meth:`reduce_sum`, :attr:`gradient_scaler` and :meth:`use_engine`; manual-optimization loops use
+    :meth:`accumulate`, :meth:`close_group` and :meth:`no_backward_sync`.
     """
 
     _engine: AccumulationEngine
