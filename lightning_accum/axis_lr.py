@@ -283,7 +283,7 @@ def bind_schedulers(configs: Sequence[LRSchedulerConfig], engine: AccumulationEn
     Called by the accumulation strategies in ``setup``, before they take the step-interval schedulers over.
     """
     for config in configs:
-        scheduler = getattr(config.scheduler, "scheduler", config.scheduler)  # under an UpdateDrivenScheduler
+        scheduler = config.scheduler
         if not isinstance(scheduler, AxisLR):
             continue
         scheduler.bind(engine)

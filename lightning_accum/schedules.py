@@ -1,83 +1,104 @@
 """Step-interval LR schedules that advance on updates (applied or attempted), not on Lightning's batch index.
 
-Lightning steps a ``interval="step"`` scheduler after every batch that ends a group, whether the update
-was applied or skipped by the GradScaler, and checks ``frequency`` against the batch index of the epoch.
-The strategies take such schedulers over: Lightning's own calls become no-ops and the strategy advances
-the scheduler (through the LightningModule's ``lr_scheduler_step`` hook) when
-:meth:`~lightning_accum.engine.AccumulationEngine.schedule_due` says so.
+Lightning steps an ``interval="step"`` scheduler after every batch that ends a group, whether the update was
+applied or skipped by the GradScaler, and checks ``frequency`` against the batch index of the epoch. Under an
+accumulation strategy such a scheduler advances once per applied update instead (per attempt under
+``schedule_on="attempted"``), on every ``frequency``-th of them.
 
-The scheduler object itself is untouched: its ``state_dict`` is what goes into checkpoints, so they stay
-loadable by plain Lightning, and the originals are put back when training ends.
+How, and why this way: Lightning advances a scheduler by calling the module's hook
+``LightningModule.lr_scheduler_step(scheduler, metric)`` from its loop, right after the batch. :class:`UpdateSchedules`
+puts a gate on that one hook of the module instance during a fit (removed when training ends): the strategy marks a
+scheduler *due* when a group closes, and Lightning's own call, at its usual place, reaches the user's hook only for
+due schedulers; others are answered by doing nothing. So
+
+* the hook receives the user's own scheduler object (``isinstance(scheduler, StepLR)`` holds, nothing wraps it),
+  and Lightning calls it at the same point of the loop as without this package;
+* the scheduler object is never touched: its class, its ``state_dict`` (what checkpoints hold, so they stay
+  loadable by plain Lightning) and a direct ``scheduler.step()`` by user code behave as in Lightning;
+* a frequency above 1 is counted on updates here, so Lightning is asked to call the hook after every group
+  (``config.frequency`` reads 1 during the fit; the value given is restored when training ends).
+
+A scheduler whose class is swapped for a gated subclass would also keep the object, but changes ``type()`` and
+silences a user's own ``scheduler.step()``; a wrapper object (the earlier design) fails ``isinstance`` checks in
+the hook, which then never steps and the rate freezes silently.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.utilities.types import LRSchedulerConfig
+if TYPE_CHECKING:
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-__all__ = ["UpdateDrivenScheduler", "release_schedulers", "take_over_schedulers"]
+__all__ = ["UpdateSchedules"]
+
+_HOOK = "lr_scheduler_step"
 
 
-class UpdateDrivenScheduler:
-    """Stands in for a step-interval scheduler in Lightning's scheduler configs.
+class UpdateSchedules:
+    """The step-interval schedulers of a fit, advanced when the strategy says an update makes them due.
 
-    ``step()`` is ignored unless called from :meth:`advance`; every other attribute (``optimizer``,
-    ``get_last_lr``, ``state_dict``, ``load_state_dict``, ...) is the wrapped scheduler's.
+    Args:
+        module: The LightningModule whose ``lr_scheduler_step`` hook Lightning calls.
+        configs: Lightning's scheduler configs (``trainer.lr_scheduler_configs``); the ``interval="step"``
+            ones that are not ``ReduceLROnPlateau`` are taken over.
 
     Example:
-        >>> import torch
+        >>> import torch, lightning as L
+        >>> from lightning.pytorch.utilities.types import LRSchedulerConfig
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-        >>> inner = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        >>> proxy = UpdateDrivenScheduler(inner)
-        >>> proxy.step(); opt.param_groups[0]["lr"]  # Lightning's call: ignored
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        >>> module = L.LightningModule()
+        >>> schedules = UpdateSchedules(module, [LRSchedulerConfig(sched, interval="step")])
+        >>> module.lr_scheduler_step(sched, None); opt.param_groups[0]["lr"]  # Lightning's call, not due: nothing
         1.0
-        >>> opt.step(); proxy.advance(lambda scheduler: scheduler.step()); opt.param_groups[0]["lr"]
+        >>> schedules.mark_due(lambda frequency: True)
+        >>> opt.step(); module.lr_scheduler_step(sched, None); opt.param_groups[0]["lr"]  # due: the user's hook
         0.5
+        >>> schedules.release(); "lr_scheduler_step" in vars(module)
+        False
     """
 
-    def __init__(self, scheduler: Any) -> None:
-        self.__dict__["scheduler"] = scheduler
-        self.__dict__["_armed"] = False
+    def __init__(self, module: Any, configs: list[LRSchedulerConfig]) -> None:
+        self.module = module
+        self.configs = [c for c in configs if c.interval == "step" and not c.reduce_on_plateau]
+        #: The frequency each taken-over config was given (counted on updates by the strategy).
+        self.frequencies = {id(c): int(c.frequency) for c in self.configs}
+        self._due: set[int] = set()  # ids of schedulers whose next hook call from Lightning goes through
+        self._had_instance_hook = _HOOK in vars(module)
+        self._original: Callable[..., Any] = getattr(module, _HOOK)
+        if not self.configs:
+            return
+        taken = {id(c.scheduler) for c in self.configs}
+        original, due = self._original, self._due
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._armed:
-            self.scheduler.step(*args, **kwargs)
+        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
+            key = id(scheduler)
+            if key not in taken:
+                original(scheduler, metric)  # an epoch-interval or plateau scheduler: Lightning's own call
+            elif key in due:
+                due.discard(key)
+                original(scheduler, metric)
 
-    def advance(self, step_fn: Any) -> None:
-        """Advance the wrapped scheduler once through ``step_fn(scheduler)`` (the module's hook)."""
-        self.__dict__["_armed"] = True
-        try:
-            step_fn(self)
-        finally:
-            self.__dict__["_armed"] = False
+        for config in self.configs:
+            config.frequency = 1  # Lightning asks after every group; the strategy counts the frequency on updates
+        # On the instance (not the class): Lightning looks the hook up with getattr, `is_overridden` reads the class.
+        object.__setattr__(module, _HOOK, lr_scheduler_step)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()  # type: ignore[no-any-return]
+    def mark_due(self, is_due: Callable[[int], bool]) -> None:
+        """Let Lightning's next call of the hook through for every scheduler for which ``is_due(frequency)``."""
+        for config in self.configs:
+            if is_due(self.frequencies[id(config)]):
+                self._due.add(id(config.scheduler))
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["scheduler"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self.scheduler, name, value)
-
-
-def take_over_schedulers(configs: list[LRSchedulerConfig]) -> list[LRSchedulerConfig]:
-    """Wrap every step-interval, non-plateau scheduler of ``configs``; return the configs taken over."""
-    taken = []
-    for config in configs:
-        if config.interval == "step" and not config.reduce_on_plateau:
-            if not isinstance(config.scheduler, UpdateDrivenScheduler):
-                config.scheduler = UpdateDrivenScheduler(config.scheduler)  # type: ignore[assignment]
-            taken.append(config)
-    return taken
-
-
-def release_schedulers(configs: list[LRSchedulerConfig]) -> None:
-    """Put the original schedulers back into ``configs``."""
-    for config in configs:
-        if isinstance(config.scheduler, UpdateDrivenScheduler):
-            config.scheduler = config.scheduler.scheduler
+    def release(self) -> None:
+        """Remove the gate from the module and give the configs their frequencies back."""
+        for config in self.configs:
+            config.frequency = self.frequencies[id(config)]
+        self._due.clear()
+        if self.configs and not self._had_instance_hook:
+            vars(self.module).pop(_HOOK, None)
+        elif self.configs:
+            object.__setattr__(self.module, _HOOK, self._original)
+        self.configs = []

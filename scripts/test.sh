@@ -9,3 +9,7 @@ export PYTHONHASHSEED=0
 .venv/bin/mypy
 .venv/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 .venv/bin/python -m pytest "$@"
+# The lowest Lightning the package declares, with the same torch: a declared subset (see the script).
+if [ "$#" -eq 0 ]; then
+  bash scripts/test-lowest.sh
+fi

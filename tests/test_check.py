@@ -308,3 +308,10 @@ def test_ddp_naive_count_for_a_shifted_loss_is_named_on_every_replica(tmp_path: 
     for result in results:
         assert len(result["errors"]) == 1 and result["errors"][0].startswith("the token count is off by the shift")
     assert results[0]["error"] == results[1]["error"] > 1e-4
+
+
+def test_manual_optimization_is_named() -> None:
+    from test_manual import ManualLM
+
+    with pytest.raises(RuntimeError, match=r"AccumulationCheck calls `training_step` as automatic.*is False"):
+        fit(ManualLM(), make_examples([3, 4]), batch_size=1, accumulate=1, callbacks=[AccumulationCheck()])

@@ -169,6 +169,13 @@ class AccumulationCheck(Callback):
                 f"AccumulationCheck needs an accumulation strategy, but the Trainer uses {type(strategy).__name__}."
                 " Set `Trainer(strategy='accum')` or `strategy='accum_ddp'`." + unsupported_strategy_hint(strategy)
             )
+        if not pl_module.automatic_optimization:
+            raise RuntimeError(
+                f"AccumulationCheck calls `training_step` as automatic optimization does (it returns the loss), but"
+                f" `{type(pl_module).__name__}.automatic_optimization` is False: its `training_step` runs the whole"
+                " manual loop, optimizer steps included. Remove the callback for manual loops (the manual API,"
+                " `strategy.accumulate` / `close_group`, is exact by the same arithmetic)."
+            )
         if strategy.ledger.updates_attempted > 0 or trainer.ckpt_path is not None:
             # A resumed run (also one resumed inside its first group, whose open group must not be consumed): the
             # check is for the start of a campaign.
@@ -491,7 +498,7 @@ class AccumulationCheck(Callback):
         if microbatches == float("inf"):
             return findings
         for config in trainer.lr_scheduler_configs:
-            scheduler = getattr(config.scheduler, "scheduler", config.scheduler)
+            scheduler = config.scheduler
             if config.interval != "step":
                 continue
             for attr in ("total_steps", "T_max"):

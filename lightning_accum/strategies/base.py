@@ -1,12 +1,18 @@
 """The base every accumulation strategy shares: Lightning's hooks adapted to one :class:`AccumulationEngine`.
 
-Lightning's own loop stays (zero_grad at a group's start, ``no_sync`` on non-final micro-batches, the precision
-plugin's unscale, clipping and step); three strategy hooks change:
+Lightning's own loop stays (zero_grad at a group's start, ``no_sync`` on non-final micro-batches, the optimizer
+evaluating the closure inside its ``step``, the precision plugin's unscale, clipping and step, Lightning's hook order
+and its own errors); three strategy hooks change:
 
 * ``training_step``: read the micro-batch's loss and unit count and prepare ``loss · w / c``;
 * ``backward``: back-propagate that tensor instead of Lightning's ``loss / A``;
-* ``optimizer_step``: after the group's last backward, reduce the group's counters once, rescale the
-  gradient by ``c · D / W`` (before unscale and clipping), then update, skip or drop.
+* ``optimizer_step``: the closure handed to the optimizer runs Lightning's (the group's last micro-batch) and then
+  reduces the group's counters once and rescales the gradient by ``c · D / W``, before unscale and clipping; the
+  update is applied, skipped or dropped. A closure-re-evaluating optimizer (LBFGS) runs as in Lightning at
+  ``A = 1`` and is an error at ``A > 1``.
+
+With ``automatic_optimization = False`` every hook passes through (Lightning's behaviour); a manual loop gets exact
+weighting through :meth:`ExactAccumulation.accumulate` and :meth:`ExactAccumulation.close_group`.
 
 ``trainer.global_step`` keeps Lightning's meaning (optimizer-step calls, a dropped partial group
 included); exact counts are in :attr:`ExactAccumulation.ledger`.
@@ -25,12 +31,13 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -43,9 +50,10 @@ from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine, GroupListener, Replicas
 from lightning_accum.gradients import scaler_skipped, summed_gradients
 from lightning_accum.group import CARRIED, group_position
-from lightning_accum.ledger import AccumulationLedger
+from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count
-from lightning_accum.schedules import release_schedulers, take_over_schedulers
+from lightning_accum.schedules import UpdateSchedules
+from lightning_accum.strategies.manual import ManualGroups, _Closed
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 
@@ -53,6 +61,27 @@ __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 CHECKPOINT_KEY = "lightning_accum"
 
 _Path = str | Path  # what Lightning's checkpoint methods accept
+
+#: Optimizers known to evaluate the closure several times per update (a line search).
+_CLOSURE_EVALUATING: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
+
+
+class _NoUpdate(Exception):  # control flow inside the optimizer step, never seen by users
+    """Raised from the closure, inside the optimizer's ``step``, when the closed group makes no update."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self.result = result
+
+
+def _reevaluation_message(name: str, accumulate: int) -> str:
+    return (
+        f"`{name}` evaluates the training closure several times per update (a line search re-runs `training_step`"
+        f" and `backward` at new parameters), but `accumulate_grad_batches={accumulate}`: each re-evaluation would"
+        " cover only the group's last micro-batch, so no exact accumulated update exists. Use"
+        f" `accumulate_grad_batches=1` with {name} (the strategy then runs it as Lightning does), or a first-order"
+        " optimizer such as SGD or AdamW to accumulate."
+    )
 
 
 class ExactAccumulation(Strategy):
@@ -62,7 +91,8 @@ class ExactAccumulation(Strategy):
     (``super()`` is the single-device or DDP strategy in the method resolution order). Callbacks and user code
     program against this class: ``isinstance(trainer.strategy, ExactAccumulation)``, then :attr:`ledger`,
     :attr:`data_parallel_replicas`, :meth:`add_group_listener` / :meth:`remove_group_listener`,
-    :meth:`reduce_sum`, :attr:`gradient_scaler` and :meth:`use_engine`.
+    :meth:`reduce_sum`, :attr:`gradient_scaler` and :meth:`use_engine`; manual-optimization loops use
+    :meth:`accumulate`, :meth:`close_group` and :meth:`no_backward_sync`.
     """
 
     _engine: AccumulationEngine
@@ -85,7 +115,8 @@ class ExactAccumulation(Strategy):
             max_consecutive_skips=max_consecutive_skips,
         )
         self._engine.bind(info=rank_zero_info, warn=rank_zero_warn)
-        self._scheduled: list[Any] = []
+        self._schedules: UpdateSchedules | None = None
+        self._manual = ManualGroups()
         self._resumed_group: dict[str, Any] | None = None
         self._carried_gradients: dict[str, Tensor] | None = None  # added at the first backward after a resume
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
@@ -147,22 +178,27 @@ class ExactAccumulation(Strategy):
         return module.trainer
 
     def _check_supported(self, trainer: Trainer) -> None:
-        module = trainer.lightning_module
-        if not module.automatic_optimization:
-            raise RuntimeError(
-                f"{type(self).__name__} supports automatic optimization only, but "
-                f"`{type(module).__name__}.automatic_optimization` is False. With manual optimization you own the"
-                " accumulation loop: use a Lightning strategy such as 'auto' or 'ddp', or switch to automatic"
-                " optimization to get exact accumulation."
-            )
         if getattr(self, "handles_gradient_accumulation", False):
             raise RuntimeError(
                 f"{type(self).__name__} cannot work on a strategy that handles gradient accumulation itself"
                 " (`handles_gradient_accumulation=True`, e.g. DeepSpeed). Use strategy='accum' or 'accum_ddp'."
             )
+        accumulate = trainer.accumulate_grad_batches
+        if not trainer.lightning_module.automatic_optimization or accumulate == 1:
+            return
+        for optimizer in trainer.optimizers:
+            if isinstance(optimizer, _CLOSURE_EVALUATING):
+                raise ValueError(_reevaluation_message(type(optimizer).__name__, accumulate))
+
+    def _automatic(self) -> bool:
+        module = self.lightning_module
+        return module is None or module.automatic_optimization
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._automatic():
+            self._manual_resume_check()
+            return super().training_step(*args, **kwargs)  # Lightning's behaviour; see `accumulate`
         trainer = self._trainer()
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx  # the index Lightning's hooks of this batch receive
         if self._resumed_group is not None or (
@@ -171,6 +207,8 @@ class ExactAccumulation(Strategy):
             self._check_group_start(trainer, batch_idx)
         output = super().training_step(*args, **kwargs)
         batch = args[0] if args else kwargs.get("batch")
+        # An output Lightning rejects (not a tensor, a mapping with "loss", or None) is recorded as "no loss" here;
+        # Lightning raises its own MisconfigurationException for it right after this hook.
         self._engine.add_microbatch(output, batch, accumulate=trainer.accumulate_grad_batches)
         return output
 
@@ -178,6 +216,17 @@ class ExactAccumulation(Strategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._carried_gradients is not None:
             self._install_carried_gradients()
+        if not self._automatic():
+            # `manual_backward`: the tensor is back-propagated as given; if it is the one `accumulate` handed out,
+            # the open group notes that its gradient now holds that micro-batch.
+            ours = self._manual.handed_out is not None and closure_loss is self._manual.handed_out
+            if ours:
+                self._manual.handed_out = None
+                self._engine.take_backward_tensor()
+            result = super().backward(closure_loss, optimizer, *args, **kwargs)
+            if ours:
+                self._engine.backward_finished()
+            return result
         tensor = self._engine.take_backward_tensor()
         result = super().backward(tensor if tensor is not None else closure_loss, optimizer, *args, **kwargs)
         self._engine.backward_finished()
@@ -195,6 +244,33 @@ class ExactAccumulation(Strategy):
                     return f"`{names.get(id(p), 'unnamed parameter')}` (shape {tuple(p.shape)})"
         return "none found after the reduction"
 
+    def _close(self, optimizer: Optimizer, accumulate: int, ends_epoch: bool) -> GroupOutcome:
+        """Close the open group over ``optimizer``'s gradients: one all-reduce, the rescale, the decision."""
+        # The engine rescales the gradient by c·D/W on the device and, without a GradScaler (which finds
+        # non-finite gradients itself: skip reason "overflow"), checks it for NaN/Inf in the same pass.
+        return self._engine.close_group(
+            accumulate=accumulate,
+            ends_epoch=ends_epoch,
+            gradients=self._gradients(optimizer),
+            check_gradients=self.gradient_scaler is None and self._engine.on_nonfinite != "ignore",
+            describe_nonfinite=lambda: self._first_nonfinite_name(optimizer),
+        )
+
+    def _scale_now(self) -> Tensor | None:
+        # GradScaler's `_scale` (private) is read on the device before and after its update: the skip is known
+        # from one host read per update, for every optimizer, fused ones included (see docs: private names).
+        scaler = self.gradient_scaler
+        return scaler._scale.clone() if scaler is not None and scaler._scale is not None else None
+
+    def _finish_after_step(self, outcome: GroupOutcome, scale_before: Tensor | None) -> None:
+        scaler = self.gradient_scaler
+        if scale_before is None or scaler is None or scaler._scale is None:
+            self._finish(outcome, applied=True)
+            return
+        before, after = torch.stack([scale_before, scaler._scale.to(scale_before)]).tolist()
+        outcome.record.grad_scale = before
+        self._finish(outcome, applied=not scaler_skipped(before, after), skip_reason="overflow")
+
     @override
     def optimizer_step(
         self,
@@ -203,60 +279,212 @@ class ExactAccumulation(Strategy):
         model: LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        # Lightning calls this once per group, on its last micro-batch; the closure runs that micro-batch's
-        # training_step and backward. Running it first lets the group close before unscale and clipping.
-        closure_result = closure()
-        if self._carried_gradients is not None:  # a resumed group whose remaining micro-batches had no backward
-            self._install_carried_gradients()
+        if not self._automatic():
+            return self._manual_optimizer_step(optimizer, closure, model, **kwargs)
+        # Lightning calls this once per group, on its last micro-batch, and the optimizer evaluates the closure
+        # (that micro-batch's training_step, zero_grad at a group's start, backward) inside its `step`, in
+        # Lightning's order. The group closes right after the closure, inside the step: before unscale, clipping
+        # and the update. A group that makes no update leaves the step through `_NoUpdate` from the closure.
         trainer = self._trainer()
-        scaler = self.gradient_scaler
-        # The engine rescales the gradient by c·D/W on the device and, without a GradScaler (which finds
-        # non-finite gradients itself: skip reason "overflow"), checks it for NaN/Inf in the same pass.
-        outcome = self._engine.close_group(
-            accumulate=trainer.accumulate_grad_batches,
-            ends_epoch=bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
-            gradients=self._gradients(optimizer),
-            check_gradients=scaler is None and self._engine.on_nonfinite != "ignore",
-            describe_nonfinite=lambda: self._first_nonfinite_name(optimizer),
-        )
-        if outcome.action != "apply":
-            optimizer.zero_grad(set_to_none=True)
-            self._finish(outcome, applied=False)
-            return closure_result
+        closed: list[tuple[GroupOutcome, Tensor | None]] = []
 
-        # GradScaler's `_scale` (private) is read on the device before and after its update: the skip is known
-        # from one host read per update, for every optimizer, fused ones included (see docs: private names).
-        scale_before = scaler._scale.clone() if scaler is not None and scaler._scale is not None else None
-        output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
-        if scale_before is None or scaler is None or scaler._scale is None:
-            self._finish(outcome, applied=True)
-            return output
-        before, after = torch.stack([scale_before, scaler._scale.to(scale_before)]).tolist()
-        outcome.record.grad_scale = before
-        self._finish(outcome, applied=not scaler_skipped(before, after), skip_reason="overflow")
+        def closure_then_close(*args: Any, **kw: Any) -> Any:
+            if closed:  # the optimizer evaluates the closure again (LBFGS): the same batch at new parameters
+                return self._reevaluate(optimizer, closure, trainer.accumulate_grad_batches, *args, **kw)
+            result = closure(*args, **kw)
+            if self._carried_gradients is not None:  # a resumed group whose remaining micro-batches had no backward
+                self._install_carried_gradients()
+            outcome = self._close(
+                optimizer,
+                trainer.accumulate_grad_batches,
+                bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
+            )
+            closed.append((outcome, self._scale_now()))
+            if outcome.action != "apply":
+                optimizer.zero_grad(set_to_none=True)
+                raise _NoUpdate(result)
+            return result
+
+        try:
+            output = super().optimizer_step(optimizer, closure_then_close, model, **kwargs)
+        except _NoUpdate as stop:
+            self._finish(closed[0][0], applied=False)
+            return stop.result
+        if closed:  # else the optimizer never evaluated the closure: Lightning raises its own error next
+            self._finish_after_step(*closed[0])
         return output
 
-    def _finish(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> None:
+    def _reevaluate(
+        self, optimizer: Optimizer, closure: Callable[..., Any], accumulate: int, *args: Any, **kw: Any
+    ) -> Any:
+        """A further evaluation of the closure inside one step: exact on a scratch engine, outside the ledger."""
+        if accumulate > 1:
+            raise RuntimeError(_reevaluation_message(type(optimizer).__name__, accumulate))
+        scratch = self._engine.scratch()
+        with self.use_engine(scratch):
+            result = closure(*args, **kw)
+            scratch.close_group(accumulate=1, gradients=self._gradients(optimizer))
+        return result
+
+    def _finish(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
         record = self._engine.finish_group(outcome, applied=applied, skip_reason=skip_reason)
-        module = self.lightning_module
-        if module is None:
-            return
-        for config in self._scheduled:
-            if self._engine.schedule_due(record, config.frequency):
-                config.scheduler.advance(lambda scheduler: module.lr_scheduler_step(scheduler, None))
+        if self._schedules is not None:
+            # Lightning calls the module's `lr_scheduler_step` right after this batch; it goes through for these.
+            self._schedules.mark_due(lambda frequency: self._engine.schedule_due(record, frequency))
+        return record
+
+    # ------------------------------------------------------------------ manual optimization
+
+    def accumulate(
+        self,
+        loss: Tensor,
+        num_tokens: Count | None = None,
+        num_samples: Count | None = None,
+        batch: Any = None,
+        group_size: int | None = None,
+    ) -> Tensor:
+        """Record one micro-batch of a manual loop in the open group; return the tensor to back-propagate.
+
+        For ``automatic_optimization = False``: pass what ``training_step`` would return in automatic optimization,
+        back-propagate the returned ``loss · w / c`` with ``self.manual_backward``, and call :meth:`close_group`
+        before ``optimizer.step()``. Under DDP, run the backward of every micro-batch but a group's last inside
+        :meth:`no_backward_sync`; every replica reports the same number of micro-batches per group.
+
+        Args:
+            loss: The micro-batch's mean loss over its units (a scalar tensor with a graph).
+            num_tokens: Its supervised tokens (int or 0-d integer tensor), as ``"num_tokens"`` in automatic
+                optimization; or ``None`` (then the strategy's ``count_tokens``, if given, reads ``batch``).
+            num_samples: Its samples; ``None`` infers them from ``batch``'s tensors.
+            batch: The micro-batch, for ``count_tokens`` and to infer the samples; optional.
+            group_size: The micro-batches per update you plan: it only sets the magnitude of what is
+                back-propagated (close to Lightning's ``loss / A``), never the update, which is exact whatever it is.
+                ``None``: the previous group's micro-batches per replica (1 for the first group).
+
+        Raises:
+            RuntimeError: In automatic optimization (return the counts from ``training_step`` there), or while a
+                closed group waits for its ``optimizer.step()``.
+            TypeError: ``loss`` is not a tensor.
+        """
+        if self._automatic():
+            raise RuntimeError(
+                "`strategy.accumulate` is for manual optimization (`automatic_optimization = False`). In automatic"
+                " optimization return `{'loss': loss, 'num_tokens': n}` from `training_step`: the strategy weights it."
+            )
+        self._manual.check_no_step_pending("accumulate")
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"`strategy.accumulate(loss=...)` takes the micro-batch's mean loss as a tensor, got"
+                f" {type(loss).__name__}."
+            )
+        output: dict[str, Any] = {"loss": loss}
+        if num_tokens is not None:
+            output["num_tokens"] = num_tokens
+        if num_samples is not None:
+            output["num_samples"] = num_samples
+        if group_size is None:
+            last = self._engine.ledger.last_group
+            group_size = max(1, last.microbatches // self.data_parallel_replicas) if last is not None else 1
+        elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"`group_size` must be a positive int or None, got {group_size!r}.")
+        tensor = self._engine.add_microbatch(output, batch, accumulate=group_size)
+        assert tensor is not None  # a tensor loss always gives one
+        self._manual.handed_out = tensor
+        return tensor
+
+    def close_group(self, optimizer: Optimizer | LightningOptimizer) -> GroupRecord:
+        """Close the group reported with :meth:`accumulate`, before ``optimizer.step()`` (manual optimization).
+
+        One all-reduce of the group's counts, the rescale of ``optimizer``'s gradients by ``c · D / W`` and the
+        decision, as at the end of a group in automatic optimization. Then call ``optimizer.step()``: it updates
+        (unless a GradScaler finds an overflow) or, for a group that makes no update, does nothing; either way the
+        group is recorded in :attr:`ledger` and the listeners are called.
+
+        Returns:
+            The group's record; ``applied`` and ``skip_reason`` are final once ``optimizer.step()`` returned (the
+            same object is completed then).
+
+        Raises:
+            RuntimeError: In automatic optimization, with no micro-batch reported since the last close, or while
+                the previous group's ``optimizer.step()`` has not run.
+        """
+        if self._automatic():
+            raise RuntimeError(
+                "`strategy.close_group` is for manual optimization (`automatic_optimization = False`); in automatic"
+                " optimization the strategy closes every group itself."
+            )
+        self._manual.check_no_step_pending("close_group")
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        microbatches = self._engine.microbatches_in_group
+        if microbatches == 0:
+            raise RuntimeError(
+                "`strategy.close_group` found no micro-batch in the open group. Report each micro-batch with"
+                " `tensor = strategy.accumulate(loss, num_tokens=...)` and `self.manual_backward(tensor)` first."
+            )
+        outcome = self._close(inner, accumulate=microbatches, ends_epoch=False)
+        if outcome.action != "apply":
+            inner.zero_grad(set_to_none=True)
+            self._manual.closed = _Closed(inner, None)
+            return self._finish(outcome, applied=False)
+        self._manual.closed = _Closed(inner, outcome, self._scale_now())
+        return outcome.record
+
+    def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager[Any]:
+        """A block whose backward passes do not synchronize gradients over replicas (DDP's ``no_sync``).
+
+        For manual loops: every micro-batch of a group but its last runs its forward and backward inside it, as
+        Lightning does in automatic optimization; a no-op on one replica, or when ``enabled`` is False.
+        """
+        block = getattr(self, "block_backward_sync", None)
+        if not enabled or block is None or self.data_parallel_replicas == 1:
+            return nullcontext()
+        return block()  # type: ignore[no-any-return]
+
+    def _manual_optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | Module | None, **kwargs: Any
+    ) -> Any:
+        closed = self._manual.take_closed(optimizer)
+        if closed is None:
+            if self._engine.microbatches_in_group:
+                raise RuntimeError(
+                    f"`{type(optimizer).__name__}.step()` was called while {self._engine.microbatches_in_group}"
+                    " micro-batch(es) reported with `strategy.accumulate` wait in an open group. Call"
+                    " `strategy.close_group(optimizer)` before `optimizer.step()`: it rescales the gradient to the"
+                    " exact weighted mean and records the group."
+                )
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # Lightning's behaviour
+        if closed.outcome is None:
+            closure()  # the group makes no update; the user's closure (if any) still runs, as step would run it
+            return None
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._finish_after_step(closed.outcome, closed.scale_before)
+        return output
+
+    def _manual_resume_check(self) -> None:
+        group, self._resumed_group = self._resumed_group, None
+        if group and int(group.get("microbatches", 0)):
+            rank_zero_warn(
+                f"lightning_accum: the checkpoint was written inside a group of {group['microbatches']} micro-batch(es)"
+                " reported with `strategy.accumulate`; with manual optimization that group is not carried over:"
+                " write checkpoints between groups."
+            )
 
     @override
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
         self._trainer_ref = trainer
+        self._manual.reset()
         self._engine.bind(self.root_device, Replicas(self.data_parallel_replicas, self.reduce_sum))
         bind_schedulers(self.lr_scheduler_configs, self._engine)  # AxisLR counts what each applied update consumed
-        self._scheduled = take_over_schedulers(self.lr_scheduler_configs)
+        module = trainer.lightning_module
+        if module.automatic_optimization:  # in manual optimization the user steps the schedulers
+            self._schedules = UpdateSchedules(module, self.lr_scheduler_configs)
 
     @override
     def teardown(self) -> None:
-        release_schedulers(self.lr_scheduler_configs)
-        self._scheduled = []
+        if self._schedules is not None:
+            self._schedules.release()
+            self._schedules = None
+        self._manual.reset()
         self._trainer_ref = None
         super().teardown()
 
@@ -265,7 +493,8 @@ class ExactAccumulation(Strategy):
         super().on_train_start()
         trainer = self._trainer()
         self._check_supported(trainer)
-        self._engine.warn_short_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches)
+        if trainer.lightning_module.automatic_optimization:
+            self._engine.warn_short_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -372,7 +601,12 @@ class ExactAccumulation(Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only)
+        # Lightning < 2.5 has no `weights_only` (and never passes it): call its method as it is declared there.
+        checkpoint: dict[str, Any] = (
+            super().load_checkpoint(checkpoint_path)
+            if weights_only is None
+            else super().load_checkpoint(checkpoint_path, weights_only)
+        )
         if CHECKPOINT_KEY not in checkpoint:
             rank_zero_warn(
                 f"lightning_accum: the checkpoint {str(checkpoint_path)!r} holds no {CHECKPOINT_KEY!r} entry (written"
