@@ -64,7 +64,8 @@ if str(ROOT) not in sys.path:
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: E402
 
 import lightning_accum  # noqa: E402, F401  (registers the strategy strings)
-from lightning_accum.strategies import DDPAccumulationStrategy, _LedgerReturningLauncher  # noqa: E402
+from lightning_accum.strategies import DDPAccumulationStrategy  # noqa: E402
+from lightning_accum.strategies.ddp import _LedgerReturningLauncher  # noqa: E402
 
 VARIANTS = ("accum_ddp_spawn", "ddp_spawn", "accum_ddp_spawn_no_close")
 TERMINATE = "terminate called without an active exception"

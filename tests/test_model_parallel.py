@@ -364,7 +364,7 @@ def test_checkpoints_carry_the_ledger_and_the_open_group_and_resume_exactly(tmp_
 
     said = " ".join(torch.load(tmp_path / "inside-warnings-rank0.pt", weights_only=True))
     assert "under gradient_sync='last_microbatch' the group's gradient is held unreduced inside FSDP2" in said
-    assert "resumed at micro-batch 2 of an accumulation group" in said
+    assert "resumed inside an accumulation group, but the checkpoint does not carry" in said
     ledger = _load(str(tmp_path), "inside-last-resumed")[0]["ledger"]
     assert ledger["microbatches"] == 8 - 2  # the epoch's 8 micro-batches, less the one lost on each replica
 
