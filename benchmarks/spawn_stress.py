@@ -10,9 +10,9 @@ crashed child.
 
 Usage (from the repository root; be kind to a shared machine)::
 
-    nice -n 19 python benchmarks/spawn_stress.py --runs 50 --out /tmp/spawn-stress
+    nice -n 19 python benchmarks/spawn_stress.py --runs 50 --out runs/spawn-stress
     nice -n 19 python benchmarks/spawn_stress.py --runs 20 --variants accum_ddp_spawn --load 2 \\
-        --faulthandler --core-dumps --out /tmp/spawn-stress-cores
+        --faulthandler --core-dumps --out runs/spawn-stress-cores
 
 Options:
 

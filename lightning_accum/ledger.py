@@ -18,10 +18,23 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["AXES", "SKIP_REASONS", "AccumulationLedger", "GroupRecord"]
+__all__ = ["AXES", "COUNTERS", "SKIP_REASONS", "AccumulationLedger", "GroupRecord"]
 
 #: The axes a run can be measured on (logging, budgets, schedules), and the ledger counter each one reads.
 AXES: dict[str, str] = {"tokens": "tokens", "samples": "samples", "updates": "updates_applied"}
+
+#: The ledger's integer counters (besides ``updates_skipped``), as saved in its state.
+COUNTERS: tuple[str, ...] = (
+    "microbatches",
+    "updates_attempted",
+    "updates_applied",
+    "samples",
+    "tokens",
+    "partial_groups",
+    "dropped_microbatches",
+    "dropped_samples",
+    "dropped_tokens",
+)
 
 #: Reasons an attempted update can be skipped, in the order they are checked.
 SKIP_REASONS: tuple[str, ...] = ("empty", "nonfinite", "overflow")
@@ -139,17 +152,7 @@ class AccumulationLedger:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; keys added in later versions are read with defaults."""
         fresh = AccumulationLedger()
-        for name in (
-            "microbatches",
-            "updates_attempted",
-            "updates_applied",
-            "samples",
-            "tokens",
-            "partial_groups",
-            "dropped_microbatches",
-            "dropped_samples",
-            "dropped_tokens",
-        ):
+        for name in COUNTERS:
             setattr(self, name, int(state.get(name, getattr(fresh, name))))
         skipped = dict(fresh.updates_skipped)
         skipped.update({str(k): int(v) for k, v in state.get("updates_skipped", {}).items()})

@@ -159,9 +159,11 @@ def fit(
     accumulate: int,
     strategy: Any = "accum",
     callbacks: list[L.Callback] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
-    """One epoch of `Trainer.fit`; with several devices each rank reads a strided, unshuffled share."""
+    """One epoch of `Trainer.fit` over `examples` in order; with several devices each rank reads a strided,
+    unshuffled share; `collate_fn` for examples the default collation cannot stack."""
     options: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": 1,
@@ -178,7 +180,9 @@ def fit(
         options["use_distributed_sampler"] = False
     trainer = L.Trainer(strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks or [], **options)
     sampler = RankStridedSampler(len(examples)) if distributed else None
-    loader = DataLoader(ListDataset(examples), batch_size=batch_size, shuffle=False, sampler=sampler)
+    loader = DataLoader(
+        ListDataset(examples), batch_size=batch_size, shuffle=False, sampler=sampler, collate_fn=collate_fn
+    )
     trainer.fit(model, loader)
     return trainer
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
+from helpers import fit
 from torch import Tensor
 
 from lightning_accum import supervised_tokens
@@ -106,18 +107,4 @@ def fit_hf(
     **trainer_kwargs: Any,
 ) -> L.Trainer:
     """One epoch of ``Trainer.fit`` over ``data`` in order, micro-batches padded to their own longest sequence."""
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    options.update(trainer_kwargs)
-    trainer = L.Trainer(strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks or [], **options)
-    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=pad_collate)  # type: ignore[arg-type]
-    trainer.fit(model, loader)
-    return trainer
+    return fit(model, data, batch_size, accumulate, strategy, callbacks, collate_fn=pad_collate, **trainer_kwargs)

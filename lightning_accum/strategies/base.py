@@ -49,8 +49,8 @@ from lightning_accum.axis_lr import bind_schedulers
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine, GroupListener, Replicas
 from lightning_accum.gradients import scaler_skipped, summed_gradients
-from lightning_accum.group import CARRIED, group_position
-from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.group import CARRIED, UNIT_CODES, group_position
+from lightning_accum.ledger import COUNTERS, AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.schedules import UpdateSchedules
 from lightning_accum.strategies.manual import ManualGroups, _Closed
@@ -751,18 +751,7 @@ class ExactAccumulation(Strategy):
 
 # ---------------------------------------------------------------------- the checkpoint's entry, checked
 
-_UNITS = ("tokens", "samples", "batches")
-_LEDGER_COUNTERS = (
-    "microbatches",
-    "updates_attempted",
-    "updates_applied",
-    "samples",
-    "tokens",
-    "partial_groups",
-    "dropped_microbatches",
-    "dropped_samples",
-    "dropped_tokens",
-)
+_UNITS = tuple(UNIT_CODES)  # the units a run can be weighted by
 
 
 def _malformed(key: str, expected: str, found: Any) -> ValueError:
@@ -797,7 +786,7 @@ def _validated_state(state: Any) -> dict[str, Any]:
     ledger = state.get("ledger")
     if not isinstance(ledger, Mapping):
         raise _malformed("ledger", "a dict of the ledger's counters", ledger)
-    for name in _LEDGER_COUNTERS:
+    for name in COUNTERS:
         _check(ledger, name, "ledger.", _is_count, "an int >= 0")
     skipped = ledger.get("updates_skipped", {})
     if not isinstance(skipped, Mapping) or not all(isinstance(k, str) and _is_count(v) for k, v in skipped.items()):
