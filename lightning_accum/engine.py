@@ -164,6 +164,8 @@ class AccumulationEngine:
         self._group_ref: float | Tensor | None = None
         self._sums = GroupSums()
         self._pending_backward: Tensor | None = None
+        #: The weight ``w`` of the micro-batch recorded last (its units; 1 for "batches").
+        self.last_weight: Count = 0
         self._backward_running = False
         self._warned_partial = False
         self._warned_empty = False
@@ -224,7 +226,7 @@ class AccumulationEngine:
         """Micro-batches of the open group on this replica."""
         return self._sums.microbatches
 
-    def add_microbatch(self, output: Any, batch: Any, accumulate: int) -> Tensor | None:
+    def add_microbatch(self, output: Any, batch: Any, accumulate: int, continues: bool = False) -> Tensor | None:
         """Record one micro-batch's ``training_step`` output and return the tensor to back-propagate.
 
         Args:
@@ -232,13 +234,16 @@ class AccumulationEngine:
                 optionally ``"num_tokens"`` / ``"num_samples"``, or ``None``.
             batch: The micro-batch (used for ``count_tokens`` and to infer the number of samples).
             accumulate: ``A``, the configured number of micro-batches per group.
+            continues: ``batch`` is a further slice of the micro-batch recorded last (``microbatch_size=``): it is
+                weighted like any micro-batch (exact: a slice's weight is its own units), but the group's
+                micro-batch count does not grow. :meth:`retract_microbatch` forgets the last call.
 
         Returns:
             ``loss · w / c``, or ``None`` when the step returned no loss.
         """
         loss, tokens, samples = parse_step_output(output, batch, self.options.count_tokens)
         if loss is None:
-            self._sums.add(None, None, None, infer_num_samples(batch))
+            self._sums.add(None, None, None, infer_num_samples(batch), continues)
             return None
         device = loss.device
         tokens_c = as_count("num_tokens", tokens, device) if tokens is not None else None
@@ -264,7 +269,8 @@ class AccumulationEngine:
             if unit == "samples" and samples_c is not None
             else unit_weight(unit, self.options.normalize, tokens_c, samples_c)
         )
-        self._sums.add(loss, tokens_c, samples_c, size)
+        self._sums.add(loss, tokens_c, samples_c, size, continues)
+        self.last_weight = weight
 
         if self._group_ref is None:
             self._group_ref = self._group_scale(weight, accumulate, device)
@@ -281,6 +287,14 @@ class AccumulationEngine:
             backward = loss * (weight / ref)
         self._pending_backward = backward
         return backward
+
+    def retract_microbatch(self) -> None:
+        """Forget the micro-batch (or slice) :meth:`add_microbatch` recorded last, whose backward did not complete
+        (out of memory): it is recorded again when it runs again. ``c`` of the group stays as it is (any ``c`` that
+        is constant within the group is exact)."""
+        self._sums.retract()
+        self._pending_backward = None
+        self._backward_running = False
 
     def take_backward_tensor(self) -> Tensor | None:
         """Hand over (and forget) the tensor to back-propagate for the last recorded micro-batch."""

@@ -135,12 +135,37 @@ class GroupSums:
         self.tokens: list[Count] = []
         self.samples: list[Count] = []
         self.batch_samples: list[int] = []
+        self._mark: tuple[int, int, int, int, int, int] | None = None  # what `retract` restores
 
-    def add(self, loss: Tensor | None, tokens: Count | None, samples: Count | None, size: int | None) -> None:
-        """Record one micro-batch (``loss`` ``None``: the step returned no loss)."""
-        self.microbatches += 1
-        if size is not None:
-            self.batch_samples.append(size)
+    def add(
+        self,
+        loss: Tensor | None,
+        tokens: Count | None,
+        samples: Count | None,
+        size: int | None,
+        continues: bool = False,
+    ) -> None:
+        """Record one micro-batch (``loss`` ``None``: the step returned no loss).
+
+        ``continues``: a further slice of the micro-batch recorded last (``microbatch_size=``): its counts and loss
+        are added, but the group's micro-batch count and the list of micro-batch sizes do not grow (the size is
+        added to the last one).
+        """
+        sizes = self.batch_samples
+        self._mark = (
+            self.microbatches,
+            len(self.losses),
+            len(self.tokens),
+            len(self.samples),
+            len(sizes),
+            sizes[-1] if sizes else 0,
+        )
+        if not continues:
+            self.microbatches += 1
+            if size is not None:
+                self.batch_samples.append(size)
+        elif size is not None and self.batch_samples:
+            self.batch_samples[-1] += size
         if loss is None:
             return
         self.losses.append(loss.detach())
@@ -148,6 +173,17 @@ class GroupSums:
             self.tokens.append(tokens)
         if samples is not None:
             self.samples.append(samples)
+
+    def retract(self) -> None:
+        """Forget the last :meth:`add` (a slice whose backward ran out of memory and is run again, smaller)."""
+        mark = getattr(self, "_mark", None)
+        if mark is None:
+            raise RuntimeError("GroupSums.retract: nothing was added since the last retract.")
+        self.microbatches, losses, tokens, samples, sizes, last = mark
+        del self.losses[losses:], self.tokens[tokens:], self.samples[samples:], self.batch_samples[sizes:]
+        if sizes:
+            self.batch_samples[-1] = last
+        self._mark = None
 
     def local_vector(
         self, device: torch.device, unit: str | None, extra: Mapping[Slot, float], device_extra: Mapping[Slot, Tensor]

@@ -83,6 +83,12 @@ class AccumulationReport(Callback):
     ``memory``                           ``source``, ``unit`` (bytes), ``first_group_peak`` and
                                          ``run_peak`` per rank
     ``time``                             ``wall_seconds``, ``tokens_per_second``, ``samples_per_second``
+    ``microbatch_slicing``               with ``microbatch_size=`` on the strategy (absent otherwise):
+                                         ``configured`` (an int or ``"auto"``) and ``per_rank``: the
+                                         ``size`` in force, ``slice_sizes`` (samples → slices run) and
+                                         ``retries`` (every recovered out-of-memory error: ``update``,
+                                         ``epoch``, ``batch_idx``, ``rank``, ``phase``, ``failed_size``,
+                                         ``new_size``, ``time``)
     ``ledger``                           the ledger's state
     ==================================== ===============================================================
 
@@ -268,8 +274,29 @@ class AccumulationReport(Callback):
                 "tokens_per_second": ledger.tokens / wall if wall > 0 else None,
                 "samples_per_second": ledger.samples / wall if wall > 0 else None,
             },
+            **self._slicing(trainer, gather),
             "ledger": _finite_or_none(ledger.state_dict()),
         }
+
+    @staticmethod
+    def _slicing(trainer: Trainer, gather: bool) -> dict[str, Any]:
+        """``microbatch_size=``'s record of every rank (a collective under DDP when ``gather``)."""
+        strategy = trainer.strategy
+        log = getattr(strategy, "slicing", None)
+        if log is None or log.configured is None:
+            return {}
+        mine = log.state_dict()
+        mine["slice_sizes"] = {str(size): count for size, count in mine["slice_sizes"].items()}
+        rows: list[Any] = [mine]
+        if (
+            gather
+            and trainer.world_size > 1
+            and torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+        ):
+            rows = [None] * trainer.world_size
+            torch.distributed.all_gather_object(rows, mine)
+        return {"microbatch_slicing": {"configured": log.configured, "per_rank": rows}}
 
     def _finish(self, trainer: Trainer, status: str, error: str | None, gather: bool) -> None:
         if self._written:

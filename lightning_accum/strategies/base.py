@@ -53,7 +53,9 @@ from lightning_accum.group import CARRIED, UNIT_CODES, group_position
 from lightning_accum.ledger import COUNTERS, AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.schedules import UpdateSchedules
+from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
 from lightning_accum.strategies.manual import ManualGroups, _Closed
+from lightning_accum.strategies.slicing import BatchSlicer
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 
@@ -105,7 +107,16 @@ class ExactAccumulation(Strategy):
         schedule_on: str,
         on_nonfinite: str,
         max_consecutive_skips: int | None,
+        microbatch_size: MicrobatchSize = None,
+        split_batch: SplitBatch | None = None,
     ) -> None:
+        self._slicer = BatchSlicer(microbatch_size, split_batch)
+        if microbatch_size is not None and normalize == "batches":
+            raise ValueError(
+                f"`microbatch_size={microbatch_size!r}` cannot be combined with `normalize='batches'`: a loader batch"
+                " cut into slices must keep its weight, but 'batches' would weigh every slice 1. Use"
+                " `normalize='samples'` (a mean loss over samples), 'tokens' (report `num_tokens`), or 'auto'."
+            )
         self._engine = AccumulationEngine(
             normalize=normalize,
             count_tokens=count_tokens,
@@ -132,6 +143,12 @@ class ExactAccumulation(Strategy):
     def engine(self) -> AccumulationEngine:
         """The object that does the arithmetic and holds the options given to the strategy."""
         return self._engine
+
+    @property
+    def slicing(self) -> SlicingLog:
+        """This rank's record of ``microbatch_size=``: the size in force, realized slice sizes, out-of-memory retries
+        (see :class:`~lightning_accum.slicing.SlicingLog`)."""
+        return self._slicer.log
 
     @property
     def data_parallel_replicas(self) -> int:
@@ -183,6 +200,13 @@ class ExactAccumulation(Strategy):
                 f"{type(self).__name__} cannot work on a strategy that handles gradient accumulation itself"
                 " (`handles_gradient_accumulation=True`, e.g. DeepSpeed). Use strategy='accum' or 'accum_ddp'."
             )
+        if self._slicer.enabled and not trainer.lightning_module.automatic_optimization:
+            raise ValueError(
+                f"`microbatch_size={self._slicer.log.configured!r}` cuts the loader's batch inside Lightning's"
+                " automatic optimization, but this LightningModule sets `automatic_optimization = False`. In a"
+                " manual loop, cut the batch yourself and report every slice with `strategy.accumulate(...)`, or"
+                " pass `microbatch_size=None`."
+            )
         accumulate = trainer.accumulate_grad_batches
         if not trainer.lightning_module.automatic_optimization or accumulate == 1:
             return
@@ -205,6 +229,10 @@ class ExactAccumulation(Strategy):
             self._engine.microbatches_in_group and group_position(batch_idx, trainer.accumulate_grad_batches) == 0
         ):
             self._check_group_start(trainer, batch_idx)
+        if self._slicer.enabled:
+            return self._slicer.training_step(
+                self, super().training_step, args, kwargs, batch_idx, trainer.accumulate_grad_batches
+            )
         output = super().training_step(*args, **kwargs)
         batch = args[0] if args else kwargs.get("batch")
         # An output Lightning rejects (not a tensor, a mapping with "loss", or None) is recorded as "no loss" here;
@@ -228,9 +256,34 @@ class ExactAccumulation(Strategy):
                 self._engine.backward_finished()
             return result
         tensor = self._engine.take_backward_tensor()
-        result = super().backward(tensor if tensor is not None else closure_loss, optimizer, *args, **kwargs)
+        if self._slicer.enabled:
+            result = self._slicer.backward(
+                self,
+                tensor if tensor is not None else closure_loss,
+                optimizer,
+                lambda t: super(ExactAccumulation, self).backward(t, optimizer, *args, **kwargs),
+                synchronised=self._synchronises(),
+                args=args,
+                kwargs=kwargs,
+            )
+        else:
+            result = super().backward(tensor if tensor is not None else closure_loss, optimizer, *args, **kwargs)
         self._engine.backward_finished()
         return result
+
+    def _synchronises(self) -> bool:
+        """Whether the running backward synchronises gradients over replicas (a group's last batch, D > 1)."""
+        if self.data_parallel_replicas == 1:
+            return False
+        trainer = self._trainer()
+        epoch_loop = trainer.fit_loop.epoch_loop
+        return (epoch_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
+            epoch_loop.batch_progress.is_last_batch
+        )
+
+    def _before_forward_retry(self) -> None:
+        """Called before the strategy's forward path runs again on the same loader batch after an out-of-memory error
+        (DDP: the failed attempt already synchronised the module's buffers)."""
 
     def _gradients(self, optimizer: Optimizer) -> list[Tensor]:
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -473,6 +526,7 @@ class ExactAccumulation(Strategy):
         super().setup(trainer)
         self._trainer_ref = trainer
         self._manual.reset()
+        self._slicer.reset()
         self._engine.bind(self.root_device, Replicas(self.data_parallel_replicas, self.reduce_sum))
         bind_schedulers(self.lr_scheduler_configs, self._engine)  # AxisLR counts what each applied update consumed
         module = trainer.lightning_module
@@ -485,6 +539,7 @@ class ExactAccumulation(Strategy):
             self._schedules.release()
             self._schedules = None
         self._manual.reset()
+        self._slicer.reset()
         self._trainer_ref = None
         super().teardown()
 
@@ -582,6 +637,8 @@ class ExactAccumulation(Strategy):
                     " (`state_dict`) already counts it as consumed, so it then delivers the next batch: that"
                     " micro-batch's examples are skipped (Lightning's behaviour, not this strategy's)."
                 )
+        if self._slicer.enabled:
+            state["slicing"] = self._slicer.log.state_dict()  # this rank's (rank zero's in a file it writes)
         checkpoint[CHECKPOINT_KEY] = state
         if failed is not None:
             self._save_without_peers(checkpoint, filepath, storage_options)
@@ -619,6 +676,8 @@ class ExactAccumulation(Strategy):
         state = _validated_state(checkpoint[CHECKPOINT_KEY])
         written_unit = (state.get("ledger") or {}).get("normalization")
         self._engine.load_state_dict(state)
+        if self._slicer.enabled and state.get("slicing") is not None:
+            self._slicer.log.load_state_dict(state["slicing"])
         group = dict(state.get("open_group") or {"microbatches": 0})
         self._honour_normalize(written_unit, group)
         # Checked against the loop's position at the first micro-batch of the resumed run.
@@ -811,6 +870,15 @@ def _validated_state(state: Any) -> dict[str, Any]:
     group = state.get("open_group")
     if group is not None:
         _validate_group(group)
+    slicing = state.get("slicing")
+    if slicing is not None:
+        if not isinstance(slicing, Mapping):
+            raise _malformed("slicing", "a dict", slicing)
+        _check(slicing, "size", "slicing.", lambda v: v is None or (_is_count(v) and v > 0), "None or an int >= 1")
+        sizes = slicing.get("slice_sizes", {})
+        if not isinstance(sizes, Mapping) or not all(_is_count(v) for v in sizes.values()):
+            raise _malformed("slicing.slice_sizes", "a dict of size -> int >= 0", sizes)
+        _check(slicing, "retries", "slicing.", lambda v: isinstance(v, list), "a list")
     return dict(state)
 
 

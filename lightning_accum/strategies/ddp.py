@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed
@@ -60,6 +60,14 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         schedule_on: See :class:`AccumulationStrategy`.
         on_nonfinite: See :class:`AccumulationStrategy`.
         max_consecutive_skips: See :class:`AccumulationStrategy`.
+        microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
+            loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
+            run as consecutive slices of at most that many samples, forward and backward each, gradients synchronised
+            only on the group's last slice: the same update, exactly, with lower peak activation memory. ``"auto"``:
+            the whole batch, and after an out-of-memory error in a slice's forward or backward, that slice again at
+            half the size (kept for the rest of the run); see ``docs/howto.md``.
+        split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
+            cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
         check_data_ends: With an iterable training dataset (whose per-rank length nothing makes equal): before each
             micro-batch that does not end a group, agree over the replicas whether any replica's data ends there,
             so that data ending inside a group on some replicas only is a prompt error on every rank instead of a
@@ -96,10 +104,21 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        microbatch_size: int | Literal["auto"] | None = None,
+        split_batch: Callable[[Any, int, int], Any] | None = None,
         check_data_ends: bool = True,
         **kwargs: Any,
     ) -> None:
-        self._init_engine(normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips)
+        self._init_engine(
+            normalize,
+            count_tokens,
+            partial_group,
+            schedule_on,
+            on_nonfinite,
+            max_consecutive_skips,
+            microbatch_size,
+            split_batch,
+        )
         super().__init__(**kwargs)
         self._peers_lost: str | None = None  # why the replicas cannot be reached, once a collective failed
         self.check_data_ends = bool(check_data_ends)
@@ -117,6 +136,15 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
         return tensor
+
+    @override
+    def _before_forward_retry(self) -> None:
+        # DDP's wrapper broadcasts rank zero's buffers at the start of a forward that follows a synchronised one
+        # (`require_forward_param_sync`); the failed attempt already did, and a second broadcast on this rank alone
+        # would pair with another collective on the others. The attribute is DDP's own (listed in docs/internals.md).
+        model = self.model
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model.require_forward_param_sync = False
 
     # ------------------------------------------------------------------ faults
 

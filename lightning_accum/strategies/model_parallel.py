@@ -94,6 +94,14 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         on_nonfinite: See :class:`AccumulationStrategy`. The check of each rank's shard is summed over the whole
             mesh, so every rank takes the same decision.
         max_consecutive_skips: See :class:`AccumulationStrategy`.
+        microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
+            loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
+            run as consecutive slices of at most that many samples, forward and backward each, gradients synchronised
+            only on the group's last slice: the same update, exactly, with lower peak activation memory. ``"auto"``:
+            the whole batch, and after an out-of-memory error in a slice's forward or backward, that slice again at
+            half the size (kept for the rest of the run); see ``docs/howto.md``.
+        split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
+            cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
         gradient_sync: ``"every_microbatch"`` (default, FSDP2's own behaviour): every micro-batch's backward
             reduce-scatters its gradient, and each rank holds only its sharded gradient between micro-batches (least
             memory, ``A`` reduce-scatters per update). ``"last_microbatch"``: the non-final micro-batches run with
@@ -133,6 +141,8 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        microbatch_size: int | Literal["auto"] | None = None,
+        split_batch: Callable[[Any, int, int], Any] | None = None,
         gradient_sync: Literal["every_microbatch", "last_microbatch"] = "every_microbatch",
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
@@ -146,9 +156,25 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
             if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
                 raise ValueError(f"`{name}` must be 'auto' or an int ≥ 1, got {size!r}.")
-        self._init_engine(normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips)
+        self._init_engine(
+            normalize,
+            count_tokens,
+            partial_group,
+            schedule_on,
+            on_nonfinite,
+            max_consecutive_skips,
+            microbatch_size,
+            split_batch,
+        )
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.gradient_sync = gradient_sync
+        if microbatch_size == "auto":
+            raise ValueError(
+                "`microbatch_size='auto'` is not available with sharded or tensor-parallel training: FSDP2 and tensor"
+                " parallelism run collectives inside every forward and backward, so a slice run again on the rank that"
+                " ran out of memory would pair its collectives with different ones on the other ranks. Pass a fixed"
+                " `microbatch_size=` (an int; every rank must cut its batch into the same number of slices), or None."
+            )
 
     # ------------------------------------------------------------------ the mesh
 

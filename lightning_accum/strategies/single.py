@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -40,6 +40,14 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
             decides and skipped updates are counted as ``"overflow"``.
         max_consecutive_skips: Stop with an error after this many consecutive skipped updates (a loss that
             is NaN in every group would otherwise spin forever); ``None`` never stops.
+        microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
+            loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
+            run as consecutive slices of at most that many samples, forward and backward each, gradients synchronised
+            only on the group's last slice: the same update, exactly, with lower peak activation memory. ``"auto"``:
+            the whole batch, and after an out-of-memory error in a slice's forward or backward, that slice again at
+            half the size (kept for the rest of the run); see ``docs/howto.md``.
+        split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
+            cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
         device: The device; by default the one the Trainer's accelerator selects.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
@@ -66,10 +74,21 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        microbatch_size: int | Literal["auto"] | None = None,
+        split_batch: Callable[[Any, int, int], Any] | None = None,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
-        self._init_engine(normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips)
+        self._init_engine(
+            normalize,
+            count_tokens,
+            partial_group,
+            schedule_on,
+            on_nonfinite,
+            max_consecutive_skips,
+            microbatch_size,
+            split_batch,
+        )
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._device_given = device is not None
 

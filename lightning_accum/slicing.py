@@ -1,0 +1,235 @@
+"""Cutting a loader batch into slices (``microbatch_size=``), and the record of what was cut and retried.
+
+With exact weighting, how a group's examples are cut into micro-batches does not change its update (every piece is
+weighted by its own units and the group is normalized once by all of them). So a strategy can process the batch the
+loader delivers as consecutive slices of at most ``microbatch_size`` samples (forward and backward each), which lowers
+the peak activation memory without changing the objective, and under ``"auto"`` can shrink the slices after an
+out-of-memory error in the middle of a group without losing what the group already accumulated.
+
+This module holds the parts that do not depend on Lightning: the option's validation, how many samples a batch holds,
+the default way to cut one, which errors are an accelerator running out of memory, and :class:`SlicingLog`, the
+per-rank record of realized slice sizes and retries. The strategies run the slices
+(:mod:`lightning_accum.strategies.slicing`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_accum.microbatch import infer_num_samples
+
+__all__ = [
+    "MicrobatchSize",
+    "OutOfMemoryRetry",
+    "SlicingLog",
+    "SplitBatch",
+    "count_samples",
+    "free_memory",
+    "is_out_of_memory",
+    "slice_batch",
+    "validate_microbatch_size",
+]
+
+#: The values of ``microbatch_size=``: ``None`` (the loader's batch as it is), a positive int, or ``"auto"``.
+MicrobatchSize = int | Literal["auto"] | None
+#: ``split_batch(batch, start, stop)``: the samples ``start:stop`` of ``batch`` (for batch types this package cannot
+#: cut itself).
+SplitBatch = Callable[[Any, int, int], Any]
+
+
+def validate_microbatch_size(value: object) -> MicrobatchSize:
+    """``value`` if it is a valid ``microbatch_size``, else a ``ValueError`` naming the fix.
+
+    Example:
+        >>> validate_microbatch_size(4), validate_microbatch_size("auto"), validate_microbatch_size(None)
+        (4, 'auto', None)
+        >>> validate_microbatch_size(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `microbatch_size` must be a positive int, 'auto' or None; got 0. Pass e.g. ...
+    """
+    if value is None or value == "auto":
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`microbatch_size` must be a positive int, 'auto' or None; got {value!r}. Pass e.g. `microbatch_size=4`"
+            " (slices of at most 4 samples), 'auto' (the whole batch, halved after an out-of-memory error) or None"
+            " (no slicing)."
+        )
+    return value
+
+
+def count_samples(batch: Any, split_batch: SplitBatch | None = None) -> int:
+    """The number of samples of a loader batch to cut: the leading dimension its tensors share, or ``len(batch)``
+    for a batch type cut by ``split_batch``.
+
+    Raises:
+        ValueError: The batch has no common leading dimension (and no ``split_batch`` with a sized batch).
+
+    Example:
+        >>> count_samples({"x": torch.zeros(8, 3), "y": torch.zeros(8)})
+        8
+    """
+    n = infer_num_samples(batch)
+    if n is None and split_batch is not None:
+        try:
+            n = len(batch)
+        except TypeError:
+            n = None
+    if n is None:
+        shapes = _leading_dimensions(batch)
+        raise ValueError(
+            "`microbatch_size` cannot cut this batch: its tensors share no leading (sample) dimension"
+            f" (leading dimensions found: {shapes or 'none, no tensor'}; batch type {type(batch).__name__})."
+            " Give the strategy `split_batch=lambda batch, start, stop: ...` returning samples start:stop of your"
+            " batch (and make the batch type define `len()`), or pass `microbatch_size=None`."
+        )
+    return n
+
+
+def _leading_dimensions(batch: Any) -> list[int]:
+    found: list[int] = []
+    pending = [batch]
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, Tensor):
+            found.append(int(obj.shape[0]) if obj.ndim else 0)
+        elif isinstance(obj, Mapping):
+            pending.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            pending.extend(obj)
+    return sorted(set(found))
+
+
+def slice_batch(batch: Any, start: int, stop: int, num_samples: int) -> Any:
+    """Samples ``start:stop`` of ``batch``: every tensor whose leading dimension is ``num_samples`` is sliced along
+    it (a view, no copy), containers (dicts, lists, tuples, named tuples, dataclasses) are rebuilt, and everything
+    else (0-d tensors, strings, numbers) is passed whole to every slice.
+
+    Example:
+        >>> part = slice_batch({"x": torch.arange(8).reshape(4, 2), "name": "b"}, 1, 3, 4)
+        >>> part["x"].tolist(), part["name"]
+        ([[2, 3], [4, 5]], 'b')
+    """
+    if isinstance(batch, Tensor):
+        return batch[start:stop] if batch.ndim and batch.shape[0] == num_samples else batch
+    if isinstance(batch, Mapping):
+        items = {k: slice_batch(v, start, stop, num_samples) for k, v in batch.items()}
+        try:
+            return type(batch)(items)  # type: ignore[call-arg]  # dict subclasses such as transformers' BatchEncoding
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(slice_batch(v, start, stop, num_samples) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(slice_batch(v, start, stop, num_samples) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        changes = {
+            f.name: slice_batch(getattr(batch, f.name), start, stop, num_samples)
+            for f in dataclasses.fields(batch)
+            if f.init
+        }
+        return dataclasses.replace(batch, **changes)
+    return batch
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an accelerator (or the CPU allocator) running out of memory.
+
+    ``torch.OutOfMemoryError`` (what CUDA's caching allocator raises; ``torch.cuda.OutOfMemoryError`` is the same
+    class), and the ``RuntimeError`` other backends raise for it (MPS: "MPS backend out of memory"; XPU and kernels
+    that fail to allocate: "... out of memory").
+
+    Example:
+        >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory")), is_out_of_memory(ValueError("x"))
+        (True, False)
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return type(error) is RuntimeError and "out of memory" in str(error).lower()
+
+
+def free_memory(device: torch.device) -> None:
+    """Return what a failed attempt held: collect its reference cycles and, on CUDA, the allocator's cached blocks."""
+    gc.collect()
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class OutOfMemoryRetry:
+    """One out-of-memory error that was recovered by running a slice again, smaller.
+
+    Attributes:
+        update: The attempted update the group belongs to (1-based: ``ledger.updates_attempted + 1``).
+        epoch: Lightning's epoch.
+        batch_idx: The loader batch's index in the epoch (Lightning's ``batch_idx``).
+        rank: The global rank that ran out of memory.
+        phase: ``"forward"`` or ``"backward"``.
+        failed_size: Samples of the slice that ran out of memory.
+        new_size: The slice size used from then on.
+        time: Wall-clock time (seconds since the epoch).
+    """
+
+    update: int
+    epoch: int
+    batch_idx: int
+    rank: int
+    phase: str
+    failed_size: int
+    new_size: int
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class SlicingLog:
+    """This rank's record of ``microbatch_size=``: the configured value, the size in force, realized slices, retries.
+
+    Attributes:
+        configured: The strategy's ``microbatch_size`` (``None``, an int or ``"auto"``).
+        size: The slice size in force: the configured int; under ``"auto"`` ``None`` until an out-of-memory error
+            set one (the whole batch until then), then the smaller size kept for the rest of the run.
+        slice_sizes: How many slices of each size ran (samples -> count), on this rank, over the run; a loader batch
+            that was not cut counts as one slice of its size.
+        retries: Every out-of-memory error recovered on this rank (:class:`OutOfMemoryRetry`).
+    """
+
+    configured: MicrobatchSize = None
+    size: int | None = None
+    slice_sizes: dict[int, int] = field(default_factory=dict)
+    retries: list[OutOfMemoryRetry] = field(default_factory=list)
+
+    def limit(self, num_samples: int) -> int:
+        """The slice size for a batch of ``num_samples`` samples."""
+        if self.size is None:
+            return num_samples
+        return min(self.size, num_samples)
+
+    def note_slices(self, sizes: Sequence[int]) -> None:
+        for size in sizes:
+            self.slice_sizes[size] = self.slice_sizes.get(size, 0) + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (for checkpoints and the report)."""
+        return {
+            "configured": self.configured,
+            "size": self.size,
+            "slice_sizes": {int(k): int(v) for k, v in sorted(self.slice_sizes.items())},
+            "retries": [dataclasses.asdict(r) for r in self.retries],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the size in force is kept only under ``"auto"``: a configured int wins)."""
+        if self.configured == "auto":
+            size = state.get("size")
+            self.size = int(size) if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
+        self.slice_sizes = {int(k): int(v) for k, v in dict(state.get("slice_sizes") or {}).items()}
+        self.retries = [OutOfMemoryRetry(**r) for r in state.get("retries") or [] if isinstance(r, Mapping)]

@@ -1,0 +1,451 @@
+"""Running a loader batch as slices inside Lightning's step (``microbatch_size=``), and recovering from out of memory.
+
+Lightning's automatic optimization calls ``training_step`` once per loader batch, then (at a group's first batch)
+``zero_grad``, then ``backward`` on what the step returned; the group's last batch does both inside the optimizer's
+``step`` with DDP's gradient synchronisation on. The slicer keeps that shape:
+
+* in ``training_step``, every slice but the last runs its forward *and* backward, without gradient synchronisation
+  (``no_backward_sync``; under DDP the forward calls the module directly, not DDP's wrapper, so that it starts no
+  collective whatever the number of slices on each rank); the last slice runs its forward only, through the
+  strategy's own path (DDP's wrapper), and its output goes back to Lightning with ``"loss"`` replaced by the whole
+  batch's weighted mean loss;
+* at a group's first batch, Lightning's ``zero_grad`` comes after ``training_step``: the slices' gradients are kept
+  aside there (the previous group's stale gradients are released first) and put back right before the last slice's
+  backward, which Lightning calls as usual (synchronised on the group's last batch);
+* ``on_before_backward`` / ``on_after_backward`` run once per loader batch, around the last slice's backward, as
+  without slicing.
+
+Every slice is recorded in the open group with its own units (``AccumulationEngine.add_microbatch(continues=True)``),
+so the update is exact by construction; the ledger still counts loader batches as micro-batches.
+
+``"auto"`` starts with the whole batch. On an out-of-memory error in a slice's forward or backward, what the failed
+attempt holds is released, the slice size is halved and the slice is run again; what the group accumulated before is
+untouched, because in this mode every backward that can be retried writes into fresh gradient tensors that are added to
+the accumulated ones only once it completed (at the cost of one gradient-sized buffer while a slice's backward runs).
+The smaller size is kept for the rest of the run (no probing upward: a size that failed once is likely to fail again on
+a longer batch, and every failure costs a forward). What cannot be retried: the backward that synchronises gradients
+over replicas (the last slice of a group's last batch under DDP): the other replicas are inside its all-reduce, so that
+error stops the run with the size to use instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_accum.group import group_position
+from lightning_accum.microbatch import Count
+from lightning_accum.slicing import (
+    MicrobatchSize,
+    OutOfMemoryRetry,
+    SlicingLog,
+    SplitBatch,
+    count_samples,
+    free_memory,
+    is_out_of_memory,
+    slice_batch,
+    validate_microbatch_size,
+)
+
+if TYPE_CHECKING:
+    from lightning_accum.strategies.base import ExactAccumulation
+
+__all__ = ["BatchSlicer"]
+
+
+@dataclass
+class _Final:
+    """The last slice of the running loader batch, whose backward Lightning calls next."""
+
+    batch: Any
+    num_samples: int
+    start: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class _Part:
+    loss: Tensor | None
+    weight: Count
+    tokens: Any
+    samples: Any
+
+
+class _OutOfMemory(Exception):  # internal: a slice ran out of memory (the original error is chained)
+    def __init__(self, phase: str) -> None:
+        super().__init__(phase)
+        self.phase = phase
+
+
+class BatchSlicer:
+    """The per-strategy state of ``microbatch_size=``: the option, this rank's :class:`SlicingLog`, and the running
+    batch's pieces."""
+
+    def __init__(self, microbatch_size: MicrobatchSize, split_batch: SplitBatch | None) -> None:
+        microbatch_size = validate_microbatch_size(microbatch_size)
+        if split_batch is not None and not callable(split_batch):
+            raise TypeError(
+                f"`split_batch` must be a callable `(batch, start, stop) -> batch` or None, got"
+                f" {type(split_batch).__name__}."
+            )
+        self.log = SlicingLog(
+            configured=microbatch_size, size=microbatch_size if isinstance(microbatch_size, int) else None
+        )
+        self.split_batch = split_batch
+        self._parameters: list[Tensor] | None = None
+        self._pending: list[Tensor | None] | None = None
+        self._final: _Final | None = None
+        self._parts: list[_Part] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.log.configured is not None
+
+    @property
+    def auto(self) -> bool:
+        return self.log.configured == "auto"
+
+    def reset(self) -> None:
+        """Forget the run's parameters and any running batch (``setup`` / ``teardown``)."""
+        self._parameters = None
+        self._pending = None
+        self._final = None
+        self._parts = []
+
+    # ------------------------------------------------------------------ training_step
+
+    def training_step(
+        self,
+        strategy: ExactAccumulation,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        batch_idx: int,
+        accumulate: int,
+    ) -> Any:
+        """Run the loader batch in ``args``/``kwargs`` as slices; return the last slice's output (the batch's loss).
+
+        ``forward(*args, **kwargs)`` is the strategy's own ``training_step`` path (DDP's wrapper), used for the last
+        slice, whose backward Lightning calls next.
+        """
+        batch = args[0] if args else kwargs["batch"]
+        n = count_samples(batch, self.split_batch)
+        engine = strategy.engine
+        self._parts = []
+        sizes: list[int] = []
+        first_of_group = group_position(batch_idx, accumulate) == 0
+        released = False
+        retry_forward = False
+        start = 0
+        while True:
+            size = self.log.limit(n)
+            stop = min(start + size, n)
+            piece = self._cut(batch, start, stop, n)
+            piece_args, piece_kwargs = _with_batch(args, kwargs, piece)
+            try:
+                if stop < n:
+                    if first_of_group and not released:
+                        # Lightning zeroes the gradient after this step: the previous group's is released now and the
+                        # slices' is kept aside until the last slice's backward (`install_pending`).
+                        released = True
+                        for p in self._params(strategy):
+                            p.grad = None
+                    self._local_slice(strategy, piece, piece_args, piece_kwargs, accumulate, start > 0, stop - start)
+                else:
+                    if retry_forward:
+                        strategy._before_forward_retry()
+                    try:
+                        output = forward(*piece_args, **piece_kwargs)
+                    except BaseException as error:
+                        if self.auto and is_out_of_memory(error):
+                            retry_forward = True
+                            raise _OutOfMemory("forward") from error
+                        raise
+                    engine.add_microbatch(self._for_engine(output, stop - start), piece, accumulate, start > 0)
+                    self._note_part(engine, output)
+                    sizes.append(stop - start)
+                    self._final = _Final(batch, n, start, args, kwargs)
+                    break
+            except _OutOfMemory as failure:
+                phase = failure.phase
+                cause = failure.__cause__
+                del failure  # the traceback holds the failed attempt's activations
+                self._shrink(strategy, stop - start, phase, batch_idx, cause)
+                continue
+            sizes.append(stop - start)
+            start = stop
+        if released:
+            params = self._params(strategy)
+            self._pending = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+        self.log.note_slices(sizes)
+        return self._combined(output)
+
+    def _cut(self, batch: Any, start: int, stop: int, n: int) -> Any:
+        if start == 0 and stop == n:
+            return batch
+        if self.split_batch is not None:
+            return self.split_batch(batch, start, stop)
+        return slice_batch(batch, start, stop, n)
+
+    def _for_engine(self, output: Any, size: int) -> Any:
+        """The step's output with the slice's samples filled in where the step does not report them (the slice is
+        weighted by its own samples, never as a whole "batch")."""
+        if isinstance(output, Tensor):
+            return {"loss": output, "num_samples": size}
+        if isinstance(output, Mapping) and output.get("num_samples") is None and "loss" in output:
+            return {**output, "num_samples": size}
+        return output
+
+    def _note_part(self, engine: Any, output: Any) -> None:
+        loss = output if isinstance(output, Tensor) else output.get("loss") if isinstance(output, Mapping) else None
+        tokens = output.get("num_tokens") if isinstance(output, Mapping) else None
+        samples = output.get("num_samples") if isinstance(output, Mapping) else None
+        detached = loss.detach() if isinstance(loss, Tensor) else None
+        self._parts.append(_Part(detached, engine.last_weight if detached is not None else 0, tokens, samples))
+
+    def _local_slice(
+        self,
+        strategy: ExactAccumulation,
+        piece: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        accumulate: int,
+        continues: bool,
+        size: int,
+    ) -> None:
+        """Forward and backward of one slice without gradient synchronisation; ``_OutOfMemory`` under ``"auto"``."""
+        engine = strategy.engine
+        module = strategy.lightning_module
+        assert module is not None
+        with strategy.no_backward_sync():
+            try:
+                with strategy.precision_plugin.train_step_context():
+                    output = module.training_step(*args, **kwargs)
+            except BaseException as error:
+                if self.auto and is_out_of_memory(error):
+                    raise _OutOfMemory("forward") from error
+                raise
+            tensor = engine.add_microbatch(self._for_engine(output, size), piece, accumulate, continues)
+            self._note_part(engine, output)
+            del output
+            engine.take_backward_tensor()  # the group's gradient is incomplete until the last slice's backward
+            if tensor is None:
+                return
+            scaler = strategy.gradient_scaler
+            scaled = scaler.scale(tensor) if scaler is not None else tensor
+            del tensor
+            if not self.auto:
+                strategy.precision_plugin.backward(scaled, module, None)
+                return
+            if not self._protected_backward(strategy, lambda: strategy.precision_plugin.backward(scaled, module, None)):
+                engine.retract_microbatch()
+                self._parts.pop()
+                raise _OutOfMemory("backward")
+
+    def _protected_backward(self, strategy: ExactAccumulation, run: Callable[[], None]) -> bool:
+        """Run a backward into fresh gradient tensors and add them to the accumulated ones only once it completed:
+        False (and the accumulated gradients untouched) when it ran out of memory."""
+        params = self._params(strategy)
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            run()
+        except BaseException as error:
+            for p, h in zip(params, held, strict=True):
+                p.grad = h  # the partial gradient of the failed backward is dropped
+            if is_out_of_memory(error):
+                return False
+            raise
+        for p, h in zip(params, held, strict=True):
+            if h is None:
+                continue
+            fresh = p.grad
+            if fresh is not None:
+                h.add_(fresh)
+            p.grad = h
+        return True
+
+    def _shrink(
+        self, strategy: ExactAccumulation, failed: int, phase: str, batch_idx: int, cause: BaseException | None
+    ) -> None:
+        free_memory(strategy.root_device)
+        trainer = strategy._trainer()
+        if failed <= 1:
+            raise RuntimeError(
+                f"Out of memory in the {phase} of a slice of 1 sample (rank {_rank(strategy)}, batch {batch_idx}"
+                f" of epoch {trainer.current_epoch}; slice sizes run so far on this rank:"
+                f" {self.log.slice_sizes or 'none'}; retries: {len(self.log.retries)}). `microbatch_size='auto'`"
+                " cannot cut further: one sample does not fit in memory with this model. Lower the sequence length"
+                " or the model's memory (activation checkpointing, a lower precision, sharding with"
+                " strategy='accum_fsdp')."
+            ) from cause
+        new = max(1, failed // 2)
+        self.log.size = new
+        self.log.retries.append(
+            OutOfMemoryRetry(
+                update=strategy.ledger.updates_attempted + 1,
+                epoch=trainer.current_epoch,
+                batch_idx=batch_idx,
+                rank=_rank(strategy),
+                phase=phase,
+                failed_size=failed,
+                new_size=new,
+            )
+        )
+        strategy.engine.warn(
+            f"lightning_accum: out of memory in the {phase} of a slice of {failed} sample(s) on rank"
+            f" {_rank(strategy)} (batch {batch_idx}, update {strategy.ledger.updates_attempted + 1}); running it"
+            f" again as slices of {new} (microbatch_size='auto'; the group's update is unchanged)."
+        )
+
+    def _combined(self, output: Any) -> Any:
+        """The last slice's output with ``"loss"`` (and the counts it reports) of the whole loader batch."""
+        parts = self._parts
+        if len(parts) <= 1:
+            return output
+        loss = output if isinstance(output, Tensor) else output.get("loss") if isinstance(output, Mapping) else None
+        if not isinstance(loss, Tensor):
+            return output
+        weighted = [(p.loss, p.weight) for p in parts if p.loss is not None]
+        numerator = sum(part.to(torch.float64) * w for part, w in weighted)
+        total = sum(w for _, w in weighted)
+        mean: Tensor | float
+        if isinstance(total, Tensor):
+            mean = torch.where(total > 0, numerator / total.clamp(min=1), loss.detach().to(torch.float64))
+        else:
+            mean = numerator / total if total else loss.detach().to(torch.float64)
+        combined = loss + (torch.as_tensor(mean, device=loss.device).to(loss.dtype) - loss.detach())
+        if isinstance(output, Tensor):
+            return combined
+        result = dict(output)
+        result["loss"] = combined
+        for key, attribute in (("num_tokens", "tokens"), ("num_samples", "samples")):
+            values = [getattr(p, attribute) for p in parts]
+            if output.get(key) is not None and all(v is not None for v in values):
+                result[key] = sum(values)
+        return result
+
+    # ------------------------------------------------------------------ backward
+
+    def install_pending(self, strategy: ExactAccumulation) -> None:
+        """Put the slices' gradients kept aside at a group's first batch back, after Lightning's ``zero_grad``."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        for p, g in zip(self._params(strategy), pending, strict=True):
+            if g is None:
+                continue
+            p.grad = g if p.grad is None else p.grad.add_(g)
+
+    @property
+    def holds_final(self) -> bool:
+        return self._final is not None
+
+    def backward(
+        self,
+        strategy: ExactAccumulation,
+        tensor: Tensor,
+        optimizer: Any,
+        default: Callable[[Tensor], Tensor],
+        synchronised: bool,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        """The last slice's backward: ``default(tensor)`` is the strategy's usual one. Under ``"auto"`` on one replica
+        it is protected and, out of memory, the last slice runs again as smaller slices; a synchronised backward cannot
+        be run again (the other replicas are inside its all-reduce): its error says what to do."""
+        final, self._final = self._final, None
+        self.install_pending(strategy)
+        if not self.auto or final is None:
+            return default(tensor)
+        if synchronised:
+            try:
+                return default(tensor)
+            except BaseException as error:
+                if not is_out_of_memory(error):
+                    raise
+                size = final.num_samples - final.start
+                raise RuntimeError(
+                    f"Out of memory in the backward that synchronises gradients over the replicas (the last slice,"
+                    f" {size} sample(s), of the group's last batch; rank {_rank(strategy)}). It cannot be run"
+                    " again: the other replicas are inside its all-reduce (the launcher stops them when this process"
+                    " exits). Resume from the last checkpoint with `microbatch_size="
+                    f"{max(1, size // 2)}` on the strategy (a fixed slice size), or free memory."
+                ) from error
+        module = strategy.lightning_module
+        assert module is not None
+        # Lightning's `Strategy.backward`, with the backward itself protected.
+        strategy.pre_backward(tensor)
+        closure_loss = strategy.precision_plugin.pre_backward(tensor, module)
+        ok = self._protected_backward(
+            strategy, lambda: strategy.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        )
+        if not ok:
+            strategy.engine.retract_microbatch()
+            self._parts = []
+            size = final.num_samples - final.start
+            batch_idx = strategy._trainer().fit_loop.epoch_loop.batch_idx
+            self._shrink(strategy, size, "backward", batch_idx, None)
+            self._run_local(strategy, final, batch_idx)
+        closure_loss = strategy.precision_plugin.post_backward(closure_loss, module)
+        strategy.post_backward(closure_loss)
+        return closure_loss
+
+    def _run_local(self, strategy: ExactAccumulation, final: _Final, batch_idx: int) -> None:
+        """The rest of a batch, from ``final.start``, as slices with their own backward (one replica: no sync)."""
+        trainer = strategy._trainer()
+        start, n = final.start, final.num_samples
+        sizes: list[int] = []
+        while start < n:
+            stop = min(start + self.log.limit(n), n)
+            piece = self._cut(final.batch, start, stop, n)
+            args, kwargs = _with_batch(final.args, final.kwargs, piece)
+            try:
+                self._local_slice(
+                    strategy, piece, args, kwargs, trainer.accumulate_grad_batches, start > 0, stop - start
+                )
+            except _OutOfMemory as failure:
+                phase = failure.phase
+                cause = failure.__cause__
+                del failure
+                self._shrink(strategy, stop - start, phase, batch_idx, cause)
+                continue
+            sizes.append(stop - start)
+            start = stop
+        self.log.note_slices(sizes)
+        self.log.slice_sizes[n - final.start] -= 1  # the failed last slice was counted when its forward ran
+        if not self.log.slice_sizes[n - final.start]:
+            del self.log.slice_sizes[n - final.start]
+
+    # ------------------------------------------------------------------ parameters
+
+    def _params(self, strategy: ExactAccumulation) -> list[Tensor]:
+        if self._parameters is None:
+            seen: set[int] = set()
+            params: list[Tensor] = []
+            for optimizer in strategy.optimizers:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        if id(p) not in seen:
+                            seen.add(id(p))
+                            params.append(p)
+            self._parameters = params
+        return self._parameters
+
+
+def _rank(strategy: ExactAccumulation) -> int:
+    return int(strategy._trainer().global_rank)
+
+
+def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args:
+        return (batch, *args[1:]), kwargs
+    return args, {**kwargs, "batch": batch}

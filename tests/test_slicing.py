@@ -1,0 +1,351 @@
+"""``microbatch_size=``: a loader batch run as slices gives the update of the unsplit batch, exactly; ``"auto"``
+recovers from out-of-memory errors (injected: a module that raises ``torch.OutOfMemoryError`` when its input holds
+more than k samples) without changing the update, on one device and with the error on one DDP rank only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from helpers import (
+    IGNORE,
+    ListDataset,
+    RecordOnRanks,
+    TinyLM,
+    fit,
+    load_ranks,
+    make_examples,
+    params_vector,
+    random_lengths,
+    relative_error,
+    sgd_reference,
+)
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_accum import AccumulationReport, AccumulationStrategy, DDPAccumulationStrategy
+from lightning_accum.slicing import count_samples, slice_batch
+
+
+class _Gate(torch.autograd.Function):
+    """Identity that runs out of memory in its forward or backward when the batch holds more than `limit` samples."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, limit: int, where: str) -> Tensor:
+        ctx.limit, ctx.where, ctx.rows = limit, where, x.shape[0]
+        if where == "forward" and x.shape[0] > limit:
+            raise torch.OutOfMemoryError(f"injected: {x.shape[0]} samples > {limit} in the forward")
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        if ctx.where == "backward" and ctx.rows > ctx.limit:
+            raise torch.OutOfMemoryError(f"injected: {ctx.rows} samples > {ctx.limit} in the backward")
+        return grad, None, None
+
+
+class LimitedLM(TinyLM):
+    """TinyLM whose activations "do not fit" above `limit` samples (on `ranks`; every rank when None).
+
+    The gate sits between the embedding and the head, so an error in the backward comes after the head's gradient was
+    already accumulated: a recovery that kept that partial gradient would be caught by the comparison. A buffer makes
+    DDP broadcast buffers in its forward (a retried forward must not broadcast twice)."""
+
+    def __init__(self, limit: int, where: str = "forward", ranks: tuple[int, ...] | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.limit, self.where, self.ranks = limit, where, ranks
+        self.register_buffer("offset", torch.zeros(()))
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        hidden = torch.tanh(self.embed(input_ids)) + self.offset
+        if self.ranks is None or self.global_rank in self.ranks:
+            hidden = _Gate.apply(hidden, self.limit, self.where)
+        return self.head(hidden)
+
+
+class HookCounter(L.Callback):
+    def __init__(self) -> None:
+        self.batches = self.before = self.after = 0
+        self.losses: list[float] = []
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
+        self.before += 1
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.after += 1
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.batches += 1
+        self.losses.append(float(outputs["loss"]))
+
+
+def _examples(n: int = 64, seed: int = 3) -> list[dict[str, Tensor]]:
+    return make_examples(random_lengths(n, seed=seed), seed=seed)
+
+
+def _adamw_run(microbatch_size: Any, examples: list[dict[str, Tensor]], model: TinyLM | None = None, **kw: Any):
+    model = model if model is not None else TinyLM(lr=0.05, seed=5, optimizer="adamw")
+    strategy = AccumulationStrategy(microbatch_size=microbatch_size, **kw)
+    trainer = fit(model, examples, batch_size=8, accumulate=2, strategy=strategy)
+    return model, trainer
+
+
+# ---------------------------------------------------------------------------- splitting
+
+
+def test_slices_of_two_give_the_unsplit_update_with_adamw() -> None:
+    examples = _examples()
+    whole, whole_trainer = _adamw_run(None, examples)
+    sliced, trainer = _adamw_run(2, examples)
+    # 64 examples, batches of 8, A = 2: 4 AdamW updates over variable-length token data.
+    assert trainer.strategy.ledger.updates_applied == 4
+    assert relative_error(params_vector(sliced), params_vector(whole)) < 1e-6
+    # Lightning's units keep their meaning: the ledger counts loader batches; the slices are in `slicing`.
+    ledger, whole_ledger = trainer.strategy.ledger.state_dict(), whole_trainer.strategy.ledger.state_dict()
+    last, whole_last = ledger.pop("last_group"), whole_ledger.pop("last_group")
+    assert ledger == whole_ledger
+    assert last.pop("loss") == pytest.approx(whole_last.pop("loss"), rel=1e-6) and last == whole_last
+    assert trainer.global_step == whole_trainer.global_step == 4
+    assert trainer.strategy.slicing.slice_sizes == {2: 32}
+    assert trainer.strategy.slicing.retries == []
+    # and the run really differs from the naive mean over slices: Lightning's loss/A per slice is another objective
+    naive = TinyLM(lr=0.05, seed=5, optimizer="adamw")
+    fit(naive, examples, batch_size=2, accumulate=8, strategy="auto")
+    assert relative_error(params_vector(naive), params_vector(whole)) > 1e-4
+
+
+def test_uneven_slices_match_the_float64_token_weighted_reference() -> None:
+    examples = _examples(48, seed=7)
+    model = TinyLM(lr=0.5, seed=7)
+    expected = sgd_reference(model, [examples[i : i + 16] for i in range(0, 48, 16)], lr=0.5)
+    trainer = fit(model, examples, batch_size=8, accumulate=2, strategy=AccumulationStrategy(microbatch_size=3))
+    assert relative_error(params_vector(model), expected) < 1e-6
+    assert trainer.strategy.slicing.slice_sizes == {3: 12, 2: 6}  # 8 = 3 + 3 + 2, six loader batches
+
+
+def test_hooks_run_once_per_loader_batch_and_outputs_hold_the_batch_loss() -> None:
+    examples = _examples(32, seed=9)
+    counter, whole_counter = HookCounter(), HookCounter()
+    fit(TinyLM(lr=0.0, seed=9), examples, 8, 2, strategy=AccumulationStrategy(microbatch_size=3), callbacks=[counter])
+    fit(TinyLM(lr=0.0, seed=9), examples, 8, 2, strategy="accum", callbacks=[whole_counter])
+    assert counter.batches == counter.before == counter.after == 4
+    # lr = 0: every batch sees the same parameters, so the batch's loss from slices equals the unsplit one
+    assert counter.losses == pytest.approx(whole_counter.losses, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- out of memory
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_auto_recovers_from_out_of_memory_with_the_unsplit_update(where: str) -> None:
+    examples = _examples()
+    reference, _ = _adamw_run(None, examples)
+    model = LimitedLM(limit=3, where=where, lr=0.05, seed=5, optimizer="adamw")
+    with pytest.warns(UserWarning, match="out of memory in the " + where):
+        _, trainer = _adamw_run("auto", examples, model=model)
+    assert relative_error(params_vector(model), params_vector(reference)) < 1e-6
+    log = trainer.strategy.slicing
+    # 8 fails, 4 fails, 2 fits: two retries in the first batch, then slices of 2 for the rest of the run.
+    assert [(r.failed_size, r.new_size, r.phase, r.batch_idx, r.update) for r in log.retries] == [
+        (8, 4, where, 0, 1),
+        (4, 2, where, 0, 1),
+    ]
+    assert log.size == 2 and log.slice_sizes == {2: 32}
+
+
+def test_auto_recovers_inside_a_group_without_touching_its_earlier_gradient() -> None:
+    # The first out-of-memory error comes at the group's second batch (position 1): the gradient of the first batch
+    # is already accumulated, and the failed backward had already added to the head's gradient.
+    examples = _examples(32, seed=11)
+    reference, _ = _adamw_run(None, examples)
+    model = LimitedLM(limit=3, where="backward", lr=0.05, seed=5, optimizer="adamw")
+    # Batches of 8 then 4: the 4-sample batches fit at the start (limit 4 for the first batch only).
+    model.limit = 8
+    calls = {"n": 0}
+
+    class Tighten(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            calls["n"] += 1
+            pl_module.limit = 8 if batch_idx == 0 else 3
+
+    strategy = AccumulationStrategy(microbatch_size="auto")
+    with pytest.warns(UserWarning, match="out of memory in the backward"):
+        fit(model, examples, batch_size=8, accumulate=2, strategy=strategy, callbacks=[Tighten()])
+    assert relative_error(params_vector(model), params_vector(reference)) < 1e-6
+    assert [(r.batch_idx, r.failed_size) for r in strategy.slicing.retries] == [(1, 8), (1, 4)]
+
+
+def test_auto_report_lists_the_retries(tmp_path: Path) -> None:
+    model = LimitedLM(limit=2, lr=0.1, seed=2)
+    report = AccumulationReport(path=tmp_path / "report.json")
+    with pytest.warns(UserWarning, match="out of memory"):
+        fit(model, _examples(16), 8, 1, strategy=AccumulationStrategy(microbatch_size="auto"), callbacks=[report])
+    record = json.loads((tmp_path / "report.json").read_text())
+    slicing = record["microbatch_slicing"]
+    assert slicing["configured"] == "auto"
+    assert slicing["per_rank"][0]["size"] == 2
+    assert slicing["per_rank"][0]["slice_sizes"] == {"2": 8}
+    retries = slicing["per_rank"][0]["retries"]
+    assert [(r["failed_size"], r["new_size"], r["rank"], r["phase"]) for r in retries] == [
+        (8, 4, 0, "forward"),
+        (4, 2, 0, "forward"),
+    ]
+
+
+def test_a_single_sample_that_does_not_fit_is_a_clear_error() -> None:
+    model = LimitedLM(limit=0, lr=0.1, seed=2)
+    with pytest.warns(UserWarning, match="out of memory"), pytest.raises(RuntimeError, match="slice of 1 sample") as e:
+        fit(model, _examples(8), 4, 1, strategy=AccumulationStrategy(microbatch_size="auto"))
+    assert "slice sizes run so far" in str(e.value) and "retries: 2" in str(e.value)
+    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_a_fixed_size_does_not_hide_out_of_memory() -> None:
+    model = LimitedLM(limit=2, lr=0.1, seed=2)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        fit(model, _examples(8), 4, 1, strategy=AccumulationStrategy(microbatch_size=3))
+
+
+def test_auto_size_survives_a_checkpoint(tmp_path: Path) -> None:
+    model = LimitedLM(limit=2, lr=0.1, seed=2)
+    with pytest.warns(UserWarning, match="out of memory"):
+        trainer = fit(model, _examples(16), 8, 1, strategy=AccumulationStrategy(microbatch_size="auto"))
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    strategy = AccumulationStrategy(microbatch_size="auto")
+    resumed = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(ListDataset(_examples(16)), batch_size=8)
+    resumed.fit(LimitedLM(limit=2, lr=0.1, seed=2), loader, ckpt_path=tmp_path / "last.ckpt")  # no warning: no retry
+    assert strategy.slicing.size == 2
+    assert len(strategy.slicing.retries) == 2  # the first run's, from the checkpoint
+    assert strategy.slicing.slice_sizes == {2: 16}  # 8 slices in each epoch
+
+
+# ---------------------------------------------------------------------------- errors and batch types
+
+
+def test_invalid_options_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="positive int, 'auto' or None; got 0"):
+        AccumulationStrategy(microbatch_size=0)
+    with pytest.raises(ValueError, match="got 'big'"):
+        AccumulationStrategy(microbatch_size="big")
+    with pytest.raises(ValueError, match="normalize='batches'"):
+        AccumulationStrategy(microbatch_size=2, normalize="batches")
+    with pytest.raises(TypeError, match="split_batch"):
+        AccumulationStrategy(microbatch_size=2, split_batch="first")
+
+
+def test_a_batch_without_a_common_leading_dimension_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"share no leading \(sample\) dimension \(leading dimensions found: \[3, 4\]"):
+        count_samples({"ids": torch.zeros(4, 2), "extra": torch.zeros(3)})
+    examples = [{"input_ids": e["input_ids"], "labels": e["labels"], "lens": torch.ones(2)} for e in _examples(8)]
+
+    def collate(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+        batch = {k: torch.stack([i[k] for i in items]) for k in ("input_ids", "labels")}
+        batch["lens"] = torch.ones(3)
+        return batch
+
+    with pytest.raises(ValueError, match="split_batch=lambda batch, start, stop"):
+        fit(TinyLM(seed=1), examples, 4, 1, strategy=AccumulationStrategy(microbatch_size=2), collate_fn=collate)
+
+
+@dataclasses.dataclass
+class Packed:
+    """A custom batch type: token ids and labels, with the number of rows kept apart."""
+
+    ids: Tensor
+    labels: Tensor
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+
+class PackedLM(TinyLM):
+    def training_step(self, batch: Packed, batch_idx: int) -> Any:
+        return super().training_step({"input_ids": batch.ids, "labels": batch.labels}, batch_idx)
+
+
+def test_a_custom_batch_type_is_cut_by_the_users_split_function() -> None:
+    examples = _examples(32, seed=4)
+
+    def collate(items: list[dict[str, Tensor]]) -> Packed:
+        return Packed(torch.stack([i["input_ids"] for i in items]), torch.stack([i["labels"] for i in items]))
+
+    cuts: list[tuple[int, int]] = []
+
+    def split(batch: Packed, start: int, stop: int) -> Packed:
+        cuts.append((start, stop))
+        return Packed(batch.ids[start:stop], batch.labels[start:stop])
+
+    model = PackedLM(lr=0.5, seed=4)
+    expected = sgd_reference(model, [examples[i : i + 8] for i in range(0, 32, 8)], lr=0.5)
+    strategy = AccumulationStrategy(microbatch_size=3, split_batch=split)
+    fit(model, examples, 4, 2, strategy=strategy, collate_fn=collate)
+    assert relative_error(params_vector(model), expected) < 1e-6
+    assert cuts[:2] == [(0, 3), (3, 4)]
+
+
+def test_default_cut_keeps_non_sample_values_whole() -> None:
+    batch = {"x": torch.arange(12).reshape(6, 2), "meta": ("a", 3), "scalar": torch.tensor(1.0), "mask": torch.ones(6)}
+    part = slice_batch(batch, 2, 4, 6)
+    assert part["x"].tolist() == [[4, 5], [6, 7]] and part["meta"] == ("a", 3)
+    assert part["scalar"].ndim == 0 and part["mask"].shape == (2,)
+    assert IGNORE == -100  # the helpers' ignore index, used by the labels sliced above
+
+
+# ---------------------------------------------------------------------------- DDP
+
+
+class RecordSlicing(RecordOnRanks):
+    """Also saves each rank's slicing record (it differs by rank)."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        path = Path(self.folder) / f"{self.name}-slicing{trainer.global_rank}.json"
+        path.write_text(json.dumps(trainer.strategy.slicing.state_dict()))
+
+
+def _without_loss(ledger: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    ledger = json.loads(json.dumps(ledger))
+    return ledger, ledger["last_group"].pop("loss")
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_ddp_slices_and_an_out_of_memory_error_on_one_rank(tmp_path: Path) -> None:
+    examples = _examples(64, seed=13)
+    runs = {
+        "whole": (TinyLM(lr=0.05, seed=5, optimizer="adamw"), None),
+        "sliced": (TinyLM(lr=0.05, seed=5, optimizer="adamw"), 2),
+        # Rank 1 alone runs out of memory above 3 samples (in the forward): it retries alone, rank 0 keeps whole
+        # batches; the model's buffer makes DDP broadcast buffers in the forward that fails and is run again.
+        "auto": (LimitedLM(limit=3, ranks=(1,), lr=0.05, seed=5, optimizer="adamw"), "auto"),
+    }
+    for name, (model, size) in runs.items():
+        strategy = DDPAccumulationStrategy(start_method="spawn", microbatch_size=size)
+        fit(model, examples, 8, 2, strategy=strategy, callbacks=[RecordSlicing(str(tmp_path), name)], devices=2)
+    whole = load_ranks(str(tmp_path), "whole")
+    reference, reference_loss = _without_loss(whole[0]["ledger"])
+    for name in ("sliced", "auto"):
+        for rank in load_ranks(str(tmp_path), name):
+            assert relative_error(rank["params"], whole[0]["params"]) < 1e-6
+            ledger, loss = _without_loss(rank["ledger"])
+            assert ledger == reference and loss == pytest.approx(reference_loss, rel=1e-6)
+    slicing = [json.loads((tmp_path / f"auto-slicing{r}.json").read_text()) for r in (0, 1)]
+    assert slicing[0]["retries"] == [] and slicing[0]["slice_sizes"] == {"8": 4}
+    assert [(r["rank"], r["failed_size"], r["new_size"]) for r in slicing[1]["retries"]] == [(1, 8, 4), (1, 4, 2)]
+    assert slicing[1]["slice_sizes"] == {"2": 16}
+    sliced = json.loads((tmp_path / "sliced-slicing1.json").read_text())
+    assert sliced == {"configured": 2, "size": 2, "slice_sizes": {"2": 16}, "retries": []}
