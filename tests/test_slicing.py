@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from helpers import (
     relative_error,
     sgd_reference,
 )
+from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -233,6 +235,32 @@ def test_auto_size_survives_a_checkpoint(tmp_path: Path) -> None:
     assert strategy.slicing.slice_sizes == {2: 16}  # 8 slices in each epoch
 
 
+def test_fp16_with_a_grad_scaler_slices_give_the_unsplit_update() -> None:
+    # Every slice's backward is scaled by the GradScaler like Lightning's own backward; the update is unscaled once.
+    examples = _examples(32, seed=17)
+    runs = []
+    for size in (None, 3):
+        model = TinyLM(lr=0.05, seed=17, optimizer="adamw")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        trainer = fit(model, examples, 8, 2, strategy=AccumulationStrategy(microbatch_size=size), plugins=[plugin])
+        assert trainer.strategy.ledger.updates_applied == 2
+        runs.append(params_vector(model))
+    # fp16 autocast rounds each slice's activations differently from the whole batch's: fp16-level agreement.
+    assert relative_error(runs[1], runs[0]) < 1e-3
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_ddp_out_of_memory_in_the_synchronising_backward_is_a_clear_error_not_a_hang() -> None:
+    # A = 1: every batch's last slice synchronises; rank 1 runs out of memory in that backward.
+    model = LimitedLM(limit=3, where="backward", ranks=(1,), lr=0.05, seed=5)
+    strategy = DDPAccumulationStrategy(start_method="spawn", microbatch_size="auto", timeout=timedelta(seconds=60))
+    with pytest.raises(Exception, match="synchronises gradients over the replicas") as failure:
+        fit(model, _examples(16), 8, 1, strategy=strategy, devices=2)
+    assert "microbatch_size=4" in str(failure.value)
+
+
 # ---------------------------------------------------------------------------- errors and batch types
 
 
@@ -349,3 +377,47 @@ def test_ddp_slices_and_an_out_of_memory_error_on_one_rank(tmp_path: Path) -> No
     assert slicing[1]["slice_sizes"] == {"2": 16}
     sliced = json.loads((tmp_path / "sliced-slicing1.json").read_text())
     assert sliced == {"configured": 2, "size": 2, "slice_sizes": {"2": 16}, "retries": []}
+
+
+# ---------------------------------------------------------------------------- FSDP2
+
+
+def _fsdp_sliced_runs(rank: int, folder: str) -> None:
+    from test_model_parallel import Record, ShardedLM, _fit
+
+    from lightning_accum import ModelParallelAccumulationStrategy
+
+    examples = make_examples(random_lengths(13, seed=19), seed=19)
+    for mode in ("every_microbatch", "last_microbatch"):
+        strategy = ModelParallelAccumulationStrategy(tensor_parallel_size=1, gradient_sync=mode, microbatch_size=2)
+        _fit(ShardedLM("fsdp"), examples, strategy, 4, 1, 2, [Record(folder, mode)], split=True)
+        Path(folder, f"{mode}-slicing{rank}.json").write_text(json.dumps(strategy.slicing.state_dict()))
+    # Slices of 1: rank 0's second batch needs 3 slices, rank 1's holds 2 samples: an error on both ranks.
+    strategy = ModelParallelAccumulationStrategy(tensor_parallel_size=1, microbatch_size=1)
+    try:
+        _fit(ShardedLM("fsdp"), examples, strategy, 4, 1, 2, [], split=True)
+    except RuntimeError as error:
+        Path(folder, f"uneven-rank{rank}.txt").write_text(str(error))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_fsdp2_slices_match_the_single_process_run_and_ranks_agree_on_the_slice_count(tmp_path: Path) -> None:
+    # 13 examples, batches of 4 per rank, A = 1, D = 2: update 1 holds examples 0-7 (4 + 4), update 2 examples 8-12
+    # (rank 0: 3, rank 1: 2). Slices of 2: rank 0 cuts 3 into 2 + 1, rank 1 its 2 into 1 + 1 to run as many slices.
+    from helpers import run_ddp
+    from test_model_parallel import Record, ShardedLM, _fit, _load
+
+    run_ddp(_fsdp_sliced_runs, str(tmp_path))
+    examples = make_examples(random_lengths(13, seed=19), seed=19)
+    _fit(ShardedLM(), examples, "accum", 8, 1, 1, [Record(str(tmp_path), "single")], split=False)
+    single = torch.load(tmp_path / "single-rank0.pt", weights_only=True)
+    for mode in ("every_microbatch", "last_microbatch"):
+        for rank in _load(str(tmp_path), mode):
+            assert relative_error(rank["params"], single["params"]) < 1e-5, mode
+        slicing = [json.loads((tmp_path / f"{mode}-slicing{r}.json").read_text()) for r in (0, 1)]
+        assert slicing[0]["slice_sizes"] == {"2": 3, "1": 1}  # 4 = 2 + 2, then 3 = 2 + 1
+        assert slicing[1]["slice_sizes"] == {"2": 2, "1": 2}  # 4 = 2 + 2, then 2 = 1 + 1
+    for rank in (0, 1):
+        message = (tmp_path / f"uneven-rank{rank}.txt").read_text()
+        assert "holds 2 sample(s), fewer than the 3 slices" in message

@@ -281,6 +281,11 @@ class ExactAccumulation(Strategy):
             epoch_loop.batch_progress.is_last_batch
         )
 
+    def _agree_slice_count(self, count: int, num_samples: int) -> int:
+        """The number of slices every rank cuts this loader batch into, where ranks must agree on it (collectives
+        inside the forward); ``count`` (this rank's own) where they need not."""
+        return count
+
     def _before_forward_retry(self) -> None:
         """Called before the strategy's forward path runs again on the same loader batch after an out-of-memory error
         (DDP: the failed attempt already synchronised the module's buffers)."""

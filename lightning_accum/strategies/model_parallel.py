@@ -168,6 +168,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         )
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.gradient_sync = gradient_sync
+        self._slice_group: Any = None  # a gloo group for the slice count when the backend is not gloo
         if microbatch_size == "auto":
             raise ValueError(
                 "`microbatch_size='auto'` is not available with sharded or tensor-parallel training: FSDP2 and tensor"
@@ -201,6 +202,27 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             group = self.device_mesh["data_parallel"].get_group()
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=group)
         return tensor
+
+    @override
+    def _agree_slice_count(self, count: int, num_samples: int) -> int:
+        # FSDP2 all-gathers in every forward and tensor parallelism communicates inside every layer: every rank must
+        # run the same number of slices. One small all-reduce per loader batch, on the CPU (a gloo group when the
+        # backend is not gloo: no device synchronisation), and only with `microbatch_size=` set.
+        if self.world_size == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return count
+        if self._slice_group is None and torch.distributed.get_backend() != "gloo":
+            self._slice_group = torch.distributed.new_group(backend="gloo")
+        values = torch.tensor([count, -num_samples], dtype=torch.int64)
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=self._slice_group)
+        agreed, fewest = int(values[0]), -int(values[1])
+        if fewest < agreed:
+            raise RuntimeError(
+                f"`microbatch_size={self.slicing.configured}`: a rank's loader batch holds {fewest} sample(s), fewer"
+                f" than the {agreed} slices another rank's batch needs, and every rank must run the same number of"
+                " slices (FSDP2 and tensor parallelism communicate inside each forward). Give every rank batches of"
+                " the same size (DistributedSampler with `drop_last=True`), or raise `microbatch_size`."
+            )
+        return agreed
 
     def _sum_over_mesh(self, tensor: Tensor) -> Tensor:
         """Sum over every rank of the mesh (the NaN/Inf check of each rank's own gradient shard)."""

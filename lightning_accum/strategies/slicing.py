@@ -141,10 +141,10 @@ class BatchSlicer:
         first_of_group = group_position(batch_idx, accumulate) == 0
         released = False
         retry_forward = False
+        plan = self._plan(strategy, n)
         start = 0
         while True:
-            size = self.log.limit(n)
-            stop = min(start + size, n)
+            stop = plan[len(sizes)] if plan is not None else min(start + self.log.limit(n), n)
             piece = self._cut(batch, start, stop, n)
             piece_args, piece_kwargs = _with_batch(args, kwargs, piece)
             try:
@@ -186,6 +186,24 @@ class BatchSlicer:
                 p.grad = None
         self.log.note_slices(sizes)
         return self._combined(output)
+
+    def _plan(self, strategy: ExactAccumulation, n: int) -> list[int] | None:
+        """The slices' ends when the ranks must agree on their number (FSDP2 / tensor parallelism: collectives in
+        every forward): the largest count any rank needs, every rank's batch cut as evenly as possible into that many
+        (each slice still at most ``microbatch_size``). ``None``: this rank cuts on its own."""
+        if self.auto:
+            return None
+        size = self.log.limit(n)
+        own = -(-n // size)
+        count = strategy._agree_slice_count(own, n)
+        if count == own and count * size == n:
+            return None  # every slice of the configured size: the plain loop cuts the same way
+        base, extra = divmod(n, count)
+        ends, end = [], 0
+        for index in range(count):
+            end += base + (1 if index < extra else 0)
+            ends.append(end)
+        return ends
 
     def _cut(self, batch: Any, start: int, stop: int, n: int) -> Any:
         if start == 0 and stop == n:
