@@ -421,3 +421,19 @@ def test_fsdp2_slices_match_the_single_process_run_and_ranks_agree_on_the_slice_
     for rank in (0, 1):
         message = (tmp_path / f"uneven-rank{rank}.txt").read_text()
         assert "holds 2 sample(s), fewer than the 3 slices" in message
+
+
+@pytest.mark.timeout(300)
+def test_slicing_benchmark_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "slicing.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=280
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "slicing.json").read_text())
+    assert [r["size"] for r in rows] == [None, 2] and rows[1]["slice_sizes"] == {"2": 16}
+    assert all(r["ms_per_update"] > 0 and r["peak_bytes"] > 0 for r in rows)
+    assert "| 2 | 4 |" in (tmp_path / "SLICING.md").read_text()
