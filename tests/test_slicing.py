@@ -26,11 +26,19 @@ from helpers import (
     relative_error,
     sgd_reference,
 )
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_accum import AccumulationReport, AccumulationStrategy, DDPAccumulationStrategy
+from lightning_accum import (
+    AccumulationCheck,
+    AccumulationReport,
+    AccumulationStrategy,
+    AxisLogger,
+    DDPAccumulationStrategy,
+)
 from lightning_accum.slicing import count_samples, slice_batch
 
 
@@ -210,7 +218,7 @@ def test_a_single_sample_that_does_not_fit_is_a_clear_error() -> None:
 def test_a_fixed_size_does_not_hide_out_of_memory() -> None:
     model = LimitedLM(limit=2, lr=0.1, seed=2)
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
-        fit(model, _examples(8), 4, 1, strategy=AccumulationStrategy(microbatch_size=3))
+        fit(model, _examples(8), 8, 1, strategy=AccumulationStrategy(microbatch_size=3))  # 3 + 3 + 2
 
 
 def test_auto_size_survives_a_checkpoint(tmp_path: Path) -> None:
@@ -259,6 +267,47 @@ def test_ddp_out_of_memory_in_the_synchronising_backward_is_a_clear_error_not_a_
     with pytest.raises(Exception, match="synchronises gradients over the replicas") as failure:
         fit(model, _examples(16), 8, 1, strategy=strategy, devices=2)
     assert "microbatch_size=4" in str(failure.value)
+
+
+def test_accumulation_check_and_axis_logger_keep_their_meaning(tmp_path: Path) -> None:
+    examples = _examples(32, seed=21)
+    curves = {}
+    for size in (None, 3):
+        check = AccumulationCheck()  # the group of sliced batches against the same examples in one (whole) batch
+        logger = TensorBoardLogger(tmp_path, name=f"size{size}", version=0)
+        fit(
+            TinyLM(lr=0.5, seed=21),
+            examples,
+            8,
+            2,
+            strategy=AccumulationStrategy(microbatch_size=size),
+            callbacks=[check, AxisLogger(axis="tokens")],
+            logger=logger,
+            log_every_n_steps=1,
+        )
+        assert check.result is not None and check.result.errors == [] and check.result.relative_error < 1e-5
+        events = EventAccumulator(str(tmp_path / f"size{size}" / "version_0"), size_guidance={"scalars": 0})
+        events.Reload()
+        curves[size] = [(e.step, e.value) for e in events.Scalars("accum/loss")]
+    assert [s for s, _ in curves[3]] == [s for s, _ in curves[None]] and len(curves[3]) == 2  # the tokens axis
+    assert [v for _, v in curves[3]] == pytest.approx([v for _, v in curves[None]], rel=1e-5)
+
+
+class ManualLM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(self.mean_loss(batch))
+        optimizer.step()
+
+
+def test_manual_optimization_with_microbatch_size_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="automatic_optimization = False"):
+        fit(ManualLM(), _examples(8), 4, 1, strategy=AccumulationStrategy(microbatch_size=2))
 
 
 # ---------------------------------------------------------------------------- errors and batch types
@@ -322,7 +371,7 @@ def test_a_custom_batch_type_is_cut_by_the_users_split_function() -> None:
     strategy = AccumulationStrategy(microbatch_size=3, split_batch=split)
     fit(model, examples, 4, 2, strategy=strategy, collate_fn=collate)
     assert relative_error(params_vector(model), expected) < 1e-6
-    assert cuts[:2] == [(0, 3), (3, 4)]
+    assert cuts[:2] == [(0, 2), (2, 4)]  # 4 samples at 3: 2 + 2
 
 
 def test_default_cut_keeps_non_sample_values_whole() -> None:

@@ -471,7 +471,7 @@ class AccumulationCheck(Callback):
         accumulate = trainer.accumulate_grad_batches
         trainer.accumulate_grad_batches = 1
         try:
-            with strategy.use_engine(scratch), _replica_sync(strategy, enabled=False):
+            with strategy.use_engine(scratch, slicing=False), _replica_sync(strategy, enabled=False):
                 _reset_for_pass(optimizer, seed)
                 loss = self._call_step(strategy, module, big)
                 if loss is None:

@@ -175,15 +175,18 @@ class ExactAccumulation(Strategy):
         self._engine.remove_listener(listener)
 
     @contextmanager
-    def use_engine(self, engine: AccumulationEngine) -> Iterator[AccumulationEngine]:
+    def use_engine(self, engine: AccumulationEngine, slicing: bool = True) -> Iterator[AccumulationEngine]:
         """Run the strategy's hooks on ``engine`` (e.g. :meth:`AccumulationEngine.scratch`) inside the block, so
-        the run's ledger, open group and pending resume are not touched."""
+        the run's ledger, open group and pending resume are not touched. ``slicing=False``: a batch given to
+        ``training_step`` in the block is run whole even with ``microbatch_size=`` (for a plain-autograd
+        reference); with ``True`` it is cut as in the run (the slicing record is not touched either way)."""
         real, resumed, carried = self._engine, self._resumed_group, self._carried_gradients
         self._engine, self._resumed_group, self._carried_gradients = engine, None, None
-        try:
-            yield engine
-        finally:
-            self._engine, self._resumed_group, self._carried_gradients = real, resumed, carried
+        with self._slicer.aside(enabled=slicing):
+            try:
+                yield engine
+            finally:
+                self._engine, self._resumed_group, self._carried_gradients = real, resumed, carried
 
     # ------------------------------------------------------------------ hooks
 

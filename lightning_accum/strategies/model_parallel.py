@@ -96,8 +96,9 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         max_consecutive_skips: See :class:`AccumulationStrategy`.
         microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
             loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
-            run as consecutive slices of at most that many samples, forward and backward each, gradients synchronised
-            only on the group's last slice: the same update, exactly, with lower peak activation memory. ``"auto"``:
+            run as consecutive slices of at most that many samples (the fewest, as even as possible), forward and
+            backward each, gradients synchronised only on the group's last slice: the same update, exactly, with lower
+            peak activation memory. ``"auto"``:
             the whole batch, and after an out-of-memory error in a slice's forward or backward, that slice again at
             half the size (kept for the rest of the run); see ``docs/howto.md``.
         split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot

@@ -30,7 +30,9 @@ error stops the run with the size to use instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_accum.group import group_position
-from lightning_accum.microbatch import Count
+from lightning_accum.microbatch import Count, infer_num_samples
 from lightning_accum.slicing import (
     MicrobatchSize,
     OutOfMemoryRetry,
@@ -101,10 +103,24 @@ class BatchSlicer:
         self._pending: list[Tensor | None] | None = None
         self._final: _Final | None = None
         self._parts: list[_Part] = []
+        self._suspended = False
 
     @property
     def enabled(self) -> bool:
-        return self.log.configured is not None
+        return self.log.configured is not None and not self._suspended
+
+    @contextmanager
+    def aside(self, enabled: bool) -> Iterator[None]:
+        """A block run on another engine (``use_engine``): the run's record and running batch are kept aside, and
+        slicing is off unless ``enabled``."""
+        saved = (self.log, self._pending, self._final, self._parts, self._suspended)
+        self.log = dataclasses.replace(self.log, slice_sizes=dict(self.log.slice_sizes), retries=list(self.log.retries))
+        self._pending, self._final, self._parts = None, None, []
+        self._suspended = self._suspended or not enabled
+        try:
+            yield
+        finally:
+            self.log, self._pending, self._final, self._parts, self._suspended = saved
 
     @property
     def auto(self) -> bool:
@@ -138,7 +154,9 @@ class BatchSlicer:
         engine = strategy.engine
         self._parts = []
         sizes: list[int] = []
-        first_of_group = group_position(batch_idx, accumulate) == 0
+        # Lightning zeroes the gradient after the step of a group's first batch (its place in the epoch, and no
+        # micro-batch in the open group yet: AccumulationCheck runs a group's batches without Lightning's loop).
+        first_of_group = group_position(batch_idx, accumulate) == 0 and engine.microbatches_in_group == 0
         released = False
         retry_forward = False
         plan = self._plan(strategy, n)
@@ -166,7 +184,7 @@ class BatchSlicer:
                             retry_forward = True
                             raise _OutOfMemory("forward") from error
                         raise
-                    engine.add_microbatch(self._for_engine(output, stop - start), piece, accumulate, start > 0)
+                    engine.add_microbatch(self._for_engine(output, piece, stop - start), piece, accumulate, start > 0)
                     self._note_part(engine, output)
                     sizes.append(stop - start)
                     self._final = _Final(batch, n, start, args, kwargs)
@@ -188,16 +206,14 @@ class BatchSlicer:
         return self._combined(output)
 
     def _plan(self, strategy: ExactAccumulation, n: int) -> list[int] | None:
-        """The slices' ends when the ranks must agree on their number (FSDP2 / tensor parallelism: collectives in
-        every forward): the largest count any rank needs, every rank's batch cut as evenly as possible into that many
-        (each slice still at most ``microbatch_size``). ``None``: this rank cuts on its own."""
+        """The slices' ends for a fixed ``microbatch_size``: the fewest slices of at most that many samples, as even as
+        possible (8 samples at 3: 3 + 3 + 2; 4 at 3: 2 + 2, whose largest slice, which sets the peak, is smaller than
+        3 + 1's). Where the ranks must agree on the number (FSDP2 / tensor parallelism: collectives in every
+        forward), the largest any rank needs. ``None`` under ``"auto"`` (sizes follow the retries)."""
         if self.auto:
             return None
         size = self.log.limit(n)
-        own = -(-n // size)
-        count = strategy._agree_slice_count(own, n)
-        if count == own and count * size == n:
-            return None  # every slice of the configured size: the plain loop cuts the same way
+        count = strategy._agree_slice_count(-(-n // size), n)
         base, extra = divmod(n, count)
         ends, end = [], 0
         for index in range(count):
@@ -212,9 +228,13 @@ class BatchSlicer:
             return self.split_batch(batch, start, stop)
         return slice_batch(batch, start, stop, n)
 
-    def _for_engine(self, output: Any, size: int) -> Any:
-        """The step's output with the slice's samples filled in where the step does not report them (the slice is
-        weighted by its own samples, never as a whole "batch")."""
+    def _for_engine(self, output: Any, piece: Any, size: int) -> Any:
+        """The step's output, with the slice's samples filled in where neither the step reports them nor the slice's
+        tensors show them (a batch type cut by ``split_batch``): a slice is weighted by its own samples, never as a
+        whole "batch". Where they can be inferred the output is left as it is (the engine's hints stay as without
+        slicing)."""
+        if self.split_batch is None or infer_num_samples(piece) is not None:
+            return output
         if isinstance(output, Tensor):
             return {"loss": output, "num_samples": size}
         if isinstance(output, Mapping) and output.get("num_samples") is None and "loss" in output:
@@ -250,7 +270,7 @@ class BatchSlicer:
                 if self.auto and is_out_of_memory(error):
                     raise _OutOfMemory("forward") from error
                 raise
-            tensor = engine.add_microbatch(self._for_engine(output, size), piece, accumulate, continues)
+            tensor = engine.add_microbatch(self._for_engine(output, piece, size), piece, accumulate, continues)
             self._note_part(engine, output)
             del output
             engine.take_backward_tensor()  # the group's gradient is incomplete until the last slice's backward
