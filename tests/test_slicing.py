@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,25 @@ from lightning_accum import (
 )
 from lightning_accum.slicing import count_samples, slice_batch
 
+#: Weak references to the activations of every attempt that ran out of memory, and how many of them were still alive
+#: when the next forward started (a recovery must release a failed attempt before running the slice again).
+FAILED: list[weakref.ref[Tensor]] = []
+ALIVE_AT_NEXT_FORWARD: list[int] = []
+CURRENT: list[weakref.ref[Tensor]] = []  # the running forward's activation
+
+
+class _Keep(torch.autograd.Function):
+    """Identity that saves its input for the backward: the input lives as long as the slice's graph does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
 
 class _Gate(torch.autograd.Function):
     """Identity that runs out of memory in its forward or backward when the batch holds more than `limit` samples."""
@@ -48,13 +69,16 @@ class _Gate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, limit: int, where: str) -> Tensor:
         ctx.limit, ctx.where, ctx.rows = limit, where, x.shape[0]
+        ctx.activation = CURRENT[0]
         if where == "forward" and x.shape[0] > limit:
+            FAILED.append(ctx.activation)
             raise torch.OutOfMemoryError(f"injected: {x.shape[0]} samples > {limit} in the forward")
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         if ctx.where == "backward" and ctx.rows > ctx.limit:
+            FAILED.append(ctx.activation)
             raise torch.OutOfMemoryError(f"injected: {ctx.rows} samples > {ctx.limit} in the backward")
         return grad, None, None
 
@@ -72,7 +96,12 @@ class LimitedLM(TinyLM):
         self.register_buffer("offset", torch.zeros(()))
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        hidden = torch.tanh(self.embed(input_ids)) + self.offset
+        if FAILED:
+            ALIVE_AT_NEXT_FORWARD.append(sum(ref() is not None for ref in FAILED))
+            FAILED.clear()
+        activation = torch.tanh(self.embed(input_ids))
+        CURRENT[:] = [weakref.ref(activation)]
+        hidden = _Keep.apply(activation) + self.offset  # held by the graph until the backward passes the gate
         if self.ranks is None or self.global_rank in self.ranks:
             hidden = _Gate.apply(hidden, self.limit, self.where)
         return self.head(hidden)
@@ -148,6 +177,22 @@ def test_hooks_run_once_per_loader_batch_and_outputs_hold_the_batch_loss() -> No
     assert counter.losses == pytest.approx(whole_counter.losses, rel=1e-6)
 
 
+@pytest.mark.parametrize("size", [1, "auto"])
+def test_slices_of_non_final_batches_make_no_host_sync_in_lightning_accum(size: Any) -> None:
+    from probes import MicroBatchSyncCounter
+
+    counter = MicroBatchSyncCounter()
+    model = LimitedLM(limit=1, lr=0.5, seed=8)  # under "auto" the first batch retries down to slices of 1
+    strategy = AccumulationStrategy(microbatch_size=size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the retries' warnings
+        fit(model, _examples(16, seed=8), batch_size=4, accumulate=2, strategy=strategy, callbacks=[counter])
+    assert counter.non_final_batches == 2 and strategy.slicing.slice_sizes == {1: 16}
+    assert counter.non_final.package_ops >= 2 * 4 * 2  # every slice's weighting was seen
+    assert counter.non_final.hits == []  # cutting, weighting, keeping gradients aside, retries: no host read
+    assert all("tolist" in hit for hit in counter.final.hits) and len(counter.final.hits) == 2
+
+
 # ---------------------------------------------------------------------------- out of memory
 
 
@@ -156,6 +201,8 @@ def test_auto_recovers_from_out_of_memory_with_the_unsplit_update(where: str) ->
     examples = _examples()
     reference, _ = _adamw_run(None, examples)
     model = LimitedLM(limit=3, where=where, lr=0.05, seed=5, optimizer="adamw")
+    FAILED.clear()
+    ALIVE_AT_NEXT_FORWARD.clear()
     with pytest.warns(UserWarning, match="out of memory in the " + where):
         _, trainer = _adamw_run("auto", examples, model=model)
     assert relative_error(params_vector(model), params_vector(reference)) < 1e-6
@@ -166,6 +213,8 @@ def test_auto_recovers_from_out_of_memory_with_the_unsplit_update(where: str) ->
         (4, 2, where, 0, 1),
     ]
     assert log.size == 2 and log.slice_sizes == {2: 32}
+    # Each failed attempt's activations were released before the slice ran again (no traceback or graph kept them).
+    assert ALIVE_AT_NEXT_FORWARD == [0, 0]
 
 
 def test_auto_recovers_inside_a_group_without_touching_its_earlier_gradient() -> None:

@@ -268,6 +268,7 @@ class ExactAccumulation(Strategy):
                 synchronised=self._synchronises(),
                 args=args,
                 kwargs=kwargs,
+                lightning_loss=closure_loss,
             )
         else:
             result = super().backward(tensor if tensor is not None else closure_loss, optimizer, *args, **kwargs)

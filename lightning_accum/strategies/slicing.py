@@ -68,6 +68,7 @@ class _Final:
     start: int
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    loss: Tensor | None = None  # what went back to Lightning as the batch's loss
 
 
 @dataclass
@@ -165,6 +166,8 @@ class BatchSlicer:
             stop = plan[len(sizes)] if plan is not None else min(start + self.log.limit(n), n)
             piece = self._cut(batch, start, stop, n)
             piece_args, piece_kwargs = _with_batch(args, kwargs, piece)
+            phase: str | None = None
+            cause: BaseException | None = None
             try:
                 if stop < n:
                     if first_of_group and not released:
@@ -190,9 +193,8 @@ class BatchSlicer:
                     self._final = _Final(batch, n, start, args, kwargs)
                     break
             except _OutOfMemory as failure:
-                phase = failure.phase
-                cause = failure.__cause__
-                del failure  # the traceback holds the failed attempt's activations
+                phase, cause = failure.phase, _released(failure)
+            if phase is not None:  # outside the `except` block: the failed attempt's frames are gone
                 self._shrink(strategy, stop - start, phase, batch_idx, cause)
                 continue
             sizes.append(stop - start)
@@ -203,7 +205,11 @@ class BatchSlicer:
             for p in params:
                 p.grad = None
         self.log.note_slices(sizes)
-        return self._combined(output)
+        result = self._combined(output)
+        if self._final is not None:
+            loss = result.get("loss") if isinstance(result, Mapping) else result
+            self._final.loss = loss if isinstance(loss, Tensor) else None
+        return result
 
     def _plan(self, strategy: ExactAccumulation, n: int) -> list[int] | None:
         """The slices' ends for a fixed ``microbatch_size``: the fewest slices of at most that many samples, as even as
@@ -396,6 +402,7 @@ class BatchSlicer:
         synchronised: bool,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        lightning_loss: Tensor | None = None,
     ) -> Tensor:
         """The last slice's backward: ``default(tensor)`` is the strategy's usual one. Under ``"auto"`` on one replica
         it is protected and, out of memory, the last slice runs again as smaller slices; a synchronised backward cannot
@@ -427,6 +434,10 @@ class BatchSlicer:
             strategy, lambda: strategy.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         )
         if not ok:
+            # Lightning's closure still holds the step's loss, and with it the failed slice's graph and activations:
+            # detached in place, they are released before the slice runs again, smaller.
+            for held in (tensor, closure_loss, final.loss, lightning_loss):  # Lightning's loss / A too
+                _detach_in_place(held)
             strategy.engine.retract_microbatch()
             self._parts = []
             size = final.num_samples - final.start
@@ -446,14 +457,15 @@ class BatchSlicer:
             stop = min(start + self.log.limit(n), n)
             piece = self._cut(final.batch, start, stop, n)
             args, kwargs = _with_batch(final.args, final.kwargs, piece)
+            phase: str | None = None
+            cause: BaseException | None = None
             try:
                 self._local_slice(
                     strategy, piece, args, kwargs, trainer.accumulate_grad_batches, start > 0, stop - start
                 )
             except _OutOfMemory as failure:
-                phase = failure.phase
-                cause = failure.__cause__
-                del failure
+                phase, cause = failure.phase, _released(failure)
+            if phase is not None:
                 self._shrink(strategy, stop - start, phase, batch_idx, cause)
                 continue
             sizes.append(stop - start)
@@ -477,6 +489,26 @@ class BatchSlicer:
                             params.append(p)
             self._parameters = params
         return self._parameters
+
+
+def _released(failure: _OutOfMemory) -> BaseException | None:
+    """The out-of-memory error behind ``failure``, without its traceback (whose frames hold the failed attempt's
+    activations), so that the memory is free before the slice runs again; its type and message are kept."""
+    cause = failure.__cause__
+    failure.__traceback__ = None
+    if cause is not None:
+        cause.__traceback__ = None
+        cause.__context__ = None
+    return cause
+
+
+def _detach_in_place(tensor: Tensor | None) -> None:
+    if tensor is None or tensor.grad_fn is None:
+        return
+    try:
+        tensor.detach_()
+    except RuntimeError:  # a view cannot be detached in place; its graph goes when Lightning drops it
+        pass
 
 
 def _rank(strategy: ExactAccumulation) -> int:
