@@ -535,3 +535,38 @@ def test_slicing_benchmark_smoke_run_writes_its_table(tmp_path: Path) -> None:
     assert [r["size"] for r in rows] == [None, 2] and rows[1]["slice_sizes"] == {"2": 16}
     assert all(r["ms_per_update"] > 0 and r["peak_bytes"] > 0 for r in rows)
     assert "| 2 | 4 |" in (tmp_path / "SLICING.md").read_text()
+
+
+@pytest.mark.parametrize("size", [1, "auto"])
+def test_a_checkpoint_inside_a_group_of_sliced_batches_resumes_exactly(tmp_path: Path, size: Any) -> None:
+    from helpers import ResumableLoader
+    from test_checkpoints import _Interrupted
+
+    examples = _examples(16, seed=52)  # 8 batches of 2 an epoch, A = 3: groups of 3, 3, 2
+
+    def run(model: _Interrupted, ckpt_path: Path | None = None) -> L.Trainer:
+        trainer = L.Trainer(
+            strategy=AccumulationStrategy(microbatch_size=size),
+            accelerator="cpu",
+            accumulate_grad_batches=3,
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint")
+            trainer.fit(model, ResumableLoader(ListDataset(examples), batch_size=2), ckpt_path=ckpt_path)
+        return trainer
+
+    whole_model = _Interrupted()
+    whole = run(whole_model)
+    # A checkpoint between the 2nd and 3rd batch of epoch 1's 1st group: it carries that group's gradient.
+    run(_Interrupted(("callback", 1, 1), str(tmp_path)))
+    state = torch.load(tmp_path / "by_callback.ckpt", weights_only=True)["lightning_accum"]
+    assert state["open_group_microbatches"] == 2 and "gradients" in state["open_group"]
+    resumed_model = _Interrupted()
+    resumed = run(resumed_model, tmp_path / "by_callback.ckpt")
+    assert resumed.strategy.ledger == whole.strategy.ledger
+    torch.testing.assert_close(params_vector(resumed_model), params_vector(whole_model), rtol=1e-6, atol=1e-7)
