@@ -34,9 +34,13 @@ def infer_num_samples(batch: Any) -> int | None:
         4
         >>> infer_num_samples({"input_ids": torch.zeros(4, 7), "lengths": torch.zeros(3)}) is None
         True
+        >>> infer_num_samples([{"input_ids": torch.zeros(7)}, {"input_ids": torch.zeros(7)}])  # a list of samples
+        2
     """
     # Fast path for the common flat batch (a dict, list or tuple of tensors): this runs on every micro-batch.
     kind = type(batch)
+    if (kind is list or kind is tuple) and batch and all(isinstance(item, Mapping) for item in batch):
+        return len(batch)  # a list of samples (a collate function that keeps them apart)
     flat = batch.values() if kind is dict else batch if kind is tuple or kind is list else None
     if flat is not None:
         sizes = {value.shape[0] for value in flat if type(value) is Tensor and value.ndim}

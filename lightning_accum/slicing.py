@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ def validate_microbatch_size(value: object) -> MicrobatchSize:
     """
     if value is None or value == "auto":
         return value  # type: ignore[return-value]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1:
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
             f"`microbatch_size` must be a positive int, 'auto' or None; got {value!r}. Pass e.g. `microbatch_size=4`"
@@ -111,14 +114,21 @@ def _leading_dimensions(batch: Any) -> list[int]:
 
 def slice_batch(batch: Any, start: int, stop: int, num_samples: int) -> Any:
     """Samples ``start:stop`` of ``batch``: every tensor whose leading dimension is ``num_samples`` is sliced along
-    it (a view, no copy), containers (dicts, lists, tuples, named tuples, dataclasses) are rebuilt, and everything
-    else (0-d tensors, strings, numbers) is passed whole to every slice.
+    it (a view, no copy); a list of ``num_samples`` values that are not tensors (per-sample strings or ids), and a
+    list or tuple of ``num_samples`` mappings (a batch kept as a list of samples), are sliced as lists; other
+    containers (dicts, lists and tuples of tensors, named tuples, dataclasses) are rebuilt, and everything else
+    (0-d tensors, strings, numbers, tuples of them) is passed whole to every slice.
 
     Example:
-        >>> part = slice_batch({"x": torch.arange(8).reshape(4, 2), "name": "b"}, 1, 3, 4)
-        >>> part["x"].tolist(), part["name"]
-        ([[2, 3], [4, 5]], 'b')
+        >>> part = slice_batch({"x": torch.arange(8).reshape(4, 2), "name": "b", "ids": [7, 8, 9, 10]}, 1, 3, 4)
+        >>> part["x"].tolist(), part["name"], part["ids"]
+        ([[2, 3], [4, 5]], 'b', [8, 9])
     """
+    if (type(batch) is list or type(batch) is tuple) and len(batch) == num_samples:
+        samples = all(isinstance(item, Mapping) for item in batch)  # a batch that is a list of samples
+        values = type(batch) is list and not _has_tensors(batch)  # per-sample strings or ids (not a tuple: a record)
+        if samples or values:
+            return batch[start:stop]
     if isinstance(batch, Tensor):
         return batch[start:stop] if batch.ndim and batch.shape[0] == num_samples else batch
     if isinstance(batch, Mapping):
@@ -141,12 +151,25 @@ def slice_batch(batch: Any, start: int, stop: int, num_samples: int) -> Any:
     return batch
 
 
+def _has_tensors(values: Sequence[Any]) -> bool:
+    pending = list(values)
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, Tensor):
+            return True
+        if isinstance(obj, Mapping):
+            pending.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            pending.extend(obj)
+    return False
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is an accelerator (or the CPU allocator) running out of memory.
 
     ``torch.OutOfMemoryError`` (what CUDA's caching allocator raises; ``torch.cuda.OutOfMemoryError`` is the same
-    class), and the ``RuntimeError`` other backends raise for it (MPS: "MPS backend out of memory"; XPU and kernels
-    that fail to allocate: "... out of memory").
+    class), and the ``RuntimeError`` (or subclass, such as ``torch.AcceleratorError``) other backends and kernels
+    raise for it (MPS: "MPS backend out of memory"; "CUDA error: out of memory").
 
     Example:
         >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory")), is_out_of_memory(ValueError("x"))
@@ -154,7 +177,8 @@ def is_out_of_memory(error: BaseException) -> bool:
     """
     if isinstance(error, torch.OutOfMemoryError):
         return True
-    return type(error) is RuntimeError and "out of memory" in str(error).lower()
+    # RuntimeError and its subclasses (torch.AcceleratorError: "CUDA error: out of memory")
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
 
 
 def free_memory(device: torch.device) -> None:
@@ -232,4 +256,9 @@ class SlicingLog:
             size = state.get("size")
             self.size = int(size) if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
         self.slice_sizes = {int(k): int(v) for k, v in dict(state.get("slice_sizes") or {}).items()}
-        self.retries = [OutOfMemoryRetry(**r) for r in state.get("retries") or [] if isinstance(r, Mapping)]
+        known = {f.name for f in dataclasses.fields(OutOfMemoryRetry)}
+        self.retries = [
+            OutOfMemoryRetry(**{k: v for k, v in r.items() if k in known})
+            for r in state.get("retries") or []
+            if isinstance(r, Mapping) and known - {"time"} <= set(r)
+        ]

@@ -356,6 +356,8 @@ class ExactAccumulation(Strategy):
             result = closure(*args, **kw)
             if self._carried_gradients is not None:  # a resumed group whose remaining micro-batches had no backward
                 self._install_carried_gradients()
+            if self._slicer.enabled:  # a last slice without a loss: Lightning ran no backward to put its batch back
+                self._slicer.install_pending(self)
             outcome = self._close(
                 optimizer,
                 trainer.accumulate_grad_batches,
@@ -647,12 +649,27 @@ class ExactAccumulation(Strategy):
                     " micro-batch's examples are skipped (Lightning's behaviour, not this strategy's)."
                 )
         if self._slicer.enabled:
-            state["slicing"] = self._slicer.log.state_dict()  # this rank's (rank zero's in a file it writes)
+            state["slicing"] = self._slicing_state(gather=failed is None)
         checkpoint[CHECKPOINT_KEY] = state
         if failed is not None:
             self._save_without_peers(checkpoint, filepath, storage_options)
             return
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _slicing_state(self, gather: bool) -> dict[str, Any]:
+        """Every rank's slicing record (``per_rank``; a collective with several processes), so that each rank resumes
+        with its own slice size; this rank's alone when the others cannot be reached."""
+        mine = self._slicer.log.state_dict()
+        rows: list[Any] = [mine]
+        world = int(getattr(self, "world_size", 1))
+        if gather and world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            rows = [None] * world
+            torch.distributed.all_gather_object(rows, mine)
+        return {**mine, "per_rank": rows}
+
+    def _trainer_rank(self) -> int:
+        # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.
+        return int(getattr(self, "global_rank", 0))
 
     def _save_without_peers(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None) -> None:
         """Every surviving rank writes the checkpoint (rank zero, which alone writes otherwise, may be the dead one):
@@ -686,7 +703,7 @@ class ExactAccumulation(Strategy):
         written_unit = (state.get("ledger") or {}).get("normalization")
         self._engine.load_state_dict(state)
         if self._slicer.enabled and state.get("slicing") is not None:
-            self._slicer.log.load_state_dict(state["slicing"])
+            self._slicer.log.load_state_dict(_own_slicing(state["slicing"], self._trainer_rank()))
         group = dict(state.get("open_group") or {"microbatches": 0})
         self._honour_normalize(written_unit, group)
         # Checked against the loop's position at the first micro-batch of the resumed run.
@@ -888,6 +905,7 @@ def _validated_state(state: Any) -> dict[str, Any]:
         if not isinstance(sizes, Mapping) or not all(_is_count(v) for v in sizes.values()):
             raise _malformed("slicing.slice_sizes", "a dict of size -> int >= 0", sizes)
         _check(slicing, "retries", "slicing.", lambda v: isinstance(v, list), "a list")
+        _check(slicing, "per_rank", "slicing.", lambda v: isinstance(v, list), "a list of each rank's record")
     return dict(state)
 
 
@@ -921,6 +939,14 @@ def _validate_group(group: Any) -> None:
         lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
         "a list of parameter names",
     )
+
+
+def _own_slicing(state: Mapping[str, Any], rank: int) -> Mapping[str, Any]:
+    """This rank's slicing record in a checkpoint's entry (rank zero's, or the only one, otherwise)."""
+    rows = state.get("per_rank")
+    if isinstance(rows, list) and rank < len(rows) and isinstance(rows[rank], Mapping):
+        return rows[rank]  # type: ignore[no-any-return]
+    return state
 
 
 def _checked_gradients(group: Mapping[str, Any], parameters: list[tuple[str, Tensor]]) -> dict[str, Tensor]:

@@ -60,6 +60,13 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         schedule_on: See :class:`AccumulationStrategy`.
         on_nonfinite: See :class:`AccumulationStrategy`.
         max_consecutive_skips: See :class:`AccumulationStrategy`.
+        check_data_ends: With an iterable training dataset (whose per-rank length nothing makes equal): before each
+            micro-batch that does not end a group, agree over the replicas whether any replica's data ends there,
+            so that data ending inside a group on some replicas only is a prompt error on every rank instead of a
+            wait until the process-group timeout. It costs one all-reduce of one number per such micro-batch, on
+            the CPU (a gloo group of its own when the backend is not gloo: no device synchronisation); ``False``
+            turns it off for data you know to be sharded evenly. Map-style data is never checked this way (its
+            sampler gives every rank the same length).
         microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
             loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
             run as consecutive slices of at most that many samples (the fewest, as even as possible), forward and
@@ -69,13 +76,6 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
             half the size (kept for the rest of the run); see ``docs/howto.md``.
         split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
             cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
-        check_data_ends: With an iterable training dataset (whose per-rank length nothing makes equal): before each
-            micro-batch that does not end a group, agree over the replicas whether any replica's data ends there,
-            so that data ending inside a group on some replicas only is a prompt error on every rank instead of a
-            wait until the process-group timeout. It costs one all-reduce of one number per such micro-batch, on
-            the CPU (a gloo group of its own when the backend is not gloo: no device synchronisation); ``False``
-            turns it off for data you know to be sharded evenly. Map-style data is never checked this way (its
-            sampler gives every rank the same length).
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``find_unused_parameters``, ``process_group_backend``, ...).
 
@@ -105,9 +105,9 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        check_data_ends: bool = True,
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
-        check_data_ends: bool = True,
         **kwargs: Any,
     ) -> None:
         self._init_engine(
@@ -137,6 +137,14 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
         return tensor
+
+    @override
+    def _synchronises(self) -> bool:
+        # DDP's own state at backward time (Lightning's `no_sync` sets it off on a group's non-final batches).
+        model = self.model
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return bool(model.require_backward_grad_sync)
+        return super()._synchronises()
 
     @override
     def _before_forward_retry(self) -> None:

@@ -94,15 +94,6 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         on_nonfinite: See :class:`AccumulationStrategy`. The check of each rank's shard is summed over the whole
             mesh, so every rank takes the same decision.
         max_consecutive_skips: See :class:`AccumulationStrategy`.
-        microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
-            loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
-            run as consecutive slices of at most that many samples (the fewest, as even as possible), forward and
-            backward each, gradients synchronised only on the group's last slice: the same update, exactly, with lower
-            peak activation memory. ``"auto"``:
-            the whole batch, and after an out-of-memory error in a slice's forward or backward, that slice again at
-            half the size (kept for the rest of the run); see ``docs/howto.md``.
-        split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
-            cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
         gradient_sync: ``"every_microbatch"`` (default, FSDP2's own behaviour): every micro-batch's backward
             reduce-scatters its gradient, and each rank holds only its sharded gradient between micro-batches (least
             memory, ``A`` reduce-scatters per update). ``"last_microbatch"``: the non-final micro-batches run with
@@ -114,6 +105,17 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             sizes (``D`` = number of nodes, tensor parallel over a node's devices); with one of them an int, the
             other is the world size divided by it (``tensor_parallel_size=1``: FSDP2 over every device, what
             ``"accum_fsdp"`` selects).
+        microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
+            loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
+            run as consecutive slices of at most that many samples (the fewest, as even as possible), forward and
+            backward each (gradients reduce-scattered by every slice's backward under
+            ``gradient_sync="every_microbatch"``, only by the group's last slice under ``"last_microbatch"``): the
+            same update, exactly, with lower peak activation memory. Every rank runs the same number of slices (one
+            small CPU all-reduce per loader batch agrees on it); ``"auto"`` is an error here. ``"auto"``:
+            the whole batch, and after an out-of-memory error in a slice's forward or backward, that slice again at
+            half the size (kept for the rest of the run); see ``docs/howto.md``.
+        split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
+            cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
             (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
@@ -142,11 +144,11 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
-        microbatch_size: int | Literal["auto"] | None = None,
-        split_batch: Callable[[Any, int, int], Any] | None = None,
         gradient_sync: Literal["every_microbatch", "last_microbatch"] = "every_microbatch",
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
+        microbatch_size: int | Literal["auto"] | None = None,
+        split_batch: Callable[[Any, int, int], Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if gradient_sync not in GRADIENT_SYNC_MODES:

@@ -40,6 +40,7 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
             decides and skipped updates are counted as ``"overflow"``.
         max_consecutive_skips: Stop with an error after this many consecutive skipped updates (a loss that
             is NaN in every group would otherwise spin forever); ``None`` never stops.
+        device: The device; by default the one the Trainer's accelerator selects.
         microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
             loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
             run as consecutive slices of at most that many samples (the fewest, as even as possible), forward and
@@ -49,7 +50,6 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
             half the size (kept for the rest of the run); see ``docs/howto.md``.
         split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
             cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
-        device: The device; by default the one the Trainer's accelerator selects.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
     ``trainer.global_step`` keeps Lightning's meaning (one per optimizer-step call: attempts, so
@@ -75,9 +75,9 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        device: str | torch.device | None = None,
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
-        device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
         self._init_engine(

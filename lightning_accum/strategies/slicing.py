@@ -68,7 +68,7 @@ class _Final:
     start: int
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    loss: Tensor | None = None  # what went back to Lightning as the batch's loss
+    output: Any = None  # what went back to Lightning for the batch
 
 
 @dataclass
@@ -101,7 +101,8 @@ class BatchSlicer:
         )
         self.split_batch = split_batch
         self._parameters: list[Tensor] | None = None
-        self._pending: list[Tensor | None] | None = None
+        self._layout: tuple[int, ...] = ()
+        self._pending: list[tuple[Tensor, Tensor]] | None = None
         self._final: _Final | None = None
         self._parts: list[_Part] = []
         self._suspended = False
@@ -201,14 +202,13 @@ class BatchSlicer:
             start = stop
         if released:
             params = self._params(strategy)
-            self._pending = [p.grad for p in params]
+            self._pending = [(p, p.grad) for p in params if p.grad is not None]
             for p in params:
                 p.grad = None
         self.log.note_slices(sizes)
         result = self._combined(output)
         if self._final is not None:
-            loss = result.get("loss") if isinstance(result, Mapping) else result
-            self._final.loss = loss if isinstance(loss, Tensor) else None
+            self._final.output = result
         return result
 
     def _plan(self, strategy: ExactAccumulation, n: int) -> list[int] | None:
@@ -288,14 +288,20 @@ class BatchSlicer:
             if not self.auto:
                 strategy.precision_plugin.backward(scaled, module, None)
                 return
-            if not self._protected_backward(strategy, lambda: strategy.precision_plugin.backward(scaled, module, None)):
+            failed = self._protected_backward(
+                strategy, lambda: strategy.precision_plugin.backward(scaled, module, None)
+            )
+            if failed is not None:
                 engine.retract_microbatch()
                 self._parts.pop()
-                raise _OutOfMemory("backward")
+                raise _OutOfMemory("backward") from failed
+            # The group stays "backward running" (not carried by a checkpoint) until the batch's last backward: a
+            # checkpoint written after an error in a later slice would otherwise carry part of a batch that Lightning
+            # runs again on resume.
 
-    def _protected_backward(self, strategy: ExactAccumulation, run: Callable[[], None]) -> bool:
-        """Run a backward into fresh gradient tensors and add them to the accumulated ones only once it completed:
-        False (and the accumulated gradients untouched) when it ran out of memory."""
+    def _protected_backward(self, strategy: ExactAccumulation, run: Callable[[], None]) -> BaseException | None:
+        """Run a backward into fresh gradient tensors and add them to the accumulated ones only once it completed;
+        ``None``, or the out-of-memory error (without its traceback; the accumulated gradients untouched)."""
         params = self._params(strategy)
         held = [p.grad for p in params]
         for p in params:
@@ -306,7 +312,8 @@ class BatchSlicer:
             for p, h in zip(params, held, strict=True):
                 p.grad = h  # the partial gradient of the failed backward is dropped
             if is_out_of_memory(error):
-                return False
+                error.__traceback__ = None  # its frames hold the failed backward's graph
+                return error
             raise
         for p, h in zip(params, held, strict=True):
             if h is None:
@@ -315,7 +322,7 @@ class BatchSlicer:
             if fresh is not None:
                 h.add_(fresh)
             p.grad = h
-        return True
+        return None
 
     def _shrink(
         self, strategy: ExactAccumulation, failed: int, phase: str, batch_idx: int, cause: BaseException | None
@@ -384,9 +391,7 @@ class BatchSlicer:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        for p, g in zip(self._params(strategy), pending, strict=True):
-            if g is None:
-                continue
+        for p, g in pending:
             p.grad = g if p.grad is None else p.grad.add_(g)
 
     @property
@@ -430,19 +435,22 @@ class BatchSlicer:
         # Lightning's `Strategy.backward`, with the backward itself protected.
         strategy.pre_backward(tensor)
         closure_loss = strategy.precision_plugin.pre_backward(tensor, module)
-        ok = self._protected_backward(
+        failed = self._protected_backward(
             strategy, lambda: strategy.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         )
-        if not ok:
+        if failed is not None:
             # Lightning's closure still holds the step's loss, and with it the failed slice's graph and activations:
             # detached in place, they are released before the slice runs again, smaller.
-            for held in (tensor, closure_loss, final.loss, lightning_loss):  # Lightning's loss / A too
-                _detach_in_place(held)
+            held = [tensor, closure_loss, lightning_loss, *_tensors_of(final.output)]  # Lightning's loss / A too
+            for value in held:
+                _detach_in_place(value)
+            del held
             strategy.engine.retract_microbatch()
             self._parts = []
             size = final.num_samples - final.start
             batch_idx = strategy._trainer().fit_loop.epoch_loop.batch_idx
-            self._shrink(strategy, size, "backward", batch_idx, None)
+            self._shrink(strategy, size, "backward", batch_idx, failed)
+            del failed
             self._run_local(strategy, final, batch_idx)
         closure_loss = strategy.precision_plugin.post_backward(closure_loss, module)
         strategy.post_backward(closure_loss)
@@ -478,16 +486,19 @@ class BatchSlicer:
     # ------------------------------------------------------------------ parameters
 
     def _params(self, strategy: ExactAccumulation) -> list[Tensor]:
-        if self._parameters is None:
+        """The optimized parameters; rebuilt when a parameter group was added since (e.g. ``BackboneFinetuning``)."""
+        optimizers = strategy.optimizers
+        layout = tuple(len(group["params"]) for optimizer in optimizers for group in optimizer.param_groups)
+        if self._parameters is None or layout != self._layout:
             seen: set[int] = set()
             params: list[Tensor] = []
-            for optimizer in strategy.optimizers:
+            for optimizer in optimizers:
                 for group in optimizer.param_groups:
                     for p in group["params"]:
                         if id(p) not in seen:
                             seen.add(id(p))
                             params.append(p)
-            self._parameters = params
+            self._parameters, self._layout = params, layout
         return self._parameters
 
 
@@ -500,6 +511,15 @@ def _released(failure: _OutOfMemory) -> BaseException | None:
         cause.__traceback__ = None
         cause.__context__ = None
     return cause
+
+
+def _tensors_of(output: Any) -> list[Tensor]:
+    """The tensors a step's output holds at its top level (the loss, and e.g. logits kept for a callback)."""
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        return [v for v in output.values() if isinstance(v, Tensor)]
+    return []
 
 
 def _detach_in_place(tensor: Tensor | None) -> None:
