@@ -114,8 +114,11 @@ def update_timer(stamps: list[float], clock: Any) -> Any:
     return UpdateTimer()
 
 
-def _bench_trainer(strategy: Any, devices: int, a: int, updates: int, logger: Any, callbacks: list[Any]) -> Any:
-    """The Trainer of every Lightning trial: CPU, `updates` optimizer steps of `a` micro-batches, one log a step."""
+def _bench_trainer(
+    strategy: Any, devices: int, a: int, updates: int, logger: Any, callbacks: list[Any], log_every: int = 50
+) -> Any:
+    """The Trainer of every Lightning trial: CPU, `updates` optimizer steps of `a` micro-batches, logging every
+    `log_every` updates (Lightning's default cadence is 50)."""
     import lightning as L
 
     return L.Trainer(
@@ -126,7 +129,7 @@ def _bench_trainer(strategy: Any, devices: int, a: int, updates: int, logger: An
         max_steps=updates,
         logger=logger,
         callbacks=callbacks,
-        log_every_n_steps=1,
+        log_every_n_steps=log_every,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -191,11 +194,20 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
         from probes import PackageTimer
 
         import lightning_accum.engine as engine_module
+        from lightning_accum import ExactAccumulation
 
         timer = PackageTimer.for_strategy(
             lightning_accum.AccumulationStrategy,
             [AxisLogger, AccumulationReport],
-            parts=[(engine_module, "rescale_gradients"), (AxisLogger, "_on_group"), (AccumulationReport, "_on_group")],
+            # The group closes inside the optimizer's step (in the closure the strategy hands it, below Lightning's
+            # optimizer_step): `_close` (reduce, rescale, decide) and `_scale_now` are charged to the package there.
+            parts=[
+                (ExactAccumulation, "_close"),
+                (ExactAccumulation, "_scale_now"),
+                (engine_module, "rescale_gradients"),
+                (AxisLogger, "_on_group"),
+                (AccumulationReport, "_on_group"),
+            ],
         )
         by_method_start: dict[str, int] = {}
         by_method_end: dict[str, int] = {}
@@ -224,7 +236,7 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
             callbacks.append(probe)
             graph = GraphLiveness(model)
             callbacks.append(graph)
-        trainer = _bench_trainer(strategy, 1, a, updates, logger, callbacks)
+        trainer = _bench_trainer(strategy, 1, a, updates, logger, callbacks, spec.get("log_every_n_steps", 50))
         with _quiet_stdout(), timer if timer is not None else contextlib.nullcontext():
             trainer.fit(model, loader)
     result = _timing(spec, stamps, warmup, a)
@@ -274,6 +286,8 @@ _PARTS = {
     "training_step": "per micro-batch (weights, w/c, hooks)",
     "backward": "per micro-batch (weights, w/c, hooks)",
     "optimizer_step": "group close (reduce, decide, ledger, schedules)",
+    "_close": "group close (reduce, decide, ledger, schedules)",
+    "_scale_now": "group close (reduce, decide, ledger, schedules)",
     "rescale_gradients": "rescale and non-finite guard (one pass)",
     "dispatch": "Lightning's dispatch of the callbacks' hooks",
     "AxisLogger": "AxisLogger",
@@ -346,7 +360,8 @@ def paired_trial(spec: dict[str, Any]) -> dict[str, Any]:
             callbacks: list[L.Callback] = [HandOver(index)]
             strategy = _variant_strategy(variant, workload, logs, callbacks)
             logger = L.pytorch.loggers.TensorBoardLogger(logs, name=f"{variant}{index}")
-            runs.append((_bench_trainer(strategy, 1, a, updates, logger, callbacks), model, data, m))
+            every = spec.get("log_every_n_steps", 50)
+            runs.append((_bench_trainer(strategy, 1, a, updates, logger, callbacks, every), model, data, m))
 
         def run(index: int) -> None:
             trainer, model, data, m = runs[index]
@@ -514,7 +529,7 @@ def _ddp_worker(rank: int, spec: dict[str, Any], port: int, out: str) -> None:
         ]
     with tempfile.TemporaryDirectory() as logs:
         logger = L.pytorch.loggers.TensorBoardLogger(logs, name="bench")
-        trainer = _bench_trainer(strategy, 2, a, updates, logger, callbacks)
+        trainer = _bench_trainer(strategy, 2, a, updates, logger, callbacks, spec.get("log_every_n_steps", 50))
         with _quiet_stdout():
             trainer.fit(model, DataLoader(data, batch_size=m))
     result = _timing(spec, stamps, warmup, a)

@@ -63,8 +63,8 @@ import torch
 from torch import Tensor
 
 from lightning_accum.decision import GroupOutcome, check_agreement, classify
-from lightning_accum.gradients import rescale_gradients
-from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot
+from lightning_accum.gradients import GradientsByKind, rescale_gradients
+from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot, combine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count, as_count, choose_unit, infer_num_samples, parse_step_output, unit_weight
 from lightning_accum.options import AccumulationOptions
@@ -333,7 +333,7 @@ class AccumulationEngine:
         self,
         accumulate: int,
         ends_epoch: bool = False,
-        gradients: Sequence[Tensor] | None = None,
+        gradients: Sequence[Tensor] | GradientsByKind | None = None,
         check_gradients: bool = False,
         describe_nonfinite: Callable[[], str] | None = None,
     ) -> GroupOutcome:
@@ -346,7 +346,8 @@ class AccumulationEngine:
             gradients: The group's accumulated gradients (what the strategies pass). They are multiplied in place
                 by ``c · D / W`` on the device, before the host read, and the outcome says so (``scaled``); the
                 caller zeroes them when the outcome is not ``"apply"``. Under DDP they are the gradients DDP has
-                already averaged over replicas, identical on every replica.
+                already averaged over replicas, identical on every replica. A flat sequence, or a mapping by device
+                and dtype (:data:`~lightning_accum.gradients.GradientsByKind`, as the strategies keep it per run).
             check_gradients: With ``gradients``: check them for NaN/Inf in the same pass as the rescale (the
                 kernel GradScaler unscales with; checked before multiplying), for ``on_nonfinite`` "skip" and
                 "raise". Every replica checks the same averaged gradient, so all take the same decision.
@@ -357,35 +358,50 @@ class AccumulationEngine:
             RuntimeError: Replicas disagree on the number of micro-batches or on the unit; or the gradient
                 is non-finite under ``on_nonfinite="raise"``.
         """
-        sums, device, replicas = self._sums, self.device, self.replicas.size
+        sums, replicas, unit = self._sums, self.replicas.size, self.ledger.normalization
         k = sums.microbatches
         ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
         extra = {
             Slot.MICROBATCHES: float(k),
-            Slot.UNIT_CODE: UNIT_CODES.get(self.ledger.normalization or "", 0.0),
+            Slot.UNIT_CODE: UNIT_CODES.get(unit or "", 0.0),
             Slot.LAST: 1.0 if ends_epoch else 0.0,
         }
-        device_extra: dict[Slot, Tensor] = {}
+        device_extra: Mapping[Slot, Tensor] = _NO_DEVICE_VALUES
         if isinstance(ref, Tensor):
-            device_extra[Slot.SCALE_REF] = ref.to(device=device, dtype=torch.float64)
+            device_extra = {Slot.SCALE_REF: ref}
         else:
             extra[Slot.SCALE_REF] = float(ref)
-        vector = self.replicas.sum_(sums.local_vector(device, self.ledger.normalization, extra, device_extra))
+        device = self.device
+        host, positions, source = sums.parts(device, unit, extra, device_extra)
         found: Tensor | None = None
-        if gradients:
-            # c · D / W on the device: the gradient is rescaled before anything is read on the host.
-            found = rescale_gradients(gradients, vector[Slot.SCALE_REF] / vector[Slot.UNITS], check_gradients)
-            if found is not None and self.replicas.check_sum is not None:
-                # Sharded gradients: each rank checked its own shard; every rank must take the same decision.
-                found = self.replicas.check_sum(found.to(torch.float64).sum().reshape(1))
-        values = (torch.cat((vector, found)) if found is not None else vector).tolist()  # the one host read
+        one = self.replicas.reduce_sum is None or replicas == 1
+        if one and self.replicas.check_sum is None and _UNITS not in positions and _SCALE_REF not in positions:
+            # One replica, and W and c known on the host: nothing is summed, the factor c / W is a float, and only the
+            # values formed on the device are read.
+            if gradients:
+                factor = host[_SCALE_REF] / host[_UNITS] if host[_UNITS] != 0 else math.inf  # as c / 0 on the device
+                found = rescale_gradients(gradients, factor, check_gradients)
+            read = source if found is None else found if source is None else torch.cat((source, found))
+            values = host + (read.tolist() if read is not None else [])  # the one host read
+            for index, slot in enumerate(positions):
+                values[slot] += values[VECTOR_SIZE + index]
+            del values[VECTOR_SIZE : VECTOR_SIZE + len(positions)]
+        else:
+            vector = self.replicas.sum_(combine(host, positions, source, device))
+            if gradients:
+                # c · D / W on the device: the gradient is rescaled before anything is read on the host.
+                found = rescale_gradients(gradients, vector[_SCALE_REF] / vector[_UNITS], check_gradients)
+                if found is not None and self.replicas.check_sum is not None:
+                    # Sharded gradients: each rank checked its own shard; every rank must take the same decision.
+                    found = self.replicas.check_sum(found.to(torch.float64).sum().reshape(1))
+            values = (torch.cat((vector, found)) if found is not None else vector).tolist()  # the one host read
 
         self._sums = GroupSums()
         self._group_ref = None
         reduced = ReducedGroup.from_values(values)
         carried = sums.carried_microbatches  # known alike on every replica (from the checkpoint)
         checked = dataclasses.replace(reduced, microbatches=reduced.microbatches - carried) if carried else reduced
-        check_agreement(checked, k, replicas, ends_epoch, self.ledger.normalization)
+        check_agreement(checked, k, replicas, ends_epoch, unit)
         units = reduced.units
         record = GroupRecord(
             loss=reduced.weighted_loss / units if units > 0 else math.nan,
@@ -625,6 +641,8 @@ class AccumulationEngine:
 
 
 _ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+_NO_DEVICE_VALUES: Mapping[Slot, Tensor] = {}
+_SCALE_REF, _UNITS = int(Slot.SCALE_REF), int(Slot.UNITS)
 
 
 def _zero(device: torch.device, dtype: torch.dtype) -> Tensor:
