@@ -64,7 +64,7 @@ from torch import Tensor
 
 from lightning_accum.decision import GroupOutcome, check_agreement, classify
 from lightning_accum.gradients import GradientsByKind, rescale_gradients
-from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot, combine
+from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot, combine, split
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count, as_count, choose_unit, infer_num_samples, parse_step_output, unit_weight
 from lightning_accum.options import AccumulationOptions
@@ -372,19 +372,33 @@ class AccumulationEngine:
         else:
             extra[Slot.SCALE_REF] = float(ref)
         device = self.device
-        host, positions, source = sums.parts(device, unit, extra, device_extra)
+        # One replica: nothing is summed, so the host values stay on the host, only the device values are read, and
+        # the factor c / W is a float when both are known on the host.
+        here = (self.replicas.reduce_sum is None or replicas == 1) and self.replicas.check_sum is None
+        host, positions, source, device_units, count = sums.parts(device, unit, extra, device_extra, read_here=here)
         found: Tensor | None = None
-        one = self.replicas.reduce_sum is None or replicas == 1
-        if one and self.replicas.check_sum is None and _UNITS not in positions and _SCALE_REF not in positions:
-            # One replica, and W and c known on the host: nothing is summed, the factor c / W is a float, and only the
-            # values formed on the device are read.
+        if here:
             if gradients:
-                factor = host[_SCALE_REF] / host[_UNITS] if host[_UNITS] != 0 else math.inf  # as c / 0 on the device
+                c: float | Tensor = device_extra[Slot.SCALE_REF] if device_extra else host[_SCALE_REF]
+                w: float | Tensor = host[_UNITS]
+                if device_units is not None:
+                    w = device_units + w if w else device_units
+                if isinstance(c, Tensor) or isinstance(w, Tensor):
+                    factor: float | Tensor = c / w
+                else:
+                    factor = c / w if w != 0 else math.inf  # as c / 0 on the device
                 found = rescale_gradients(gradients, factor, check_gradients)
             read = source if found is None else found if source is None else torch.cat((source, found))
             values = host + (read.tolist() if read is not None else [])  # the one host read
             for index, slot in enumerate(positions):
                 values[slot] += values[VECTOR_SIZE + index]
+            if count is not None:  # a single count read as its float64 weight: its exact parts
+                index, hi_slot, lo_slot = count
+                total = round(values[VECTOR_SIZE + index])
+                hi, lo = split(total)
+                values[hi_slot] += hi
+                values[lo_slot] += lo
+                values[Slot.NEGATIVE] += total < 0
             del values[VECTOR_SIZE : VECTOR_SIZE + len(positions)]
         else:
             vector = self.replicas.sum_(combine(host, positions, source, device))

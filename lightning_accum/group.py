@@ -16,14 +16,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from lightning_accum.microbatch import Count
 
-__all__ = ["COUNT_SPLIT", "UNIT_CODES", "GroupSums", "ReducedGroup", "Slot", "combine", "group_position"]
+__all__ = [
+    "COUNT_SPLIT",
+    "UNIT_CODES",
+    "GroupSums",
+    "Parts",
+    "ReducedGroup",
+    "Slot",
+    "combine",
+    "group_position",
+    "split",
+]
 
 #: Counts travel as ``hi · COUNT_SPLIT + lo``: see the module docstring.
 COUNT_SPLIT = 2**24
@@ -71,7 +81,8 @@ def group_position(batch_idx: int, accumulate: int) -> int:
     return batch_idx % accumulate
 
 
-def _split(total: int) -> tuple[float, float]:
+def split(total: int) -> tuple[float, float]:
+    """``(hi, lo)`` with ``total = hi · COUNT_SPLIT + lo`` and ``0 <= lo < COUNT_SPLIT``, as floats."""
     hi, lo = divmod(total, COUNT_SPLIT)
     return float(hi), float(lo)
 
@@ -110,6 +121,22 @@ class ReducedGroup:
             unit_code=values[Slot.UNIT_CODE],
             ended=round(values[Slot.LAST]),
         )
+
+
+class Parts(NamedTuple):
+    """A group's values where they are, before they are summed over replicas (:meth:`GroupSums.parts`)."""
+
+    #: Host values by slot.
+    host: list[float]
+    #: The slot each entry of :attr:`source` is added to (a slot may appear several times, and in :attr:`host`).
+    positions: list[int]
+    #: The device values, a 1-d float64 tensor (``None`` when there is none).
+    source: Tensor | None
+    #: ``Σ w`` of the counts reported as tensors, a device scalar (``None`` when every weight is on the host).
+    units: Tensor | None
+    #: ``(index, hi_slot, lo_slot)``: the entry of :attr:`source` that is a single count, to split into its parts
+    #: on the host (its negative-count flag included) once read.
+    single_count: tuple[int, Slot, Slot] | None
 
 
 class GroupSums:
@@ -158,19 +185,26 @@ class GroupSums:
         vector: the host values are one cached device tensor (they repeat from update to update), to which the
         device values are added by one ``index_add``.
         """
-        return combine(*self.parts(device, unit, extra, device_extra), device)
+        parts = self.parts(device, unit, extra, device_extra)
+        return combine(parts.host, parts.positions, parts.source, device)
 
     def parts(
-        self, device: torch.device, unit: str | None, extra: Mapping[Slot, float], device_extra: Mapping[Slot, Tensor]
-    ) -> tuple[list[float], list[int], Tensor | None]:
-        """The group's values where they are: ``(host, positions, source)``, the host floats by slot (``extra``
-        included) and the device values as one 1-d float64 tensor on ``device`` to add at ``positions`` (``None``
-        when there is none; a slot may appear in both, its value is the sum).
+        self,
+        device: torch.device,
+        unit: str | None,
+        extra: Mapping[Slot, float],
+        device_extra: Mapping[Slot, Tensor],
+        read_here: bool = False,
+    ) -> Parts:
+        """The group's values where they are (see :class:`Parts`): host floats by slot (``extra`` included), and
+        the device values as one 1-d float64 tensor on ``device``.
 
         A handful of tensor operations whatever the number of micro-batches. The common cases take the fewest:
         weights known on the host (samples, batches, or token counts reported as ints) weight the losses with one
         product (one micro-batch) or one matrix-vector product; token counts reported as tensors form their sums
-        (the count parts, ``Σ w`` and ``Σ w·loss``) with one sum over a stacked matrix.
+        (the count parts, ``Σ w`` and ``Σ w·loss``) with one sum over a stacked matrix. ``read_here``: the values are
+        read on the host as they are (one replica, nothing summed), so a single micro-batch's token count travels as
+        its float64 weight and is split into its parts on the host (:attr:`Parts.single_count`).
         """
         host = [0.0] * VECTOR_SIZE
         for slot, value in extra.items():
@@ -179,13 +213,13 @@ class GroupSums:
             host[slot] += value
         positions: list[int] = []
         sources: list[Tensor] = []  # 1-d float64 tensors on `device`, added at `positions` in order
-        for slot, scalar in device_extra.items():
-            positions.append(slot)
-            sources.append(scalar.to(device=device, dtype=torch.float64).reshape(1))
+        scalars = [(slot, scalar.to(device=device, dtype=torch.float64)) for slot, scalar in device_extra.items()]
         losses = self.losses
         weights = self.tokens if unit == "tokens" else self.samples if unit == "samples" else None
         weighted = False  # Σ w·loss formed (with the unit's tensor counts)
         host_units = 0.0
+        units: Tensor | None = None
+        count: tuple[int, Slot, Slot] | None = None
         for values, hi_slot, lo_slot in (
             (self.tokens, Slot.TOKENS_HI, Slot.TOKENS_LO),
             (self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
@@ -195,12 +229,24 @@ class GroupSums:
             tensors = [v for v in values if isinstance(v, Tensor)]
             if len(tensors) < len(values):
                 total = sum(v for v in values if not isinstance(v, Tensor))
-                hi, lo = _split(total)
+                hi, lo = split(total)
                 host[hi_slot] += hi
                 host[lo_slot] += lo
                 if values is weights:
                     host_units = float(total)
             if not tensors:
+                continue
+            if read_here and values is weights and len(tensors) == len(losses) == 1:
+                # One micro-batch read on this host: its weight w, and w · loss (where() keeps an empty micro-batch's
+                # NaN mean out), travel as scalars; w is split into the count's parts after the read.
+                weight = tensors[0].to(device=device, dtype=torch.float64)
+                count = (len(scalars), hi_slot, lo_slot)
+                scalars += [
+                    (Slot.UNITS, weight),
+                    (Slot.WEIGHTED_LOSS, torch.where(weight > 0, losses[0], 0.0) * weight),
+                ]
+                units = weight
+                weighted = True
                 continue
             stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
             rows = [
@@ -219,7 +265,10 @@ class GroupSums:
                     rows.append(torch.where(counts > 0, losses64, 0.0) * counts)
                     positions.append(Slot.WEIGHTED_LOSS)
                     weighted = True
-            sources.append(torch.stack(rows).sum(1, dtype=torch.float64))
+            sums = torch.stack(rows).sum(1, dtype=torch.float64)
+            if read_here and values is weights:
+                units = sums[3]
+            sources.append(sums)
         if losses and not weighted:
             positions.append(Slot.WEIGHTED_LOSS)
             if weights is None:  # every micro-batch weighs 1
@@ -240,9 +289,11 @@ class GroupSums:
                 losses64 = torch.stack(losses).to(device=device, dtype=torch.float64)
                 vector = _as_float64_vector(weights or [], device)
                 sources.append(torch.dot(torch.where(vector > 0, losses64, 0.0), vector).reshape(1))
-        if not sources:
-            return host, positions, None
-        return host, positions, sources[0] if len(sources) == 1 else torch.cat(sources)
+        if scalars:  # the device scalars first, in one stack
+            positions[:0] = [slot for slot, _ in scalars]
+            sources.insert(0, torch.stack([scalar for _, scalar in scalars]))
+        source = None if not sources else sources[0] if len(sources) == 1 else torch.cat(sources)
+        return Parts(host, positions, source, units, count)
 
     # ------------------------------------------------------------------ across a checkpoint
 
@@ -262,8 +313,8 @@ class GroupSums:
         else:
             units, weighted, tokens, samples, negative = (float(v) for v in sums)
             group.carried = {Slot.UNITS: units, Slot.WEIGHTED_LOSS: weighted, Slot.NEGATIVE: negative}
-            group.carried[Slot.TOKENS_HI], group.carried[Slot.TOKENS_LO] = _split(round(tokens))
-            group.carried[Slot.SAMPLES_HI], group.carried[Slot.SAMPLES_LO] = _split(round(samples))
+            group.carried[Slot.TOKENS_HI], group.carried[Slot.TOKENS_LO] = split(round(tokens))
+            group.carried[Slot.SAMPLES_HI], group.carried[Slot.SAMPLES_LO] = split(round(samples))
         return group
 
 
