@@ -168,6 +168,7 @@ class AccumulationEngine:
         self._warned_partial = False
         self._warned_empty = False
         self._listeners: list[GroupListener] = []
+        self._clean_flag: Tensor | None = None  # a NaN/Inf flag read as zero, for the next check to write into
 
     # ------------------------------------------------------------------ options and binding
 
@@ -253,7 +254,7 @@ class AccumulationEngine:
         # The micro-batch's number of samples as a host int when known without a device read (for the listeners).
         size = samples_c if type(samples_c) is int else infer_num_samples(batch)
         # A step that reports `num_samples` itself chose samples: no hint that tokens were probably intended.
-        reported = isinstance(output, Mapping) and output.get("num_samples") is not None
+        reported = (type(output) is dict or isinstance(output, Mapping)) and output.get("num_samples") is not None
         unit = self.ledger.normalization or self._decide_unit(
             tokens_c is not None, samples_c is not None, None if reported else batch
         )
@@ -387,9 +388,13 @@ class AccumulationEngine:
                     factor: float | Tensor = c / w
                 else:
                     factor = c / w if w != 0 else math.inf  # as c / 0 on the device
-                found = rescale_gradients(gradients, factor, check_gradients)
+                flag = self._clean_flag
+                self._clean_flag = None  # written below: clean again only once read as zero
+                found = rescale_gradients(gradients, factor, check_gradients, flag)
             read = source if found is None else found if source is None else torch.cat((source, found))
             values = host + (read.tolist() if read is not None else [])  # the one host read
+            if found is not None and found.numel() == 1 and values[-1] == 0:
+                self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
             for index, slot in enumerate(positions):
                 values[slot] += values[VECTOR_SIZE + index]
             if count is not None:  # a single count read as its float64 weight: its exact parts

@@ -45,7 +45,7 @@ GradientsByKind = Mapping[tuple[torch.device, torch.dtype], list[Tensor]]
 
 
 def rescale_gradients(
-    gradients: Sequence[Tensor] | GradientsByKind, factor: Tensor | float, check: bool
+    gradients: Sequence[Tensor] | GradientsByKind, factor: Tensor | float, check: bool, flag: Tensor | None = None
 ) -> Tensor | None:
     """Multiply ``gradients`` in place by ``factor`` (a device scalar, or a float known on the host); with ``check``,
     also return a tensor whose sum is positive when a gradient held a NaN/Inf before the multiplication (no host
@@ -56,7 +56,9 @@ def rescale_gradients(
     arithmetic with the float32 factor, rounded once, as :func:`scale_gradients`), a multiply plus norms for
     float64. ``gradients`` may come grouped already (a mapping as :func:`by_kind` returns, e.g. from a layout the
     caller keeps for the run), which saves grouping them on every update. A float ``factor`` is rounded as a device
-    scalar would be (float32 below 64 bits), from a cached tensor: no operation forms it.
+    scalar would be (float32 below 64 bits), from a cached tensor: no operation forms it. ``flag``: a float32 zero of
+    one element on the gradients' device, for the check of the first kind to write into (the caller keeps it between
+    updates and knows from its read whether it is still zero); a new one otherwise.
 
     Example:
         >>> g = [torch.tensor([1.0, float("nan")])]
@@ -81,7 +83,8 @@ def rescale_gradients(
             continue
         factor32 = _float32_scalar(factor, device) if on_host else factor.to(device, torch.float32)  # type: ignore
         if check:
-            flag = torch.zeros(1, dtype=torch.float32, device=device)
+            if flag is None or flags or flag.device != device or flag.dtype != torch.float32:
+                flag = torch.zeros(1, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, factor32)
             flags.append(flag)
         else:

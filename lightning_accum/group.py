@@ -87,7 +87,7 @@ def split(total: int) -> tuple[float, float]:
     return float(hi), float(lo)
 
 
-@dataclass
+@dataclass(slots=True)
 class ReducedGroup:
     """The values of a group's vector after the sum over replicas, read on the host.
 
