@@ -836,21 +836,22 @@ def write_results(
 
 #: Why the rest of the package's time stays (see the parts table of RESULTS.md and docs/internals.md).
 REMAINING = (
-    "Why it stays. *Lightning's dispatch of the callbacks' hooks*: Lightning calls every hook of every callback,"
-    " overridden or not, each inside a profiler context (four per micro-batch and two per update for each"
-    " callback); that is what any callback costs in Lightning, and the package's earlier way around it (silencing"
-    " unused hooks through Lightning's dispatch internals) was removed as too fragile (docs/internals.md)."
-    " *Per micro-batch*: reading the step's output and its count on the host, and one autograd node (`addcmul`,"
-    " `loss · w · (1/c)`) in place of Lightning's `loss / A`, plus the detached loss the close needs: two tensor"
-    " operations, each an eager dispatch of a few microseconds on this CPU (more on a cold cache after a model's"
-    " backward); where counts are device tensors the first micro-batch of a group also forms `c` on the device"
-    " without a host read. *Group close*: after this round, the fewest tensor operations found for each case (one"
-    " replica with weights on the host: one product for `Σ w·loss`, the fused check-and-rescale (into a flag kept"
-    " between updates), one concatenation and the one host read; counts as device tensors: their stacked sums), then the decision and the"
-    " ledger in Python. *The rescale*: one fused pass over every gradient that also finds NaN/Inf (the non-finite"
-    " guard, `on_nonfinite='skip'`); plain Lightning needs no such pass, since it folds `1/A` into the loss, but the"
-    " exact factor `c·D/W` is known only after the group's last backward (streaming data: no look-ahead). Its memory"
-    " traffic grows with the parameters: on the small GPT it is a floor of the close."
+    "Why it stays. *Lightning's dispatch of the callbacks' hooks*: Lightning calls every hook of every callback, "
+    "overridden or not, each inside a profiler context (four per micro-batch and two per update for each "
+    "callback); that is what any callback costs in Lightning, and the package's earlier way around it (silencing "
+    "unused hooks through Lightning's dispatch internals) was removed as too fragile (docs/internals.md). *Per "
+    "micro-batch*: reading the step's output and its count on the host, and one autograd node (`addcmul`, `loss ·"
+    " w · (1/c)`) in place of Lightning's `loss / A`, plus the detached loss the close needs: two tensor "
+    "operations, each an eager dispatch of a few microseconds on this CPU (more on a cold cache after a model's "
+    "backward); where counts are device tensors the first micro-batch of a group also forms `c` on the device "
+    "without a host read. *Group close*: after this round, the fewest tensor operations found for each case (one "
+    "replica with weights on the host: one product for `Σ w·loss`, the fused check-and-rescale (into a flag kept "
+    "between updates), one concatenation and the one host read; counts as device tensors: their stacked sums), "
+    "then the decision and the ledger in Python. *The rescale*: one fused pass over every gradient that also "
+    "finds NaN/Inf (the non-finite guard, `on_nonfinite='skip'`); plain Lightning needs no such pass, since it "
+    "folds `1/A` into the loss, but the exact factor `c·D/W` is known only after the group's last backward "
+    "(streaming data: no look-ahead). Its memory traffic grows with the parameters: on the small GPT it is a "
+    "floor of the close."
 )
 
 
