@@ -17,7 +17,7 @@ __all__ = ["GroupOutcome", "check_agreement", "classify"]
 Action = Literal["apply", "skip", "drop"]
 
 
-@dataclass
+@dataclass(slots=True)
 class GroupOutcome:
     """What to do with a closed group.
 

@@ -63,8 +63,8 @@ import torch
 from torch import Tensor
 
 from lightning_accum.decision import GroupOutcome, check_agreement, classify
-from lightning_accum.gradients import rescale_gradients
-from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot
+from lightning_accum.gradients import GradientsByKind, rescale_gradients
+from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot, combine, split
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count, as_count, choose_unit, infer_num_samples, parse_step_output, unit_weight
 from lightning_accum.options import AccumulationOptions
@@ -170,6 +170,7 @@ class AccumulationEngine:
         self._warned_partial = False
         self._warned_empty = False
         self._listeners: list[GroupListener] = []
+        self._clean_flag: Tensor | None = None  # a NaN/Inf flag read as zero, for the next check to write into
 
     # ------------------------------------------------------------------ options and binding
 
@@ -258,7 +259,7 @@ class AccumulationEngine:
         # The micro-batch's number of samples as a host int when known without a device read (for the listeners).
         size = samples_c if type(samples_c) is int else infer_num_samples(batch)
         # A step that reports `num_samples` itself chose samples: no hint that tokens were probably intended.
-        reported = isinstance(output, Mapping) and output.get("num_samples") is not None
+        reported = (type(output) is dict or isinstance(output, Mapping)) and output.get("num_samples") is not None
         unit = self.ledger.normalization or self._decide_unit(
             tokens_c is not None, samples_c is not None, None if reported else batch
         )
@@ -347,7 +348,7 @@ class AccumulationEngine:
         self,
         accumulate: int,
         ends_epoch: bool = False,
-        gradients: Sequence[Tensor] | None = None,
+        gradients: Sequence[Tensor] | GradientsByKind | None = None,
         check_gradients: bool = False,
         describe_nonfinite: Callable[[], str] | None = None,
     ) -> GroupOutcome:
@@ -360,7 +361,8 @@ class AccumulationEngine:
             gradients: The group's accumulated gradients (what the strategies pass). They are multiplied in place
                 by ``c · D / W`` on the device, before the host read, and the outcome says so (``scaled``); the
                 caller zeroes them when the outcome is not ``"apply"``. Under DDP they are the gradients DDP has
-                already averaged over replicas, identical on every replica.
+                already averaged over replicas, identical on every replica. A flat sequence, or a mapping by device
+                and dtype (:data:`~lightning_accum.gradients.GradientsByKind`, as the strategies keep it per run).
             check_gradients: With ``gradients``: check them for NaN/Inf in the same pass as the rescale (the
                 kernel GradScaler unscales with; checked before multiplying), for ``on_nonfinite`` "skip" and
                 "raise". Every replica checks the same averaged gradient, so all take the same decision.
@@ -371,35 +373,68 @@ class AccumulationEngine:
             RuntimeError: Replicas disagree on the number of micro-batches or on the unit; or the gradient
                 is non-finite under ``on_nonfinite="raise"``.
         """
-        sums, device, replicas = self._sums, self.device, self.replicas.size
+        sums, replicas, unit = self._sums, self.replicas.size, self.ledger.normalization
         k = sums.microbatches
         ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
         extra = {
             Slot.MICROBATCHES: float(k),
-            Slot.UNIT_CODE: UNIT_CODES.get(self.ledger.normalization or "", 0.0),
+            Slot.UNIT_CODE: UNIT_CODES.get(unit or "", 0.0),
             Slot.LAST: 1.0 if ends_epoch else 0.0,
         }
-        device_extra: dict[Slot, Tensor] = {}
+        device_extra: Mapping[Slot, Tensor] = _NO_DEVICE_VALUES
         if isinstance(ref, Tensor):
-            device_extra[Slot.SCALE_REF] = ref.to(device=device, dtype=torch.float64)
+            device_extra = {Slot.SCALE_REF: ref}
         else:
             extra[Slot.SCALE_REF] = float(ref)
-        vector = self.replicas.sum_(sums.local_vector(device, self.ledger.normalization, extra, device_extra))
+        device = self.device
+        # One replica: nothing is summed, so the host values stay on the host, only the device values are read, and
+        # the factor c / W is a float when both are known on the host.
+        here = (self.replicas.reduce_sum is None or replicas == 1) and self.replicas.check_sum is None
+        host, positions, source, device_units, count = sums.parts(device, unit, extra, device_extra, read_here=here)
         found: Tensor | None = None
-        if gradients:
-            # c · D / W on the device: the gradient is rescaled before anything is read on the host.
-            found = rescale_gradients(gradients, vector[Slot.SCALE_REF] / vector[Slot.UNITS], check_gradients)
-            if found is not None and self.replicas.check_sum is not None:
-                # Sharded gradients: each rank checked its own shard; every rank must take the same decision.
-                found = self.replicas.check_sum(found.to(torch.float64).sum().reshape(1))
-        values = (torch.cat((vector, found)) if found is not None else vector).tolist()  # the one host read
+        if here:
+            if gradients:
+                c: float | Tensor = device_extra[Slot.SCALE_REF] if device_extra else host[_SCALE_REF]
+                w: float | Tensor = host[_UNITS]
+                if device_units is not None:
+                    w = device_units + w if w else device_units
+                if isinstance(c, Tensor) or isinstance(w, Tensor):
+                    factor: float | Tensor = c / w
+                else:
+                    factor = c / w if w != 0 else math.inf  # as c / 0 on the device
+                flag = self._clean_flag
+                self._clean_flag = None  # written below: clean again only once read as zero
+                found = rescale_gradients(gradients, factor, check_gradients, flag)
+            read = source if found is None else found if source is None else torch.cat((source, found))
+            values = host + (read.tolist() if read is not None else [])  # the one host read
+            if found is not None and found.numel() == 1 and values[-1] == 0:
+                self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
+            for index, slot in enumerate(positions):
+                values[slot] += values[VECTOR_SIZE + index]
+            if count is not None:  # a single count read as its float64 weight: its exact parts
+                index, hi_slot, lo_slot = count
+                total = round(values[VECTOR_SIZE + index])
+                hi, lo = split(total)
+                values[hi_slot] += hi
+                values[lo_slot] += lo
+                values[Slot.NEGATIVE] += total < 0
+            del values[VECTOR_SIZE : VECTOR_SIZE + len(positions)]
+        else:
+            vector = self.replicas.sum_(combine(host, positions, source, device))
+            if gradients:
+                # c · D / W on the device: the gradient is rescaled before anything is read on the host.
+                found = rescale_gradients(gradients, vector[_SCALE_REF] / vector[_UNITS], check_gradients)
+                if found is not None and self.replicas.check_sum is not None:
+                    # Sharded gradients: each rank checked its own shard; every rank must take the same decision.
+                    found = self.replicas.check_sum(found.to(torch.float64).sum().reshape(1))
+            values = (torch.cat((vector, found)) if found is not None else vector).tolist()  # the one host read
 
         self._sums = GroupSums()
         self._group_ref = None
         reduced = ReducedGroup.from_values(values)
         carried = sums.carried_microbatches  # known alike on every replica (from the checkpoint)
         checked = dataclasses.replace(reduced, microbatches=reduced.microbatches - carried) if carried else reduced
-        check_agreement(checked, k, replicas, ends_epoch, self.ledger.normalization)
+        check_agreement(checked, k, replicas, ends_epoch, unit)
         units = reduced.units
         record = GroupRecord(
             loss=reduced.weighted_loss / units if units > 0 else math.nan,
@@ -639,6 +674,8 @@ class AccumulationEngine:
 
 
 _ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+_NO_DEVICE_VALUES: Mapping[Slot, Tensor] = {}
+_SCALE_REF, _UNITS = int(Slot.SCALE_REF), int(Slot.UNITS)
 
 
 def _zero(device: torch.device, dtype: torch.dtype) -> Tensor:

@@ -6,12 +6,12 @@ No Lightning here; collectives arrive as a ``reduce_sum(tensor)`` callable.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["by_kind", "rescale_gradients", "scale_gradients", "scaler_skipped", "summed_gradients"]
+__all__ = ["GradientsByKind", "by_kind", "rescale_gradients", "scale_gradients", "scaler_skipped", "summed_gradients"]
 
 
 def by_kind(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
@@ -40,37 +40,72 @@ def scale_gradients(parameters: Iterable[Tensor], factor: float) -> None:
             torch._foreach_mul_(grads, factor)
 
 
-def rescale_gradients(gradients: Sequence[Tensor], factor: Tensor, check: bool) -> Tensor | None:
-    """Multiply ``gradients`` in place by the device scalar ``factor``; with ``check``, also return a tensor whose
-    sum is positive when a gradient held a NaN/Inf before the multiplication (no host read).
+#: Gradients grouped by device and dtype (what :func:`by_kind` returns), one fused kernel per group.
+GradientsByKind = Mapping[tuple[torch.device, torch.dtype], list[Tensor]]
+
+
+def rescale_gradients(
+    gradients: Sequence[Tensor] | GradientsByKind, factor: Tensor | float, check: bool, flag: Tensor | None = None
+) -> Tensor | None:
+    """Multiply ``gradients`` in place by ``factor`` (a device scalar, or a float known on the host); with ``check``,
+    also return a tensor whose sum is positive when a gradient held a NaN/Inf before the multiplication (no host
+    read).
 
     One kernel per device and dtype: GradScaler's fused check-and-multiply
     (``torch._amp_foreach_non_finite_check_and_unscale_``) for floating-point gradients up to 32 bits (float32
     arithmetic with the float32 factor, rounded once, as :func:`scale_gradients`), a multiply plus norms for
-    float64.
+    float64. ``gradients`` may come grouped already (a mapping as :func:`by_kind` returns, e.g. from a layout the
+    caller keeps for the run), which saves grouping them on every update. A float ``factor`` is rounded as a device
+    scalar would be (float32 below 64 bits), from a cached tensor: no operation forms it. ``flag``: a float32 zero of
+    one element on the gradients' device, for the check of the first kind to write into (the caller keeps it between
+    updates and knows from its read whether it is still zero); a new one otherwise.
 
     Example:
         >>> g = [torch.tensor([1.0, float("nan")])]
         >>> flag = rescale_gradients(g, torch.tensor(2.0), check=True)
         >>> float(flag.sum()) > 0
         True
+        >>> g = [torch.tensor([1.0, 3.0])]
+        >>> rescale_gradients(g, 0.5, check=False), g[0]
+        (None, tensor([0.5000, 1.5000]))
     """
     flags: list[Tensor] = []
-    for (device, dtype), grads in by_kind(gradients).items():
+    groups = gradients if isinstance(gradients, Mapping) else by_kind(gradients)
+    on_host = not isinstance(factor, Tensor)
+    for (device, dtype), grads in groups.items():
+        if not grads:
+            continue
         if dtype == torch.float64:
             if check:
                 norms = torch.stack(torch._foreach_norm(grads)).sum()
                 flags.append((~torch.isfinite(norms)).to(torch.float64).reshape(1))
-            torch._foreach_mul_(grads, factor.to(device))
-        elif check:
-            flag = torch.zeros(1, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, factor.to(device, torch.float32))
+            torch._foreach_mul_(grads, factor if on_host else factor.to(device))  # type: ignore[union-attr]
+            continue
+        factor32 = _float32_scalar(factor, device) if on_host else factor.to(device, torch.float32)  # type: ignore
+        if check:
+            if flag is None or flags or flag.device != device or flag.dtype != torch.float32:
+                flag = torch.zeros(1, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, factor32)
             flags.append(flag)
         else:
-            torch._foreach_mul_(grads, factor.to(device, torch.float32))
+            torch._foreach_mul_(grads, factor32)
     if not flags:
         return None
     return flags[0] if len(flags) == 1 else torch.cat([f.to(flags[0].device, torch.float64) for f in flags])
+
+
+_SCALARS: dict[tuple[float, torch.device], Tensor] = {}
+
+
+def _float32_scalar(value: float, device: torch.device) -> Tensor:
+    """A cached float32 scalar tensor of ``value`` on ``device`` (a run's factor repeats when its groups do)."""
+    key = (value, device)
+    cached = _SCALARS.get(key)
+    if cached is None:
+        if len(_SCALARS) >= 256:
+            _SCALARS.clear()
+        cached = _SCALARS[key] = torch.tensor(value, dtype=torch.float32, device=device)
+    return cached
 
 
 def scaler_skipped(scale_before: float, scale_after: float) -> bool:

@@ -16,14 +16,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from lightning_accum.microbatch import Count
 
-__all__ = ["COUNT_SPLIT", "UNIT_CODES", "GroupSums", "ReducedGroup", "Slot", "group_position"]
+__all__ = [
+    "COUNT_SPLIT",
+    "UNIT_CODES",
+    "GroupSums",
+    "Parts",
+    "ReducedGroup",
+    "Slot",
+    "combine",
+    "group_position",
+    "split",
+]
 
 #: Counts travel as ``hi · COUNT_SPLIT + lo``: see the module docstring.
 COUNT_SPLIT = 2**24
@@ -71,12 +81,13 @@ def group_position(batch_idx: int, accumulate: int) -> int:
     return batch_idx % accumulate
 
 
-def _split(total: int) -> tuple[float, float]:
+def split(total: int) -> tuple[float, float]:
+    """``(hi, lo)`` with ``total = hi · COUNT_SPLIT + lo`` and ``0 <= lo < COUNT_SPLIT``, as floats."""
     hi, lo = divmod(total, COUNT_SPLIT)
     return float(hi), float(lo)
 
 
-@dataclass
+@dataclass(slots=True)
 class ReducedGroup:
     """The values of a group's vector after the sum over replicas, read on the host.
 
@@ -110,6 +121,22 @@ class ReducedGroup:
             unit_code=values[Slot.UNIT_CODE],
             ended=round(values[Slot.LAST]),
         )
+
+
+class Parts(NamedTuple):
+    """A group's values where they are, before they are summed over replicas (:meth:`GroupSums.parts`)."""
+
+    #: Host values by slot.
+    host: list[float]
+    #: The slot each entry of :attr:`source` is added to (a slot may appear several times, and in :attr:`host`).
+    positions: list[int]
+    #: The device values, a 1-d float64 tensor (``None`` when there is none).
+    source: Tensor | None
+    #: ``Σ w`` of the counts reported as tensors, a device scalar (``None`` when every weight is on the host).
+    units: Tensor | None
+    #: ``(index, hi_slot, lo_slot)``: the entry of :attr:`source` that is a single count, to split into its parts
+    #: on the host (its negative-count flag included) once read.
+    single_count: tuple[int, Slot, Slot] | None
 
 
 class GroupSums:
@@ -188,60 +215,121 @@ class GroupSums:
     def local_vector(
         self, device: torch.device, unit: str | None, extra: Mapping[Slot, float], device_extra: Mapping[Slot, Tensor]
     ) -> Tensor:
-        """This replica's contribution to the group's reduced vector (:class:`Slot` layout).
+        """This replica's contribution to the group's reduced vector (:class:`Slot` layout), a new tensor.
 
-        ``extra`` adds host values and ``device_extra`` device scalars by slot. About a dozen tensor operations
-        whatever the number of micro-batches.
+        ``extra`` adds host values and ``device_extra`` device scalars by slot. The values of :meth:`parts` in one
+        vector: the host values are one cached device tensor (they repeat from update to update), to which the
+        device values are added by one ``index_add``.
+        """
+        parts = self.parts(device, unit, extra, device_extra)
+        return combine(parts.host, parts.positions, parts.source, device)
+
+    def parts(
+        self,
+        device: torch.device,
+        unit: str | None,
+        extra: Mapping[Slot, float],
+        device_extra: Mapping[Slot, Tensor],
+        read_here: bool = False,
+    ) -> Parts:
+        """The group's values where they are (see :class:`Parts`): host floats by slot (``extra`` included), and
+        the device values as one 1-d float64 tensor on ``device``.
+
+        A handful of tensor operations whatever the number of micro-batches. The common cases take the fewest:
+        weights known on the host (samples, batches, or token counts reported as ints) weight the losses with one
+        product (one micro-batch) or one matrix-vector product; token counts reported as tensors form their sums
+        (the count parts, ``Σ w`` and ``Σ w·loss``) with one sum over a stacked matrix. ``read_here``: the values are
+        read on the host as they are (one replica, nothing summed), so a single micro-batch's token count travels as
+        its float64 weight and is split into its parts on the host (:attr:`Parts.single_count`).
         """
         host = [0.0] * VECTOR_SIZE
         for slot, value in extra.items():
             host[slot] += value
         for slot, value in self.carried.items():
             host[slot] += value
-        parts: list[tuple[int, Tensor]] = [(int(slot), value) for slot, value in device_extra.items()]
-        weights: dict[str, tuple[Tensor | None, float]] = {}
-        for name, values, hi_slot, lo_slot in (
-            ("tokens", self.tokens, Slot.TOKENS_HI, Slot.TOKENS_LO),
-            ("samples", self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
+        positions: list[int] = []
+        sources: list[Tensor] = []  # 1-d float64 tensors on `device`, added at `positions` in order
+        scalars = [(slot, scalar.to(device=device, dtype=torch.float64)) for slot, scalar in device_extra.items()]
+        losses = self.losses
+        weights = self.tokens if unit == "tokens" else self.samples if unit == "samples" else None
+        weighted = False  # Σ w·loss formed (with the unit's tensor counts)
+        host_units = 0.0
+        units: Tensor | None = None
+        count: tuple[int, Slot, Slot] | None = None
+        for values, hi_slot, lo_slot in (
+            (self.tokens, Slot.TOKENS_HI, Slot.TOKENS_LO),
+            (self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
         ):
-            total = sum(v for v in values if not isinstance(v, Tensor))
-            hi, lo = _split(total)
-            host[hi_slot] += hi
-            host[lo_slot] += lo
+            if not values:
+                continue
             tensors = [v for v in values if isinstance(v, Tensor)]
+            if len(tensors) < len(values):
+                total = sum(v for v in values if not isinstance(v, Tensor))
+                hi, lo = split(total)
+                host[hi_slot] += hi
+                host[lo_slot] += lo
+                if values is weights:
+                    host_units = float(total)
             if not tensors:
-                weights[name] = (None, float(total))
+                continue
+            if read_here and values is weights and len(tensors) == len(losses) == 1:
+                # One micro-batch read on this host: its weight w, and w · loss (where() keeps an empty micro-batch's
+                # NaN mean out), travel as scalars; w is split into the count's parts after the read.
+                weight = tensors[0].to(device=device, dtype=torch.float64)
+                count = (len(scalars), hi_slot, lo_slot)
+                scalars += [
+                    (Slot.UNITS, weight),
+                    (Slot.WEIGHTED_LOSS, torch.where(weight > 0, losses[0], 0.0) * weight),
+                ]
+                units = weight
+                weighted = True
                 continue
             stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
-            high = torch.div(stacked, COUNT_SPLIT, rounding_mode="floor")
-            parts += [
-                (hi_slot, high.sum().to(torch.float64)),
-                (lo_slot, (stacked - high * COUNT_SPLIT).sum().to(torch.float64)),
-                (Slot.NEGATIVE, (stacked < 0).sum().to(torch.float64)),
+            rows = [
+                torch.div(stacked, COUNT_SPLIT, rounding_mode="floor"),
+                torch.remainder(stacked, COUNT_SPLIT),
+                stacked < 0,
             ]
-            weights[name] = (stacked.to(torch.float64), float(total))
-        if self.losses:
-            losses = torch.stack(self.losses).to(device=device, dtype=torch.float64)
-            if unit not in weights:  # every micro-batch weighs 1
-                host[Slot.UNITS] += len(self.losses)
-                parts.append((Slot.WEIGHTED_LOSS, losses.sum()))
+            positions += (hi_slot, lo_slot, Slot.NEGATIVE)
+            if values is weights:
+                counts = stacked.to(torch.float64)
+                rows.append(counts)  # Σ w of the tensor counts
+                positions.append(Slot.UNITS)
+                if len(tensors) == len(losses):  # every weight is a tensor: Σ w·loss in the same sum
+                    losses64 = torch.stack(losses).to(device=device, dtype=torch.float64)
+                    # where() keeps an empty micro-batch's NaN mean out.
+                    rows.append(torch.where(counts > 0, losses64, 0.0) * counts)
+                    positions.append(Slot.WEIGHTED_LOSS)
+                    weighted = True
+            sums = torch.stack(rows).sum(1, dtype=torch.float64)
+            if read_here and values is weights:
+                units = sums[3]
+            sources.append(sums)
+        if losses and not weighted:
+            positions.append(Slot.WEIGHTED_LOSS)
+            if weights is None:  # every micro-batch weighs 1
+                host[Slot.UNITS] += len(losses)
+                known: tuple[float, ...] | None = (1.0,) * len(losses)
             else:
-                values = self.tokens if unit == "tokens" else self.samples
-                tensor_weights, host_total = weights[unit]
-                host[Slot.UNITS] += host_total
-                if tensor_weights is not None:
-                    parts.append((Slot.UNITS, tensor_weights.sum()))
-                if tensor_weights is None or len(tensor_weights) != len(values):  # ints, or ints and tensors: rare
-                    tensor_weights = _as_float64_vector(values, device)
-                # Σ w·loss in micro-batch order; where() keeps an empty micro-batch's NaN mean out.
-                parts.append(
-                    (Slot.WEIGHTED_LOSS, torch.dot(torch.where(tensor_weights > 0, losses, 0.0), tensor_weights))
-                )
-        vector = torch.tensor(host, dtype=torch.float64, device=device)
-        if parts:
-            positions = tuple(index for index, _ in parts)
-            vector.index_add_(0, _positions(positions, device), torch.stack([part for _, part in parts]))
-        return vector
+                host[Slot.UNITS] += host_units
+                known = tuple(float(v) for v in weights if not isinstance(v, Tensor))
+                if len(known) != len(weights) or not all(w > 0 for w in known):
+                    known = None  # empty micro-batches, or ints and tensors mixed: rare
+            if known is not None and len(losses) == 1 and losses[0].device == device:
+                # One micro-batch (A = 1): w · loss in one product, a float32 loss promoted by the float64 weight.
+                sources.append(losses[0] * _cached(("weight", known, device), known, device, torch.float64))
+            elif known is not None:  # weights known on the host
+                losses64 = torch.stack(losses).to(device=device, dtype=torch.float64)
+                sources.append(torch.mv(_cached(("weights", known, device), [known], device, torch.float64), losses64))
+            else:
+                losses64 = torch.stack(losses).to(device=device, dtype=torch.float64)
+                vector = _as_float64_vector(weights or [], device)
+                sources.append(torch.dot(torch.where(vector > 0, losses64, 0.0), vector).reshape(1))
+        if scalars:  # the device scalars first, in one stack
+            positions[:0] = [slot for slot, _ in scalars]
+            sources.insert(0, torch.stack([scalar for _, scalar in scalars]))
+        source = None if not sources else sources[0] if len(sources) == 1 else torch.cat(sources)
+        return Parts(host, positions, source, units, count)
 
     # ------------------------------------------------------------------ across a checkpoint
 
@@ -261,21 +349,33 @@ class GroupSums:
         else:
             units, weighted, tokens, samples, negative = (float(v) for v in sums)
             group.carried = {Slot.UNITS: units, Slot.WEIGHTED_LOSS: weighted, Slot.NEGATIVE: negative}
-            group.carried[Slot.TOKENS_HI], group.carried[Slot.TOKENS_LO] = _split(round(tokens))
-            group.carried[Slot.SAMPLES_HI], group.carried[Slot.SAMPLES_LO] = _split(round(samples))
+            group.carried[Slot.TOKENS_HI], group.carried[Slot.TOKENS_LO] = split(round(tokens))
+            group.carried[Slot.SAMPLES_HI], group.carried[Slot.SAMPLES_LO] = split(round(samples))
         return group
 
 
-_POSITIONS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+#: Device tensors that repeat from update to update (a group's host values, its layout, its host weights), by key.
+_CACHE: dict[tuple[Any, ...], Tensor] = {}
+_CACHE_LIMIT = 256  # emptied when full (counts that vary every update make new keys)
 
 
-def _positions(positions: tuple[int, ...], device: torch.device) -> Tensor:
-    """A cached index tensor (a group's layout repeats every update)."""
-    key = (positions, device)
-    cached = _POSITIONS.get(key)
+def _cached(key: tuple[Any, ...], values: Sequence[Any], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A cached tensor of ``values`` (never modified: callers make new tensors from it)."""
+    cached = _CACHE.get(key)
     if cached is None:
-        cached = _POSITIONS[key] = torch.tensor(positions, dtype=torch.int64, device=device)
+        if len(_CACHE) >= _CACHE_LIMIT:
+            _CACHE.clear()
+        cached = _CACHE[key] = torch.tensor(values, dtype=dtype, device=device)
     return cached
+
+
+def combine(host: Sequence[float], positions: Sequence[int], source: Tensor | None, device: torch.device) -> Tensor:
+    """A new vector of :class:`Slot` layout on ``device``: ``host`` plus ``source`` added at ``positions`` (what
+    :meth:`GroupSums.parts` returns)."""
+    base = _cached(("host", tuple(host), device), host, device, torch.float64)
+    if source is None:
+        return base.clone()
+    return base.index_add(0, _cached(("positions", tuple(positions), device), positions, device, torch.int64), source)
 
 
 def _as_float64_vector(values: list[Count], device: torch.device) -> Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +277,61 @@ def test_group_metrics_follow_log_every_n_steps_with_window_values_from_the_ledg
     assert [s for s, _ in logged["accum/samples_per_update"]] == xs
     # Lightning's own `self.log` metrics follow Lightning's cadence, on the same exact axis.
     assert all(s in set(itertools.accumulate(r.tokens for r in records)) for s, _ in logged["train_loss"])
+
+
+def test_every_group_metric_at_each_point_equals_its_reference_from_the_group_records(tmp_path: Path) -> None:
+    # 9 attempted updates (m = 1, A = 2) at log_every_n_steps=4: points after updates 4 and 8, and 9 when training
+    # ends. Update 6 holds no supervised token: skipped ("empty", NaN loss), so its window's loss leaves it out while
+    # its mean counts and the skipped total count it, and the step schedule does not advance on it.
+    lengths = random_lengths(18, seed=11)
+    lengths[10] = lengths[11] = 0
+    examples = make_examples(lengths, seed=11)
+    records: list[Any] = []
+    logger = TensorBoardLogger(tmp_path, name="points", version=0)
+    trainer = L.Trainer(
+        strategy=AccumulationStrategy(),
+        accelerator="cpu",
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        logger=logger,
+        callbacks=[AxisLogger(axis="tokens")],
+        log_every_n_steps=4,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.strategy.add_group_listener(lambda record, _: records.append(record))
+    with pytest.warns(UserWarning, match="update 6 is skipped: its group holds no tokens"):
+        val = DataLoader(ListDataset(examples[:2]), batch_size=2)
+        trainer.fit(LoggingLM(lr=0.5), DataLoader(ListDataset(examples), batch_size=1), val)
+    assert [r.applied for r in records] == [True] * 5 + [False] + [True] * 3
+    logged = scalars(tmp_path / "points" / "version_0")
+
+    # The reference: each point's window of group records, and what was true at its last update.
+    windows = [records[0:4], records[4:8], records[8:9]]
+    ends = [4, 8, 9]
+    xs = [sum(r.tokens for r in records[:end]) for end in ends]
+    losses = []
+    for window in windows:
+        counted = [r for r in window if r.tokens > 0 and math.isfinite(r.loss)]
+        losses.append(sum(r.tokens * r.loss for r in counted) / sum(r.tokens for r in counted))
+    # StepLR(gamma=0.9) after every applied update: the rate an update used is 0.5 · 0.9^(applied before it).
+    lrs = [0.5 * 0.9 ** sum(r.applied for r in records[: end - 1]) for end in ends]
+    expected = {
+        "accum/loss": losses,
+        "accum/tokens_per_update": [sum(r.tokens for r in w) / len(w) for w in windows],
+        "accum/samples_per_update": [sum(r.samples for r in w) / len(w) for w in windows],
+        "accum/skipped_updates": [sum(not r.applied for r in records[:end]) for end in ends],
+        "accum/lr": lrs,
+    }
+    assert trainer.strategy.ledger.tokens == xs[-1] and trainer.strategy.ledger.updates_skipped["empty"] == 1
+    for tag, values in expected.items():
+        assert [step for step, _ in logged[tag]] == xs, tag
+        assert [value for _, value in logged[tag]] == pytest.approx(values, rel=1e-6), tag  # float32 in the file
+    assert expected["accum/samples_per_update"] == [2.0, 2.0, 2.0]
+    assert expected["accum/skipped_updates"] == [0, 1, 1]
+    assert "accum/grad_scale" not in logged  # no GradScaler in this run
 
 
 def test_two_fits_with_one_axis_logger_continue_the_axis_and_leave_the_logger_clean(tmp_path: Path) -> None:

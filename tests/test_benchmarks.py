@@ -39,6 +39,7 @@ def test_benchmark_smoke_run_writes_its_results(tmp_path: Path) -> None:
     assert all(0 < t["package_seconds_per_update"] < t["seconds_per_update"] for t in timed)
     assert all(0 < t["package_fraction_net"] < t["package_fraction"] for t in timed)
     assert {tuple(p["variants"]) for p in results["paired"]} == {("lightning", "accum"), ("lightning", "lightning")}
+    assert {p["A"] for p in results["paired"]} == {1, 8}  # paired trials at A = 1 and 8
     for paired in results["paired"]:  # 5 updates a side, 2 of them warm-up: 3 intervals each, all positive
         assert [len(side) for side in paired["seconds_per_update"]] == [3, 3]
         assert all(seconds > 0 for side in paired["seconds_per_update"] for seconds in side)
@@ -46,7 +47,9 @@ def test_benchmark_smoke_run_writes_its_results(tmp_path: Path) -> None:
     assert probe["host_reads_per_nonfinal_microbatch"] == 0 and probe["host_reads_per_update"] == 1
     assert probe["graph_alive_after_backward"] == 0 and probe["graph_checked"] > 0
     text = (tmp_path / "RESULTS.md").read_text()
-    assert "Time in the package's own code" in text and "| mlp | 3 |" in text  # the paired table: 3 pairs
+    assert "Time in the package's own code" in text
+    assert "| mlp | 1 | 3 |" in text and "| mlp | 8 | 3 |" in text  # the paired table: 3 pairs at each A
+    assert "| mlp | 1 | ≤ 1.06 |" in text and "| mlp | 8 | ≤ 1.04 |" in text  # the targets beside the measurements
     assert "| mlp | 8 |" in text and (tmp_path / "ratios.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -94,3 +97,24 @@ def test_package_timer_charges_the_package_and_not_the_lightning_work_it_wraps()
     assert 0 < dispatch < 8 * 0.004 * 1e9 and timer.calls >= 8 + 8 + 2  # hooks, training steps, optimizer steps
     # The patches are gone afterwards.
     assert not hasattr(ExactAccumulation.training_step, "__wrapped__")
+
+
+class _SlowClose(AccumulationStrategy):
+    def _gradients_by_kind(self, *args: Any, **kwargs: Any) -> Any:
+        _spin(0.05)  # part of the group's close, which runs inside the optimizer's step (below Lightning's)
+        return super()._gradients_by_kind(*args, **kwargs)
+
+
+def test_package_timer_charges_the_group_close_inside_the_optimizer_step() -> None:
+    from run import timed_parts
+
+    # 2 updates of 4 micro-batches; each close spins 50 ms of CPU time inside Lightning's optimizer_step.
+    charged = []
+    for parts in ([], timed_parts()):
+        timer = PackageTimer.for_strategy(_SlowClose, [], parts=parts)
+        with timer:
+            fit(TinyLM(), make_examples([4] * 8), batch_size=1, accumulate=4, strategy=_SlowClose())
+        charged.append(timer.package_ns / 1e9)
+        assert ("ExactAccumulation._close" in timer.by_method) == bool(parts)
+    assert charged[0] < 2 * 0.05  # without the close among the parts it goes uncounted (the rest is ~1 ms)
+    assert charged[1] >= 2 * 0.05  # the benchmark's parts charge it to the package

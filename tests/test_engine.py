@@ -424,3 +424,42 @@ def test_counts_above_two_to_the_53_are_exact() -> None:
     engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": torch.tensor(big)}, None, accumulate=1)
     outcome = engine.close_group(accumulate=1)
     assert outcome.record.tokens == 2 * big and outcome.record.samples == 0
+
+
+def _summed_vector(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor  # one replica: the sum over replicas is the tensor itself
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [torch.tensor(37)],  # A = 1, a token count on the device: read as its float64 weight, split on the host
+        [torch.tensor(37), torch.tensor(0), torch.tensor(2**40 + 3)],  # the stacked sums; an empty micro-batch
+        [5],  # host counts: the weight is known on the host, c / W a float
+        [5, 7, 9],
+        [5, torch.tensor(0), 9],  # mixed, with an empty micro-batch
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_one_replica_read_equals_the_summed_vector(counts: list[int | torch.Tensor], dtype: torch.dtype) -> None:
+    # On one replica the close keeps the host values on the host and reads only the device values; the other path
+    # forms the whole vector and sums it (what DDP does). Records, the factor, M and the rescaled gradients agree.
+    outcomes, gradients = [], []
+    for replicas in (Replicas(), Replicas(1, _summed_vector, check_sum=_summed_vector)):
+        engine = AccumulationEngine(normalize="tokens")
+        engine.bind("cpu", replicas)
+        torch.manual_seed(0)
+        grads = [torch.randn(4, 3).to(dtype), torch.randn(5).to(dtype)]
+        records = []
+        for update in range(3):  # the first group's c is a device scalar; later ones a float
+            for index, count in enumerate(counts):
+                loss = torch.tensor(float("nan") if count == 0 else 1.5 + index + update)
+                engine.add_microbatch({"loss": loss, "num_tokens": count}, None, accumulate=len(counts))
+            outcome = engine.close_group(accumulate=len(counts), gradients=grads, check_gradients=True)
+            engine.finish_group(outcome, applied=outcome.action == "apply")
+            records.append((outcome.action, outcome.factor, outcome.record, engine.scale_ref))
+        outcomes.append(records)
+        gradients.append(grads)
+    assert outcomes[0] == outcomes[1]
+    assert all(torch.equal(a, b) for a, b in zip(*gradients, strict=True))
+    assert outcomes[0][0][2].tokens == sum(int(c) for c in counts)

@@ -136,6 +136,9 @@ class AxisLogger(Callback):
         self._offset = 0  # added to the ledger's count in this fit (see "Several fits" above)
         self._window: list[GroupRecord] = []
         self._window_lrs: list[float] = []
+        # Per fit: see `_read_run`; and whether the token counts were found (checked until they are).
+        self._run: tuple[AccumulationLedger, bool, list[dict[str, Any]], int] | None = None
+        self._tokens_checked = False
         self._checked_unit = False
         self._progress_original: Callable[..., Any] | None = None
         self._trainer: Trainer | None = None
@@ -174,6 +177,8 @@ class AxisLogger(Callback):
         self._offset = 0
         self._window = []
         self._checked_unit = False
+        self._run = None
+        self._tokens_checked = False
         for logger in trainer.loggers:
             self._move_onto_axis(trainer, logger)
         # Called once per group, after the update and before the schedules advance: no hook on every micro-batch.
@@ -222,6 +227,7 @@ class AxisLogger(Callback):
         if isinstance(strategy, ExactAccumulation):
             strategy.remove_group_listener(self._on_group)
         self._trainer = None
+        self._run = None
         for logger, original in self._originals.values():
             if logger.__dict__.get("log_metrics") is not None:
                 del logger.__dict__["log_metrics"]  # the class's method again, nothing left on the instance
@@ -274,18 +280,29 @@ class AxisLogger(Callback):
         trainer = self._trainer
         if trainer is None or group.dropped:
             return  # a dropped group is no attempt: nothing is written for it
-        ledger = self._ledger(trainer)
-        if self.axis == "tokens" and ledger.tokens == 0 and ledger.normalization != "tokens":
-            raise no_token_counts_error("AxisLogger")
-        if not trainer.is_global_zero:
+        run = self._run
+        if run is None:  # read once per fit, at its first update: what every update of the fit reads
+            run = self._run = self._read_run(trainer)
+        ledger, writes, param_groups, every = run
+        if self._tokens_checked is False and self.axis == "tokens":
+            if ledger.tokens == 0 and ledger.normalization != "tokens":
+                raise no_token_counts_error("AxisLogger")
+            self._tokens_checked = ledger.normalization == "tokens"  # then every later update has token counts
+        if not writes:
             return
         self._window.append(group)
         # The schedules advance after the listeners: this is the rate the update used.
-        self._window_lrs = [float(param_group["lr"]) for param_group in trainer.optimizers[0].param_groups]
-        # `trainer.log_every_n_steps`: set by Lightning's logger connector (public, not declared on the class).
-        every = int(getattr(trainer, "log_every_n_steps", 1) or 1)
+        self._window_lrs = [lr if type(lr := pg["lr"]) is float else float(lr) for pg in param_groups]
         if ledger.updates_attempted % every == 0:
             self._flush(trainer)
+
+    def _read_run(self, trainer: Trainer) -> tuple[AccumulationLedger, bool, list[dict[str, Any]], int]:
+        """The ledger, whether this rank writes, the optimizer's parameter groups and the cadence, for one fit."""
+        optimizers = trainer.optimizers
+        # `trainer.log_every_n_steps`: set by Lightning's logger connector (public, not declared on the class).
+        every = int(getattr(trainer, "log_every_n_steps", 1) or 1)
+        groups = optimizers[0].param_groups if optimizers else []
+        return self._ledger(trainer), trainer.is_global_zero, groups, every
 
     def _flush(self, trainer: Trainer) -> None:
         """Write the point of the attempted updates since the previous one (none pending: nothing)."""

@@ -164,9 +164,13 @@ class AccumulationReport(Callback):
 
     def _on_group(self, group: GroupRecord, batch_samples: Sequence[int]) -> None:
         if batch_samples:
-            low, high = min(batch_samples), max(batch_samples)
-            self._microbatch_min = low if self._microbatch_min is None else min(self._microbatch_min, low)
-            self._microbatch_max = high if self._microbatch_max is None else max(self._microbatch_max, high)
+            low = high = batch_samples[0]
+            if len(batch_samples) > 1:
+                low, high = min(batch_samples), max(batch_samples)
+            if self._microbatch_min is None or low < self._microbatch_min:
+                self._microbatch_min = low
+            if self._microbatch_max is None or high > self._microbatch_max:
+                self._microbatch_max = high
         if group.dropped:
             return  # not an attempt: its examples are in the ledger's dropped counters
         self._samples_per_update.append(group.samples)

@@ -48,7 +48,7 @@ from typing_extensions import override
 from lightning_accum.axis_lr import bind_schedulers
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine, GroupListener, Replicas
-from lightning_accum.gradients import scaler_skipped, summed_gradients
+from lightning_accum.gradients import GradientsByKind, scaler_skipped, summed_gradients
 from lightning_accum.group import CARRIED, UNIT_CODES, group_position
 from lightning_accum.ledger import COUNTERS, AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count
@@ -71,9 +71,23 @@ _CLOSURE_EVALUATING: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
 class _NoUpdate(Exception):  # control flow inside the optimizer step, never seen by users
     """Raised from the closure, inside the optimizer's ``step``, when the closed group makes no update."""
 
-    def __init__(self, result: Any) -> None:
+    def __init__(self, result: Any, outcome: GroupOutcome) -> None:
         super().__init__()
         self.result = result
+        self.outcome = outcome
+
+
+class _Step:
+    """One automatic optimizer step: what the group-closing closure needs, and the group it closed."""
+
+    __slots__ = ("closure", "optimizer", "outcome", "scale_before", "trainer")
+
+    def __init__(self, optimizer: Optimizer, closure: Callable[..., Any], trainer: Trainer) -> None:
+        self.optimizer = optimizer
+        self.closure = closure
+        self.trainer = trainer
+        self.outcome: GroupOutcome | None = None
+        self.scale_before: Tensor | None = None
 
 
 def _reevaluation_message(name: str, accumulate: int) -> str:
@@ -131,6 +145,13 @@ class ExactAccumulation(Strategy):
         self._resumed_group: dict[str, Any] | None = None
         self._carried_gradients: dict[str, Tensor] | None = None  # added at the first backward after a resume
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
+        # Computed once per run, read on every update: the scaler of the precision plugin, the optimizer's
+        # parameters grouped by device and dtype (one fused kernel each), and the group-closing closure's state.
+        self._scaler_of: tuple[Any, torch.amp.GradScaler | None] | None = None
+        self._layout: tuple[Optimizer, tuple[tuple[int, int], ...], list[tuple[tuple[Any, Any], list[Tensor]]]] | None
+        self._layout = None
+        self._step: _Step | None = None
+        self._naming: Optimizer | None = None  # the optimizer whose group closes (to name a non-finite gradient)
 
     # ------------------------------------------------------------------ the public interface
 
@@ -162,8 +183,14 @@ class ExactAccumulation(Strategy):
     @property
     def gradient_scaler(self) -> torch.amp.GradScaler | None:
         """The enabled GradScaler of the precision plugin, or ``None``."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+        plugin = self.precision_plugin
+        cached = self._scaler_of
+        if cached is not None and cached[0] is plugin and getattr(plugin, "scaler", None) is cached[1]:
+            return cached[1]
+        scaler = getattr(plugin, "scaler", None)
+        enabled = scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+        self._scaler_of = (plugin, enabled) if enabled is scaler else None
+        return enabled
 
     def add_group_listener(self, listener: GroupListener) -> None:
         """Call ``listener(record, batch_samples)`` after every closed group; see
@@ -297,6 +324,25 @@ class ExactAccumulation(Strategy):
     def _gradients(self, optimizer: Optimizer) -> list[Tensor]:
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
+    def _gradients_by_kind(self, optimizer: Optimizer) -> GradientsByKind:
+        """``optimizer``'s gradients grouped by device and dtype, from a layout of its parameters kept for the run
+        (built again when its parameter groups change)."""
+        groups = optimizer.param_groups
+        signature = tuple((id(group["params"]), len(group["params"])) for group in groups)
+        layout = self._layout
+        if layout is None or layout[0] is not optimizer or layout[1] != signature:
+            kinds: dict[tuple[Any, Any], list[Tensor]] = {}
+            for group in groups:
+                for p in group["params"]:
+                    kinds.setdefault((p.device, p.dtype), []).append(p)  # a gradient has its parameter's kind
+            layout = self._layout = (optimizer, signature, list(kinds.items()))
+        by_kind = {}
+        for kind, params in layout[2]:
+            grads = [grad for p in params if (grad := p.grad) is not None]
+            if grads:
+                by_kind[kind] = grads
+        return by_kind
+
     def _first_nonfinite_name(self, optimizer: Optimizer) -> str:
         module = self.lightning_module
         names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
@@ -310,13 +356,20 @@ class ExactAccumulation(Strategy):
         """Close the open group over ``optimizer``'s gradients: one all-reduce, the rescale, the decision."""
         # The engine rescales the gradient by c·D/W on the device and, without a GradScaler (which finds
         # non-finite gradients itself: skip reason "overflow"), checks it for NaN/Inf in the same pass.
-        return self._engine.close_group(
+        self._naming = optimizer
+        engine = self._engine
+        return engine.close_group(
             accumulate=accumulate,
             ends_epoch=ends_epoch,
-            gradients=self._gradients(optimizer),
-            check_gradients=self.gradient_scaler is None and self._engine.on_nonfinite != "ignore",
-            describe_nonfinite=lambda: self._first_nonfinite_name(optimizer),
+            gradients=self._gradients_by_kind(optimizer),
+            check_gradients=self.gradient_scaler is None and engine.options.on_nonfinite != "ignore",
+            describe_nonfinite=self._describe_nonfinite,
         )
+
+    def _describe_nonfinite(self) -> str:
+        """The first non-finite gradient of the optimizer whose group is closing (read only when one is found)."""
+        assert self._naming is not None
+        return self._first_nonfinite_name(self._naming)
 
     def _scale_now(self) -> Tensor | None:
         # GradScaler's `_scale` (private) is read on the device before and after its update: the skip is known
@@ -347,36 +400,42 @@ class ExactAccumulation(Strategy):
         # (that micro-batch's training_step, zero_grad at a group's start, backward) inside its `step`, in
         # Lightning's order. The group closes right after the closure, inside the step: before unscale, clipping
         # and the update. A group that makes no update leaves the step through `_NoUpdate` from the closure.
-        trainer = self._trainer()
-        closed: list[tuple[GroupOutcome, Tensor | None]] = []
-
-        def closure_then_close(*args: Any, **kw: Any) -> Any:
-            if closed:  # the optimizer evaluates the closure again (LBFGS): the same batch at new parameters
-                return self._reevaluate(optimizer, closure, trainer.accumulate_grad_batches, *args, **kw)
-            result = closure(*args, **kw)
-            if self._carried_gradients is not None:  # a resumed group whose remaining micro-batches had no backward
-                self._install_carried_gradients()
-            if self._slicer.enabled:  # a last slice without a loss: Lightning ran no backward to put its batch back
-                self._slicer.install_pending(self)
-            outcome = self._close(
-                optimizer,
-                trainer.accumulate_grad_batches,
-                bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
-            )
-            closed.append((outcome, self._scale_now()))
-            if outcome.action != "apply":
-                optimizer.zero_grad(set_to_none=True)
-                raise _NoUpdate(result)
-            return result
-
+        # No closure is made per update: the step's state lives in `_step` while the optimizer runs
+        # `_closure_then_close` (a method bound once per run).
+        step = self._step = _Step(optimizer, closure, self._trainer())
         try:
-            output = super().optimizer_step(optimizer, closure_then_close, model, **kwargs)
+            output = super().optimizer_step(optimizer, self._closure_then_close, model, **kwargs)
         except _NoUpdate as stop:
-            self._finish(closed[0][0], applied=False)
+            self._finish(stop.outcome, applied=False)
             return stop.result
-        if closed:  # else the optimizer never evaluated the closure: Lightning raises its own error next
-            self._finish_after_step(*closed[0])
+        finally:
+            self._step = None
+        if step.outcome is not None:  # else the optimizer never evaluated the closure: Lightning raises its own error
+            self._finish_after_step(step.outcome, step.scale_before)
         return output
+
+    def _closure_then_close(self, *args: Any, **kw: Any) -> Any:
+        """What the optimizer evaluates in automatic optimization: Lightning's closure, then the group's close."""
+        step = self._step
+        assert step is not None
+        trainer = step.trainer
+        if step.outcome is not None:  # the optimizer evaluates the closure again (LBFGS): same batch, new parameters
+            return self._reevaluate(step.optimizer, step.closure, trainer.accumulate_grad_batches, *args, **kw)
+        result = step.closure(*args, **kw)
+        if self._carried_gradients is not None:  # a resumed group whose remaining micro-batches had no backward
+            self._install_carried_gradients()
+        if self._slicer.enabled:  # a last slice without a loss: Lightning ran no backward to put its batch back
+            self._slicer.install_pending(self)
+        outcome = step.outcome = self._close(
+            step.optimizer,
+            trainer.accumulate_grad_batches,
+            bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
+        )
+        step.scale_before = self._scale_now()
+        if outcome.action != "apply":
+            step.optimizer.zero_grad(set_to_none=True)
+            raise _NoUpdate(result, outcome)
+        return result
 
     def _reevaluate(
         self, optimizer: Optimizer, closure: Callable[..., Any], accumulate: int, *args: Any, **kw: Any
@@ -392,9 +451,10 @@ class ExactAccumulation(Strategy):
 
     def _finish(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
         record = self._engine.finish_group(outcome, applied=applied, skip_reason=skip_reason)
-        if self._schedules is not None:
+        schedules = self._schedules
+        if schedules is not None and schedules.configs:
             # Lightning calls the module's `lr_scheduler_step` right after this batch; it goes through for these.
-            self._schedules.mark_due(lambda frequency: self._engine.schedule_due(record, frequency))
+            schedules.mark_due(lambda frequency: self._engine.schedule_due(record, frequency))
         return record
 
     # ------------------------------------------------------------------ manual optimization

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum.engine import Replicas
+from lightning_accum.gradients import GradientsByKind
 from lightning_accum.group import group_position
 from lightning_accum.microbatch import Count
 from lightning_accum.strategies.base import ExactAccumulation
@@ -296,6 +297,10 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     def _gradients(self, optimizer: Optimizer) -> list[Tensor]:
         # The local shards share storage with the DTensor gradients: the in-place rescale acts on the gradient.
         return [_local(g) for g in super()._gradients(optimizer)]
+
+    @override
+    def _gradients_by_kind(self, optimizer: Optimizer) -> GradientsByKind:
+        return {kind: [_local(g) for g in grads] for kind, grads in super()._gradients_by_kind(optimizer).items()}
 
     @override
     def _first_nonfinite_name(self, optimizer: Optimizer) -> str:
