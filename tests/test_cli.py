@@ -112,3 +112,19 @@ def test_cli_invalid_values_give_the_packages_errors(tmp_path: Path, monkeypatch
 
 
 # ---------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("size", ["1", "auto"])
+def test_cli_sets_microbatch_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: str) -> None:
+    config = (
+        COMMON
+        + f"""  strategy:
+    class_path: lightning_accum.AccumulationStrategy
+    init_args:
+      microbatch_size: {size}
+"""
+    )
+    cli = run_cli(tmp_path, config, monkeypatch)
+    slicing = cli.trainer.strategy.slicing
+    assert slicing.configured == (1 if size == "1" else "auto")
+    assert slicing.slice_sizes == ({1: 12} if size == "1" else {2: 6})  # 6 batches of 2
