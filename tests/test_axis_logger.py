@@ -242,29 +242,36 @@ def test_ddp_rank_zero_writes_global_token_steps(tmp_path: Path) -> None:
     assert [s for s, _ in scalars(folder)["accum/loss"]] == cumulative_tokens(examples, 8)
 
 
-def test_group_metrics_follow_log_every_n_steps_with_window_values_from_the_ledger(tmp_path: Path) -> None:
-    # 7 attempted updates at log_every_n_steps=3: points after updates 3 and 6, and the rest (7) when training ends.
-    examples = make_examples(random_lengths(28, seed=8), seed=8)
+def cadence_fit(
+    tmp_path: Path, name: str, examples: list[dict[str, torch.Tensor]], batch_size: int, every: int, val_size: int
+) -> tuple[L.Trainer, list[Any], dict[str, list[tuple[int, float]]]]:
+    """A fit at A = 2 logging every `every` updates on the tokens axis: the Trainer, every group record (from the
+    strategy's listener), and the scalars written."""
     records: list[Any] = []
-    logger = TensorBoardLogger(tmp_path, name="cadence", version=0)
     trainer = L.Trainer(
         strategy=AccumulationStrategy(),
         accelerator="cpu",
         accumulate_grad_batches=2,
         max_epochs=1,
-        logger=logger,
+        logger=TensorBoardLogger(tmp_path, name=name, version=0),
         callbacks=[AxisLogger(axis="tokens")],
-        log_every_n_steps=3,
+        log_every_n_steps=every,
         num_sanity_val_steps=0,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.strategy.add_group_listener(lambda record, _: records.append(record))
-    val = DataLoader(ListDataset(examples[:4]), batch_size=2)
-    trainer.fit(LoggingLM(lr=0.5), DataLoader(ListDataset(examples), batch_size=2), val)
+    val = DataLoader(ListDataset(examples[:val_size]), batch_size=2)
+    trainer.fit(LoggingLM(lr=0.5), DataLoader(ListDataset(examples), batch_size=batch_size), val)
+    return trainer, records, scalars(tmp_path / name / "version_0")
+
+
+def test_group_metrics_follow_log_every_n_steps_with_window_values_from_the_ledger(tmp_path: Path) -> None:
+    # 7 attempted updates at log_every_n_steps=3: points after updates 3 and 6, and the rest (7) when training ends.
+    examples = make_examples(random_lengths(28, seed=8), seed=8)
+    _, records, logged = cadence_fit(tmp_path, "cadence", examples, batch_size=2, every=3, val_size=4)
     assert len(records) == 7
-    logged = scalars(tmp_path / "cadence" / "version_0")
     # The reference, from the ledger's group records: the x after each window, its token-weighted loss, mean counts.
     windows = [records[0:3], records[3:6], records[6:7]]
     xs = list(itertools.accumulate(sum(r.tokens for r in w) for w in windows))
@@ -286,27 +293,9 @@ def test_every_group_metric_at_each_point_equals_its_reference_from_the_group_re
     lengths = random_lengths(18, seed=11)
     lengths[10] = lengths[11] = 0
     examples = make_examples(lengths, seed=11)
-    records: list[Any] = []
-    logger = TensorBoardLogger(tmp_path, name="points", version=0)
-    trainer = L.Trainer(
-        strategy=AccumulationStrategy(),
-        accelerator="cpu",
-        accumulate_grad_batches=2,
-        max_epochs=1,
-        logger=logger,
-        callbacks=[AxisLogger(axis="tokens")],
-        log_every_n_steps=4,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.strategy.add_group_listener(lambda record, _: records.append(record))
     with pytest.warns(UserWarning, match="update 6 is skipped: its group holds no tokens"):
-        val = DataLoader(ListDataset(examples[:2]), batch_size=2)
-        trainer.fit(LoggingLM(lr=0.5), DataLoader(ListDataset(examples), batch_size=1), val)
+        trainer, records, logged = cadence_fit(tmp_path, "points", examples, batch_size=1, every=4, val_size=2)
     assert [r.applied for r in records] == [True] * 5 + [False] + [True] * 3
-    logged = scalars(tmp_path / "points" / "version_0")
 
     # The reference: each point's window of group records, and what was true at its last update.
     windows = [records[0:4], records[4:8], records[8:9]]
