@@ -34,6 +34,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -167,39 +168,35 @@ class BatchSlicer:
             stop = plan[len(sizes)] if plan is not None else min(start + self.log.limit(n), n)
             piece = self._cut(batch, start, stop, n)
             piece_args, piece_kwargs = _with_batch(args, kwargs, piece)
-            phase: str | None = None
-            cause: BaseException | None = None
-            try:
-                if stop < n:
-                    if first_of_group and not released:
-                        # Lightning zeroes the gradient after this step: the previous group's is released now and the
-                        # slices' is kept aside until the last slice's backward (`install_pending`).
-                        released = True
-                        for p in self._params(strategy):
-                            p.grad = None
-                    self._local_slice(strategy, piece, piece_args, piece_kwargs, accumulate, start > 0, stop - start)
-                else:
-                    if retry_forward:
-                        strategy._before_forward_retry()
-                    try:
-                        output = forward(*piece_args, **piece_kwargs)
-                    except BaseException as error:
-                        if self.auto and is_out_of_memory(error):
-                            retry_forward = True
-                            raise _OutOfMemory("forward") from error
-                        raise
-                    engine.add_microbatch(self._for_engine(output, piece, stop - start), piece, accumulate, start > 0)
-                    self._note_part(engine, output)
+            if stop < n:
+                if first_of_group and not released:
+                    # Lightning zeroes the gradient after this step: the previous group's is released now and the
+                    # slices' is kept aside until the last slice's backward (`install_pending`).
+                    released = True
+                    for p in self._params(strategy):
+                        p.grad = None
+                run = partial(self._local_slice, strategy, piece, piece_args, piece_kwargs, accumulate, start > 0)
+                if self._attempt(strategy, stop - start, batch_idx, run):
                     sizes.append(stop - start)
-                    self._final = _Final(batch, n, start, args, kwargs)
-                    break
-            except _OutOfMemory as failure:
-                phase, cause = failure.phase, _released(failure)
-            if phase is not None:  # outside the `except` block: the failed attempt's frames are gone
-                self._shrink(strategy, stop - start, phase, batch_idx, cause)
+                    start = stop
                 continue
+            if retry_forward:
+                strategy._before_forward_retry()
+            outputs: list[Any] = []
+            if not self._attempt(
+                strategy,
+                stop - start,
+                batch_idx,
+                partial(_forward, forward, piece_args, piece_kwargs, self.auto, outputs),
+            ):
+                retry_forward = True
+                continue
+            output = outputs.pop()
+            engine.add_microbatch(self._for_engine(output, piece, stop - start), piece, accumulate, start > 0)
+            self._note_part(engine, output)
             sizes.append(stop - start)
-            start = stop
+            self._final = _Final(batch, n, start, args, kwargs)
+            break
         if released:
             params = self._params(strategy)
             self._pending = [(p, p.grad) for p in params if p.grad is not None]
@@ -323,6 +320,22 @@ class BatchSlicer:
                 h.add_(fresh)
             p.grad = h
         return None
+
+    def _attempt(self, strategy: ExactAccumulation, size: int, batch_idx: int, run: Callable[[int], None]) -> bool:
+        """``run(size)`` for a slice of ``size`` samples; ``False`` when it ran out of memory under ``"auto"`` (then
+        the size is halved, or a slice of one sample is an error)."""
+        phase: str | None = None
+        cause: BaseException | None = None
+        try:
+            run(size)
+        except _OutOfMemory as failure:
+            phase, cause = failure.phase, _released(failure)
+        if phase is None:
+            return True
+        self._shrink(
+            strategy, size, phase, batch_idx, cause
+        )  # outside the `except` block: the attempt's frames are gone
+        return False
 
     def _shrink(
         self, strategy: ExactAccumulation, failed: int, phase: str, batch_idx: int, cause: BaseException | None
@@ -465,19 +478,10 @@ class BatchSlicer:
             stop = min(start + self.log.limit(n), n)
             piece = self._cut(final.batch, start, stop, n)
             args, kwargs = _with_batch(final.args, final.kwargs, piece)
-            phase: str | None = None
-            cause: BaseException | None = None
-            try:
-                self._local_slice(
-                    strategy, piece, args, kwargs, trainer.accumulate_grad_batches, start > 0, stop - start
-                )
-            except _OutOfMemory as failure:
-                phase, cause = failure.phase, _released(failure)
-            if phase is not None:
-                self._shrink(strategy, stop - start, phase, batch_idx, cause)
-                continue
-            sizes.append(stop - start)
-            start = stop
+            run = partial(self._local_slice, strategy, piece, args, kwargs, trainer.accumulate_grad_batches, start > 0)
+            if self._attempt(strategy, stop - start, batch_idx, run):
+                sizes.append(stop - start)
+                start = stop
         self.log.note_slices(sizes)
         self.log.slice_sizes[n - final.start] -= 1  # the failed last slice was counted when its forward ran
         if not self.log.slice_sizes[n - final.start]:
@@ -500,6 +504,18 @@ class BatchSlicer:
                             params.append(p)
             self._parameters, self._layout = params, layout
         return self._parameters
+
+
+def _forward(
+    forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], auto: bool, into: list[Any], size: int
+) -> None:
+    """The strategy's own forward path for a batch's last slice; its out-of-memory error as ``_OutOfMemory``."""
+    try:
+        into.append(forward(*args, **kwargs))
+    except BaseException as error:
+        if auto and is_out_of_memory(error):
+            raise _OutOfMemory("forward") from error
+        raise
 
 
 def _released(failure: _OutOfMemory) -> BaseException | None:
