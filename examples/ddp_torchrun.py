@@ -18,6 +18,7 @@ import os
 import sys
 
 import lightning as L
+import torch.distributed
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the recipes' shared model and data
@@ -62,6 +63,13 @@ def main(argv: list[str] | None = None) -> L.Trainer:
     trainer.fit(TinyLM(), DataLoader(data, batch_size=args.m))
     if trainer.is_global_zero:
         print(trainer.strategy.ledger)  # type: ignore[attr-defined]
+    # End the process group while the interpreter is fully alive. With gloo, Lightning leaves it to the exit, where
+    # its native threads can abort a process whose run had finished ("terminate called without an active
+    # exception", SIGABRT; docs/troubleshooting.md, "A crash after a finished run"). The barrier first: no rank
+    # destroys the group while another is still in a collective.
+    if torch.distributed.is_initialized():
+        trainer.strategy.barrier("end of the recipe")
+        torch.distributed.destroy_process_group()
     return trainer
 
 

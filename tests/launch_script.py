@@ -15,6 +15,7 @@ import torch
 from helpers import TinyLM, fit, make_examples, params_vector
 
 import lightning_accum  # noqa: F401  (registers the strategy strings)
+from lightning_accum._worker_exit import close_process_group
 
 UNEQUAL = [6, 1, 5, 2, 6, 1, 4, 1, 6, 2, 5, 1, 6, 1, 3, 2]
 
@@ -35,6 +36,7 @@ def main() -> None:
             },
             out,
         )
+    close_process_group(trainer.strategy)  # the group ends before the interpreter's exit (the recipe's reason)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from test_model_parallel import UNEQUAL, ShardedLM, full_params
 from torch.utils.data import DataLoader
 
 import lightning_accum  # noqa: F401  (registers the strategy strings)
+from lightning_accum._worker_exit import close_process_group
 
 
 def main() -> None:
@@ -51,6 +52,7 @@ def main() -> None:
             },
             sys.argv[1],
         )
+    close_process_group(trainer.strategy)  # the group ends before the interpreter's exit (the recipe's reason)
 
 
 if __name__ == "__main__":
