@@ -41,6 +41,13 @@ so a micro-batch's magnitude is Lightning's times its weight relative to a refer
 A lighter micro-batch back-propagates less than Lightning's ``loss / A`` (by ``w / M``); that is its
 share of the update, and GradScaler's scale covers the range.
 
+A group known to hold one micro-batch on one replica (automatic optimization with ``A = 1``, the batch not cut
+into slices: the caller says so with ``add_microbatch(sole=True)``) takes ``c = w``: the micro-batch
+back-propagates its loss as it is, which is what Lightning back-propagates (``loss / 1``), and the factor
+``c · D / W = w / w`` is exactly 1, so the close multiplies nothing (it only checks for NaN/Inf) and reads the
+loss and the counts as they are (one small stack, one host read): no tensor operation per micro-batch, a handful
+of Python per update (issue #20: at ``A = 1`` the per-update cost is the whole cost).
+
 All per-micro-batch work stays on the device: counts that arrive as tensors are accumulated as
 tensors and checked (sign, agreement between replicas) only at the close, where one fused all-reduce
 of a small float64 vector and one host read happen per update.
@@ -62,7 +69,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_accum.decision import GroupOutcome, check_agreement, classify
+from lightning_accum.decision import Action, GroupOutcome, check_agreement, classify
 from lightning_accum.gradients import GradientsByKind, rescale_gradients
 from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot, combine, split
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
@@ -171,6 +178,8 @@ class AccumulationEngine:
         self._warned_empty = False
         self._listeners: list[GroupListener] = []
         self._clean_flag: Tensor | None = None  # a NaN/Inf flag read as zero, for the next check to write into
+        self._read_buffers: dict[tuple[torch.device, int], Tensor] = {}  # what a sole micro-batch's close reads
+        self._flag_view: tuple[Tensor, Tensor] | None = None  # (flag, its 0-d view) for that read
 
     # ------------------------------------------------------------------ options and binding
 
@@ -227,7 +236,9 @@ class AccumulationEngine:
         """Micro-batches of the open group on this replica."""
         return self._sums.microbatches
 
-    def add_microbatch(self, output: Any, batch: Any, accumulate: int, continues: bool = False) -> Tensor | None:
+    def add_microbatch(
+        self, output: Any, batch: Any, accumulate: int, continues: bool = False, sole: bool = False
+    ) -> Tensor | None:
         """Record one micro-batch's ``training_step`` output and return the tensor to back-propagate.
 
         Args:
@@ -238,9 +249,13 @@ class AccumulationEngine:
             continues: ``batch`` is a further slice of the micro-batch recorded last (``microbatch_size=``): it is
                 weighted like any micro-batch (exact: a slice's weight is its own units), but the group's
                 micro-batch count does not grow. :meth:`retract_microbatch` forgets the last call.
+            sole: The caller knows that this micro-batch is its group's only one (automatic optimization with
+                ``A = 1``, the batch not cut into slices). On one replica, with an empty open group, ``c = w``: the
+                loss itself is returned and the close needs no multiplication (see the module docstring); ignored
+                otherwise.
 
         Returns:
-            ``loss · w / c``, or ``None`` when the step returned no loss.
+            ``loss · w / c`` (the loss itself for a sole micro-batch), or ``None`` when the step returned no loss.
         """
         loss, tokens, samples = parse_step_output(output, batch, self.options.count_tokens)
         if loss is None:
@@ -270,7 +285,14 @@ class AccumulationEngine:
             if unit == "samples" and samples_c is not None
             else unit_weight(unit, self.options.normalize, tokens_c, samples_c)
         )
-        self._sums.add(loss, tokens_c, samples_c, size, continues)
+        sums = self._sums
+        if sole and not continues and not sums.microbatches and self._reads_here() and sums.carried_nothing:
+            sums.add(loss, tokens_c, samples_c, size)
+            sums.sole = True
+            self.last_weight = weight
+            self._pending_backward = loss
+            return loss
+        sums.add(loss, tokens_c, samples_c, size, continues)
         self.last_weight = weight
 
         if self._group_ref is None:
@@ -288,6 +310,11 @@ class AccumulationEngine:
             backward = loss * (weight / ref)
         self._pending_backward = backward
         return backward
+
+    def _reads_here(self) -> bool:
+        """Whether a group's values are read on this replica as they are (one replica, nothing to sum or check)."""
+        replicas = self.replicas
+        return (replicas.reduce_sum is None or replicas.size == 1) and replicas.check_sum is None
 
     def retract_microbatch(self) -> None:
         """Forget the micro-batch (or slice) :meth:`add_microbatch` recorded last, whose backward did not complete
@@ -374,6 +401,10 @@ class AccumulationEngine:
                 is non-finite under ``on_nonfinite="raise"``.
         """
         sums, replicas, unit = self._sums, self.replicas.size, self.ledger.normalization
+        if sums.sole:  # one micro-batch known to be the group's only one, on one replica: c = w, no factor
+            outcome = self._close_sole(sums, unit, ends_epoch, gradients, check_gradients, describe_nonfinite)
+            if outcome is not None:
+                return outcome
         k = sums.microbatches
         ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
         extra = {
@@ -389,10 +420,10 @@ class AccumulationEngine:
         device = self.device
         # One replica: nothing is summed, so the host values stay on the host, only the device values are read, and
         # the factor c / W is a float when both are known on the host.
-        here = (self.replicas.reduce_sum is None or replicas == 1) and self.replicas.check_sum is None
-        host, positions, source, device_units, count = sums.parts(device, unit, extra, device_extra, read_here=here)
+        here = self._reads_here()
         found: Tensor | None = None
         if here:
+            host, positions, source, device_units, count = sums.parts(device, unit, extra, device_extra, read_here=True)
             if gradients:
                 c: float | Tensor = device_extra[Slot.SCALE_REF] if device_extra else host[_SCALE_REF]
                 w: float | Tensor = host[_UNITS]
@@ -420,6 +451,7 @@ class AccumulationEngine:
                 values[Slot.NEGATIVE] += total < 0
             del values[VECTOR_SIZE : VECTOR_SIZE + len(positions)]
         else:
+            host, positions, source, _, _ = sums.parts(device, unit, extra, device_extra)
             vector = self.replicas.sum_(combine(host, positions, source, device))
             if gradients:
                 # c · D / W on the device: the gradient is rescaled before anything is read on the host.
@@ -462,6 +494,100 @@ class AccumulationEngine:
             self._note_nonfinite(record, describe_nonfinite)
         factor = reduced.scale_ref_times_d / units if action == "apply" else 1.0
         return GroupOutcome(action, factor, record, scaled=bool(gradients), batch_samples=sums.batch_samples)
+
+    def _close_sole(
+        self,
+        sums: GroupSums,
+        unit: str | None,
+        ends_epoch: bool,
+        gradients: Sequence[Tensor] | GradientsByKind | None,
+        check: bool,
+        describe_nonfinite: Callable[[], str] | None,
+    ) -> GroupOutcome | None:
+        """:meth:`close_group` for a group of one sole micro-batch on one replica (``c = w``, the factor is exactly
+        1); ``None`` where the general close is needed (no count in the run's unit).
+
+        The gradient is not multiplied (by 1); with ``check`` the fused check runs alone (its multiplication by
+        1.0 leaves every value as it is). The loss, the counts reported as tensors and the flag are read in one
+        stack into a float64 buffer kept for the run (exact for counts below 2^53); the record is formed on the
+        host from the same float64 values the general close sums on the device, so both give the same record bit
+        for bit (``test_a_sole_micro_batch_closes_as_the_general_group_does``).
+        """
+        weights = sums.tokens if unit == "tokens" else sums.samples if unit == "samples" else None
+        if len(sums.losses) != 1 or (weights is not None and len(weights) != 1) or not self._reads_here():
+            return None
+        loss = sums.losses[0]
+        found: Tensor | None = None
+        if gradients and check:
+            flag = self._clean_flag
+            self._clean_flag = None  # kept again below once read as zero
+            found = rescale_gradients(gradients, 1.0, True, flag)
+        device = loss.device
+        items = [loss]
+        items += [count for count in (*sums.tokens, *sums.samples) if isinstance(count, Tensor)]
+        own_flag = found is not None and found.numel() == 1 and found.device == device
+        if own_flag:
+            assert found is not None
+            view = self._flag_view
+            if view is None or view[0] is not found:  # the flag as a 0-d tensor, kept with the reused flag
+                view = self._flag_view = (found, found.view(()))
+            items.append(view[1])
+        read = self._read_buffers.get((device, len(items)))
+        if read is None:
+            read = self._read_buffers[(device, len(items))] = torch.empty(
+                len(items), dtype=torch.float64, device=device
+            )
+        torch.stack(items, out=read)
+        if found is not None and not own_flag:  # several kinds of gradient, or another device: rare
+            read = torch.cat((read, found.to(device, torch.float64)))
+        values = read.tolist()  # the one host read
+        self._sums = GroupSums()
+        self._group_ref = None
+
+        position, tokens, samples, negative, units = 1, 0, 0, 0, 1.0
+        for counts, is_tokens in ((sums.tokens, True), (sums.samples, False)):
+            for count in counts:  # at most one
+                if isinstance(count, Tensor):
+                    count = round(values[position])
+                    position += 1
+                negative += count < 0
+                if is_tokens:
+                    tokens = count
+                else:
+                    samples = count
+                if counts is weights:
+                    units = float(count)
+        if negative:  # the general close's error, from the same values
+            reduced = ReducedGroup(units, 0.0, tokens, samples, negative, units, 1, UNIT_CODES.get(unit or "", 0.0), 0)
+            check_agreement(reduced, 1, 1, ends_epoch, unit)
+        if found is not None:
+            nonfinite = sum(values[position:]) > 0
+            if own_flag and not nonfinite:
+                self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
+        else:
+            nonfinite = False
+        # As the general close: Σ w·loss in float64 (an empty micro-batch's NaN left out), divided by W.
+        record = GroupRecord(
+            loss=values[0] * units / units if units > 0 else math.nan,
+            tokens=tokens,
+            samples=samples,
+            microbatches=1,
+            applied=False,
+        )
+        if units > 0:
+            self.scale_ref = units if self.scale_ref is None else max(self.scale_ref, units)
+        action: Action
+        reason: str | None
+        if units <= 0:  # the order of `classify` (a group of A = 1 is never partial)
+            action, reason = "skip", "empty"
+            self._note_empty()
+        elif nonfinite:
+            action, reason = "skip", "nonfinite"
+            self._note_nonfinite(record, describe_nonfinite)
+        else:
+            action, reason = "apply", None
+        record.skip_reason = reason
+        return GroupOutcome(action, 1.0, record, scaled=bool(gradients), batch_samples=sums.batch_samples)
 
     def _note_nonfinite(self, record: GroupRecord, describe_nonfinite: Callable[[], str] | None) -> None:
         update = self.ledger.updates_attempted + 1

@@ -163,6 +163,14 @@ class GroupSums:
         self.samples: list[Count] = []
         self.batch_samples: list[int] = []
         self._mark: tuple[int, int, int, int, int, int] | None = None  # what `retract` restores
+        #: The group holds one micro-batch known to be its only one, back-propagated as its loss (``c = w``; see
+        #: :meth:`AccumulationEngine.add_microbatch`).
+        self.sole = False
+
+    @property
+    def carried_nothing(self) -> bool:
+        """Whether nothing of this group comes from a checkpoint (carried sums, or lost micro-batches)."""
+        return not self.carried and not self.missing and not self.carried_microbatches
 
     def add(
         self,

@@ -463,3 +463,97 @@ def test_one_replica_read_equals_the_summed_vector(counts: list[int | torch.Tens
     assert outcomes[0] == outcomes[1]
     assert all(torch.equal(a, b) for a, b in zip(*gradients, strict=True))
     assert outcomes[0][0][2].tokens == sum(int(c) for c in counts)
+
+
+def _sole_and_general(
+    reports: list[tuple[float, object, str]], dtype: torch.dtype, normalize: str
+) -> list[tuple[object, list[torch.Tensor]]]:
+    """Each report (loss scale, count, key) as a one-micro-batch group, closed by an engine told the micro-batch is
+    its group's only one (`sole=True`) and by one that is not: (action, factor, record, M) and the gradients."""
+    runs = []
+    for sole in (True, False):
+        engine = AccumulationEngine(normalize=normalize)
+        torch.manual_seed(1)
+        weight = torch.randn(6, dtype=dtype, requires_grad=True)
+        x = torch.randn(6, dtype=dtype)
+        results = []
+        for scale, count, key in reports:
+            loss = (weight * x).sum() * scale  # NaN for an empty micro-batch's mean, as cross-entropy gives
+            output = {"loss": loss} if key == "" else {"loss": loss, key: count}
+            tensor = engine.add_microbatch(output, torch.zeros(3, 2), accumulate=1, sole=sole)
+            assert tensor is not None
+            tensor.backward()
+            assert weight.grad is not None
+            outcome = engine.close_group(accumulate=1, gradients=[weight.grad], check_gradients=True)
+            engine.finish_group(outcome, applied=outcome.action == "apply")
+            # The factor c·D/W differs by construction (c = w here, A·max(w, M) there): each close applies its own.
+            factor = outcome.factor
+            assert factor == 1.0 if sole else True
+            results.append(((outcome.action, outcome.record, engine.scale_ref), weight.grad.clone()))
+            weight.grad = None
+        runs.append(results)
+    return list(zip(*runs, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:lightning_accum. (update .* is skipped|skipped update)")  # empty, non-finite
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("normalize", "reports"),
+    [
+        # Token counts on the device; an empty micro-batch (NaN mean); a count beyond float32's integers.
+        (
+            "tokens",
+            [
+                (1.0, torch.tensor(37), "num_tokens"),
+                (float("nan"), torch.tensor(0), "num_tokens"),
+                (0.5, torch.tensor(2**40 + 3), "num_tokens"),
+                (2.0, torch.tensor(3), "num_tokens"),
+            ],
+        ),
+        ("tokens", [(1.0, 37, "num_tokens"), (2.0, 5, "num_tokens"), (float("nan"), 0, "num_tokens")]),
+        ("samples", [(1.0, torch.tensor(4), "num_samples"), (3.0, 2, "num_samples")]),
+        ("samples", [(1.0, None, ""), (2.0, None, "")]),  # samples inferred from the batch (3)
+        ("batches", [(1.0, None, ""), (float("inf"), None, "")]),  # a non-finite gradient: skipped
+    ],
+)
+def test_a_sole_micro_batch_closes_as_the_general_group_does(
+    normalize: str, reports: list[tuple[float, object, str]], dtype: torch.dtype
+) -> None:
+    # A = 1 in automatic optimization: c = w, the loss is back-propagated as it is and the close multiplies
+    # nothing. Records and M are those of the general close bit for bit; the gradient is the loss's own
+    # (what plain Lightning back-propagates at A = 1), equal to the general close's within its rounding.
+    actions = []
+    for (sole, sole_grad), (general, general_grad) in _sole_and_general(reports, dtype, normalize):
+        assert sole == general
+        actions.append(sole[0])
+        if sole[0] == "apply":
+            tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6
+            assert relative_error(sole_grad.double(), general_grad.double()) < tolerance
+    assert actions.count("skip") == sum(not math.isfinite(scale) for scale, _, _ in reports)
+
+
+def test_a_sole_micro_batch_back_propagates_its_loss_and_reads_once() -> None:
+    from probes import HostReadProbe
+
+    engine = AccumulationEngine(normalize="tokens")
+    weight = torch.ones(3, requires_grad=True)
+    for update in range(2):  # the first close makes what later ones reuse (the flag, the read buffer)
+        loss = (weight * torch.tensor([1.0, 2.0, 3.0])).sum()
+        with HostReadProbe() as per_microbatch:
+            tensor = engine.add_microbatch({"loss": loss, "num_tokens": torch.tensor(7)}, None, 1, sole=True)
+        assert tensor is loss  # back-propagated as it is: no operation but the detached copy the close reads
+        assert per_microbatch.package_ops == 1, per_microbatch.package_ops
+        tensor.backward()
+        assert weight.grad is not None
+        expected = weight.grad.clone()
+        with HostReadProbe() as close:
+            outcome = engine.close_group(accumulate=1, gradients=[weight.grad], check_gradients=True)
+        assert torch.equal(weight.grad, expected)  # multiplied by nothing (the check's factor is exactly 1)
+        assert len(close.hits) == 1 and "tolist" in close.hits[0]
+        assert (outcome.action, outcome.factor, outcome.record.tokens, outcome.record.loss) == ("apply", 1.0, 7, 6.0)
+        weight.grad = None
+    assert close.package_ops == 2, close.package_ops  # the check, and the stack into the read buffer
+    # A negative count on the device is the same error as in the general close.
+    engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": torch.tensor(-2)}, None, accumulate=1, sole=True)
+    with pytest.raises(ValueError, match="negative"):
+        engine.close_group(accumulate=1)

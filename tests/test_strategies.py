@@ -399,3 +399,19 @@ def test_an_optimizer_that_ignores_the_closure_gets_lightnings_error() -> None:
     for strategy in ("auto", "accum"):
         with pytest.raises(MisconfigurationException, match=r"The closure hasn't been executed"):
             fit(_WithOptimizer(_IgnoresClosure), make_examples([3, 4]), batch_size=1, accumulate=2, strategy=strategy)
+
+
+def test_at_one_micro_batch_per_update_the_parameters_are_lightnings_bit_for_bit() -> None:
+    # A = 1: the group's token-weighted mean is its one micro-batch's mean, so the strategy back-propagates the loss
+    # as it is (c = w) and multiplies the gradient by nothing (w / w = 1); it only checks it for NaN/Inf. Over
+    # AdamW updates of micro-batches of varied token counts, the parameters are plain Lightning's exactly, and the
+    # ledger counts every token. (With c = A·max(w, M) and the factor c / w, a lighter micro-batch than the
+    # heaviest so far rounds twice, and the parameters drift from Lightning's in the last bits.)
+    lengths = random_lengths(16, seed=5)
+    examples = make_examples(lengths, seed=5)
+    ours, plain = TinyLM(lr=0.05, optimizer="adamw", seed=3), TinyLM(lr=0.05, optimizer="adamw", seed=3)
+    trainer = fit(ours, examples, batch_size=2, accumulate=1)
+    fit(plain, examples, batch_size=2, accumulate=1, strategy="auto")
+    assert torch.equal(params_vector(ours), params_vector(plain))
+    ledger = trainer.strategy.ledger
+    assert (ledger.updates_applied, ledger.tokens) == (8, sum(int((e["labels"] != IGNORE).sum()) for e in examples))

@@ -134,12 +134,17 @@ class Horizon(Callback):
         self._patched_loop: Any = None
         self._progress_original: Callable[..., Any] | None = None
         self._progress_wrapper: Callable[..., Any] | None = None
+        self._state_key: tuple[str, str] | None = None  # (axis, key)
 
     @property
     @override
     def state_key(self) -> str:
         # The axis only: a run resumed with another budget or interval still finds its state (and recomputes).
-        return self._generate_state_key(axis=self.axis)
+        # Lightning formats this key for every hook call it profiles: formed once per axis.
+        key = self._state_key
+        if key is None or key[0] != self.axis:
+            key = self._state_key = (self.axis, self._generate_state_key(axis=self.axis))
+        return key[1]
 
     # ------------------------------------------------------------------ counts
 

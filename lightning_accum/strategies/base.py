@@ -267,7 +267,9 @@ class ExactAccumulation(Strategy):
         batch = args[0] if args else kwargs.get("batch")
         # An output Lightning rejects (not a tensor, a mapping with "loss", or None) is recorded as "no loss" here;
         # Lightning raises its own MisconfigurationException for it right after this hook.
-        self._engine.add_microbatch(output, batch, accumulate=trainer.accumulate_grad_batches)
+        # A = 1 (the batch not cut into slices): the group's only micro-batch (c = w, no factor to apply).
+        accumulate = trainer.accumulate_grad_batches
+        self._engine.add_microbatch(output, batch, accumulate=accumulate, sole=accumulate == 1)
         return output
 
     @override
