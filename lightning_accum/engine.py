@@ -45,8 +45,10 @@ A group known to hold one micro-batch on one replica (automatic optimization wit
 into slices: the caller says so with ``add_microbatch(sole=True)``) takes ``c = w``: the micro-batch
 back-propagates its loss as it is, which is what Lightning back-propagates (``loss / 1``), and the factor
 ``c · D / W = w / w`` is exactly 1, so the close multiplies nothing (it only checks for NaN/Inf) and reads the
-loss and the counts as they are (one small stack, one host read): no tensor operation per micro-batch, a handful
-of Python per update (issue #20: at ``A = 1`` the per-update cost is the whole cost).
+loss and the counts as they are (one small stack, one host read): one tensor operation per micro-batch (the
+detached loss the close reads), two at the close (issue #20: at ``A = 1`` the per-update cost is the whole cost).
+No other micro-batch can join such a group (an error); closed with another ``A`` it takes the general close with
+``c = w``.
 
 All per-micro-batch work stays on the device: counts that arrive as tensors are accumulated as
 tensors and checked (sign, agreement between replicas) only at the close, where one fused all-reduce
@@ -257,6 +259,12 @@ class AccumulationEngine:
         Returns:
             ``loss · w / c`` (the loss itself for a sole micro-batch), or ``None`` when the step returned no loss.
         """
+        if self._sums.sole:
+            raise RuntimeError(
+                "AccumulationEngine.add_microbatch: the open group holds a micro-batch recorded with `sole=True` (its"
+                " group's only one, back-propagated with c = w), so no other micro-batch can join it. Close the group"
+                " first (`close_group`), or record the first micro-batch with `sole=False`."
+            )
         loss, tokens, samples = parse_step_output(output, batch, self.options.count_tokens)
         if loss is None:
             self._sums.add(None, None, None, infer_num_samples(batch), continues)
@@ -290,6 +298,8 @@ class AccumulationEngine:
             sums.add(loss, tokens_c, samples_c, size)
             sums.sole = True
             self.last_weight = weight
+            # c = w: what the general close uses too, should this group close with another `accumulate`.
+            self._group_ref = weight if isinstance(weight, Tensor) else float(weight)
             self._pending_backward = loss
             return loss
         sums.add(loss, tokens_c, samples_c, size, continues)
@@ -319,8 +329,11 @@ class AccumulationEngine:
     def retract_microbatch(self) -> None:
         """Forget the micro-batch (or slice) :meth:`add_microbatch` recorded last, whose backward did not complete
         (out of memory): it is recorded again when it runs again. ``c`` of the group stays as it is (any ``c`` that
-        is constant within the group is exact)."""
+        is constant within the group is exact); after a sole micro-batch (``c = w`` of that one) it is formed again."""
+        sole = self._sums.sole
         self._sums.retract()
+        if sole:
+            self._group_ref = None
         self._pending_backward = None
         self._backward_running = False
 
@@ -401,10 +414,11 @@ class AccumulationEngine:
                 is non-finite under ``on_nonfinite="raise"``.
         """
         sums, replicas, unit = self._sums, self.replicas.size, self.ledger.normalization
-        if sums.sole:  # one micro-batch known to be the group's only one, on one replica: c = w, no factor
+        if sums.sole and accumulate == 1:  # one micro-batch known to be the group's only one: c = w, no factor
             outcome = self._close_sole(sums, unit, ends_epoch, gradients, check_gradients, describe_nonfinite)
             if outcome is not None:
                 return outcome
+        # (A sole group closed with another `accumulate` — a partial group — takes the general close with c = w.)
         k = sums.microbatches
         ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
         extra = {
@@ -505,13 +519,14 @@ class AccumulationEngine:
         describe_nonfinite: Callable[[], str] | None,
     ) -> GroupOutcome | None:
         """:meth:`close_group` for a group of one sole micro-batch on one replica (``c = w``, the factor is exactly
-        1); ``None`` where the general close is needed (no count in the run's unit).
+        1); ``None`` where the general close (with ``c = w`` too) is needed: no single count in the run's unit.
 
         The gradient is not multiplied (by 1); with ``check`` the fused check runs alone (its multiplication by
         1.0 leaves every value as it is). The loss, the counts reported as tensors and the flag are read in one
-        stack into a float64 buffer kept for the run (exact for counts below 2^53); the record is formed on the
-        host from the same float64 values the general close sums on the device, so both give the same record bit
-        for bit (``test_a_sole_micro_batch_closes_as_the_general_group_does``).
+        stack into a float64 buffer kept for the run (exact for a micro-batch's counts below 2^53, where the general
+        close splits counts into two parts); the record is formed on the host from the same float64 values the
+        general close sums on the device, so both give the same record bit for bit
+        (``test_a_sole_micro_batch_closes_as_the_general_group_does``).
         """
         weights = sums.tokens if unit == "tokens" else sums.samples if unit == "samples" else None
         if len(sums.losses) != 1 or (weights is not None and len(weights) != 1) or not self._reads_here():

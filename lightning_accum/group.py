@@ -214,6 +214,7 @@ class GroupSums:
         mark = getattr(self, "_mark", None)
         if mark is None:
             raise RuntimeError("GroupSums.retract: nothing was added since the last retract.")
+        self.sole = False  # the group is back to what it was before that add, which no sole add follows
         self.microbatches, losses, tokens, samples, sizes, last = mark
         del self.losses[losses:], self.tokens[tokens:], self.samples[samples:], self.batch_samples[sizes:]
         if sizes:

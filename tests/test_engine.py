@@ -557,3 +557,31 @@ def test_a_sole_micro_batch_back_propagates_its_loss_and_reads_once() -> None:
     engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": torch.tensor(-2)}, None, accumulate=1, sole=True)
     with pytest.raises(ValueError, match="negative"):
         engine.close_group(accumulate=1)
+
+
+def test_a_sole_micro_batch_stays_alone_and_closes_exactly_with_another_accumulate() -> None:
+    engine = AccumulationEngine(normalize="tokens")
+    weight = torch.ones(2, requires_grad=True)
+    x = torch.tensor([1.0, 3.0])
+    # A further micro-batch cannot join a group whose first one was back-propagated with c = w.
+    engine.add_microbatch({"loss": (weight * x).sum(), "num_tokens": 4}, None, accumulate=1, sole=True)
+    with pytest.raises(RuntimeError, match="sole=True.*Close the group first"):
+        engine.add_microbatch({"loss": (weight * x).sum(), "num_tokens": 4}, None, accumulate=1)
+    # Retracted (its backward never completed), the group is empty again and takes any micro-batch; c is formed anew.
+    engine.retract_microbatch()
+    engine.scale_ref = 10.0  # M from earlier groups
+    tensor = engine.add_microbatch({"loss": (weight * x).sum(), "num_tokens": 2}, None, accumulate=1)
+    assert tensor is not None
+    assert torch.allclose(tensor, (weight * x).sum() * 2 / 10)  # c = A · max(w, M), not the retracted w
+    tensor.backward()
+    assert weight.grad is not None
+    outcome = engine.close_group(accumulate=1, gradients=[weight.grad])
+    assert outcome.action == "apply" and torch.allclose(weight.grad, x)
+    # Closed with another A (a partial group of 1 of 4), a sole group takes the general close with c = w: exact.
+    weight.grad = None
+    tensor = engine.add_microbatch({"loss": (weight * x).sum(), "num_tokens": 3}, None, accumulate=1, sole=True)
+    assert tensor is not None
+    tensor.backward()
+    outcome = engine.close_group(accumulate=4, gradients=[weight.grad])
+    assert outcome.action == "apply" and engine.ledger.partial_groups == 1
+    assert torch.allclose(weight.grad, x) and outcome.record.tokens == 3
