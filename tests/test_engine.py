@@ -537,7 +537,7 @@ def test_a_sole_micro_batch_back_propagates_its_loss_and_reads_once() -> None:
 
     engine = AccumulationEngine(normalize="tokens")
     weight = torch.ones(3, requires_grad=True)
-    for update in range(2):  # the first close makes what later ones reuse (the flag, the read buffer)
+    for _ in range(2):  # the first close makes what later ones reuse (the flag, the read buffer)
         loss = (weight * torch.tensor([1.0, 2.0, 3.0])).sum()
         with HostReadProbe() as per_microbatch:
             tensor = engine.add_microbatch({"loss": loss, "num_tokens": torch.tensor(7)}, None, 1, sole=True)
@@ -565,7 +565,7 @@ def test_a_sole_micro_batch_stays_alone_and_closes_exactly_with_another_accumula
     x = torch.tensor([1.0, 3.0])
     # A further micro-batch cannot join a group whose first one was back-propagated with c = w.
     engine.add_microbatch({"loss": (weight * x).sum(), "num_tokens": 4}, None, accumulate=1, sole=True)
-    with pytest.raises(RuntimeError, match="sole=True.*Close the group first"):
+    with pytest.raises(RuntimeError, match=r"sole=True.*Close the group first"):
         engine.add_microbatch({"loss": (weight * x).sum(), "num_tokens": 4}, None, accumulate=1)
     # Retracted (its backward never completed), the group is empty again and takes any micro-batch; c is formed anew.
     engine.retract_microbatch()
