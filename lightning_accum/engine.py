@@ -524,9 +524,9 @@ class AccumulationEngine:
         The gradient is not multiplied (by 1); with ``check`` the fused check runs alone (its multiplication by
         1.0 leaves every value as it is). The loss, the counts reported as tensors and the flag are read in one
         stack: as they are when they share one floating dtype, else into a float64 buffer kept for the run (exact
-        for a micro-batch's counts below 2^53, where the general close splits counts into two parts); the record is formed on the host from the same float64 values the
-        general close sums on the device, so both give the same record bit for bit
-        (``test_a_sole_micro_batch_closes_as_the_general_group_does``).
+        for a micro-batch's counts below 2^53, where the general close splits counts into two parts). The record is
+        formed on the host from the same float64 values the general close sums on the device, so both give the same
+        record bit for bit (``test_a_sole_micro_batch_closes_as_the_general_group_does``).
         """
         weights = sums.tokens if unit == "tokens" else sums.samples if unit == "samples" else None
         if len(sums.losses) != 1 or (weights is not None and len(weights) != 1) or not self._reads_here():
