@@ -71,7 +71,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_accum.decision import Action, GroupOutcome, check_agreement, classify
+from lightning_accum.decision import GroupOutcome, check_agreement, classify
 from lightning_accum.gradients import GradientsByKind, rescale_gradients
 from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot, combine, split
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
@@ -413,7 +413,7 @@ class AccumulationEngine:
             RuntimeError: Replicas disagree on the number of micro-batches or on the unit; or the gradient
                 is non-finite under ``on_nonfinite="raise"``.
         """
-        sums, replicas, unit = self._sums, self.replicas.size, self.ledger.normalization
+        sums, unit = self._sums, self.ledger.normalization
         if sums.sole and accumulate == 1:  # one micro-batch known to be the group's only one: c = w, no factor
             outcome = self._close_sole(sums, unit, ends_epoch, gradients, check_gradients, describe_nonfinite)
             if outcome is not None:
@@ -475,12 +475,27 @@ class AccumulationEngine:
                     found = self.replicas.check_sum(found.to(torch.float64).sum().reshape(1))
             values = (torch.cat((vector, found)) if found is not None else vector).tolist()  # the one host read
 
+        reduced = ReducedGroup.from_values(values)
+        nonfinite = found is not None and sum(values[VECTOR_SIZE:]) > 0
+        return self._decide(sums, reduced, accumulate, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
+
+    def _decide(
+        self,
+        sums: GroupSums,
+        reduced: ReducedGroup,
+        accumulate: int,
+        ends_epoch: bool,
+        nonfinite: bool,
+        scaled: bool,
+        describe_nonfinite: Callable[[], str] | None,
+    ) -> GroupOutcome:
+        """The group's record and decision from its reduced values (every close ends here); opens a new group."""
         self._sums = GroupSums()
         self._group_ref = None
-        reduced = ReducedGroup.from_values(values)
+        k, unit = sums.microbatches, self.ledger.normalization
         carried = sums.carried_microbatches  # known alike on every replica (from the checkpoint)
         checked = dataclasses.replace(reduced, microbatches=reduced.microbatches - carried) if carried else reduced
-        check_agreement(checked, k, replicas, ends_epoch, unit)
+        check_agreement(checked, k, self.replicas.size, ends_epoch, unit)
         units = reduced.units
         record = GroupRecord(
             loss=reduced.weighted_loss / units if units > 0 else math.nan,
@@ -498,7 +513,6 @@ class AccumulationEngine:
         if partial:
             self.ledger.partial_groups += 1
             self._note_partial(k, accumulate)
-        nonfinite = found is not None and sum(values[VECTOR_SIZE:]) > 0
         action, reason = classify(reduced, partial, self.options.partial_group, nonfinite)
         record.dropped = action == "drop"
         record.skip_reason = reason
@@ -507,7 +521,7 @@ class AccumulationEngine:
         elif reason == "nonfinite":
             self._note_nonfinite(record, describe_nonfinite)
         factor = reduced.scale_ref_times_d / units if action == "apply" else 1.0
-        return GroupOutcome(action, factor, record, scaled=bool(gradients), batch_samples=sums.batch_samples)
+        return GroupOutcome(action, factor, record, scaled=scaled, batch_samples=sums.batch_samples)
 
     def _close_sole(
         self,
@@ -562,9 +576,6 @@ class AccumulationEngine:
         if found is not None and not own_flag:  # several kinds of gradient, or another device: rare
             read = torch.cat((read, found.to(device, torch.float64)))
         values = read.tolist()  # the one host read
-        self._sums = GroupSums()
-        self._group_ref = None
-
         position, tokens, samples, negative, units = 1, 0, 0, 0, 1.0
         for counts, is_tokens in ((sums.tokens, True), (sums.samples, False)):
             for count in counts:  # at most one
@@ -578,37 +589,14 @@ class AccumulationEngine:
                     samples = count
                 if counts is weights:
                     units = float(count)
-        if negative:  # the general close's error, from the same values
-            reduced = ReducedGroup(units, 0.0, tokens, samples, negative, units, 1, UNIT_CODES.get(unit or "", 0.0), 0)
-            check_agreement(reduced, 1, 1, ends_epoch, unit)
-        if found is not None:
-            nonfinite = sum(values[position:]) > 0
-            if own_flag and not nonfinite:
-                self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
-        else:
-            nonfinite = False
-        # As the general close: Σ w·loss in float64 (an empty micro-batch's NaN left out), divided by W.
-        record = GroupRecord(
-            loss=values[0] * units / units if units > 0 else math.nan,
-            tokens=tokens,
-            samples=samples,
-            microbatches=1,
-            applied=False,
-        )
-        if units > 0:
-            self.scale_ref = units if self.scale_ref is None else max(self.scale_ref, units)
-        action: Action
-        reason: str | None
-        if units <= 0:  # the order of `classify` (a group of A = 1 is never partial)
-            action, reason = "skip", "empty"
-            self._note_empty()
-        elif nonfinite:
-            action, reason = "skip", "nonfinite"
-            self._note_nonfinite(record, describe_nonfinite)
-        else:
-            action, reason = "apply", None
-        record.skip_reason = reason
-        return GroupOutcome(action, 1.0, record, scaled=bool(gradients), batch_samples=sums.batch_samples)
+        nonfinite = found is not None and sum(values[position:]) > 0
+        if own_flag and not nonfinite:
+            self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
+        # The general close's values: Σ w·loss in float64 (an empty micro-batch's NaN left out), c = w.
+        weighted = values[0] * units if units > 0 else 0.0
+        unit_code = UNIT_CODES.get(unit or "", 0.0)
+        reduced = ReducedGroup(units, weighted, tokens, samples, negative, units, 1, unit_code, int(ends_epoch))
+        return self._decide(sums, reduced, 1, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
 
     def _note_nonfinite(self, record: GroupRecord, describe_nonfinite: Callable[[], str] | None) -> None:
         update = self.ledger.updates_attempted + 1
