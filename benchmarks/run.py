@@ -840,27 +840,29 @@ REMAINING = (
     "overridden or not, each inside a profiler context (four per micro-batch and two per update for each "
     "callback); that is what any callback costs in Lightning, and the package's earlier way around it (silencing "
     "unused hooks through Lightning's dispatch internals) was removed as too fragile (docs/internals.md); it is "
-    "charged to the package here, and takes its share of each target (the lines above). *Per micro-batch*: "
+    "charged to the package here, and takes its share of each target (the lines above). *The one pass over the "
+    "gradients*: the rescale by `c·D/W` with the non-finite guard (`on_nonfinite='skip'`) in GradScaler's fused "
+    "kernel; plain Lightning needs no such pass, since it folds `1/A` into the loss, but the exact factor is known "
+    "only after the group's last backward (streaming data: no look-ahead), and at A = 1, where there is nothing to "
+    "multiply, the guard still reads every gradient. Its memory traffic grows with the parameters "
+    "(`on_nonfinite='ignore'` removes it at A = 1). *Per micro-batch*: "
     "reading the step's output and its count on the host, and "
     "one autograd node (`addcmul`, `loss · w · (1/c)`) in place of Lightning's `loss / A`, plus the detached loss "
-    "the close needs: two tensor operations, each an eager dispatch of a few microseconds on this CPU (more on a "
-    "cold cache after a model's backward); where counts are device tensors the first micro-batch of a group also "
-    "forms `c` on the device without a host read. At A = 1 on one replica the micro-batch is its group's only one "
-    "and back-propagates its loss as it is (`c = w`, the factor `w / w` is exactly 1: the parameters are plain "
-    "Lightning's bit for bit): the detached loss is the package's one tensor operation. *Group close*: at A = 1 "
-    "on one replica, the non-finite check and one stack of the loss, the counts and the check's flag (into a "
-    "float64 buffer kept for the run where counts are device integers), read once (with the micro-batch's, 3 "
-    "tensor operations per GPT update, from 17); "
-    "at A > 1 the fewest tensor operations found for each case (weights on the host: one product for "
-    "`Σ w·loss`, the fused check-and-rescale into a flag kept between updates, one concatenation and the one "
-    "host read; counts as device tensors: their stacked sums). The rest is Python run once per update: the "
-    "strategy's step around Lightning's closure, the decision, the record, the ledger and the listeners: tens of "
-    "microseconds, more right after a model's backward has evicted the caches. *The rescale*: one "
-    "fused pass over every gradient that also finds NaN/Inf (the non-finite guard, `on_nonfinite='skip'`); "
-    "plain Lightning needs no such pass, since it folds `1/A` into the loss, but the exact factor `c·D/W` is "
-    "known only after the group's last backward (streaming data: no look-ahead), and at A = 1, where there is "
-    "nothing to multiply, the guard still reads every gradient. Its memory traffic grows with the parameters: "
-    "on the small GPT it is a floor of the close (`on_nonfinite='ignore'` removes it at A = 1)."
+    "the close needs: two tensor operations, each an eager dispatch of a few microseconds on this CPU (tens right "
+    "after a model's forward or backward has evicted the caches); where counts are device tensors the first "
+    "micro-batch of a group also forms `c` on the device without a host read. At A = 1 on one replica the "
+    "micro-batch is its group's only one and back-propagates its loss as it is (`c = w`, the factor `w / w` is "
+    "exactly 1: the parameters are plain Lightning's bit for bit): the detached loss is the package's one tensor "
+    "operation. *Group close*: on one replica the close reads the reported device values as they are and forms "
+    "the group's sums on the host, so besides the pass over the gradients it dispatches one operation where the "
+    "weights are known on the host (a stack of the losses and the flag, read once) and five where they are device "
+    "tensors (their sum, `c / W` and its float32 rounding, one fused copy into a buffer kept for the run, read "
+    "once); at A = 1 one (the read). The rest is Python run once per update: the strategy's step around "
+    "Lightning's closure, the gradients' list, the record, the decision, the ledger, the listeners and the "
+    "schedules: each a few microseconds, tens together right after a model's backward. None of these is work "
+    "done for nothing: each is a part of what the package measures, decides or records per update, in Python "
+    "within Lightning's hooks; removing more would mean dropping a feature (the guard, the ledger, the listeners) "
+    "or replacing Lightning's loop."
 )
 
 
@@ -900,11 +902,22 @@ def _target_lines(timed: list[dict[str, Any]], paired: list[dict[str, Any]]) -> 
             )
         largest = sorted(shares.items(), key=lambda item: -item[1])[:4]
         dispatch = shares.get(_PARTS["dispatch"], 0.0)
-        own = sum(shares.values()) - dispatch
+        guard = shares.get(_PARTS["rescale_gradients"], 0.0)
+        rest = sum(shares.values()) - dispatch - guard
+        left = target - 1 - dispatch - guard
+        # The rest of the update (Lightning, model, optimizer) in microseconds: converts the shares into time.
+        base_us = statistics.median(r["seconds_per_update"] - r["package_seconds_per_update"] for r in rs) * 1e6
         floor = (
             f" Of the {(target - 1) * 100:.0f} % the target allows, Lightning's dispatch of the callbacks' hooks"
-            f" takes {dispatch * 100:.2f} %, leaving {(target - 1 - dispatch) * 100:.2f} % for the package's own"
-            f" code, which takes {own * 100:.2f} %."
+            f" takes {dispatch * 100:.2f} % and the one pass over the gradients (the rescale with its non-finite"
+            f" guard) {guard * 100:.2f} %; "
+            + (
+                f"that leaves {left * 100:.2f} % ({left * base_us:.0f} µs per update) for the rest of the package's"
+                f" code, which takes {rest * 100:.2f} % ({rest * base_us:.0f} µs)."
+                if left > 0
+                else f"nothing is left for the rest of the package's code, which takes {rest * 100:.2f} %"
+                f" ({rest * base_us:.0f} µs per update)."
+            )
         )
         missed.append(
             f"- {workload}, A = {a}: "

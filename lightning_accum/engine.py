@@ -44,15 +44,17 @@ share of the update, and GradScaler's scale covers the range.
 A group known to hold one micro-batch on one replica (automatic optimization with ``A = 1``, the batch not cut
 into slices: the caller says so with ``add_microbatch(sole=True)``) takes ``c = w``: the micro-batch
 back-propagates its loss as it is, which is what Lightning back-propagates (``loss / 1``), and the factor
-``c · D / W = w / w`` is exactly 1, so the close multiplies nothing (it only checks for NaN/Inf) and reads the
-loss and the counts as they are (one small stack, one host read): one tensor operation per micro-batch (the
-detached loss the close reads), two at the close (issue #20: at ``A = 1`` the per-update cost is the whole cost).
-No other micro-batch can join such a group (an error); closed with another ``A`` it takes the general close with
-``c = w``.
+``c · D / W = w / w`` is exactly 1, so the close multiplies nothing (it only checks for NaN/Inf): one tensor
+operation per micro-batch (the detached loss the close reads), two at the close (issue #20: at ``A = 1`` the
+per-update cost is the whole cost). No other micro-batch can join such a group (an error); closed with another
+``A`` it is a partial group with ``c = w``.
 
-All per-micro-batch work stays on the device: counts that arrive as tensors are accumulated as
-tensors and checked (sign, agreement between replicas) only at the close, where one fused all-reduce
-of a small float64 vector and one host read happen per update.
+All per-micro-batch work stays on the device: counts that arrive as tensors are kept as tensors and checked
+(sign, agreement between replicas) only at the close. On several replicas the close sums a small float64 vector
+(one fused all-reduce) and reads it once. On one replica there is nothing to sum: the close reads the reported
+device values as they are (one host read) and forms the group's sums on the host, exactly (Python integers for
+counts, ``math.fsum`` for ``Σ w·loss``), with the fewest tensor operations: the factor ``c / W`` (on the device
+only where a weight is), the rescale with its check, one stack or fused copy to read.
 
 The engine imports nothing from Lightning: the strategies bind it to their replicas (:meth:`AccumulationEngine.bind`)
 and route its messages (:attr:`AccumulationEngine.info`, :attr:`AccumulationEngine.warn`) to rank zero.
@@ -73,7 +75,7 @@ from torch import Tensor
 
 from lightning_accum.decision import GroupOutcome, check_agreement, classify
 from lightning_accum.gradients import GradientsByKind, rescale_gradients
-from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot, combine, split
+from lightning_accum.group import COUNT_SPLIT, UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot, combine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count, as_count, choose_unit, infer_num_samples, parse_step_output, unit_weight
 from lightning_accum.options import AccumulationOptions
@@ -180,7 +182,8 @@ class AccumulationEngine:
         self._warned_empty = False
         self._listeners: list[GroupListener] = []
         self._clean_flag: Tensor | None = None  # a NaN/Inf flag read as zero, for the next check to write into
-        self._read_buffers: dict[tuple[torch.device, int], Tensor] = {}  # what a sole micro-batch's close reads
+        # What a close on one replica reads (`_read`): a float64 buffer and its elements (the copies' destinations).
+        self._read_buffers: dict[tuple[torch.device, int], tuple[Tensor, list[Tensor]]] = {}
         self._flag_view: tuple[Tensor, Tensor] | None = None  # (flag, its 0-d view) for that read
 
     # ------------------------------------------------------------------ options and binding
@@ -414,11 +417,10 @@ class AccumulationEngine:
                 is non-finite under ``on_nonfinite="raise"``.
         """
         sums, unit = self._sums, self.ledger.normalization
-        if sums.sole and accumulate == 1:  # one micro-batch known to be the group's only one: c = w, no factor
-            outcome = self._close_sole(sums, unit, ends_epoch, gradients, check_gradients, describe_nonfinite)
-            if outcome is not None:
-                return outcome
-        # (A sole group closed with another `accumulate` — a partial group — takes the general close with c = w.)
+        if self._reads_here():
+            # One replica: nothing to sum over replicas. The device values are read as they are, the sums are formed
+            # on the host (see `_close_here`).
+            return self._close_here(sums, unit, accumulate, ends_epoch, gradients, check_gradients, describe_nonfinite)
         k = sums.microbatches
         ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
         extra = {
@@ -432,52 +434,168 @@ class AccumulationEngine:
         else:
             extra[Slot.SCALE_REF] = float(ref)
         device = self.device
-        # One replica: nothing is summed, so the host values stay on the host, only the device values are read, and
-        # the factor c / W is a float when both are known on the host.
-        here = self._reads_here()
+        host, positions, source = sums.parts(device, unit, extra, device_extra)
+        vector = self.replicas.sum_(combine(host, positions, source, device))
         found: Tensor | None = None
-        if here:
-            host, positions, source, device_units, count = sums.parts(device, unit, extra, device_extra, read_here=True)
-            if gradients:
-                c: float | Tensor = device_extra[Slot.SCALE_REF] if device_extra else host[_SCALE_REF]
-                w: float | Tensor = host[_UNITS]
-                if device_units is not None:
-                    w = device_units + w if w else device_units
-                if isinstance(c, Tensor) or isinstance(w, Tensor):
-                    factor: float | Tensor = c / w
-                else:
-                    factor = c / w if w != 0 else math.inf  # as c / 0 on the device
-                flag = self._clean_flag
-                self._clean_flag = None  # written below: clean again only once read as zero
-                found = rescale_gradients(gradients, factor, check_gradients, flag)
-            read = source if found is None else found if source is None else torch.cat((source, found))
-            values = host + (read.tolist() if read is not None else [])  # the one host read
-            if found is not None and found.numel() == 1 and values[-1] == 0:
-                self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
-            for index, slot in enumerate(positions):
-                values[slot] += values[VECTOR_SIZE + index]
-            if count is not None:  # a single count read as its float64 weight: its exact parts
-                index, hi_slot, lo_slot = count
-                total = round(values[VECTOR_SIZE + index])
-                hi, lo = split(total)
-                values[hi_slot] += hi
-                values[lo_slot] += lo
-                values[Slot.NEGATIVE] += total < 0
-            del values[VECTOR_SIZE : VECTOR_SIZE + len(positions)]
-        else:
-            host, positions, source, _, _ = sums.parts(device, unit, extra, device_extra)
-            vector = self.replicas.sum_(combine(host, positions, source, device))
-            if gradients:
-                # c · D / W on the device: the gradient is rescaled before anything is read on the host.
-                found = rescale_gradients(gradients, vector[_SCALE_REF] / vector[_UNITS], check_gradients)
-                if found is not None and self.replicas.check_sum is not None:
-                    # Sharded gradients: each rank checked its own shard; every rank must take the same decision.
-                    found = self.replicas.check_sum(found.to(torch.float64).sum().reshape(1))
-            values = (torch.cat((vector, found)) if found is not None else vector).tolist()  # the one host read
-
+        if gradients:
+            # c · D / W on the device: the gradient is rescaled before anything is read on the host.
+            found = rescale_gradients(gradients, vector[_SCALE_REF] / vector[_UNITS], check_gradients)
+            if found is not None and self.replicas.check_sum is not None:
+                # Sharded gradients: each rank checked its own shard; every rank must take the same decision.
+                found = self.replicas.check_sum(found.to(torch.float64).sum().reshape(1))
+        values = (torch.cat((vector, found)) if found is not None else vector).tolist()  # the one host read
         reduced = ReducedGroup.from_values(values)
         nonfinite = found is not None and sum(values[VECTOR_SIZE:]) > 0
         return self._decide(sums, reduced, accumulate, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
+
+    def _close_here(
+        self,
+        sums: GroupSums,
+        unit: str | None,
+        accumulate: int,
+        ends_epoch: bool,
+        gradients: Sequence[Tensor] | GradientsByKind | None,
+        check: bool,
+        describe_nonfinite: Callable[[], str] | None,
+    ) -> GroupOutcome:
+        """:meth:`close_group` on one replica: the device values (losses, counts reported as tensors, ``c`` where it
+        is a device scalar, the NaN/Inf flag) are read as they are, in one host read, and the group's sums are formed
+        on the host: counts as Python integers, ``Σ w·loss`` as the correctly rounded float64 sum (``math.fsum``) of
+        the products that several replicas sum on the device.
+
+        Only the factor ``c / W`` is formed on the device, where a weight or ``c`` is a device value (the gradient
+        is rescaled before the read); with ``c`` and the weights on the host it is a float. A sole micro-batch
+        (``c = w = W``, see :meth:`add_microbatch`) has the factor exactly 1: nothing is multiplied, and the check,
+        where it runs, runs alone. The read is :meth:`_read`. Issue #20: formed on the device, the sums took a dozen
+        small tensor operations per close, each tens of microseconds right after a model's backward.
+        """
+        losses = sums.losses
+        weights = sums.tokens if unit == "tokens" else sums.samples if unit == "samples" else None
+        carried = sums.carried
+        ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
+        count_tensors = [count for count in (*sums.tokens, *sums.samples) if isinstance(count, Tensor)]
+        items = [*losses, *count_tensors]  # the device values to read, in this order
+        ref_read = isinstance(ref, Tensor) and not sums.sole
+        if ref_read:
+            items.append(ref)  # type: ignore[arg-type]
+        found: Tensor | None = None
+        # A sole micro-batch (c = w = W) has nothing to multiply: only the check, where one runs, reads its gradient.
+        if gradients and (check or not sums.sole):
+            factor: float | Tensor = 1.0
+            if not sums.sole:
+                host_units = carried.get(Slot.UNITS, 0.0)
+                device_units: list[Tensor] = []
+                if weights is None:
+                    host_units += len(losses)
+                else:
+                    for w in weights:
+                        if isinstance(w, Tensor):
+                            device_units.append(w)
+                        else:
+                            host_units += w
+                if device_units:
+                    units_here: Tensor = (
+                        device_units[0].to(torch.float64)
+                        if len(device_units) == 1
+                        else torch.stack(device_units).sum(dtype=torch.float64)
+                    )
+                    factor = ref / (units_here + host_units if host_units else units_here)
+                elif isinstance(ref, Tensor):
+                    factor = ref / host_units
+                else:
+                    factor = ref / host_units if host_units != 0 else math.inf  # as c / 0 on the device
+            flag = self._clean_flag
+            self._clean_flag = None  # kept again below once read as zero
+            found = rescale_gradients(gradients, factor, check, flag)
+        own_flag = False
+        if found is not None:
+            if found.numel() == 1:
+                own_flag = True
+                view = self._flag_view
+                if view is None or view[0] is not found:  # the flag as a 0-d tensor, kept with the reused flag
+                    view = self._flag_view = (found, found.view(()))
+                items.append(view[1])
+            else:  # several kinds of gradient: rare
+                items.append(found.to(torch.float64).sum())
+        values = self._read(items)
+
+        # The sums, from the host values and the device values read (in the order of `items`).
+        position = len(losses)
+        negative = 0
+        totals = [0, 0]
+        unit_weights: list[int] = []
+        for which, counts in enumerate((sums.tokens, sums.samples)):
+            if not counts:
+                continue
+            exact: list[int] = []
+            for count in counts:
+                if isinstance(count, Tensor):
+                    value = values[position]
+                    position += 1
+                    # A count beyond float64's integers is read again, exactly: a second read, never seen in practice.
+                    count = int(value) if -_EXACT_FLOATS < value < _EXACT_FLOATS else int(count.item())
+                exact.append(count)
+                negative += count < 0
+            totals[which] = sum(exact)
+            if counts is weights:
+                unit_weights = exact
+        loss_values = values[: len(losses)]
+        if weights is None:  # every micro-batch weighs 1
+            products = loss_values
+            units = float(len(losses))
+        else:  # an empty micro-batch (w = 0, a NaN mean) is left out, as where(w > 0) leaves it out on the device
+            products = [w * loss for w, loss in zip(unit_weights, loss_values, strict=True) if w > 0]
+            units = float(sum(unit_weights))
+        scale_ref = units if sums.sole else values[position] if ref_read else float(ref)  # type: ignore[arg-type]
+        position += ref_read
+        nonfinite = found is not None and values[position] > 0
+        if own_flag and not nonfinite:
+            self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
+        microbatches = sums.microbatches
+        if carried:  # what a checkpoint written inside this group carried (on this, the only, replica)
+            base = [0.0] * VECTOR_SIZE
+            for slot, value in carried.items():
+                base[slot] += value
+            negative += round(base[Slot.NEGATIVE])
+            totals[0] += int(base[Slot.TOKENS_HI]) * COUNT_SPLIT + int(base[Slot.TOKENS_LO])
+            totals[1] += int(base[Slot.SAMPLES_HI]) * COUNT_SPLIT + int(base[Slot.SAMPLES_LO])
+            products = [*products, base[Slot.WEIGHTED_LOSS]]
+            units += base[Slot.UNITS]
+            microbatches += round(base[Slot.MICROBATCHES])
+        weighted = _sum_exactly_rounded(products)
+        reduced = ReducedGroup(
+            units=units,
+            weighted_loss=weighted,
+            tokens=totals[0],
+            samples=totals[1],
+            negative=negative,
+            scale_ref_times_d=scale_ref,
+            microbatches=microbatches,
+            unit_code=UNIT_CODES.get(unit or "", 0.0),
+            ended=int(ends_epoch),
+        )
+        return self._decide(sums, reduced, accumulate, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
+
+    def _read(self, items: list[Tensor]) -> list[float]:
+        """The values of the 0-d tensors ``items`` as float64 values, in one host read.
+
+        One stack where they share one floating dtype (a float32 loss and flag): read as they are, each value
+        exact as a float. Else one fused copy (``torch._foreach_copy_``) into the elements of a float64 buffer kept
+        for the run: exact for losses of any floating dtype and for counts below 2^53. Issue #20: right after a
+        model's backward a ``stack`` that converts dtypes costs twice the copy (53 against 25 µs on this CPU).
+        """
+        if not items:
+            return []
+        device = self.device
+        first = items[0].dtype
+        if first.is_floating_point and all(item.dtype is first and item.device == device for item in items):
+            return torch.stack(items).tolist()  # type: ignore[no-any-return]
+        kept = self._read_buffers.get((device, len(items)))
+        if kept is None:
+            buffer = torch.empty(len(items), dtype=torch.float64, device=device)
+            kept = self._read_buffers[(device, len(items))] = (buffer, list(buffer.unbind()))
+        torch._foreach_copy_(kept[1], items)
+        return kept[0].tolist()  # type: ignore[no-any-return]
 
     def _decide(
         self,
@@ -522,81 +640,6 @@ class AccumulationEngine:
             self._note_nonfinite(record, describe_nonfinite)
         factor = reduced.scale_ref_times_d / units if action == "apply" else 1.0
         return GroupOutcome(action, factor, record, scaled=scaled, batch_samples=sums.batch_samples)
-
-    def _close_sole(
-        self,
-        sums: GroupSums,
-        unit: str | None,
-        ends_epoch: bool,
-        gradients: Sequence[Tensor] | GradientsByKind | None,
-        check: bool,
-        describe_nonfinite: Callable[[], str] | None,
-    ) -> GroupOutcome | None:
-        """:meth:`close_group` for a group of one sole micro-batch on one replica (``c = w``, the factor is exactly
-        1); ``None`` where the general close (with ``c = w`` too) is needed: no single count in the run's unit.
-
-        The gradient is not multiplied (by 1); with ``check`` the fused check runs alone (its multiplication by
-        1.0 leaves every value as it is). The loss, the counts reported as tensors and the flag are read in one
-        stack: as they are when they share one floating dtype, else into a float64 buffer kept for the run (exact
-        for a micro-batch's counts below 2^53, where the general close splits counts into two parts). The record is
-        formed on the host from the same float64 values the general close sums on the device, so both give the same
-        record bit for bit (``test_a_sole_micro_batch_closes_as_the_general_group_does``).
-        """
-        weights = sums.tokens if unit == "tokens" else sums.samples if unit == "samples" else None
-        if len(sums.losses) != 1 or (weights is not None and len(weights) != 1) or not self._reads_here():
-            return None
-        loss = sums.losses[0]
-        found: Tensor | None = None
-        if gradients and check:
-            flag = self._clean_flag
-            self._clean_flag = None  # kept again below once read as zero
-            found = rescale_gradients(gradients, 1.0, True, flag)
-        device = loss.device
-        items = [loss]
-        items += [count for count in (*sums.tokens, *sums.samples) if isinstance(count, Tensor)]
-        own_flag = found is not None and found.numel() == 1 and found.device == device
-        if own_flag:
-            assert found is not None
-            view = self._flag_view
-            if view is None or view[0] is not found:  # the flag as a 0-d tensor, kept with the reused flag
-                view = self._flag_view = (found, found.view(()))
-            items.append(view[1])
-        dtype = loss.dtype
-        if all(item.dtype is dtype for item in items) and dtype.is_floating_point:
-            # One floating dtype (a float32 loss and flag, counts on the host): read as it is, each value exact as a
-            # Python float; half the cost of a stack that converts (measured right after a model's backward).
-            read = torch.stack(items)
-        else:  # integer counts on the device, or mixed dtypes: into float64, exact for counts below 2^53
-            buffer = self._read_buffers.get((device, len(items)))
-            if buffer is None:
-                buffer = self._read_buffers[(device, len(items))] = torch.empty(
-                    len(items), dtype=torch.float64, device=device
-                )
-            read = torch.stack(items, out=buffer)
-        if found is not None and not own_flag:  # several kinds of gradient, or another device: rare
-            read = torch.cat((read, found.to(device, torch.float64)))
-        values = read.tolist()  # the one host read
-        position, tokens, samples, negative, units = 1, 0, 0, 0, 1.0
-        for counts, is_tokens in ((sums.tokens, True), (sums.samples, False)):
-            for count in counts:  # at most one
-                if isinstance(count, Tensor):
-                    count = round(values[position])
-                    position += 1
-                negative += count < 0
-                if is_tokens:
-                    tokens = count
-                else:
-                    samples = count
-                if counts is weights:
-                    units = float(count)
-        nonfinite = found is not None and sum(values[position:]) > 0
-        if own_flag and not nonfinite:
-            self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
-        # The general close's values: Σ w·loss in float64 (an empty micro-batch's NaN left out), c = w.
-        weighted = values[0] * units if units > 0 else 0.0
-        unit_code = UNIT_CODES.get(unit or "", 0.0)
-        reduced = ReducedGroup(units, weighted, tokens, samples, negative, units, 1, unit_code, int(ends_epoch))
-        return self._decide(sums, reduced, 1, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
 
     def _note_nonfinite(self, record: GroupRecord, describe_nonfinite: Callable[[], str] | None) -> None:
         update = self.ledger.updates_attempted + 1
@@ -809,8 +852,23 @@ class AccumulationEngine:
 
 
 _ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _sum_exactly_rounded(values: list[float]) -> float:
+    """``Σ values``, exactly rounded (``math.fsum``): the same float in any order, so a run resumed inside a group
+    sums the products of the uninterrupted one to the same value. NaN or an infinity: the plain sum's value."""
+    if len(values) == 1:
+        return values[0]
+    try:
+        return math.fsum(values)
+    except (ValueError, OverflowError):  # inf - inf (a NaN), or finite values whose sum overflows (an infinity)
+        return sum(values)
+
+
 _NO_DEVICE_VALUES: Mapping[Slot, Tensor] = {}
 _SCALE_REF, _UNITS = int(Slot.SCALE_REF), int(Slot.UNITS)
+#: Integers up to this magnitude are exact as float64 values (a count read as float64 beyond it is read again).
+_EXACT_FLOATS = float(2**53)
 
 
 def _zero(device: torch.device, dtype: torch.dtype) -> Tensor:

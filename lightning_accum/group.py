@@ -3,7 +3,9 @@
 In the manner of a torchmetrics metric (``MeanMetric`` keeps ``Σ value·weight`` and ``Σ weight``, reduces
 both by sum across ranks and divides once), a group keeps what its micro-batches reported and turns it into
 one small float64 vector when it closes (:meth:`GroupSums.local_vector`). The strategies sum that vector
-over replicas (one all-reduce) and read it on the host once; :class:`ReducedGroup` names its values.
+over replicas (one all-reduce) and read it on the host once; :class:`ReducedGroup` names its values. On one
+replica there is nothing to sum: the engine reads the reported values as they are and forms the same values on
+the host (``AccumulationEngine._close_here``).
 
 Counts stay exact integers whatever their size: a float64 sum is exact only below 2^53, so every count is
 carried as two parts, ``count = hi · 2^24 + lo`` with ``0 <= lo < 2^24``. Each part's sum over micro-batches
@@ -132,11 +134,6 @@ class Parts(NamedTuple):
     positions: list[int]
     #: The device values, a 1-d float64 tensor (``None`` when there is none).
     source: Tensor | None
-    #: ``Σ w`` of the counts reported as tensors, a device scalar (``None`` when every weight is on the host).
-    units: Tensor | None
-    #: ``(index, hi_slot, lo_slot)``: the entry of :attr:`source` that is a single count, to split into its parts
-    #: on the host (its negative-count flag included) once read.
-    single_count: tuple[int, Slot, Slot] | None
 
 
 class GroupSums:
@@ -239,7 +236,6 @@ class GroupSums:
         unit: str | None,
         extra: Mapping[Slot, float],
         device_extra: Mapping[Slot, Tensor],
-        read_here: bool = False,
     ) -> Parts:
         """The group's values where they are (see :class:`Parts`): host floats by slot (``extra`` included), and
         the device values as one 1-d float64 tensor on ``device``.
@@ -247,9 +243,8 @@ class GroupSums:
         A handful of tensor operations whatever the number of micro-batches. The common cases take the fewest:
         weights known on the host (samples, batches, or token counts reported as ints) weight the losses with one
         product (one micro-batch) or one matrix-vector product; token counts reported as tensors form their sums
-        (the count parts, ``Σ w`` and ``Σ w·loss``) with one sum over a stacked matrix. ``read_here``: the values are
-        read on the host as they are (one replica, nothing summed), so a single micro-batch's token count travels as
-        its float64 weight and is split into its parts on the host (:attr:`Parts.single_count`).
+        (the count parts, ``Σ w`` and ``Σ w·loss``) with one sum over a stacked matrix. (On one replica the engine
+        reads the reported values as they are and forms the sums on the host instead.)
         """
         host = [0.0] * VECTOR_SIZE
         for slot, value in extra.items():
@@ -263,8 +258,6 @@ class GroupSums:
         weights = self.tokens if unit == "tokens" else self.samples if unit == "samples" else None
         weighted = False  # Σ w·loss formed (with the unit's tensor counts)
         host_units = 0.0
-        units: Tensor | None = None
-        count: tuple[int, Slot, Slot] | None = None
         for values, hi_slot, lo_slot in (
             (self.tokens, Slot.TOKENS_HI, Slot.TOKENS_LO),
             (self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
@@ -280,18 +273,6 @@ class GroupSums:
                 if values is weights:
                     host_units = float(total)
             if not tensors:
-                continue
-            if read_here and values is weights and len(tensors) == len(losses) == 1:
-                # One micro-batch read on this host: its weight w, and w · loss (where() keeps an empty micro-batch's
-                # NaN mean out), travel as scalars; w is split into the count's parts after the read.
-                weight = tensors[0].to(device=device, dtype=torch.float64)
-                count = (len(scalars), hi_slot, lo_slot)
-                scalars += [
-                    (Slot.UNITS, weight),
-                    (Slot.WEIGHTED_LOSS, torch.where(weight > 0, losses[0], 0.0) * weight),
-                ]
-                units = weight
-                weighted = True
                 continue
             stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
             rows = [
@@ -310,10 +291,7 @@ class GroupSums:
                     rows.append(torch.where(counts > 0, losses64, 0.0) * counts)
                     positions.append(Slot.WEIGHTED_LOSS)
                     weighted = True
-            sums = torch.stack(rows).sum(1, dtype=torch.float64)
-            if read_here and values is weights:
-                units = sums[3]
-            sources.append(sums)
+            sources.append(torch.stack(rows).sum(1, dtype=torch.float64))
         if losses and not weighted:
             positions.append(Slot.WEIGHTED_LOSS)
             if weights is None:  # every micro-batch weighs 1
@@ -338,7 +316,7 @@ class GroupSums:
             positions[:0] = [slot for slot, _ in scalars]
             sources.insert(0, torch.stack([scalar for _, scalar in scalars]))
         source = None if not sources else sources[0] if len(sources) == 1 else torch.cat(sources)
-        return Parts(host, positions, source, units, count)
+        return Parts(host, positions, source)
 
     # ------------------------------------------------------------------ across a checkpoint
 

@@ -438,6 +438,7 @@ def _summed_vector(tensor: torch.Tensor) -> torch.Tensor:
         [5],  # host counts: the weight is known on the host, c / W a float
         [5, 7, 9],
         [5, torch.tensor(0), 9],  # mixed, with an empty micro-batch
+        [torch.tensor(6, dtype=torch.int32), torch.tensor(2**40 + 3)],  # an int32 count beside an int64 one
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
@@ -463,6 +464,43 @@ def test_one_replica_read_equals_the_summed_vector(counts: list[int | torch.Tens
     assert outcomes[0] == outcomes[1]
     assert all(torch.equal(a, b) for a, b in zip(*gradients, strict=True))
     assert outcomes[0][0][2].tokens == sum(int(c) for c in counts)
+
+
+@pytest.mark.parametrize("counts", [[7, 5, 9, 3], [torch.tensor(c) for c in (7, 5, 9, 3)]])
+def test_a_group_on_one_replica_is_read_once_with_the_fewest_operations(counts: list[int | torch.Tensor]) -> None:
+    # One replica, A = 4: the close reads the reported device values as they are and forms the sums on the host.
+    # Weights on the host (ints): the rescale with its check (the factor c / W a float) and one stack of the losses
+    # and the flag. Weights on the device: their sum, c / W and its float32 rounding, the rescale with its check, and
+    # one fused copy of losses, counts and flag (the vector summed over replicas takes 11 and 23 operations here).
+    from probes import HostReadProbe
+
+    engine = AccumulationEngine(normalize="tokens")
+    weight = torch.ones(3, requires_grad=True)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    reference = torch.zeros(3, dtype=torch.float64)
+    losses = []
+    for update in range(2):  # the first group's c is a device scalar where the weights are; later ones a float
+        for index, count in enumerate(counts):
+            loss = (weight * x).sum() * (index + 1 + update)
+            losses.append(float(loss.detach()))
+            tensor = engine.add_microbatch({"loss": loss, "num_tokens": count}, None, accumulate=len(counts))
+            assert tensor is not None
+            tensor.backward()
+            reference += x.double() * (index + 1 + update) * int(count)
+        assert weight.grad is not None
+        with HostReadProbe() as close:
+            outcome = engine.close_group(accumulate=len(counts), gradients=[weight.grad], check_gradients=True)
+        engine.finish_group(outcome, applied=True)
+        total = sum(int(c) for c in counts)
+        assert len(close.hits) == 1 and "tolist" in close.hits[0]
+        assert outcome.record.tokens == total and outcome.record.microbatches == len(counts)
+        expected_loss = sum(int(c) * v for c, v in zip(counts, losses[-len(counts) :], strict=True)) / total
+        assert outcome.record.loss == pytest.approx(expected_loss, rel=1e-12)
+        assert relative_error(weight.grad.double(), reference / total) < 1e-6
+        weight.grad = None
+        reference.zero_()
+    on_host = not isinstance(counts[0], torch.Tensor)
+    assert close.package_ops == (2 if on_host else 6), close.package_ops
 
 
 def _sole_and_general(
@@ -552,7 +590,20 @@ def test_a_sole_micro_batch_back_propagates_its_loss_and_reads_once() -> None:
         assert len(close.hits) == 1 and "tolist" in close.hits[0]
         assert (outcome.action, outcome.factor, outcome.record.tokens, outcome.record.loss) == ("apply", 1.0, 7, 6.0)
         weight.grad = None
-    assert close.package_ops == 2, close.package_ops  # the check, and the stack into the read buffer
+    assert close.package_ops == 2, close.package_ops  # the check, and the fused copy into the read buffer
+    # No check (a GradScaler checks, or on_nonfinite="ignore"): nothing reads or multiplies the gradient.
+    for _ in range(2):  # the first close makes the read buffer later ones reuse
+        loss = (weight * torch.tensor([1.0, 2.0, 3.0])).sum()
+        engine.add_microbatch({"loss": loss, "num_tokens": torch.tensor(7)}, None, 1, sole=True)
+        loss.backward()
+        assert weight.grad is not None
+        expected = weight.grad.clone()
+        with HostReadProbe() as close:
+            outcome = engine.close_group(accumulate=1, gradients=[weight.grad], check_gradients=False)
+        assert torch.equal(weight.grad, expected)
+        assert (outcome.action, outcome.factor, outcome.record.tokens) == ("apply", 1.0, 7)
+        weight.grad = None
+    assert close.package_ops == 1, close.package_ops  # the read's copy only
     # A negative count on the device is the same error as in the general close.
     engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": torch.tensor(-2)}, None, accumulate=1, sole=True)
     with pytest.raises(ValueError, match="negative"):
