@@ -54,7 +54,7 @@ All per-micro-batch work stays on the device: counts that arrive as tensors are 
 (one fused all-reduce) and reads it once. On one replica there is nothing to sum: the close reads the reported
 device values as they are (one host read) and forms the group's sums on the host, exactly (Python integers for
 counts, ``math.fsum`` for ``Σ w·loss``), with the fewest tensor operations: the factor ``c / W`` (on the device
-only where a weight is), the rescale with its check, one stack or fused copy to read.
+only where a weight or ``c`` is), the rescale with its check, and one stack, or one fused copy per dtype, to read.
 
 The engine imports nothing from Lightning: the strategies bind it to their replicas (:meth:`AccumulationEngine.bind`)
 and route its messages (:attr:`AccumulationEngine.info`, :attr:`AccumulationEngine.warn`) to rank zero.
@@ -74,7 +74,7 @@ import torch
 from torch import Tensor
 
 from lightning_accum.decision import GroupOutcome, check_agreement, classify
-from lightning_accum.gradients import GradientsByKind, rescale_gradients
+from lightning_accum.gradients import GradientsByKind, cached_scalar, rescale_gradients
 from lightning_accum.group import COUNT_SPLIT, UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot, combine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count, as_count, choose_unit, infer_num_samples, parse_step_output, unit_weight
@@ -182,8 +182,9 @@ class AccumulationEngine:
         self._warned_empty = False
         self._listeners: list[GroupListener] = []
         self._clean_flag: Tensor | None = None  # a NaN/Inf flag read as zero, for the next check to write into
-        # What a close on one replica reads (`_read`): a float64 buffer and its elements (the copies' destinations).
-        self._read_buffers: dict[tuple[torch.device, int], tuple[Tensor, list[Tensor]]] = {}
+        # What a close on one replica reads (`_read`): a float64 buffer and, for each run of items that share a dtype
+        # and a device, its place and elements (the copies' destinations); by the buffer's device and the runs.
+        self._read_buffers: dict[Any, tuple[Tensor, list[tuple[int, int, list[Tensor]]]]] = {}
         self._flag_view: tuple[Tensor, Tensor] | None = None  # (flag, its 0-d view) for that read
 
     # ------------------------------------------------------------------ options and binding
@@ -461,7 +462,8 @@ class AccumulationEngine:
         """:meth:`close_group` on one replica: the device values (losses, counts reported as tensors, ``c`` where it
         is a device scalar, the NaN/Inf flag) are read as they are, in one host read, and the group's sums are formed
         on the host: counts as Python integers, ``Σ w·loss`` as the correctly rounded float64 sum (``math.fsum``) of
-        the products that several replicas sum on the device.
+        the products that several replicas sum on the device (in the device's order, which may round the last bit
+        differently).
 
         Only the factor ``c / W`` is formed on the device, where a weight or ``c`` is a device value (the gradient
         is rescaled before the read); with ``c`` and the weights on the host it is a float. A sole micro-batch
@@ -473,11 +475,7 @@ class AccumulationEngine:
         weights = sums.tokens if unit == "tokens" else sums.samples if unit == "samples" else None
         carried = sums.carried
         ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
-        count_tensors = [count for count in (*sums.tokens, *sums.samples) if isinstance(count, Tensor)]
-        items = [*losses, *count_tensors]  # the device values to read, in this order
         ref_read = isinstance(ref, Tensor) and not sums.sole
-        if ref_read:
-            items.append(ref)  # type: ignore[arg-type]
         found: Tensor | None = None
         # A sole micro-batch (c = w = W) has nothing to multiply: only the check, where one runs, reads its gradient.
         if gradients and (check or not sums.sole):
@@ -493,20 +491,28 @@ class AccumulationEngine:
                             device_units.append(w)
                         else:
                             host_units += w
+                # c / W in one float64 division, both operands on the device where either is (as the vector of
+                # several replicas divides): a Python float beside a tensor would be multiplied by its reciprocal
+                # (two roundings; torch does so for `float / tensor`, and CUDA for `tensor / float`).
                 if device_units:
                     units_here: Tensor = (
                         device_units[0].to(torch.float64)
                         if len(device_units) == 1
                         else torch.stack(device_units).sum(dtype=torch.float64)
                     )
-                    factor = ref / (units_here + host_units if host_units else units_here)
+                    total = units_here + host_units if host_units else units_here
+                    c = ref if isinstance(ref, Tensor) else cached_scalar(float(ref), total.device, torch.float64)
+                    factor = c / total
                 elif isinstance(ref, Tensor):
-                    factor = ref / host_units
+                    factor = ref / cached_scalar(float(host_units), ref.device, torch.float64)
                 else:
                     factor = ref / host_units if host_units != 0 else math.inf  # as c / 0 on the device
             flag = self._clean_flag
             self._clean_flag = None  # kept again below once read as zero
             found = rescale_gradients(gradients, factor, check, flag)
+        # The device values to read: the losses, the flag (a float32 loss and flag make one run of one dtype, see
+        # `_read`), c where it is a device scalar, the counts reported as tensors.
+        items = list(losses)
         own_flag = False
         if found is not None:
             if found.numel() == 1:
@@ -517,10 +523,19 @@ class AccumulationEngine:
                 items.append(view[1])
             else:  # several kinds of gradient: rare
                 items.append(found.to(torch.float64).sum())
+        if ref_read:
+            items.append(ref)  # type: ignore[arg-type]
+        items += [count for count in (*sums.tokens, *sums.samples) if isinstance(count, Tensor)]
         values = self._read(items)
 
         # The sums, from the host values and the device values read (in the order of `items`).
         position = len(losses)
+        nonfinite = found is not None and values[position] > 0
+        position += found is not None
+        scale_ref = 0.0
+        if ref_read:
+            scale_ref = values[position]
+            position += 1
         negative = 0
         totals = [0, 0]
         unit_weights: list[int] = []
@@ -546,9 +561,10 @@ class AccumulationEngine:
         else:  # an empty micro-batch (w = 0, a NaN mean) is left out, as where(w > 0) leaves it out on the device
             products = [w * loss for w, loss in zip(unit_weights, loss_values, strict=True) if w > 0]
             units = float(sum(unit_weights))
-        scale_ref = units if sums.sole else values[position] if ref_read else float(ref)  # type: ignore[arg-type]
-        position += ref_read
-        nonfinite = found is not None and values[position] > 0
+        if sums.sole:
+            scale_ref = units  # c = w
+        elif not ref_read:
+            scale_ref = float(ref)  # type: ignore[arg-type]
         if own_flag and not nonfinite:
             self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
         microbatches = sums.microbatches
@@ -579,23 +595,40 @@ class AccumulationEngine:
     def _read(self, items: list[Tensor]) -> list[float]:
         """The values of the 0-d tensors ``items`` as float64 values, in one host read.
 
-        One stack where they share one floating dtype (a float32 loss and flag): read as they are, each value
-        exact as a float. Else one fused copy (``torch._foreach_copy_``) into the elements of a float64 buffer kept
-        for the run: exact for losses of any floating dtype and for counts below 2^53. Issue #20: right after a
-        model's backward a ``stack`` that converts dtypes costs twice the copy (53 against 25 µs on this CPU).
+        One stack where they share one floating dtype and device (a float32 loss and flag): read as they are, each
+        value exact as a float. Else they are copied into the elements of a float64 buffer kept for the run, on the
+        first item's device (the losses'), exact for losses of any floating dtype and for counts below 2^53: one
+        ``torch._foreach_copy_`` per run of items that share a dtype and a device, the form a GPU fuses into one
+        kernel (a list of mixed dtypes is copied tensor by tensor there). Issue #20: right after a model's backward
+        a ``stack`` that converts dtypes costs twice these copies (53 against 25 µs on this CPU).
         """
         if not items:
             return []
-        device = self.device
-        first = items[0].dtype
-        if first.is_floating_point and all(item.dtype is first and item.device == device for item in items):
+        first = items[0]
+        device, dtype = first.device, first.dtype
+        if dtype.is_floating_point and all(item.dtype is dtype and item.device == device for item in items):
             return torch.stack(items).tolist()  # type: ignore[no-any-return]
-        kept = self._read_buffers.get((device, len(items)))
+        # Runs of items that share a dtype and a device: (end, dtype, device), in order.
+        runs: list[tuple[int, torch.dtype, torch.device]] = []
+        for index, item in enumerate(items):
+            if item.dtype is not dtype or item.device != device:
+                runs.append((index, dtype, device))
+                dtype, device = item.dtype, item.device
+        runs.append((len(items), dtype, device))
+        key = (first.device, tuple(runs))
+        kept = self._read_buffers.get(key)
         if kept is None:
-            buffer = torch.empty(len(items), dtype=torch.float64, device=device)
-            kept = self._read_buffers[(device, len(items))] = (buffer, list(buffer.unbind()))
-        torch._foreach_copy_(kept[1], items)
-        return kept[0].tolist()  # type: ignore[no-any-return]
+            buffer = torch.empty(len(items), dtype=torch.float64, device=first.device)
+            elements = buffer.unbind()
+            starts = [0] + [end for end, _, _ in runs[:-1]]
+            kept = self._read_buffers[key] = (
+                buffer,
+                [(start, end, list(elements[start:end])) for start, (end, _, _) in zip(starts, runs, strict=True)],
+            )
+        buffer, copies = kept
+        for start, end, destinations in copies:
+            torch._foreach_copy_(destinations, items[start:end])
+        return buffer.tolist()  # type: ignore[no-any-return]
 
     def _decide(
         self,
@@ -855,8 +888,8 @@ _ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
 
 def _sum_exactly_rounded(values: list[float]) -> float:
-    """``Σ values``, exactly rounded (``math.fsum``): the same float in any order, so a run resumed inside a group
-    sums the products of the uninterrupted one to the same value. NaN or an infinity: the plain sum's value."""
+    """``Σ values``, exactly rounded (``math.fsum``): the same float whatever the order of the micro-batches (the
+    device sum of several replicas may differ from it in the last bit). NaN or an infinity: the plain sum's value."""
     if len(values) == 1:
         return values[0]
     try:

@@ -11,7 +11,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["GradientsByKind", "by_kind", "rescale_gradients", "scale_gradients", "scaler_skipped", "summed_gradients"]
+__all__ = [
+    "GradientsByKind",
+    "by_kind",
+    "cached_scalar",
+    "rescale_gradients",
+    "scale_gradients",
+    "scaler_skipped",
+    "summed_gradients",
+]
 
 
 def by_kind(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
@@ -81,7 +89,7 @@ def rescale_gradients(
                 flags.append((~torch.isfinite(norms)).to(torch.float64).reshape(1))
             torch._foreach_mul_(grads, factor if on_host else factor.to(device))  # type: ignore[union-attr]
             continue
-        factor32 = _float32_scalar(factor, device) if on_host else factor.to(device, torch.float32)  # type: ignore
+        factor32 = cached_scalar(factor, device) if on_host else factor.to(device, torch.float32)  # type: ignore
         if check:
             if flag is None or flags or flag.device != device or flag.dtype != torch.float32:
                 flag = torch.zeros(1, dtype=torch.float32, device=device)
@@ -94,17 +102,25 @@ def rescale_gradients(
     return flags[0] if len(flags) == 1 else torch.cat([f.to(flags[0].device, torch.float64) for f in flags])
 
 
-_SCALARS: dict[tuple[float, torch.device], Tensor] = {}
+_SCALARS: dict[tuple[float, torch.device, torch.dtype], Tensor] = {}
 
 
-def _float32_scalar(value: float, device: torch.device) -> Tensor:
-    """A cached float32 scalar tensor of ``value`` on ``device`` (a run's factor repeats when its groups do)."""
-    key = (value, device)
+def cached_scalar(value: float, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A cached 0-d tensor of ``value`` on ``device`` (a run's factors repeat when its groups do), never modified.
+
+    Made by ``torch.full``, whose value travels as a kernel argument: on a GPU, no copy from host memory, which
+    would wait for the work queued before it (the backward) as ``torch.tensor(value, device=...)`` does.
+
+    Example:
+        >>> cached_scalar(0.5, torch.device("cpu")) is cached_scalar(0.5, torch.device("cpu"))
+        True
+    """
+    key = (value, device, dtype)
     cached = _SCALARS.get(key)
     if cached is None:
         if len(_SCALARS) >= 256:
             _SCALARS.clear()
-        cached = _SCALARS[key] = torch.tensor(value, dtype=torch.float32, device=device)
+        cached = _SCALARS[key] = torch.full((), value, dtype=dtype, device=device)
     return cached
 
 

@@ -439,6 +439,7 @@ def _summed_vector(tensor: torch.Tensor) -> torch.Tensor:
         [5, 7, 9],
         [5, torch.tensor(0), 9],  # mixed, with an empty micro-batch
         [torch.tensor(6, dtype=torch.int32), torch.tensor(2**40 + 3)],  # an int32 count beside an int64 one
+        [49, torch.tensor(49)],  # c = 98.0 on the host, W = 98 on the device: c / W is exactly 1 (one division)
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
@@ -470,8 +471,9 @@ def test_one_replica_read_equals_the_summed_vector(counts: list[int | torch.Tens
 def test_a_group_on_one_replica_is_read_once_with_the_fewest_operations(counts: list[int | torch.Tensor]) -> None:
     # One replica, A = 4: the close reads the reported device values as they are and forms the sums on the host.
     # Weights on the host (ints): the rescale with its check (the factor c / W a float) and one stack of the losses
-    # and the flag. Weights on the device: their sum, c / W and its float32 rounding, the rescale with its check, and
-    # one fused copy of losses, counts and flag (the vector summed over replicas takes 11 and 23 operations here).
+    # and the flag. Weights on the device (c too, raised on the device to the first weight): their sum, c / W and its
+    # float32 rounding, the rescale with its check, and three fused copies into the read buffer, one per dtype (the
+    # float32 losses and flag, the float64 c, the int64 counts). The vector summed over replicas takes 11 and 23.
     from probes import HostReadProbe
 
     engine = AccumulationEngine(normalize="tokens")
@@ -479,7 +481,7 @@ def test_a_group_on_one_replica_is_read_once_with_the_fewest_operations(counts: 
     x = torch.tensor([1.0, 2.0, 3.0])
     reference = torch.zeros(3, dtype=torch.float64)
     losses = []
-    for update in range(2):  # the first group's c is a device scalar where the weights are; later ones a float
+    for update in range(3):  # the buffers and the cached scalars are made by the first closes
         for index, count in enumerate(counts):
             loss = (weight * x).sum() * (index + 1 + update)
             losses.append(float(loss.detach()))
@@ -500,7 +502,7 @@ def test_a_group_on_one_replica_is_read_once_with_the_fewest_operations(counts: 
         weight.grad = None
         reference.zero_()
     on_host = not isinstance(counts[0], torch.Tensor)
-    assert close.package_ops == (2 if on_host else 6), close.package_ops
+    assert close.package_ops == (2 if on_host else 8), close.package_ops
 
 
 def _sole_and_general(
@@ -590,7 +592,7 @@ def test_a_sole_micro_batch_back_propagates_its_loss_and_reads_once() -> None:
         assert len(close.hits) == 1 and "tolist" in close.hits[0]
         assert (outcome.action, outcome.factor, outcome.record.tokens, outcome.record.loss) == ("apply", 1.0, 7, 6.0)
         weight.grad = None
-    assert close.package_ops == 2, close.package_ops  # the check, and the fused copy into the read buffer
+    assert close.package_ops == 3, close.package_ops  # the check, and two copies into the read buffer (by dtype)
     # No check (a GradScaler checks, or on_nonfinite="ignore"): nothing reads or multiplies the gradient.
     for _ in range(2):  # the first close makes the read buffer later ones reuse
         loss = (weight * torch.tensor([1.0, 2.0, 3.0])).sum()
@@ -603,7 +605,7 @@ def test_a_sole_micro_batch_back_propagates_its_loss_and_reads_once() -> None:
         assert torch.equal(weight.grad, expected)
         assert (outcome.action, outcome.factor, outcome.record.tokens) == ("apply", 1.0, 7)
         weight.grad = None
-    assert close.package_ops == 1, close.package_ops  # the read's copy only
+    assert close.package_ops == 2, close.package_ops  # the read's copies only (loss, count)
     # A negative count on the device is the same error as in the general close.
     engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": torch.tensor(-2)}, None, accumulate=1, sole=True)
     with pytest.raises(ValueError, match="negative"):
