@@ -542,6 +542,11 @@ class AccumulationEngine:
         for which, counts in enumerate((sums.tokens, sums.samples)):
             if not counts:
                 continue
+            if position == len(values):  # no count tensor left to read: host ints, checked (>= 0) when reported
+                totals[which] = sum(counts)  # type: ignore[arg-type]
+                if counts is weights:
+                    unit_weights = counts  # type: ignore[assignment]
+                continue
             exact: list[int] = []
             for count in counts:
                 if isinstance(count, Tensor):
