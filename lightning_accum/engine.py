@@ -639,6 +639,8 @@ class AccumulationEngine:
         key = (first.device, tuple(runs))
         kept = self._read_buffers.get(key)
         if kept is None:
+            if len(self._read_buffers) >= 64:  # layouts that vary (sliced batches' counts): kept few
+                self._read_buffers.clear()
             buffer = torch.empty(len(items), dtype=torch.float64, device=first.device)
             elements = buffer.unbind()
             starts = [0] + [end for end, _, _ in runs[:-1]]

@@ -505,6 +505,19 @@ def test_a_group_on_one_replica_is_read_once_with_the_fewest_operations(counts: 
     assert close.package_ops == (2 if on_host else 8), close.package_ops
 
 
+def test_the_read_buffers_of_varying_group_sizes_stay_few() -> None:
+    # Sliced batches give groups of varying numbers of losses, each a layout of the one-replica read: the buffers
+    # kept for them are bounded, and every group is still read exactly.
+    engine = AccumulationEngine(normalize="tokens")
+    for size in range(1, 71):
+        for index in range(size):
+            engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": torch.tensor(index + 1)}, None, size)
+        outcome = engine.close_group(accumulate=size)
+        engine.finish_group(outcome, applied=True)
+        assert outcome.record.tokens == size * (size + 1) // 2 and outcome.record.loss == 1.0
+    assert 0 < len(engine._read_buffers) <= 64
+
+
 def _sole_and_general(
     reports: list[tuple[float, object, str]], dtype: torch.dtype, normalize: str
 ) -> list[tuple[object, list[torch.Tensor]]]:
