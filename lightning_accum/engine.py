@@ -538,24 +538,6 @@ class AccumulationEngine:
             position += 1
         if own_flag and not nonfinite:
             self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
-        if sums.sole:  # one micro-batch, nothing carried: the same values as below, in fewer steps (issue #20)
-            tokens_samples = []
-            for counts in (sums.tokens, sums.samples):
-                count = counts[0] if counts else 0
-                if isinstance(count, Tensor):
-                    value = values[position]
-                    position += 1
-                    count = int(value) if -_EXACT_FLOATS < value < _EXACT_FLOATS else int(count.item())
-                tokens_samples.append(count)
-            tokens, samples = tokens_samples
-            w = tokens if unit == "tokens" else samples if unit == "samples" else 1
-            units = float(w)
-            weighted = values[0] * w if w > 0 else 0.0
-            code = UNIT_CODES.get(unit or "", 0.0)
-            negative = (tokens < 0) + (samples < 0)
-            # Fields in order (positional: a cold call with keywords costs a few microseconds more); c = w.
-            reduced = ReducedGroup(units, weighted, tokens, samples, negative, units, 1, code, int(ends_epoch))
-            return self._decide(sums, reduced, accumulate, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
         negative = 0
         totals = [0, 0]
         unit_weights: list[int] = []
@@ -586,7 +568,9 @@ class AccumulationEngine:
         else:  # an empty micro-batch (w = 0, a NaN mean) is left out, as where(w > 0) leaves it out on the device
             products = [w * loss for w, loss in zip(unit_weights, loss_values, strict=True) if w > 0]
             units = float(sum(unit_weights))
-        if not ref_read:
+        if sums.sole:
+            scale_ref = units  # c = w
+        elif not ref_read:
             scale_ref = float(ref)  # type: ignore[arg-type]
         microbatches = sums.microbatches
         if carried:  # what a checkpoint written inside this group carried (on this, the only, replica)
