@@ -1,18 +1,30 @@
 """What to do with a closed group, decided from its reduced values alone.
 
 Every replica reads the same reduced vector, so every replica takes the same decision: no rank can leave the
-others waiting in a collective. Pure functions; the engine adds the messages and the ledger.
+others waiting in a collective. Pure functions: the engine says the messages formed here and keeps the ledger.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from lightning_accum.group import UNIT_CODES, ReducedGroup
-from lightning_accum.ledger import GroupRecord
+from lightning_accum.ledger import AccumulationLedger, GroupRecord
 
-__all__ = ["GroupOutcome", "check_agreement", "classify"]
+__all__ = [
+    "GroupOutcome",
+    "check_agreement",
+    "classify",
+    "empty_message",
+    "group_record",
+    "nonfinite_message",
+    "partial_message",
+    "raised_reference",
+    "schedule_due",
+    "short_epoch_message",
+]
 
 Action = Literal["apply", "skip", "drop"]
 
@@ -86,6 +98,34 @@ def check_agreement(
         )
 
 
+def group_record(reduced: ReducedGroup) -> GroupRecord:
+    """The record of a closed group (completed once the optimizer ran): its weighted loss and its counts."""
+    units = reduced.units
+    return GroupRecord(
+        loss=reduced.weighted_loss / units if units > 0 else math.nan,
+        tokens=reduced.tokens,
+        samples=reduced.samples,
+        microbatches=reduced.microbatches,
+        applied=False,
+    )
+
+
+def raised_reference(reference: float | None, reduced: ReducedGroup) -> float | None:
+    """``M`` after a group: never lowered, raised by a group whose mean micro-batch weight is larger.
+
+    Example:
+        >>> from lightning_accum.group import Slot, VECTOR_SIZE
+        >>> values = [0.0] * VECTOR_SIZE; values[Slot.UNITS], values[Slot.MICROBATCHES] = 30.0, 3.0
+        >>> group = ReducedGroup.from_values(values)  # a mean weight of 10 per micro-batch
+        >>> raised_reference(4.0, group), raised_reference(20.0, group), raised_reference(None, group)
+        (10.0, 20.0, 10.0)
+    """
+    if reduced.units <= 0 or reduced.microbatches <= 0:
+        return reference
+    mean_weight = reduced.units / reduced.microbatches
+    return mean_weight if reference is None else max(reference, mean_weight)
+
+
 def classify(reduced: ReducedGroup, partial: bool, partial_group: str, nonfinite: bool) -> tuple[Action, str | None]:
     """``(action, skip_reason)`` for a group, in the order the checks apply.
 
@@ -108,3 +148,80 @@ def classify(reduced: ReducedGroup, partial: bool, partial_group: str, nonfinite
     if nonfinite:
         return "skip", "nonfinite"
     return "apply", None
+
+
+def schedule_due(record: GroupRecord, ledger: AccumulationLedger, schedule_on: str, frequency: int = 1) -> bool:
+    """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in ``ledger``).
+
+    Under ``schedule_on="applied"`` the schedule counts applied updates, under ``"attempted"`` attempts; it advances
+    on every ``frequency``-th of them. A dropped group is neither.
+
+    Example:
+        >>> skipped = GroupRecord(1.0, tokens=9, samples=1, microbatches=1, applied=False, skip_reason="overflow")
+        >>> ledger = AccumulationLedger(); ledger.record(skipped)
+        >>> schedule_due(skipped, ledger, "applied"), schedule_due(skipped, ledger, "attempted")
+        (False, True)
+    """
+    if record.dropped:
+        return False
+    if schedule_on == "applied":
+        return record.applied and ledger.updates_applied % frequency == 0
+    return ledger.updates_attempted % frequency == 0
+
+
+def partial_message(microbatches: int, accumulate: int, partial_group: str) -> str:
+    """What happens to a partial final group (said once per run)."""
+    what = (
+        "updated with its real denominator (partial_group='rescale')"
+        if partial_group == "rescale"
+        else "dropped without an update; its examples are recorded in the ledger (partial_group='drop')"
+    )
+    return (
+        f"lightning_accum: an epoch ended with a partial group of {microbatches} of {accumulate} micro-batches; {what}."
+    )
+
+
+def empty_message(update: int, unit: str | None) -> str:
+    """Why a group without units is skipped (said once per run)."""
+    return (
+        f"lightning_accum: update {update} is skipped: its group holds no {unit or 'unit'} at all (every micro-batch"
+        " on every replica reported 0). Likely causes: every label of these micro-batches is ignored (`ignore_index`),"
+        " or `num_tokens` is computed on the wrong tensor (e.g. the input ids' padding instead of the labels). Such"
+        " updates are counted in `ledger.updates_skipped['empty']`; this is said once."
+    )
+
+
+def nonfinite_message(update: int, where: str, loss: float, on_nonfinite: str) -> str:
+    """The error (``on_nonfinite="raise"``) or warning (``"skip"``) for a non-finite group gradient."""
+    if on_nonfinite == "raise":
+        return (
+            f"The gradient of update {update} is not finite (first non-finite gradient: {where}; group loss {loss})."
+            " Find the NaN/Inf source, or pass `on_nonfinite='skip'` to skip such updates."
+        )
+    return (
+        f"lightning_accum: skipped update {update}: its gradient is not finite (first non-finite gradient: {where})."
+        " Parameters and optimizer state are unchanged (on_nonfinite='skip')."
+    )
+
+
+def short_epoch_message(batches_per_epoch: float, accumulate: int, partial_group: str) -> str | None:
+    """The warning (``"rescale"``) or error (``"drop"``) for an epoch shorter than one group; ``None`` otherwise.
+
+    Example:
+        >>> short_epoch_message(10, 4, "rescale") is None
+        True
+    """
+    if not math.isfinite(batches_per_epoch) or batches_per_epoch >= accumulate or batches_per_epoch <= 0:
+        return None
+    batches = int(batches_per_epoch)
+    if partial_group == "drop":
+        return (
+            f"An epoch has {batches} training batches but `accumulate_grad_batches={accumulate}`; with"
+            f" `partial_group='drop'` no update would ever happen. Lower `accumulate_grad_batches` to at most"
+            f" {batches}, or use `partial_group='rescale'`."
+        )
+    return (
+        f"An epoch has {batches} training batches but `accumulate_grad_batches={accumulate}`: every update uses a"
+        f" partial group of {batches} micro-batches (normalized by its real denominator). Lower"
+        " `accumulate_grad_batches` if that is not what you intended."
+    )

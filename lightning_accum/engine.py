@@ -31,8 +31,8 @@ so a micro-batch's magnitude is Lightning's times its weight relative to a refer
   group's micro-batches on all replicas), taken from the per-update all-reduce, hence identical on every
   replica and never lowered by a small group. A micro-batch no heavier than the heaviest group's mean
   back-propagates at most Lightning's magnitude, whatever the order of group sizes (the previous
-  group's count alone, used before, let a 1-token group make the next full group's magnitudes 128 times
-  Lightning's and overflow);
+  group's count alone would let a 1-token group make the next full group's magnitudes 128 times Lightning's
+  and overflow);
 * on one device (nothing to agree on), ``M`` is also raised to the group's first micro-batch's weight,
   on the device (no host read), which covers a heavy group that comes before any heavy history;
 * the run's first group under DDP has no history: ``M`` is the replicas' mean weight of their first
@@ -44,17 +44,17 @@ share of the update, and GradScaler's scale covers the range.
 A group known to hold one micro-batch on one replica (automatic optimization with ``A = 1``, the batch not cut
 into slices: the caller says so with ``add_microbatch(sole=True)``) takes ``c = w``: the micro-batch
 back-propagates its loss as it is, which is what Lightning back-propagates (``loss / 1``), and the factor
-``c · D / W = w / w`` is exactly 1, so the close multiplies nothing (it only checks for NaN/Inf): one tensor
-operation per micro-batch (the detached loss the close reads), two at the close (issue #20: at ``A = 1`` the
-per-update cost is the whole cost). No other micro-batch can join such a group (an error); closed with another
-``A`` it is a partial group with ``c = w``.
+``c · D / W = w / w`` is exactly 1, so the parameters are Lightning's bit for bit. No other micro-batch can join
+such a group (an error); closed with another ``A`` it is a partial group with ``c = w``.
+
+Everything the engine forms for the backward keeps the loss's dtype (half-precision losses are weighted in float32):
+``loss · w / c`` of a float64 loss is exact to float64 rounding.
 
 All per-micro-batch work stays on the device: counts that arrive as tensors are kept as tensors and checked
-(sign, agreement between replicas) only at the close. On several replicas the close sums a small float64 vector
-(one fused all-reduce) and reads it once. On one replica there is nothing to sum: the close reads the reported
-device values as they are (one host read) and forms the group's sums on the host, exactly (Python integers for
-counts, ``math.fsum`` for ``Σ w·loss``), with the fewest tensor operations: the factor ``c / W`` (on the device
-only where a weight or ``c`` is), the rescale with its check, and one stack, or one fused copy per dtype, to read.
+(sign, agreement between replicas) only at the close. The close forms a small float64 vector
+(:meth:`GroupSums.local_vector <lightning_accum.group.GroupSums.local_vector>`), sums it over the replicas (one
+all-reduce; nothing on one replica), rescales the gradient by ``c · D / W`` taken from that vector on the device, with
+the NaN/Inf check in the same pass, and reads the vector and the check's flag in one host read.
 
 The engine imports nothing from Lightning: the strategies bind it to their replicas (:meth:`AccumulationEngine.bind`)
 and route its messages (:attr:`AccumulationEngine.info`, :attr:`AccumulationEngine.warn`) to rank zero.
@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -73,9 +72,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_accum.decision import GroupOutcome, check_agreement, classify
-from lightning_accum.gradients import GradientsByKind, cached_scalar, rescale_gradients
-from lightning_accum.group import COUNT_SPLIT, UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot, combine
+from lightning_accum.decision import (
+    GroupOutcome,
+    check_agreement,
+    classify,
+    empty_message,
+    group_record,
+    nonfinite_message,
+    partial_message,
+    raised_reference,
+    schedule_due,
+    short_epoch_message,
+)
+from lightning_accum.gradients import GradientsByKind, rescale_gradients
+from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count, as_count, choose_unit, infer_num_samples, parse_step_output, unit_weight
 from lightning_accum.options import AccumulationOptions
@@ -126,12 +136,8 @@ class AccumulationEngine:
     the result with :meth:`finish_group`.
 
     Args:
-        normalize: See :class:`~lightning_accum.options.AccumulationOptions` (as are the other arguments).
-        count_tokens: ``batch -> int | Tensor``, used when the step does not return ``num_tokens``.
-        partial_group: ``"rescale"`` or ``"drop"``.
-        schedule_on: ``"applied"`` or ``"attempted"``.
-        on_nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``.
-        max_consecutive_skips: A positive int, or ``None``.
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options, see
+            :class:`~lightning_accum.options.AccumulationOptions`.
 
     Example:
         One replica, two micro-batches of the seed document: 512 supervised tokens with mean loss 2 and
@@ -154,14 +160,7 @@ class AccumulationEngine:
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
     ) -> None:
-        self.options = AccumulationOptions(
-            normalize=normalize,
-            count_tokens=count_tokens,
-            partial_group=partial_group,
-            schedule_on=schedule_on,
-            on_nonfinite=on_nonfinite,
-            max_consecutive_skips=max_consecutive_skips,
-        )
+        self.options = AccumulationOptions.pick(locals())
         self.ledger = AccumulationLedger()
         #: ``M`` of the module docstring (the reference micro-batch weight; ``c = A · M``), once a group with units
         #: has closed.
@@ -178,14 +177,15 @@ class AccumulationEngine:
         #: The weight ``w`` of the micro-batch recorded last (its units; 1 for "batches").
         self.last_weight: Count = 0
         self._backward_running = False
-        self._warned_partial = False
-        self._warned_empty = False
+        self._said: set[str] = set()  # the kinds of message said once per run
         self._listeners: list[GroupListener] = []
-        self._clean_flag: Tensor | None = None  # a NaN/Inf flag read as zero, for the next check to write into
-        # What a close on one replica reads (`_read`): a float64 buffer and, for each run of items that share a dtype
-        # and a device, its place and elements (the copies' destinations); by the buffer's device and the runs.
-        self._read_buffers: dict[Any, tuple[Tensor, list[tuple[int, int, list[Tensor]]]]] = {}
-        self._flag_view: tuple[Tensor, Tensor] | None = None  # (flag, its 0-d view) for that read
+
+    @classmethod
+    def from_options(cls, options: AccumulationOptions) -> AccumulationEngine:
+        """An engine with the options a strategy validated."""
+        engine = cls()
+        engine.options = options
+        return engine
 
     # ------------------------------------------------------------------ options and binding
 
@@ -257,7 +257,7 @@ class AccumulationEngine:
                 micro-batch count does not grow. :meth:`retract_microbatch` forgets the last call.
             sole: The caller knows that this micro-batch is its group's only one (automatic optimization with
                 ``A = 1``, the batch not cut into slices). On one replica, with an empty open group, ``c = w``: the
-                loss itself is returned and the close needs no multiplication (see the module docstring); ignored
+                loss itself is returned and the close's factor is exactly 1 (see the module docstring); ignored
                 otherwise.
 
         Returns:
@@ -273,60 +273,32 @@ class AccumulationEngine:
         if loss is None:
             self._sums.add(None, None, None, infer_num_samples(batch), continues)
             return None
-        device = loss.device
-        tokens_c = as_count("num_tokens", tokens, device) if tokens is not None else None
-        # A non-negative int (the common inferred case) needs no checks.
-        samples_c = (
-            samples
-            if type(samples) is int and samples >= 0
-            else as_count("num_samples", samples, device)
-            if samples is not None
-            else None
-        )
-        # The micro-batch's number of samples as a host int when known without a device read (for the listeners).
-        size = samples_c if type(samples_c) is int else infer_num_samples(batch)
+        tokens_c, samples_c, size = _counts(tokens, samples, batch, loss.device)
         # A step that reports `num_samples` itself chose samples: no hint that tokens were probably intended.
         reported = (type(output) is dict or isinstance(output, Mapping)) and output.get("num_samples") is not None
         unit = self.ledger.normalization or self._decide_unit(
             tokens_c is not None, samples_c is not None, None if reported else batch
         )
-        weight = (
-            tokens_c
-            if unit == "tokens" and tokens_c is not None
-            else samples_c
-            if unit == "samples" and samples_c is not None
-            else unit_weight(unit, self.options.normalize, tokens_c, samples_c)
-        )
+        weight = unit_weight(unit, self.options.normalize, tokens_c, samples_c)
         sums = self._sums
-        if sole and not continues and not sums.microbatches and self._reads_here() and sums.carried_nothing:
+        if sole and not continues and not sums.microbatches and self._one_replica() and sums.carried_nothing:
+            # c = w: the loss itself is back-propagated, and the close's factor c · D / W is exactly 1.
             sums.add(loss, tokens_c, samples_c, size)
             sums.sole = True
             self.last_weight = weight
-            # c = w: what the general close uses too, should this group close with another `accumulate`.
             self._group_ref = weight if isinstance(weight, Tensor) else float(weight)
             self._pending_backward = loss
             return loss
         sums.add(loss, tokens_c, samples_c, size, continues)
         self.last_weight = weight
-
         if self._group_ref is None:
-            self._group_ref = self._group_scale(weight, accumulate, device)
-        ref = self._group_ref
-        # w / c in float32 at least: a half-precision factor would round the weights by ~1e-3.
-        if loss.dtype in (torch.float16, torch.bfloat16):
-            loss = loss.float()
-        if isinstance(ref, Tensor):  # the first group of the run: c is a device scalar
-            backward = loss * (torch.as_tensor(weight, device=device) / ref).to(loss.dtype)
-        elif isinstance(weight, Tensor):
-            # One kernel, 0 + loss · w · (1/c): half the cost of forming w/c first (measured inside a fit).
-            backward = torch.addcmul(_zero(device, loss.dtype), loss, weight, value=1.0 / ref)
-        else:
-            backward = loss * (weight / ref)
+            self._group_ref = self._group_scale(weight, accumulate, loss.device)
+        backward = weighted_loss(loss, weight, self._group_ref)
         self._pending_backward = backward
         return backward
 
-    def _reads_here(self) -> bool:
-        """Whether a group's values are read on this replica as they are (one replica, nothing to sum or check)."""
+    def _one_replica(self) -> bool:
+        """Whether the group is neither summed over replicas nor checked over shards (one device)."""
         replicas = self.replicas
         return (replicas.reduce_sum is None or replicas.size == 1) and replicas.check_sum is None
 
@@ -373,8 +345,7 @@ class AccumulationEngine:
     def _group_scale(self, weight: Count, accumulate: int, device: torch.device) -> float | Tensor:
         """``c = A · M`` for the group the micro-batch of ``weight`` opens (see the module docstring)."""
         reference = self.scale_ref
-        one_replica = self.replicas.size == 1 or self.replicas.reduce_sum is None
-        if one_replica:
+        if self.replicas.size == 1 or self.replicas.reduce_sum is None:
             floor = 1.0 if reference is None else reference
             if isinstance(weight, Tensor):  # max(w, M) on the device: no host read
                 return accumulate * weight.to(torch.float64).clamp(min=floor)
@@ -418,224 +389,24 @@ class AccumulationEngine:
                 is non-finite under ``on_nonfinite="raise"``.
         """
         sums, unit = self._sums, self.ledger.normalization
-        if self._reads_here():
-            # One replica: nothing to sum over replicas. The device values are read as they are, the sums are formed
-            # on the host (see `_close_here`).
-            return self._close_here(sums, unit, accumulate, ends_epoch, gradients, check_gradients, describe_nonfinite)
-        k = sums.microbatches
-        ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
         extra = {
-            Slot.MICROBATCHES: float(k),
+            Slot.MICROBATCHES: float(sums.microbatches),
             Slot.UNIT_CODE: UNIT_CODES.get(unit or "", 0.0),
             Slot.LAST: 1.0 if ends_epoch else 0.0,
         }
-        device_extra: Mapping[Slot, Tensor] = _NO_DEVICE_VALUES
-        if isinstance(ref, Tensor):
-            device_extra = {Slot.SCALE_REF: ref}
-        else:
-            extra[Slot.SCALE_REF] = float(ref)
-        device = self.device
-        host, positions, source = sums.parts(device, unit, extra, device_extra)
-        vector = self.replicas.sum_(combine(host, positions, source, device))
+        ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
+        vector = self.replicas.sum_(sums.local_vector(self.device, unit, extra, ref))
         found: Tensor | None = None
         if gradients:
             # c · D / W on the device: the gradient is rescaled before anything is read on the host.
-            found = rescale_gradients(gradients, vector[_SCALE_REF] / vector[_UNITS], check_gradients)
+            found = rescale_gradients(gradients, vector[Slot.SCALE_REF] / vector[Slot.UNITS], check_gradients)
             if found is not None and self.replicas.check_sum is not None:
                 # Sharded gradients: each rank checked its own shard; every rank must take the same decision.
-                found = self.replicas.check_sum(found.to(torch.float64).sum().reshape(1))
-        values = (torch.cat((vector, found)) if found is not None else vector).tolist()  # the one host read
+                found = self.replicas.check_sum(found)
+        values = (torch.cat((vector, found.to(vector.device))) if found is not None else vector).tolist()  # one read
         reduced = ReducedGroup.from_values(values)
-        nonfinite = found is not None and sum(values[VECTOR_SIZE:]) > 0
+        nonfinite = any(flag > 0 for flag in values[VECTOR_SIZE:])
         return self._decide(sums, reduced, accumulate, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
-
-    def _close_here(
-        self,
-        sums: GroupSums,
-        unit: str | None,
-        accumulate: int,
-        ends_epoch: bool,
-        gradients: Sequence[Tensor] | GradientsByKind | None,
-        check: bool,
-        describe_nonfinite: Callable[[], str] | None,
-    ) -> GroupOutcome:
-        """:meth:`close_group` on one replica: the device values (losses, counts reported as tensors, ``c`` where it
-        is a device scalar, the NaN/Inf flag) are read as they are, in one host read, and the group's sums are formed
-        on the host: counts as Python integers, ``Σ w·loss`` as the correctly rounded float64 sum (``math.fsum``) of
-        the products that several replicas sum on the device (in the device's order, which may round the last bit
-        differently).
-
-        Only the factor ``c / W`` is formed on the device, where a weight or ``c`` is a device value (the gradient
-        is rescaled before the read); with ``c`` and the weights on the host it is a float. A sole micro-batch
-        (``c = w = W``, see :meth:`add_microbatch`) has the factor exactly 1: nothing is multiplied, and the check,
-        where it runs, runs alone. The read is :meth:`_read`. Issue #20: formed on the device, the sums took a dozen
-        small tensor operations per close, each tens of microseconds right after a model's backward.
-        """
-        losses = sums.losses
-        weights = sums.tokens if unit == "tokens" else sums.samples if unit == "samples" else None
-        carried = sums.carried
-        ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
-        ref_read = isinstance(ref, Tensor) and not sums.sole
-        found: Tensor | None = None
-        # A sole micro-batch (c = w = W) has nothing to multiply: only the check, where one runs, reads its gradient.
-        if gradients and (check or not sums.sole):
-            factor: float | Tensor = 1.0
-            if not sums.sole:
-                host_units = carried.get(Slot.UNITS, 0.0)
-                device_units: list[Tensor] = []
-                if weights is None:
-                    host_units += len(losses)
-                else:
-                    for w in weights:
-                        if isinstance(w, Tensor):
-                            device_units.append(w)
-                        else:
-                            host_units += w
-                # c / W in one float64 division, both operands on the device where either is (as the vector of
-                # several replicas divides): a Python float beside a tensor would be multiplied by its reciprocal
-                # (two roundings; torch does so for `float / tensor`, and CUDA for `tensor / float`).
-                if device_units:
-                    units_here: Tensor = (
-                        device_units[0].to(torch.float64)
-                        if len(device_units) == 1
-                        else torch.stack(device_units).sum(dtype=torch.float64)
-                    )
-                    total = units_here + host_units if host_units else units_here
-                    c = ref if isinstance(ref, Tensor) else cached_scalar(float(ref), total.device, torch.float64)
-                    factor = c / total
-                elif isinstance(ref, Tensor):
-                    factor = ref / cached_scalar(float(host_units), ref.device, torch.float64)
-                else:
-                    factor = ref / host_units if host_units != 0 else math.inf  # as c / 0 on the device
-            flag = self._clean_flag
-            self._clean_flag = None  # kept again below once read as zero
-            found = rescale_gradients(gradients, factor, check, flag)
-        # The device values to read: the losses, the flag (a float32 loss and flag make one run of one dtype, see
-        # `_read`), c where it is a device scalar, the counts reported as tensors.
-        items = list(losses)
-        own_flag = False
-        if found is not None:
-            if found.numel() == 1:
-                own_flag = True
-                view = self._flag_view
-                if view is None or view[0] is not found:  # the flag as a 0-d tensor, kept with the reused flag
-                    view = self._flag_view = (found, found.view(()))
-                items.append(view[1])
-            else:  # several kinds of gradient: rare
-                items.append(found.to(torch.float64).sum())
-        if ref_read:
-            items.append(ref)  # type: ignore[arg-type]
-        items += [count for count in (*sums.tokens, *sums.samples) if isinstance(count, Tensor)]
-        values = self._read(items)
-
-        # The sums, from the host values and the device values read (in the order of `items`).
-        position = len(losses)
-        nonfinite = found is not None and values[position] > 0
-        position += found is not None
-        scale_ref = 0.0
-        if ref_read:
-            scale_ref = values[position]
-            position += 1
-        if own_flag and not nonfinite:
-            self._clean_flag = found  # still zero: the next check writes into it (no new tensor)
-        negative = 0
-        totals = [0, 0]
-        unit_weights: list[int] = []
-        for which, counts in enumerate((sums.tokens, sums.samples)):
-            if not counts:
-                continue
-            if position == len(values):  # no count tensor left to read: host ints, checked (>= 0) when reported
-                totals[which] = sum(counts)  # type: ignore[arg-type]
-                if counts is weights:
-                    unit_weights = counts  # type: ignore[assignment]
-                continue
-            exact: list[int] = []
-            for count in counts:
-                if isinstance(count, Tensor):
-                    value = values[position]
-                    position += 1
-                    # A count beyond float64's integers is read again, exactly: a second read, never seen in practice.
-                    count = int(value) if -_EXACT_FLOATS < value < _EXACT_FLOATS else int(count.item())
-                exact.append(count)
-                negative += count < 0
-            totals[which] = sum(exact)
-            if counts is weights:
-                unit_weights = exact
-        loss_values = values[: len(losses)]
-        if weights is None:  # every micro-batch weighs 1
-            products = loss_values
-            units = float(len(losses))
-        else:  # an empty micro-batch (w = 0, a NaN mean) is left out, as where(w > 0) leaves it out on the device
-            products = [w * loss for w, loss in zip(unit_weights, loss_values, strict=True) if w > 0]
-            units = float(sum(unit_weights))
-        if sums.sole:
-            scale_ref = units  # c = w
-        elif not ref_read:
-            scale_ref = float(ref)  # type: ignore[arg-type]
-        microbatches = sums.microbatches
-        if carried:  # what a checkpoint written inside this group carried (on this, the only, replica)
-            base = [0.0] * VECTOR_SIZE
-            for slot, value in carried.items():
-                base[slot] += value
-            negative += round(base[Slot.NEGATIVE])
-            totals[0] += int(base[Slot.TOKENS_HI]) * COUNT_SPLIT + int(base[Slot.TOKENS_LO])
-            totals[1] += int(base[Slot.SAMPLES_HI]) * COUNT_SPLIT + int(base[Slot.SAMPLES_LO])
-            products = [*products, base[Slot.WEIGHTED_LOSS]]
-            units += base[Slot.UNITS]
-            microbatches += round(base[Slot.MICROBATCHES])
-        weighted = _sum_exactly_rounded(products)
-        reduced = ReducedGroup(
-            units=units,
-            weighted_loss=weighted,
-            tokens=totals[0],
-            samples=totals[1],
-            negative=negative,
-            scale_ref_times_d=scale_ref,
-            microbatches=microbatches,
-            unit_code=UNIT_CODES.get(unit or "", 0.0),
-            ended=int(ends_epoch),
-        )
-        return self._decide(sums, reduced, accumulate, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
-
-    def _read(self, items: list[Tensor]) -> list[float]:
-        """The values of the 0-d tensors ``items`` as float64 values, in one host read.
-
-        One stack where they share one floating dtype and device (a float32 loss and flag): read as they are, each
-        value exact as a float. Else they are copied into the elements of a float64 buffer kept for the run, on the
-        first item's device (the losses'), exact for losses of any floating dtype and for counts below 2^53: one
-        ``torch._foreach_copy_`` per run of items that share a dtype and a device, the form a GPU fuses into one
-        kernel (a list of mixed dtypes is copied tensor by tensor there). Issue #20: right after a model's backward
-        a ``stack`` that converts dtypes costs twice these copies (53 against 25 µs on this CPU).
-        """
-        if not items:
-            return []
-        first = items[0]
-        device, dtype = first.device, first.dtype
-        if dtype.is_floating_point and all(item.dtype is dtype and item.device == device for item in items):
-            return torch.stack(items).tolist()  # type: ignore[no-any-return]
-        # Runs of items that share a dtype and a device: (end, dtype, device), in order.
-        runs: list[tuple[int, torch.dtype, torch.device]] = []
-        for index, item in enumerate(items):
-            if item.dtype is not dtype or item.device != device:
-                runs.append((index, dtype, device))
-                dtype, device = item.dtype, item.device
-        runs.append((len(items), dtype, device))
-        key = (first.device, tuple(runs))
-        kept = self._read_buffers.get(key)
-        if kept is None:
-            if len(self._read_buffers) >= 64:  # layouts that vary (sliced batches' counts): kept few
-                self._read_buffers.clear()
-            buffer = torch.empty(len(items), dtype=torch.float64, device=first.device)
-            elements = buffer.unbind()
-            starts = [0] + [end for end, _, _ in runs[:-1]]
-            kept = self._read_buffers[key] = (
-                buffer,
-                [(start, end, list(elements[start:end])) for start, (end, _, _) in zip(starts, runs, strict=True)],
-            )
-        buffer, copies = kept
-        for start, end, destinations in copies:
-            torch._foreach_copy_(destinations, items[start:end])
-        return buffer.tolist()  # type: ignore[no-any-return]
 
     def _decide(
         self,
@@ -654,78 +425,37 @@ class AccumulationEngine:
         carried = sums.carried_microbatches  # known alike on every replica (from the checkpoint)
         checked = dataclasses.replace(reduced, microbatches=reduced.microbatches - carried) if carried else reduced
         check_agreement(checked, k, self.replicas.size, ends_epoch, unit)
-        units = reduced.units
-        record = GroupRecord(
-            loss=reduced.weighted_loss / units if units > 0 else math.nan,
-            tokens=reduced.tokens,
-            samples=reduced.samples,
-            microbatches=reduced.microbatches,
-            applied=False,
-        )
-        # M for the next groups: never lowered, raised by a group whose mean micro-batch weight is larger.
-        if units > 0 and reduced.microbatches > 0:
-            mean_weight = units / reduced.microbatches
-            self.scale_ref = mean_weight if self.scale_ref is None else max(self.scale_ref, mean_weight)
-
+        record = group_record(reduced)
+        self.scale_ref = raised_reference(self.scale_ref, reduced)
         partial = k + sums.missing < accumulate
         if partial:
             self.ledger.partial_groups += 1
-            self._note_partial(k, accumulate)
+            self._say_once("partial", self.info, partial_message(k, accumulate, self.options.partial_group))
         action, reason = classify(reduced, partial, self.options.partial_group, nonfinite)
         record.dropped = action == "drop"
         record.skip_reason = reason
+        update = self.ledger.updates_attempted + 1
         if reason == "empty":
-            self._note_empty()
+            self._say_once("empty", self.warn, empty_message(update, unit))
         elif reason == "nonfinite":
-            self._note_nonfinite(record, describe_nonfinite)
-        factor = reduced.scale_ref_times_d / units if action == "apply" else 1.0
+            where = describe_nonfinite() if describe_nonfinite is not None else "a parameter"
+            message = nonfinite_message(update, where, record.loss, self.options.on_nonfinite)
+            if self.options.on_nonfinite == "raise":
+                raise RuntimeError(message)
+            self.warn(message)
+        factor = reduced.scale_ref_times_d / reduced.units if action == "apply" else 1.0
         return GroupOutcome(action, factor, record, scaled=scaled, batch_samples=sums.batch_samples)
 
-    def _note_nonfinite(self, record: GroupRecord, describe_nonfinite: Callable[[], str] | None) -> None:
-        update = self.ledger.updates_attempted + 1
-        where = describe_nonfinite() if describe_nonfinite is not None else "a parameter"
-        if self.options.on_nonfinite == "raise":
-            raise RuntimeError(
-                f"The gradient of update {update} is not finite (first non-finite gradient: {where}; group loss"
-                f" {record.loss}). Find the NaN/Inf source, or pass `on_nonfinite='skip'` to skip such updates."
-            )
-        self.warn(
-            f"lightning_accum: skipped update {update}: its gradient is not finite (first non-finite gradient:"
-            f" {where}). Parameters and optimizer state are unchanged (on_nonfinite='skip')."
-        )
-
-    def _note_empty(self) -> None:
-        if self._warned_empty:
-            return
-        self._warned_empty = True
-        self.warn(
-            f"lightning_accum: update {self.ledger.updates_attempted + 1} is skipped: its group holds no"
-            f" {self.ledger.normalization or 'unit'} at all (every micro-batch on every replica reported 0). Likely"
-            " causes: every label of these micro-batches is ignored (`ignore_index`), or `num_tokens` is computed"
-            " on the wrong tensor (e.g. the input ids' padding instead of the labels). Such updates are counted in"
-            " `ledger.updates_skipped['empty']`; this is said once."
-        )
+    def _say_once(self, kind: str, say: Callable[[str], None], message: str) -> None:
+        """Say a message of the decision once per run, by its kind."""
+        if kind not in self._said:
+            self._said.add(kind)
+            say(message)
 
     def schedule_due(self, record: GroupRecord, frequency: int = 1) -> bool:
-        """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in the ledger).
-
-        Under ``schedule_on="applied"`` the schedule counts applied updates, under ``"attempted"`` attempts;
-        it advances on every ``frequency``-th of them. A dropped group is neither.
-
-        Example:
-            >>> skipped = GroupRecord(1.0, tokens=9, samples=1, microbatches=1, applied=False, skip_reason="overflow")
-            >>> for schedule_on in ("applied", "attempted"):
-            ...     engine = AccumulationEngine(schedule_on=schedule_on)
-            ...     engine.ledger.record(skipped)
-            ...     print(schedule_on, engine.schedule_due(skipped))
-            applied False
-            attempted True
-        """
-        if record.dropped:
-            return False
-        if self.options.schedule_on == "applied":
-            return record.applied and self.ledger.updates_applied % frequency == 0
-        return self.ledger.updates_attempted % frequency == 0
+        """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in the ledger): see
+        :func:`~lightning_accum.decision.schedule_due`."""
+        return schedule_due(record, self.ledger, self.options.schedule_on, frequency)
 
     def finish_group(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
         """Complete the outcome's record after the optimizer ran (or did not) and add it to the ledger."""
@@ -763,32 +493,13 @@ class AccumulationEngine:
         if listener in self._listeners:
             self._listeners.remove(listener)
 
-    def _note_partial(self, k: int, accumulate: int) -> None:
-        if self._warned_partial:
-            return
-        self._warned_partial = True
-        what = (
-            "updated with its real denominator (partial_group='rescale')"
-            if self.options.partial_group == "rescale"
-            else "dropped without an update; its examples are recorded in the ledger (partial_group='drop')"
-        )
-        self.info(f"lightning_accum: an epoch ended with a partial group of {k} of {accumulate} micro-batches; {what}.")
-
     def warn_short_epoch(self, batches_per_epoch: float, accumulate: int) -> None:
         """Warn (or raise under ``"drop"``) when an epoch holds fewer batches than one group."""
-        if not math.isfinite(batches_per_epoch) or batches_per_epoch >= accumulate or batches_per_epoch <= 0:
-            return
-        if self.options.partial_group == "drop":
-            raise ValueError(
-                f"An epoch has {int(batches_per_epoch)} training batches but `accumulate_grad_batches={accumulate}`;"
-                " with `partial_group='drop'` no update would ever happen. Lower `accumulate_grad_batches` to at most"
-                f" {int(batches_per_epoch)}, or use `partial_group='rescale'`."
-            )
-        self.warn(
-            f"An epoch has {int(batches_per_epoch)} training batches but `accumulate_grad_batches={accumulate}`: every"
-            f" update uses a partial group of {int(batches_per_epoch)} micro-batches (normalized by its real"
-            " denominator). Lower `accumulate_grad_batches` if that is not what you intended."
-        )
+        message = short_epoch_message(batches_per_epoch, accumulate, self.options.partial_group)
+        if message is not None and self.options.partial_group == "drop":
+            raise ValueError(message)
+        if message is not None:
+            self.warn(message)
 
     # ------------------------------------------------------------------ groups across a checkpoint
 
@@ -803,7 +514,7 @@ class AccumulationEngine:
             the count parts and negative counts, floats), ``scale_ref`` (the group's ``c``, or ``None`` if no
             micro-batch reported a loss) and ``consistent`` (see :attr:`group_consistent`).
         """
-        vector = self.replicas.sum_(self._sums.local_vector(self.device, self.ledger.normalization, {}, {}))
+        vector = self.replicas.sum_(self._sums.local_vector(self.device, self.ledger.normalization))
         ref = self._group_ref
         return {
             "microbatches": self._sums.microbatches,
@@ -829,21 +540,8 @@ class AccumulationEngine:
             total: The carried micro-batches over all replicas of the run that wrote the checkpoint.
         """
         microbatches = int(state["microbatches"])
-        if position is None:
-            if holds_sums:
-                self._sums = GroupSums.from_carried(microbatches, state["sums"])
-            else:
-                self._sums = GroupSums()
-                self._sums.microbatches = microbatches
-        else:
-            # Regrouped: the carried micro-batches count as `total` (all replicas of the written run), and the
-            # group's first `position` places (Lightning's grouping now) as present, whatever the grouping then.
-            carried_total = int(total if total is not None else microbatches * self.replicas.size)
-            self._sums = GroupSums.from_carried(0, state["sums"]) if holds_sums else GroupSums()
-            self._sums.missing = position
-            self._sums.carried_microbatches = carried_total
-            if holds_sums:
-                self._sums.carried[Slot.MICROBATCHES] = float(carried_total)
+        carried = int(total if total is not None else microbatches * self.replicas.size)
+        self._sums = GroupSums.reopened(microbatches, state["sums"], holds_sums, position, carried)
         ref = state.get("scale_ref")
         if ref is None:
             self._group_ref = None
@@ -891,30 +589,33 @@ class AccumulationEngine:
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
 
 
-_ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+def _counts(
+    tokens: Any, samples: Any, batch: Any, device: torch.device
+) -> tuple[Count | None, Count | None, int | None]:
+    """The micro-batch's counts, checked (:func:`~lightning_accum.microbatch.as_count`), and its number of samples as a
+    host int where known without a device read (for the listeners)."""
+    tokens_c = as_count("num_tokens", tokens, device) if tokens is not None else None
+    samples_c: Count | None = None
+    if type(samples) is int and samples >= 0:  # the common inferred case needs no checks
+        samples_c = samples
+    elif samples is not None:
+        samples_c = as_count("num_samples", samples, device)
+    size = samples_c if type(samples_c) is int else infer_num_samples(batch)
+    return tokens_c, samples_c, size
 
 
-def _sum_exactly_rounded(values: list[float]) -> float:
-    """``Σ values``, exactly rounded (``math.fsum``): the same float whatever the order of the micro-batches (the
-    device sum of several replicas may differ from it in the last bit). NaN or an infinity: the plain sum's value."""
-    if len(values) == 1:
-        return values[0]
-    try:
-        return math.fsum(values)
-    except (ValueError, OverflowError):  # inf - inf (a NaN), or finite values whose sum overflows (an infinity)
-        return sum(values)
+def weighted_loss(loss: Tensor, weight: Count, scale_ref: float | Tensor) -> Tensor:
+    """``loss · w / c``, formed in the loss's dtype (float32 for a half-precision loss, whose factor ``w / c`` would be
+    rounded by ~1e-3 otherwise).
 
-
-_NO_DEVICE_VALUES: Mapping[Slot, Tensor] = {}
-_SCALE_REF, _UNITS = int(Slot.SCALE_REF), int(Slot.UNITS)
-#: Integers up to this magnitude are exact as float64 values (a count read as float64 beyond it is read again).
-_EXACT_FLOATS = float(2**53)
-
-
-def _zero(device: torch.device, dtype: torch.dtype) -> Tensor:
-    """A cached 0-d zero of ``device`` and ``dtype`` (the addend of ``addcmul``)."""
-    key = (device, dtype)
-    cached = _ZEROS.get(key)
-    if cached is None:
-        cached = _ZEROS[key] = torch.zeros((), device=device, dtype=dtype)
-    return cached
+    Example:
+        >>> weighted_loss(torch.tensor(2.0, dtype=torch.float64), torch.tensor(5), 7.0).item() == 2.0 * 5 / 7
+        True
+    """
+    if loss.dtype in (torch.float16, torch.bfloat16):
+        loss = loss.float()
+    if not isinstance(weight, Tensor) and not isinstance(scale_ref, Tensor):
+        return loss * (weight / scale_ref)  # w / c in float64 on the host, rounded once to the loss's dtype
+    w = weight.to(loss.dtype) if isinstance(weight, Tensor) else weight
+    c = scale_ref.to(device=loss.device, dtype=loss.dtype) if isinstance(scale_ref, Tensor) else scale_ref
+    return loss * w / c

@@ -2,15 +2,18 @@
 
 In the manner of a torchmetrics metric (``MeanMetric`` keeps ``Σ value·weight`` and ``Σ weight``, reduces
 both by sum across ranks and divides once), a group keeps what its micro-batches reported and turns it into
-one small float64 vector when it closes (:meth:`GroupSums.local_vector`). The strategies sum that vector
-over replicas (one all-reduce) and read it on the host once; :class:`ReducedGroup` names its values. On one
-replica there is nothing to sum: the engine reads the reported values as they are and forms the same values on
-the host (``AccumulationEngine._close_here``).
+one small float64 vector when it closes (:meth:`GroupSums.local_vector`). The engine sums that vector over
+the replicas (one all-reduce; nothing to do on one replica) and reads it on the host once; :class:`ReducedGroup`
+names its values.
 
 Counts stay exact integers whatever their size: a float64 sum is exact only below 2^53, so every count is
 carried as two parts, ``count = hi · 2^24 + lo`` with ``0 <= lo < 2^24``. Each part's sum over micro-batches
 and replicas stays far below 2^53 (``lo`` sums below 2^53 for up to 2^29 micro-batches of a group; ``hi``
 sums below 2^53 for group totals up to 2^77), so the integer rebuilt on the host is exact.
+
+Host values reach the device as one small tensor copied with ``non_blocking=True``: from pageable memory CUDA
+stages the copy and returns without waiting for the queued work (the backward), so forming the vector never
+synchronises; the one host read is the engine's, after the all-reduce.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -26,13 +28,13 @@ from torch import Tensor
 from lightning_accum.microbatch import Count
 
 __all__ = [
+    "CARRIED",
     "COUNT_SPLIT",
     "UNIT_CODES",
+    "VECTOR_SIZE",
     "GroupSums",
-    "Parts",
     "ReducedGroup",
     "Slot",
-    "combine",
     "group_position",
     "split",
 ]
@@ -125,24 +127,12 @@ class ReducedGroup:
         )
 
 
-class Parts(NamedTuple):
-    """A group's values where they are, before they are summed over replicas (:meth:`GroupSums.parts`)."""
-
-    #: Host values by slot.
-    host: list[float]
-    #: The slot each entry of :attr:`source` is added to (a slot may appear several times, and in :attr:`host`).
-    positions: list[int]
-    #: The device values, a 1-d float64 tensor (``None`` when there is none).
-    source: Tensor | None
-
-
 class GroupSums:
     """What one group's micro-batches reported, kept as they arrived until the group closes.
 
     Nothing is computed per micro-batch: appending references costs no kernel launch, and the group's sums
-    are formed once, vectorized, in :meth:`local_vector`. Losses are detached (no graph is kept). The weights
-    are the ``tokens`` or the ``samples`` list, whichever the unit is (every micro-batch with a loss reports
-    it), or 1 each.
+    are formed once, in :meth:`local_vector`. Losses are detached (no graph is kept). The weights are the
+    ``tokens`` or the ``samples`` list, whichever the unit is (every micro-batch with a loss reports it), or 1 each.
     """
 
     def __init__(self) -> None:
@@ -208,7 +198,7 @@ class GroupSums:
 
     def retract(self) -> None:
         """Forget the last :meth:`add` (a slice whose backward ran out of memory and is run again, smaller)."""
-        mark = getattr(self, "_mark", None)
+        mark = self._mark
         if mark is None:
             raise RuntimeError("GroupSums.retract: nothing was added since the last retract.")
         self.sole = False  # the group is back to what it was before that add, which no sole add follows
@@ -219,104 +209,60 @@ class GroupSums:
         self._mark = None
 
     def local_vector(
-        self, device: torch.device, unit: str | None, extra: Mapping[Slot, float], device_extra: Mapping[Slot, Tensor]
-    ) -> Tensor:
-        """This replica's contribution to the group's reduced vector (:class:`Slot` layout), a new tensor.
-
-        ``extra`` adds host values and ``device_extra`` device scalars by slot. The values of :meth:`parts` in one
-        vector: the host values are one cached device tensor (they repeat from update to update), to which the
-        device values are added by one ``index_add``.
-        """
-        parts = self.parts(device, unit, extra, device_extra)
-        return combine(parts.host, parts.positions, parts.source, device)
-
-    def parts(
         self,
         device: torch.device,
         unit: str | None,
-        extra: Mapping[Slot, float],
-        device_extra: Mapping[Slot, Tensor],
-    ) -> Parts:
-        """The group's values where they are (see :class:`Parts`): host floats by slot (``extra`` included), and
-        the device values as one 1-d float64 tensor on ``device``.
+        extra: Mapping[Slot, float] | None = None,
+        scale_ref: float | Tensor = 0.0,
+    ) -> Tensor:
+        """This replica's contribution to the group's reduced vector (:class:`Slot` layout), a new float64 tensor.
 
-        A handful of tensor operations whatever the number of micro-batches. The common cases take the fewest:
-        weights known on the host (samples, batches, or token counts reported as ints) weight the losses with one
-        product (one micro-batch) or one matrix-vector product; token counts reported as tensors form their sums
-        (the count parts, ``Σ w`` and ``Σ w·loss``) with one sum over a stacked matrix. (On one replica the engine
-        reads the reported values as they are and forms the sums on the host instead.)
+        ``extra`` adds host values by slot; ``scale_ref`` is ``c`` (a float, or a device scalar). Host values (ints
+        reported as such, ``c`` as a float, ``extra``, what a checkpoint carried) are summed on the host, exactly;
+        values reported as tensors are summed on the device (a handful of operations whatever the group's size).
         """
         host = [0.0] * VECTOR_SIZE
-        for slot, value in extra.items():
+        for slot, value in (*(extra or {}).items(), *self.carried.items()):
             host[slot] += value
-        for slot, value in self.carried.items():
-            host[slot] += value
-        positions: list[int] = []
-        sources: list[Tensor] = []  # 1-d float64 tensors on `device`, added at `positions` in order
-        scalars = [(slot, scalar.to(device=device, dtype=torch.float64)) for slot, scalar in device_extra.items()]
-        losses = self.losses
+        parts: list[tuple[tuple[Slot, ...], Tensor]] = []  # device values and the slots they are added to
+        if isinstance(scale_ref, Tensor):
+            parts.append(((Slot.SCALE_REF,), scale_ref.to(device=device, dtype=torch.float64).reshape(1)))
+        else:
+            host[Slot.SCALE_REF] += float(scale_ref)
         weights = self.tokens if unit == "tokens" else self.samples if unit == "samples" else None
-        weighted = False  # Σ w·loss formed (with the unit's tensor counts)
-        host_units = 0.0
-        for values, hi_slot, lo_slot in (
+        stacked_weights: Tensor | None = None  # the unit's counts stacked on the device, when all are tensors
+        for counts, hi, lo in (
             (self.tokens, Slot.TOKENS_HI, Slot.TOKENS_LO),
             (self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
         ):
-            if not values:
-                continue
-            tensors = [v for v in values if isinstance(v, Tensor)]
-            if len(tensors) < len(values):
-                total = sum(v for v in values if not isinstance(v, Tensor))
-                hi, lo = split(total)
-                host[hi_slot] += hi
-                host[lo_slot] += lo
-                if values is weights:
-                    host_units = float(total)
-            if not tensors:
-                continue
-            stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
-            rows = [
-                torch.div(stacked, COUNT_SPLIT, rounding_mode="floor"),
-                torch.remainder(stacked, COUNT_SPLIT),
-                stacked < 0,
-            ]
-            positions += (hi_slot, lo_slot, Slot.NEGATIVE)
-            if values is weights:
-                counts = stacked.to(torch.float64)
-                rows.append(counts)  # Σ w of the tensor counts
-                positions.append(Slot.UNITS)
-                if len(tensors) == len(losses):  # every weight is a tensor: Σ w·loss in the same sum
-                    losses64 = torch.stack(losses).to(device=device, dtype=torch.float64)
-                    # where() keeps an empty micro-batch's NaN mean out.
-                    rows.append(torch.where(counts > 0, losses64, 0.0) * counts)
-                    positions.append(Slot.WEIGHTED_LOSS)
-                    weighted = True
-            sources.append(torch.stack(rows).sum(1, dtype=torch.float64))
-        if losses and not weighted:
-            positions.append(Slot.WEIGHTED_LOSS)
+            host_hi, host_lo = split(sum(count for count in counts if not isinstance(count, Tensor)))
+            host[hi] += host_hi
+            host[lo] += host_lo
+            tensors = [count for count in counts if isinstance(count, Tensor)]
+            if tensors:
+                stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
+                rows = torch.stack(
+                    (torch.div(stacked, COUNT_SPLIT, rounding_mode="floor"), stacked % COUNT_SPLIT, stacked < 0)
+                )
+                parts.append(((hi, lo, Slot.NEGATIVE), rows.sum(1, dtype=torch.float64)))
+                if counts is weights and len(tensors) == len(counts):
+                    stacked_weights = stacked
+        if self.losses:
+            losses = torch.stack(self.losses).to(device=device, dtype=torch.float64)
             if weights is None:  # every micro-batch weighs 1
-                host[Slot.UNITS] += len(losses)
-                known: tuple[float, ...] | None = (1.0,) * len(losses)
+                host[Slot.UNITS] += len(self.losses)
+                parts.append(((Slot.WEIGHTED_LOSS,), losses.sum().reshape(1)))
             else:
-                host[Slot.UNITS] += host_units
-                known = tuple(float(v) for v in weights if not isinstance(v, Tensor))
-                if len(known) != len(weights) or not all(w > 0 for w in known):
-                    known = None  # empty micro-batches, or ints and tensors mixed: rare
-            if known is not None and len(losses) == 1 and losses[0].device == device:
-                # One micro-batch (A = 1): w · loss in one product, a float32 loss promoted by the float64 weight.
-                sources.append(losses[0] * _cached(("weight", known, device), known, device, torch.float64))
-            elif known is not None:  # weights known on the host
-                losses64 = torch.stack(losses).to(device=device, dtype=torch.float64)
-                sources.append(torch.mv(_cached(("weights", known, device), [known], device, torch.float64), losses64))
-            else:
-                losses64 = torch.stack(losses).to(device=device, dtype=torch.float64)
-                vector = _as_float64_vector(weights or [], device)
-                sources.append(torch.dot(torch.where(vector > 0, losses64, 0.0), vector).reshape(1))
-        if scalars:  # the device scalars first, in one stack
-            positions[:0] = [slot for slot, _ in scalars]
-            sources.insert(0, torch.stack([scalar for _, scalar in scalars]))
-        source = None if not sources else sources[0] if len(sources) == 1 else torch.cat(sources)
-        return Parts(host, positions, source)
+                w = stacked_weights.to(torch.float64) if stacked_weights is not None else _as_vector(weights, device)
+                # where() keeps an empty micro-batch's NaN mean out of Σ w·loss.
+                weighted = torch.dot(torch.where(w > 0, losses, 0.0), w)
+                parts.append(((Slot.UNITS, Slot.WEIGHTED_LOSS), torch.stack((w.sum(), weighted))))
+        vector = torch.tensor(host, dtype=torch.float64).to(device, non_blocking=True)
+        if parts:
+            slots = [slot for part_slots, _ in parts for slot in part_slots]
+            index = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+            vector.index_add_(0, index, torch.cat([values for _, values in parts]))
+        return vector
 
     # ------------------------------------------------------------------ across a checkpoint
 
@@ -326,48 +272,38 @@ class GroupSums:
         return {slot.name.lower(): float(values[slot]) for slot in CARRIED}
 
     @classmethod
-    def from_carried(cls, microbatches: int, sums: Any) -> GroupSums:
-        """A group reopened from :meth:`carry_state` (or the five-number list of checkpoints before 0.2:
-        units, Σ w·loss, tokens, samples, negatives)."""
+    def reopened(
+        cls, microbatches: int, sums: Mapping[str, float], holds_sums: bool, position: int | None, total: int
+    ) -> GroupSums:
+        """A group reopened from a checkpoint written inside it (:meth:`carry_state` gave ``sums``).
+
+        Args:
+            microbatches: The group's micro-batches per replica when the checkpoint was written.
+            sums: The carried slots, summed over the replicas of the run that wrote it.
+            holds_sums: Whether this replica adds them to the group (exactly one replica does).
+            position: ``None``: the run resumes where the group's micro-batches left off (same grouping). Else the
+                places of the group that Lightning's grouping counts as done now (another ``A`` or ``D``): the
+                carried micro-batches then count as ``total``, wherever they fall.
+            total: The carried micro-batches over all replicas of the run that wrote the checkpoint.
+        """
         group = cls()
-        group.microbatches = microbatches
-        if isinstance(sums, Mapping):
+        if holds_sums:
             group.carried = {slot: float(sums[slot.name.lower()]) for slot in CARRIED}
-        else:
-            units, weighted, tokens, samples, negative = (float(v) for v in sums)
-            group.carried = {Slot.UNITS: units, Slot.WEIGHTED_LOSS: weighted, Slot.NEGATIVE: negative}
-            group.carried[Slot.TOKENS_HI], group.carried[Slot.TOKENS_LO] = split(round(tokens))
-            group.carried[Slot.SAMPLES_HI], group.carried[Slot.SAMPLES_LO] = split(round(samples))
+        if position is None:
+            group.microbatches = microbatches
+            return group
+        group.missing = position
+        group.carried_microbatches = total
+        if holds_sums:
+            group.carried[Slot.MICROBATCHES] = float(total)
         return group
 
 
-#: Device tensors that repeat from update to update (a group's host values, its layout, its host weights), by key.
-_CACHE: dict[tuple[Any, ...], Tensor] = {}
-_CACHE_LIMIT = 256  # emptied when full (counts that vary every update make new keys)
-
-
-def _cached(key: tuple[Any, ...], values: Sequence[Any], device: torch.device, dtype: torch.dtype) -> Tensor:
-    """A cached tensor of ``values`` (never modified: callers make new tensors from it)."""
-    cached = _CACHE.get(key)
-    if cached is None:
-        if len(_CACHE) >= _CACHE_LIMIT:
-            _CACHE.clear()
-        cached = _CACHE[key] = torch.tensor(values, dtype=dtype, device=device)
-    return cached
-
-
-def combine(host: Sequence[float], positions: Sequence[int], source: Tensor | None, device: torch.device) -> Tensor:
-    """A new vector of :class:`Slot` layout on ``device``: ``host`` plus ``source`` added at ``positions`` (what
-    :meth:`GroupSums.parts` returns)."""
-    base = _cached(("host", tuple(host), device), host, device, torch.float64)
-    if source is None:
-        return base.clone()
-    return base.index_add(0, _cached(("positions", tuple(positions), device), positions, device, torch.int64), source)
-
-
-def _as_float64_vector(values: list[Count], device: torch.device) -> Tensor:
-    if not any(isinstance(v, Tensor) for v in values):
-        return torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    return torch.stack(
-        [torch.as_tensor(v, device=device).to(torch.float64) for v in values]  # mixed ints and tensors: rare
-    )
+def _as_vector(weights: list[Count], device: torch.device) -> Tensor:
+    """The micro-batches' weights as a float64 vector on ``device`` (host ints copied once, without waiting)."""
+    if all(isinstance(w, Tensor) for w in weights):
+        return torch.stack(weights).to(device=device, dtype=torch.float64)  # type: ignore[arg-type]
+    if not any(isinstance(w, Tensor) for w in weights):
+        return torch.tensor(weights, dtype=torch.float64).to(device, non_blocking=True)
+    # ints and tensors mixed: rare
+    return torch.stack([torch.as_tensor(w).to(device, torch.float64, non_blocking=True) for w in weights])

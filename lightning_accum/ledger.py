@@ -111,21 +111,6 @@ class AccumulationLedger:
         """All skipped attempts, whatever the reason."""
         return sum(self.updates_skipped.values())
 
-    def attempt_since(self, attempts_seen: int) -> GroupRecord | None:
-        """The latest group's record if an attempt was added after ``attempts_seen`` attempts, else ``None``.
-
-        Callbacks call this on every batch end to act once per attempted update (dropped groups are not attempts).
-
-        Example:
-            >>> ledger = AccumulationLedger()
-            >>> ledger.record(GroupRecord(loss=1.0, tokens=4, samples=1, microbatches=1, applied=True))
-            >>> ledger.attempt_since(0).tokens, ledger.attempt_since(1)
-            (4, None)
-        """
-        if self.updates_attempted == attempts_seen:
-            return None
-        return self.last_group
-
     def record(self, group: GroupRecord) -> None:
         """Add a closed group to the counters and make it :attr:`last_group`."""
         self.last_group = group

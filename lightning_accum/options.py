@@ -6,8 +6,8 @@ engine as one :class:`AccumulationOptions`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = [
@@ -75,6 +75,17 @@ class AccumulationOptions:
     schedule_on: str = "applied"
     on_nonfinite: str = "skip"
     max_consecutive_skips: int | None = 100
+
+    @classmethod
+    def pick(cls, values: Mapping[str, Any]) -> AccumulationOptions:
+        """The options among ``values``, validated: a constructor that declares them one by one (as LightningCLI
+        needs) passes its ``locals()``.
+
+        Example:
+            >>> AccumulationOptions.pick({"self": None, "partial_group": "drop", "device": "cpu"}).partial_group
+            'drop'
+        """
+        return cls(**{field.name: values[field.name] for field in fields(cls) if field.name in values})
 
     def __post_init__(self) -> None:
         validate_choice("normalize", self.normalize, NORMALIZE_CHOICES)
