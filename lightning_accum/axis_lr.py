@@ -20,8 +20,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -35,7 +33,6 @@ __all__ = [
     "AxisLR",
     "WarmupCosine",
     "WarmupLinear",
-    "bind_schedulers",
     "warmup_cosine",
     "warmup_linear",
 ]
@@ -275,21 +272,3 @@ class AxisLR(LRScheduler):
         self.last_epoch = int(state_dict.get("last_epoch", self.last_epoch))
         self._step_count = int(state_dict.get("_step_count", self._step_count))
         self._last_lr = [float(x) for x in state_dict.get("_last_lr", self._last_lr)]
-
-
-def bind_schedulers(configs: Sequence[LRSchedulerConfig], engine: AccumulationEngine) -> None:
-    """Bind every :class:`AxisLR` of ``configs`` to ``engine`` and make its config advance once per update.
-
-    Called by the accumulation strategies in ``setup``, before they take the step-interval schedulers over.
-    """
-    for config in configs:
-        scheduler = config.scheduler
-        if not isinstance(scheduler, AxisLR):
-            continue
-        scheduler.bind(engine)
-        if config.interval != "step" or config.frequency != 1:
-            rank_zero_info(
-                f"lightning_accum: AxisLR advances once per update; its config said interval={config.interval!r},"
-                f" frequency={config.frequency}."
-            )
-            config.interval, config.frequency = "step", 1

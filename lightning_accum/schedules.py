@@ -19,19 +19,25 @@ due schedulers; others are answered by doing nothing. So
   (``config.frequency`` reads 1 during the fit; the value given is restored when training ends).
 
 A scheduler whose class is swapped for a gated subclass would also keep the object, but changes ``type()`` and
-silences a user's own ``scheduler.step()``; a wrapper object (the earlier design) fails ``isinstance`` checks in
+silences a user's own ``scheduler.step()``; a wrapper object fails ``isinstance`` checks in
 the hook, which then never steps and the rate freezes silently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_accum.axis_lr import AxisLR
 
 if TYPE_CHECKING:
     from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-__all__ = ["UpdateSchedules"]
+    from lightning_accum.engine import AccumulationEngine
+
+__all__ = ["UpdateSchedules", "bind_schedulers"]
 
 _HOOK = "lr_scheduler_step"
 
@@ -102,3 +108,21 @@ class UpdateSchedules:
         elif self.configs:
             object.__setattr__(self.module, _HOOK, self._original)
         self.configs = []
+
+
+def bind_schedulers(configs: Sequence[LRSchedulerConfig], engine: AccumulationEngine) -> None:
+    """Bind every :class:`AxisLR` of ``configs`` to ``engine`` and make its config advance once per update.
+
+    Called by the accumulation strategies in ``setup``, before they take the step-interval schedulers over.
+    """
+    for config in configs:
+        scheduler = config.scheduler
+        if not isinstance(scheduler, AxisLR):
+            continue
+        scheduler.bind(engine)
+        if config.interval != "step" or config.frequency != 1:
+            rank_zero_info(
+                f"lightning_accum: AxisLR advances once per update; its config said interval={config.interval!r},"
+                f" frequency={config.frequency}."
+            )
+            config.interval, config.frequency = "step", 1

@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationStrategy, AxisLogger, TokenWeightingWarning
-from lightning_accum.callbacks.axis_logger import format_count
+from lightning_accum.callbacks.common import format_count
 
 
 class LoggingLM(TinyLM):

@@ -210,6 +210,13 @@ class _Misuse(ManualLM):
             strategy.accumulate(loss.detach().item())
         if self.mistake == "group_size":
             strategy.accumulate(loss, group_size=0)
+        if self.mistake == "not_backpropagated":
+            strategy.accumulate(loss)  # handed out, never back-propagated: its micro-batch has no gradient
+            strategy.close_group(optimizer)
+        if self.mistake == "backpropagated_late":
+            first = strategy.accumulate(loss)
+            strategy.accumulate(self.mean_loss(batch))
+            self.manual_backward(first)
         self.manual_backward(strategy.accumulate(loss))
         if self.mistake == "step_without_close":
             optimizer.step()  # type: ignore[union-attr]
@@ -230,6 +237,13 @@ class _Misuse(ManualLM):
             r"`SGD.step\(\)` was called while 1 micro-batch.*close_group\(optimizer\)",
         ),
         ("no_step", RuntimeError, r"`strategy.accumulate` was called while the group closed by .*optimizer.step\(\)"),
+        (
+            "not_backpropagated",
+            RuntimeError,
+            r"`strategy.close_group` was called while the tensor the last `strategy.accumulate\(...\)` returned was"
+            r" never back-propagated",
+        ),
+        ("backpropagated_late", RuntimeError, r"`strategy.accumulate` was called while the tensor the last"),
     ],
 )
 def test_misuse_of_the_manual_api_is_named(mistake: str, error: type[Exception], match: str) -> None:

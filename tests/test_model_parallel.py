@@ -38,7 +38,7 @@ from lightning_accum import (
     AxisLogger,
     ModelParallelAccumulationStrategy,
 )
-from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
+from lightning_accum.callbacks.common import unsupported_strategy_hint
 
 WIDTH = 12  # vocabulary rows and logits (the data's ids and labels stay below helpers.VOCAB = 11)
 # Even positions go to data-parallel rank 0, odd ones to rank 1: rank 0 holds the long sequences.

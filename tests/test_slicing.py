@@ -180,7 +180,7 @@ def test_hooks_run_once_per_loader_batch_and_outputs_hold_the_batch_loss() -> No
 
 @pytest.mark.parametrize("size", [1, "auto"])
 def test_slices_of_non_final_batches_make_no_host_sync_in_lightning_accum(size: Any) -> None:
-    from probes import MicroBatchSyncCounter
+    from host_reads import MicroBatchSyncCounter
 
     counter = MicroBatchSyncCounter()
     model = LimitedLM(limit=1, lr=0.5, seed=8)  # under "auto" the first batch retries down to slices of 1

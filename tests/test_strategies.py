@@ -19,7 +19,7 @@ from helpers import (
     relative_error,
     sgd_reference,
 )
-from probes import HostReadProbe, MicroBatchSyncCounter
+from host_reads import HostReadProbe, MicroBatchSyncCounter
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_accum

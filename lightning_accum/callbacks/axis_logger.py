@@ -13,26 +13,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_accum.axis_lr import no_token_counts_error
+from lightning_accum.callbacks.common import accumulation_strategy, format_count
 from lightning_accum.ledger import AXES, AccumulationLedger, GroupRecord
 from lightning_accum.options import validate_choice
 from lightning_accum.strategies import ExactAccumulation
-from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
 
-__all__ = ["AXES", "AxisLogger", "format_count", "window_metrics"]
-
-
-def format_count(value: int, unit: str = "") -> str:
-    """A short, readable count for the progress bar.
-
-    Example:
-        >>> format_count(1_234_567, "tok"), format_count(950), format_count(12_300, "sp")
-        ('1.2M tok', '950', '12.3k sp')
-    """
-    suffix = f" {unit}" if unit else ""
-    for size, letter in ((10**12, "T"), (10**9, "G"), (10**6, "M"), (10**3, "k")):
-        if abs(value) >= size:
-            return f"{value / size:.1f}{letter}{suffix}"
-    return f"{value}{suffix}"
+__all__ = ["AXES", "AxisLogger", "window_metrics"]
 
 
 def _units(record: GroupRecord, unit: str | None) -> int:
@@ -166,13 +152,7 @@ class AxisLogger(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, ExactAccumulation):
-            raise RuntimeError(
-                f"AxisLogger needs an accumulation strategy, but the Trainer uses {type(strategy).__name__}."
-                " Set `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn')"
-                " on several." + unsupported_strategy_hint(strategy)
-            )
+        strategy = accumulation_strategy(trainer, "AxisLogger")
         self._trainer = trainer
         self._offset = 0
         self._window = []

@@ -20,11 +20,11 @@ from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
+from lightning_accum.callbacks.common import accumulation_strategy
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.gradients import scale_gradients
 from lightning_accum.microbatch import infer_num_samples
 from lightning_accum.strategies import ExactAccumulation
-from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
 from lightning_accum.tokens import TokenWeightingWarning, find_labels, supervised_tokens
 
 __all__ = ["AccumulationCheck", "AccumulationCheckError", "CheckResult", "concat_microbatches"]
@@ -163,12 +163,7 @@ class AccumulationCheck(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, ExactAccumulation):
-            raise RuntimeError(
-                f"AccumulationCheck needs an accumulation strategy, but the Trainer uses {type(strategy).__name__}."
-                " Set `Trainer(strategy='accum')` or `strategy='accum_ddp'`." + unsupported_strategy_hint(strategy)
-            )
+        strategy = accumulation_strategy(trainer, "AccumulationCheck")
         if not pl_module.automatic_optimization:
             raise RuntimeError(
                 f"AccumulationCheck calls `training_step` as automatic optimization does (it returns the loss), but"

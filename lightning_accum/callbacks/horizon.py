@@ -12,12 +12,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accum.axis_lr import no_token_counts_error
-from lightning_accum.callbacks.axis_logger import format_count
+from lightning_accum.callbacks.common import accumulation_strategy, format_count
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AXES, AccumulationLedger
 from lightning_accum.options import validate_choice
-from lightning_accum.strategies import ExactAccumulation
-from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
 
 __all__ = ["Horizon"]
 
@@ -154,14 +152,7 @@ class Horizon(Callback):
 
     @staticmethod
     def _engine(trainer: Trainer) -> AccumulationEngine:
-        strategy = trainer.strategy
-        if not isinstance(strategy, ExactAccumulation):
-            raise RuntimeError(
-                f"Horizon needs an accumulation strategy, but the Trainer uses {type(trainer.strategy).__name__}."
-                " Set `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn')"
-                " on several." + unsupported_strategy_hint(trainer.strategy)
-            )
-        return strategy.engine
+        return accumulation_strategy(trainer, "Horizon").engine
 
     # ------------------------------------------------------------------ set-up and tear-down
 

@@ -16,9 +16,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
+from lightning_accum.callbacks.common import accumulation_strategy
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import ExactAccumulation
-from lightning_accum.strategies.model_parallel import unsupported_strategy_hint
 
 __all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
 
@@ -131,13 +131,7 @@ class AccumulationReport(Callback):
 
     @staticmethod
     def _ledger(trainer: Trainer) -> AccumulationLedger:
-        if not isinstance(trainer.strategy, ExactAccumulation):
-            raise RuntimeError(
-                "AccumulationReport needs an accumulation strategy, but the Trainer uses"
-                f" {type(trainer.strategy).__name__}. Set `Trainer(strategy='accum')` or `strategy='accum_ddp'`."
-                + unsupported_strategy_hint(trainer.strategy)
-            )
-        return trainer.strategy.ledger
+        return accumulation_strategy(trainer, "AccumulationReport").ledger
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

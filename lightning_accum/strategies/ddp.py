@@ -19,7 +19,9 @@ from typing_extensions import override
 
 from lightning_accum._worker_exit import close_process_group
 from lightning_accum.microbatch import Count
-from lightning_accum.strategies.base import CHECKPOINT_KEY, ExactAccumulation
+from lightning_accum.options import AccumulationOptions
+from lightning_accum.strategies.base import ExactAccumulation
+from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 
 __all__ = ["DDPAccumulationStrategy"]
 
@@ -54,12 +56,8 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     a small float64 vector. Lightning's ``no_sync`` stays on non-final micro-batches (forward included).
 
     Args:
-        normalize: See :class:`AccumulationStrategy`.
-        count_tokens: See :class:`AccumulationStrategy`.
-        partial_group: See :class:`AccumulationStrategy`.
-        schedule_on: See :class:`AccumulationStrategy`.
-        on_nonfinite: See :class:`AccumulationStrategy`.
-        max_consecutive_skips: See :class:`AccumulationStrategy`.
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options of
+            exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
         check_data_ends: With an iterable training dataset (whose per-rank length nothing makes equal): before each
             micro-batch that does not end a group, agree over the replicas whether any replica's data ends there,
             so that data ending inside a group on some replicas only is a prompt error on every rank instead of a
@@ -67,15 +65,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
             the CPU (a gloo group of its own when the backend is not gloo: no device synchronisation); ``False``
             turns it off for data you know to be sharded evenly. Map-style data is never checked this way (its
             sampler gives every rank the same length).
-        microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
-            loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
-            run as consecutive slices of at most that many samples (the fewest, as even as possible), forward and
-            backward each, gradients synchronised only on the group's last slice: the same update, exactly, with lower
-            peak activation memory. ``"auto"``:
-            the whole batch, and after an out-of-memory error in a slice's forward or backward, that slice again at
-            half the size (kept for the rest of the run); see ``docs/howto.md``.
-        split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
-            cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
+        microbatch_size, split_batch: Exact slices of each loader batch: see :class:`AccumulationStrategy`.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``find_unused_parameters``, ``process_group_backend``, ...).
 
@@ -110,16 +100,8 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         split_batch: Callable[[Any, int, int], Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        self._init_engine(
-            normalize,
-            count_tokens,
-            partial_group,
-            schedule_on,
-            on_nonfinite,
-            max_consecutive_skips,
-            microbatch_size,
-            split_batch,
-        )
+        options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
+        self._init_accumulation(options, microbatch_size, split_batch)
         super().__init__(**kwargs)
         self._peers_lost: str | None = None  # why the replicas cannot be reached, once a collective failed
         self.check_data_ends = bool(check_data_ends)
@@ -147,7 +129,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         return super()._synchronises()
 
     @override
-    def _before_forward_retry(self) -> None:
+    def before_forward_retry(self) -> None:
         # DDP's wrapper broadcasts rank zero's buffers at the start of a forward that follows a synchronised one
         # (`require_forward_param_sync`); the failed attempt already did, and a second broadcast on this rank alone
         # would pair with another collective on the others. The attribute is DDP's own (listed in docs/internals.md).

@@ -1,4 +1,4 @@
-"""Exact accumulation for manual optimization: the state behind ``strategy.accumulate`` and ``strategy.close_group``.
+"""Exact accumulation for manual optimization: what ``strategy.accumulate`` and ``strategy.close_group`` do.
 
 With ``automatic_optimization = False`` Lightning's own loop does not accumulate (``accumulate_grad_batches`` must
 be 1) and the strategy's hooks pass everything through unchanged, as Lightning's strategies do. A manual loop that
@@ -15,16 +15,28 @@ The update of ``optimizer.step()`` goes through the strategy's ``optimizer_step`
 as "apply" it runs (the GradScaler may still skip it) and the record is completed and added to the ledger; after a
 group that closed as "skip" (non-finite without a scaler, or no unit at all) it does nothing. Listeners (AxisLogger,
 AccumulationReport, AxisLR) see every group as in automatic optimization.
+
+Every tensor ``accumulate`` hands out must be back-propagated before the next ``accumulate`` or the group's close:
+its micro-batch counts in the group's denominator, so a gradient missing from the group would under-weight the
+update silently. The strategy knows which tensor it handed out and says so instead.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_accum.decision import GroupOutcome
+from lightning_accum.engine import AccumulationEngine
+from lightning_accum.ledger import GroupRecord
+from lightning_accum.microbatch import Count
+from lightning_accum.strategies.closing import GroupClosing
 
 __all__ = ["ManualGroups"]
 
@@ -45,8 +57,100 @@ class ManualGroups:
         self.handed_out: Tensor | None = None  # the last tensor `accumulate` returned, until it is back-propagated
         self.closed: _Closed | None = None
 
-    def check_no_step_pending(self, what: str) -> None:
-        """Raise when a closed group still waits for its ``optimizer.step()``."""
+    def reset(self) -> None:
+        self.handed_out = None
+        self.closed = None
+
+    def accumulate(
+        self,
+        engine: AccumulationEngine,
+        loss: Tensor,
+        counts: dict[str, Count | None],
+        batch: Any,
+        group_size: int | None,
+        replicas: int,
+    ) -> Tensor:
+        """Record one micro-batch in the open group; return ``loss · w / c`` (see ``ExactAccumulation.accumulate``)."""
+        self._check_no_step_pending("accumulate")
+        self._check_handed_out_used("accumulate")
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"`strategy.accumulate(loss=...)` takes the micro-batch's mean loss as a tensor, got"
+                f" {type(loss).__name__}."
+            )
+        if group_size is None:
+            last = engine.ledger.last_group
+            group_size = max(1, last.microbatches // replicas) if last is not None else 1
+        elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"`group_size` must be a positive int or None, got {group_size!r}.")
+        output = {"loss": loss, **{key: value for key, value in counts.items() if value is not None}}
+        tensor = engine.add_microbatch(output, batch, accumulate=group_size)
+        assert tensor is not None  # a tensor loss always gives one
+        self.handed_out = tensor
+        return tensor
+
+    def is_handed_out(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``, about to be back-propagated, is the one :meth:`accumulate` handed out last (then no
+        longer outstanding)."""
+        if self.handed_out is None or tensor is not self.handed_out:
+            return False
+        self.handed_out = None
+        return True
+
+    def close(
+        self,
+        engine: AccumulationEngine,
+        closing: GroupClosing,
+        optimizer: Optimizer,
+        module: Module | None,
+        scaler: torch.amp.GradScaler | None,
+    ) -> GroupRecord:
+        """Close the group reported with :meth:`accumulate` over ``optimizer``'s gradients."""
+        self._check_no_step_pending("close_group")
+        if engine.microbatches_in_group == 0:
+            raise RuntimeError(
+                "`strategy.close_group` found no micro-batch in the open group. Report each micro-batch with"
+                " `tensor = strategy.accumulate(loss, num_tokens=...)` and `self.manual_backward(tensor)` first."
+            )
+        self._check_handed_out_used("close_group")
+        accumulate = engine.microbatches_in_group
+        outcome = closing.close(engine, optimizer, module, accumulate, ends_epoch=False, scaler=scaler)
+        if outcome.action != "apply":
+            optimizer.zero_grad(set_to_none=True)
+            self.closed = _Closed(optimizer, None)
+            return closing.finish(engine, outcome, applied=False)
+        self.closed = _Closed(optimizer, outcome, closing.scale_now(scaler))
+        return outcome.record
+
+    def optimizer_step(
+        self,
+        engine: AccumulationEngine,
+        closing: GroupClosing,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        scaler: torch.amp.GradScaler | None,
+        lightning_step: Callable[[], Any],
+    ) -> Any:
+        """``optimizer.step()`` in a manual loop: ``lightning_step()`` (Lightning's own) after a group closed as
+        "apply", nothing after one that makes no update, Lightning's behaviour when no group was reported."""
+        closed = self._take_closed(optimizer)
+        if closed is None:
+            if engine.microbatches_in_group:
+                raise RuntimeError(
+                    f"`{type(optimizer).__name__}.step()` was called while {engine.microbatches_in_group}"
+                    " micro-batch(es) reported with `strategy.accumulate` wait in an open group. Call"
+                    " `strategy.close_group(optimizer)` before `optimizer.step()`: it rescales the gradient to the"
+                    " exact weighted mean and records the group."
+                )
+            return lightning_step()
+        if closed.outcome is None:
+            closure()  # the group makes no update; the user's closure (if any) still runs, as step would run it
+            return None
+        output = lightning_step()
+        closing.finish_after_step(engine, closed.outcome, closed.scale_before, scaler)
+        return output
+
+    def _check_no_step_pending(self, what: str) -> None:
         if self.closed is not None:
             name = type(self.closed.optimizer).__name__
             raise RuntimeError(
@@ -55,8 +159,16 @@ class ManualGroups:
                 " and records it), then start the next group."
             )
 
-    def take_closed(self, optimizer: Optimizer) -> _Closed | None:
-        """The closed group waiting for ``optimizer``'s step (forgotten here), or ``None``."""
+    def _check_handed_out_used(self, what: str) -> None:
+        if self.handed_out is not None:
+            raise RuntimeError(
+                f"`strategy.{what}` was called while the tensor the last `strategy.accumulate(...)` returned was never"
+                " back-propagated: its micro-batch counts in the group's denominator, but its gradient is not in the"
+                " group. Call `self.manual_backward(tensor)` on exactly the tensor `accumulate` returns, once per"
+                " micro-batch, before the next `accumulate` or `close_group`."
+            )
+
+    def _take_closed(self, optimizer: Optimizer) -> _Closed | None:
         closed = self.closed
         if closed is None:
             return None
@@ -68,7 +180,3 @@ class ManualGroups:
             )
         self.closed = None
         return closed
-
-    def reset(self) -> None:
-        self.handed_out = None
-        self.closed = None

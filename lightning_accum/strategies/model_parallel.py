@@ -29,16 +29,16 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum.engine import Replicas
-from lightning_accum.gradients import GradientsByKind
 from lightning_accum.group import group_position
 from lightning_accum.microbatch import Count
+from lightning_accum.options import AccumulationOptions
 from lightning_accum.strategies.base import ExactAccumulation
+from lightning_accum.strategies.closing import GroupClosing
 
-__all__ = ["GRADIENT_SYNC_MODES", "ModelParallelAccumulationStrategy", "unsupported_strategy_hint"]
+__all__ = ["GRADIENT_SYNC_MODES", "ModelParallelAccumulationStrategy"]
 
 #: The values of ``gradient_sync``.
 GRADIENT_SYNC_MODES = ("every_microbatch", "last_microbatch")
@@ -48,34 +48,6 @@ def _local(tensor: Tensor) -> Tensor:
     """The rank's own part of a (DTensor) gradient, sharing its storage; a plain tensor as it is."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
-
-
-def unsupported_strategy_hint(strategy: object) -> str:
-    """A sentence (with a leading space, or empty) for the callbacks' errors about a strategy the package does not
-    extend.
-
-    Example:
-        >>> from lightning.pytorch.strategies import FSDPStrategy
-        >>> unsupported_strategy_hint(FSDPStrategy())[:51]
-        " Lightning's FSDPStrategy (FSDP1) is not supported:"
-        >>> unsupported_strategy_hint(object())
-        ''
-    """
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    if isinstance(strategy, FSDPStrategy):
-        return (
-            " Lightning's FSDPStrategy (FSDP1) is not supported: use strategy='accum_fsdp' (FSDP2: apply"
-            " `torch.distributed.fsdp.fully_shard` in `configure_model` over `self.device_mesh['data_parallel']`), or"
-            " ModelParallelAccumulationStrategy(data_parallel_size=, tensor_parallel_size=) for FSDP2 with tensor"
-            " parallelism."
-        )
-    if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, ExactAccumulation):
-        return (
-            " For FSDP2 and tensor parallelism use ModelParallelAccumulationStrategy (strategy='accum_fsdp' or"
-            " 'accum_model_parallel'), which takes the same sizes."
-        )
-    return ""
 
 
 class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy):
@@ -88,13 +60,9 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     and the optimizer.
 
     Args:
-        normalize: See :class:`AccumulationStrategy`.
-        count_tokens: See :class:`AccumulationStrategy`.
-        partial_group: See :class:`AccumulationStrategy`.
-        schedule_on: See :class:`AccumulationStrategy`.
-        on_nonfinite: See :class:`AccumulationStrategy`. The check of each rank's shard is summed over the whole
-            mesh, so every rank takes the same decision.
-        max_consecutive_skips: See :class:`AccumulationStrategy`.
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options of
+            exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`. The NaN/Inf
+            check of each rank's shard is summed over the whole mesh, so every rank takes the same decision.
         gradient_sync: ``"every_microbatch"`` (default, FSDP2's own behaviour): every micro-batch's backward
             reduce-scatters its gradient, and each rank holds only its sharded gradient between micro-batches (least
             memory, ``A`` reduce-scatters per update). ``"last_microbatch"``: the non-final micro-batches run with
@@ -160,16 +128,9 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
             if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
                 raise ValueError(f"`{name}` must be 'auto' or an int ≥ 1, got {size!r}.")
-        self._init_engine(
-            normalize,
-            count_tokens,
-            partial_group,
-            schedule_on,
-            on_nonfinite,
-            max_consecutive_skips,
-            microbatch_size,
-            split_batch,
-        )
+        options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
+        # The gradient this rank rescales and checks is its DTensor's local shard (which shares its storage).
+        self._init_accumulation(options, microbatch_size, split_batch, closing=GroupClosing(local=_local))
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.gradient_sync = gradient_sync
         self._slice_group: Any = None  # a gloo group for the slice count when the backend is not gloo
@@ -208,7 +169,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         return tensor
 
     @override
-    def _agree_slice_count(self, count: int, num_samples: int) -> int:
+    def agree_slice_count(self, count: int, num_samples: int) -> int:
         # FSDP2 all-gathers in every forward and tensor parallelism communicates inside every layer: every rank must
         # run the same number of slices. One small all-reduce per loader batch, on the CPU (a gloo group when the
         # backend is not gloo: no device synchronisation), and only with `microbatch_size=` set.
@@ -270,6 +231,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         self._engine.bind(
             self.root_device, Replicas(self.data_parallel_replicas, self.reduce_sum, check_sum=self._sum_over_mesh)
         )
+        self._closing.rank = self.global_rank  # each rank checks its own shard: name it beside a non-finite gradient
 
     def _check_sharded(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -290,29 +252,6 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
                 " `parallelize_module(module, self.device_mesh['tensor_parallel'], plan)`; or use strategy='accum_ddp'"
                 " for a model that fits one device."
             )
-
-    # ------------------------------------------------------------------ gradients
-
-    @override
-    def _gradients(self, optimizer: Optimizer) -> list[Tensor]:
-        # The local shards share storage with the DTensor gradients: the in-place rescale acts on the gradient.
-        return [_local(g) for g in super()._gradients(optimizer)]
-
-    @override
-    def _gradients_by_kind(self, optimizer: Optimizer) -> GradientsByKind:
-        return {kind: [_local(g) for g in grads] for kind, grads in super()._gradients_by_kind(optimizer).items()}
-
-    @override
-    def _first_nonfinite_name(self, optimizer: Optimizer) -> str:
-        module = self.lightning_module
-        names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
-                    return (
-                        f"`{names.get(id(p), 'unnamed parameter')}` (shape {tuple(p.shape)}, rank {self.global_rank})"
-                    )
-        return "in another rank's shard"
 
     @contextmanager
     @override
@@ -337,7 +276,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     # ------------------------------------------------------------------ checkpoints
 
     @override
-    def _open_group_gradients(self) -> dict[str, Tensor] | None:
+    def _carry_gradients(self) -> dict[str, Tensor] | None:
         if self.gradient_sync == "last_microbatch":
             # The group's gradient sits unreduced in FSDP2's own accumulators, not in `.grad`: nothing public to save.
             open_microbatches = self._engine.microbatches_in_group
@@ -361,12 +300,15 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         return gradients
 
     @override
-    def _reopen_group(self, group: dict[str, Any], batch_idx: int) -> None:
+    def _reopen(self, batch_idx: int) -> None:
+        group = self._checkpoint.resumed
+        assert group is not None
         carried = int(group["microbatches"])
         position = group_position(batch_idx, self._trainer().accumulate_grad_batches)
         if not (carried and position == carried and "gradients" in group):
-            super()._reopen_group(group, batch_idx)
+            super()._reopen(batch_idx)
             return
+        self._checkpoint.resumed = None
         # One rank per data-parallel group carries the counters (the close sums them over that group); every rank
         # takes back its own shard of the averaged gradient, to which the remaining backwards add.
         self._engine.resume_open_group(group, holds_sums=self.device_mesh["data_parallel"].get_local_rank() == 0)

@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_accum.microbatch import Count
+from lightning_accum.options import AccumulationOptions
 from lightning_accum.strategies.base import ExactAccumulation
 
 __all__ = ["AccumulationStrategy"]
@@ -24,32 +25,12 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
     a dict with ``"num_tokens"`` (supervised tokens) and/or ``"num_samples"``.
 
     Args:
-        normalize: Unit each micro-batch is weighted by: ``"auto"`` (tokens if reported, else samples,
-            else batches), ``"tokens"``, ``"samples"`` or ``"batches"``. The unit used is logged once and
-            kept in ``ledger.normalization``.
-        count_tokens: Optional ``batch -> int | Tensor``, used when ``training_step`` returns no ``num_tokens``.
-        partial_group: ``"rescale"`` (update a partial final group with its real denominator) or ``"drop"``
-            (no update for it; its micro-batches, samples and tokens are recorded in the ledger).
-        schedule_on: ``"applied"`` (default): step-interval LR schedulers advance once per applied update
-            (every ``frequency``-th applied update), never on a skipped one or per micro-batch;
-            ``"attempted"``: once per attempt, skipped ones included.
-        on_nonfinite: Without a GradScaler (fp32, bf16): ``"skip"`` (default) makes no update when the
-            group's gradient holds a NaN/Inf (counted as ``"nonfinite"``, one warning naming the update),
-            ``"raise"`` stops with an error naming the update and the first offending parameter,
-            ``"ignore"`` keeps Lightning's behaviour (update anyway). With a GradScaler, its own check
-            decides and skipped updates are counted as ``"overflow"``.
-        max_consecutive_skips: Stop with an error after this many consecutive skipped updates (a loss that
-            is NaN in every group would otherwise spin forever); ``None`` never stops.
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options of
+            exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
         device: The device; by default the one the Trainer's accelerator selects.
-        microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
-            loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
-            run as consecutive slices of at most that many samples (the fewest, as even as possible), forward and
-            backward each, gradients synchronised only on the group's last slice: the same update, exactly, with lower
-            peak activation memory. ``"auto"``:
-            the whole batch, and after an out-of-memory error in a slice's forward or backward, that slice again at
-            half the size (kept for the rest of the run); see ``docs/howto.md``.
-        split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
-            cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
+        microbatch_size: ``None`` (default), an int, or ``"auto"``: run each loader batch as exact slices (see
+            :class:`~lightning_accum.strategies.slicing.BatchSlicer` and ``docs/howto.md``).
+        split_batch: ``(batch, start, stop) -> batch`` for a batch type the strategy cannot slice itself.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
     ``trainer.global_step`` keeps Lightning's meaning (one per optimizer-step call: attempts, so
@@ -80,16 +61,8 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         split_batch: Callable[[Any, int, int], Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        self._init_engine(
-            normalize,
-            count_tokens,
-            partial_group,
-            schedule_on,
-            on_nonfinite,
-            max_consecutive_skips,
-            microbatch_size,
-            split_batch,
-        )
+        options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
+        self._init_accumulation(options, microbatch_size, split_batch)
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._device_given = device is not None
 

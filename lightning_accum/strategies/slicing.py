@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -55,9 +55,45 @@ from lightning_accum.slicing import (
 )
 
 if TYPE_CHECKING:
-    from lightning_accum.strategies.base import ExactAccumulation
+    from lightning.pytorch import Trainer
 
-__all__ = ["BatchSlicer"]
+    from lightning_accum.engine import AccumulationEngine
+    from lightning_accum.ledger import AccumulationLedger
+
+__all__ = ["BatchSlicer", "SliceHost"]
+
+
+class SliceHost(Protocol):
+    """What the slicer uses of the strategy that runs it: Lightning's public strategy members, the accumulation
+    strategy's engine and ledger, and the two hooks each engine adapter defines (:meth:`agree_slice_count`,
+    :meth:`before_forward_retry`)."""
+
+    @property
+    def engine(self) -> AccumulationEngine: ...
+    @property
+    def ledger(self) -> AccumulationLedger: ...
+    @property
+    def lightning_module(self) -> Any: ...
+    @property
+    def precision_plugin(self) -> Any: ...
+    @property
+    def optimizers(self) -> list[Any]: ...
+    @property
+    def gradient_scaler(self) -> torch.amp.GradScaler | None: ...
+    @property
+    def root_device(self) -> torch.device: ...
+    def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager[Any]: ...
+    def pre_backward(self, closure_loss: Tensor) -> None: ...
+    def post_backward(self, closure_loss: Tensor) -> None: ...
+
+    def agree_slice_count(self, count: int, num_samples: int) -> int:
+        """The number of slices every rank cuts this loader batch into (``count``, this rank's own, where ranks need
+        not agree)."""
+        ...
+
+    def before_forward_retry(self) -> None:
+        """Called before the forward path runs again on the same loader batch after an out-of-memory error."""
+        ...
 
 
 @dataclass
@@ -140,7 +176,7 @@ class BatchSlicer:
 
     def training_step(
         self,
-        strategy: ExactAccumulation,
+        strategy: SliceHost,
         forward: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -181,7 +217,7 @@ class BatchSlicer:
                     start = stop
                 continue
             if retry_forward:
-                strategy._before_forward_retry()
+                strategy.before_forward_retry()
             outputs: list[Any] = []
             if not self._attempt(
                 strategy,
@@ -208,7 +244,7 @@ class BatchSlicer:
             self._final.output = result
         return result
 
-    def _plan(self, strategy: ExactAccumulation, n: int) -> list[int] | None:
+    def _plan(self, strategy: SliceHost, n: int) -> list[int] | None:
         """The slices' ends for a fixed ``microbatch_size``: the fewest slices of at most that many samples, as even as
         possible (8 samples at 3: 3 + 3 + 2; 4 at 3: 2 + 2, whose largest slice, which sets the peak, is smaller than
         3 + 1's). Where the ranks must agree on the number (FSDP2 / tensor parallelism: collectives in every
@@ -216,7 +252,7 @@ class BatchSlicer:
         if self.auto:
             return None
         size = self.log.limit(n)
-        count = strategy._agree_slice_count(-(-n // size), n)
+        count = strategy.agree_slice_count(-(-n // size), n)
         base, extra = divmod(n, count)
         ends, end = [], 0
         for index in range(count):
@@ -253,7 +289,7 @@ class BatchSlicer:
 
     def _local_slice(
         self,
-        strategy: ExactAccumulation,
+        strategy: SliceHost,
         piece: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -296,7 +332,7 @@ class BatchSlicer:
             # checkpoint written after an error in a later slice would otherwise carry part of a batch that Lightning
             # runs again on resume.
 
-    def _protected_backward(self, strategy: ExactAccumulation, run: Callable[[], None]) -> BaseException | None:
+    def _protected_backward(self, strategy: SliceHost, run: Callable[[], None]) -> BaseException | None:
         """Run a backward into fresh gradient tensors and add them to the accumulated ones only once it completed;
         ``None``, or the out-of-memory error (without its traceback; the accumulated gradients untouched)."""
         params = self._params(strategy)
@@ -321,7 +357,7 @@ class BatchSlicer:
             p.grad = h
         return None
 
-    def _attempt(self, strategy: ExactAccumulation, size: int, batch_idx: int, run: Callable[[int], None]) -> bool:
+    def _attempt(self, strategy: SliceHost, size: int, batch_idx: int, run: Callable[[int], None]) -> bool:
         """``run(size)`` for a slice of ``size`` samples; ``False`` when it ran out of memory under ``"auto"`` (then
         the size is halved, or a slice of one sample is an error)."""
         phase: str | None = None
@@ -338,10 +374,10 @@ class BatchSlicer:
         return False
 
     def _shrink(
-        self, strategy: ExactAccumulation, failed: int, phase: str, batch_idx: int, cause: BaseException | None
+        self, strategy: SliceHost, failed: int, phase: str, batch_idx: int, cause: BaseException | None
     ) -> None:
         free_memory(strategy.root_device)
-        trainer = strategy._trainer()
+        trainer = _trainer(strategy)
         if failed <= 1:
             raise RuntimeError(
                 f"Out of memory in the {phase} of a slice of 1 sample (rank {_rank(strategy)}, batch {batch_idx}"
@@ -399,7 +435,7 @@ class BatchSlicer:
 
     # ------------------------------------------------------------------ backward
 
-    def install_pending(self, strategy: ExactAccumulation) -> None:
+    def install_pending(self, strategy: SliceHost) -> None:
         """Put the slices' gradients kept aside at a group's first batch back, after Lightning's ``zero_grad``."""
         pending, self._pending = self._pending, None
         if pending is None:
@@ -407,13 +443,9 @@ class BatchSlicer:
         for p, g in pending:
             p.grad = g if p.grad is None else p.grad.add_(g)
 
-    @property
-    def holds_final(self) -> bool:
-        return self._final is not None
-
     def backward(
         self,
-        strategy: ExactAccumulation,
+        strategy: SliceHost,
         tensor: Tensor,
         optimizer: Any,
         default: Callable[[Tensor], Tensor],
@@ -461,7 +493,7 @@ class BatchSlicer:
             strategy.engine.retract_microbatch()
             self._parts = []
             size = final.num_samples - final.start
-            batch_idx = strategy._trainer().fit_loop.epoch_loop.batch_idx
+            batch_idx = _trainer(strategy).fit_loop.epoch_loop.batch_idx
             self._shrink(strategy, size, "backward", batch_idx, failed)
             del failed
             self._run_local(strategy, final, batch_idx)
@@ -469,9 +501,9 @@ class BatchSlicer:
         strategy.post_backward(closure_loss)
         return closure_loss
 
-    def _run_local(self, strategy: ExactAccumulation, final: _Final, batch_idx: int) -> None:
+    def _run_local(self, strategy: SliceHost, final: _Final, batch_idx: int) -> None:
         """The rest of a batch, from ``final.start``, as slices with their own backward (one replica: no sync)."""
-        trainer = strategy._trainer()
+        trainer = _trainer(strategy)
         start, n = final.start, final.num_samples
         sizes: list[int] = []
         while start < n:
@@ -489,7 +521,7 @@ class BatchSlicer:
 
     # ------------------------------------------------------------------ parameters
 
-    def _params(self, strategy: ExactAccumulation) -> list[Tensor]:
+    def _params(self, strategy: SliceHost) -> list[Tensor]:
         """The optimized parameters; rebuilt when a parameter group was added since (e.g. ``BackboneFinetuning``)."""
         optimizers = strategy.optimizers
         layout = tuple(len(group["params"]) for optimizer in optimizers for group in optimizer.param_groups)
@@ -547,8 +579,14 @@ def _detach_in_place(tensor: Tensor | None) -> None:
         pass
 
 
-def _rank(strategy: ExactAccumulation) -> int:
-    return int(strategy._trainer().global_rank)
+def _rank(strategy: SliceHost) -> int:
+    return int(_trainer(strategy).global_rank)
+
+
+def _trainer(strategy: SliceHost) -> Trainer:
+    module = strategy.lightning_module
+    assert module is not None  # the slicer runs inside a fit
+    return module.trainer  # type: ignore[no-any-return]
 
 
 def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -1,0 +1,72 @@
+"""What the callbacks share: finding the accumulation strategy (with one error for all), and counts to show."""
+
+from __future__ import annotations
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+from lightning_accum.strategies import ExactAccumulation
+
+__all__ = ["accumulation_strategy", "format_count", "unsupported_strategy_hint"]
+
+
+def accumulation_strategy(trainer: Trainer, who: str) -> ExactAccumulation:
+    """``trainer.strategy`` when it is an accumulation strategy; otherwise an error that says which to use.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        ...                     enable_model_summary=False)
+        >>> accumulation_strategy(trainer, "AxisLogger")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: AxisLogger needs an accumulation strategy, but the Trainer uses SingleDeviceStrategy. Set ...
+    """
+    strategy = trainer.strategy
+    if not isinstance(strategy, ExactAccumulation):
+        raise RuntimeError(
+            f"{who} needs an accumulation strategy, but the Trainer uses {type(strategy).__name__}. Set"
+            " `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn') on several."
+            + unsupported_strategy_hint(strategy)
+        )
+    return strategy
+
+
+def format_count(value: int, unit: str = "") -> str:
+    """A short, readable count for the progress bar.
+
+    Example:
+        >>> format_count(1_234_567, "tok"), format_count(950), format_count(12_300, "sp")
+        ('1.2M tok', '950', '12.3k sp')
+    """
+    suffix = f" {unit}" if unit else ""
+    for size, letter in ((10**12, "T"), (10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if abs(value) >= size:
+            return f"{value / size:.1f}{letter}{suffix}"
+    return f"{value}{suffix}"
+
+
+def unsupported_strategy_hint(strategy: object) -> str:
+    """A sentence (with a leading space, or empty) for the callbacks' errors about a strategy the package does not
+    extend.
+
+    Example:
+        >>> from lightning.pytorch.strategies import FSDPStrategy
+        >>> unsupported_strategy_hint(FSDPStrategy())[:51]
+        " Lightning's FSDPStrategy (FSDP1) is not supported:"
+        >>> unsupported_strategy_hint(object())
+        ''
+    """
+    if isinstance(strategy, FSDPStrategy):
+        return (
+            " Lightning's FSDPStrategy (FSDP1) is not supported: use strategy='accum_fsdp' (FSDP2: apply"
+            " `torch.distributed.fsdp.fully_shard` in `configure_model` over `self.device_mesh['data_parallel']`), or"
+            " ModelParallelAccumulationStrategy(data_parallel_size=, tensor_parallel_size=) for FSDP2 with tensor"
+            " parallelism."
+        )
+    if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, ExactAccumulation):
+        return (
+            " For FSDP2 and tensor parallelism use ModelParallelAccumulationStrategy (strategy='accum_fsdp' or"
+            " 'accum_model_parallel'), which takes the same sizes."
+        )
+    return ""

@@ -1,0 +1,458 @@
+"""The checkpoint of a run, and of a group open when it is written: save, validate, load, reopen, install.
+
+A checkpoint written through an accumulation strategy holds, under the key :data:`CHECKPOINT_KEY`, the engine's state
+(the ledger, ``M``), the configuration the run's groups depend on (``A``, ``D``, ``normalize``, ``partial_group``),
+and, when written inside a group, that group (``open_group``): its counters summed over the replicas and its
+accumulated gradient, so that a run resumed from it closes the group exactly, also under another ``A`` or ``D``.
+What cannot be carried (a backward in progress, replicas that cannot be reached) is said when writing and when
+resuming. The entry is checked before anything is installed: a damaged one is an error naming the key, a missing one
+is announced. See ``docs/reliability.md``.
+
+:class:`OpenGroupCheckpoint` is the lifecycle, owned by the strategy: :meth:`~OpenGroupCheckpoint.entry` when
+writing, :meth:`~OpenGroupCheckpoint.load` when Lightning restores (before ``setup``),
+:meth:`~OpenGroupCheckpoint.reopen` at the first micro-batch of the resumed run (the loop's position is known then),
+and :meth:`~OpenGroupCheckpoint.install` right before its first backward (after Lightning's ``zero_grad`` at a
+group's start, so the carried gradient survives it). The strategy hands in the engine-specific parts as plain
+values and callables: the gradient to carry, whether this rank holds the group's sums.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from lightning_accum.engine import AccumulationEngine
+from lightning_accum.group import CARRIED, UNIT_CODES, group_position
+from lightning_accum.ledger import COUNTERS
+
+__all__ = [
+    "CHECKPOINT_KEY",
+    "OpenGroupCheckpoint",
+    "checked_gradients",
+    "own_slicing",
+    "save_without_peers",
+    "slicing_state",
+    "validated_state",
+]
+
+#: Key of the strategy's state in checkpoints written through the strategy.
+CHECKPOINT_KEY = "lightning_accum"
+
+NamedParameters = list[tuple[str, Tensor]]
+
+
+class OpenGroupCheckpoint:
+    """The package's checkpoint entry of a run, and the group it carries from the writing run to the resumed one."""
+
+    def __init__(self) -> None:
+        #: The checkpoint's open group, until the first micro-batch of the resumed run reopens it.
+        self.resumed: dict[str, Any] | None = None
+        #: The carried gradient by parameter name, until the first backward after the reopen adds it.
+        self.carried: dict[str, Tensor] | None = None
+
+    # ------------------------------------------------------------------ writing
+
+    def entry(
+        self,
+        engine: AccumulationEngine,
+        config: dict[str, Any],
+        running: int | None,
+        failed: str | None,
+        carry: Callable[[], dict[str, Tensor] | None],
+        parameter_names: list[str],
+    ) -> dict[str, Any]:
+        """The checkpoint's entry: the engine's state, ``config`` and, inside a group, the group.
+
+        Args:
+            engine: The run's engine.
+            config: What the groups depend on (``accumulate``, ``replicas``, ``normalize``, ``partial_group``).
+            running: The micro-batch of the epoch (counted from 1) whose step is running while the checkpoint is written
+                (Lightning runs it again on resume), or ``None``.
+            failed: Why the replicas cannot be reached for a collective (then the group's gradient is not carried).
+            carry: The group's gradient by parameter name, summed over the replicas (a collective), or ``None`` where
+                the strategy cannot carry it (it says why).
+            parameter_names: The optimized parameters' names (those without a carried gradient are listed).
+        """
+        state = engine.state_dict()
+        state["config"] = config
+        open_microbatches = engine.microbatches_in_group
+        state["open_group_microbatches"] = open_microbatches
+        carried_before = engine.carried_microbatches
+        if open_microbatches or carried_before:
+            total = carried_before + open_microbatches * config["replicas"]
+            rerun = int(running is not None)
+            state["open_group"] = self._group_entry(engine, config, total, rerun, failed, carry, parameter_names)
+            if running is not None:
+                rank_zero_warn(
+                    f"lightning_accum: this checkpoint is written while micro-batch {running} of the epoch was running."
+                    " Lightning runs it again on resume, but a training loader that saves its position (`state_dict`)"
+                    " already counts it as consumed, so it then delivers the next batch: that micro-batch's examples"
+                    " are skipped (Lightning's behaviour, not this strategy's)."
+                )
+        return state
+
+    @staticmethod
+    def _group_entry(
+        engine: AccumulationEngine,
+        config: dict[str, Any],
+        total: int,
+        rerun: int,
+        failed: str | None,
+        carry: Callable[[], dict[str, Tensor] | None],
+        parameter_names: list[str],
+    ) -> dict[str, Any]:
+        """The open group's entry: counters and gradient summed over the replicas (collectives), or why not."""
+        if failed is not None:
+            group: dict[str, Any] = {"microbatches": engine.microbatches_in_group, "consistent": False}
+            reason = f"the replicas could not be reached to sum it ({failed})"
+        else:
+            group = engine.open_group_state()
+            reason = "a micro-batch's backward had not completed"
+        group.update(
+            replicas=config["replicas"], accumulate=config["accumulate"], total_microbatches=total, rerun=rerun
+        )
+        gradients = carry() if group["consistent"] else None
+        if group["consistent"] and gradients is None:
+            reason = "the strategy cannot carry this group's gradient (see its warning)"
+        if gradients is not None:
+            group["gradients"] = gradients
+            group["no_gradient"] = [name for name in parameter_names if name not in gradients]
+            group["carried"] = True
+            return group
+        group["carried"] = False
+        group["reason"] = reason
+        message = (
+            f"lightning_accum: this checkpoint is written while {reason}; the open group's {total} micro-batch(es)"
+            " (over all replicas) cannot be carried exactly and a run resumed from it will say how many of them are"
+            " lost."
+        )
+        if failed is not None:
+            warnings.warn(message, UserWarning, stacklevel=3)  # every surviving rank: rank 0 may be gone
+        else:
+            rank_zero_warn(message)
+        return group
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, engine: AccumulationEngine, checkpoint: Mapping[str, Any], path: str) -> dict[str, Any] | None:
+        """Restore the engine from ``checkpoint``'s entry, checked first; keep its open group for :meth:`reopen`.
+
+        Returns:
+            The checked entry, or ``None`` when the checkpoint has none (announced).
+        """
+        if CHECKPOINT_KEY not in checkpoint:
+            rank_zero_warn(
+                f"lightning_accum: the checkpoint {path!r} holds no {CHECKPOINT_KEY!r} entry (written by another"
+                " strategy, or the entry was removed): the ledger starts again at 0, the unit is chosen again, and if"
+                " it was written inside an accumulation group, the micro-batches of that group before it are not in"
+                " its update (the group is closed as a full one, not dropped as a partial one)."
+            )
+            self.resumed = {"microbatches": 0, "unknown": True}
+            return None
+        state = validated_state(checkpoint[CHECKPOINT_KEY])
+        written_unit = state["ledger"].get("normalization")
+        engine.load_state_dict(state)
+        group = dict(state.get("open_group") or {"microbatches": 0})
+        _honour_normalize(engine, written_unit, group)
+        group["config"] = dict(state.get("config") or {})  # checked against the loop's position at the reopen
+        self.resumed = group
+        return state
+
+    def warn_manual(self) -> None:
+        """In manual optimization an open group is not carried over: say so once, at the first step."""
+        group, self.resumed = self.resumed, None
+        if group and int(group.get("microbatches", 0)):
+            rank_zero_warn(
+                f"lightning_accum: the checkpoint was written inside a group of {group['microbatches']} micro-batch(es)"
+                " reported with `strategy.accumulate`; with manual optimization that group is not carried over:"
+                " write checkpoints between groups."
+            )
+
+    # ------------------------------------------------------------------ resuming
+
+    def reopen(
+        self,
+        engine: AccumulationEngine,
+        config: dict[str, Any],
+        batch_idx: int,
+        holds_sums: bool,
+        parameters: NamedParameters,
+    ) -> None:
+        """Finish, exactly, the group the checkpoint was written in (its gradient is added by :meth:`install`); or
+        say which micro-batches are lost.
+
+        Args:
+            engine: The run's engine.
+            config: The resumed run's configuration (as in :meth:`entry`).
+            batch_idx: The index of the resumed run's first micro-batch in its epoch.
+            holds_sums: Whether this rank carries the group's counters and gradient (one replica does; the close's
+                all-reduce and DDP's average add the others').
+            parameters: The optimized parameters by name, to check the carried gradient against.
+        """
+        group, self.resumed = self.resumed, None
+        if group is None:
+            return
+        position = group_position(batch_idx, config["accumulate"])  # ran by Lightning already
+        _announce_changes(group.get("config") or {}, config, position)
+        per_replica = int(group["microbatches"])
+        written_replicas = int(group.get("replicas", config["replicas"]))
+        total = int(group.get("total_microbatches", per_replica * written_replicas))
+        if group.get("unknown"):
+            if position:
+                engine.note_missing_microbatches(position)
+                rank_zero_warn(
+                    f"lightning_accum: resumed at micro-batch {position + 1} of an accumulation group from a checkpoint"
+                    f" without {CHECKPOINT_KEY!r} state: the group's first {position} micro-batch(es) per replica,"
+                    " which Lightning does not run again, are not in its update (normalized by what remains)."
+                )
+            return
+        if total == 0:
+            if position:
+                engine.note_missing_microbatches(position)  # a shorter first group after a change of A
+            return
+        if "gradients" in group:
+            gradients = checked_gradients(group, parameters)
+            engine.resume_open_group(group, holds_sums=holds_sums, position=position, total=total)
+            self.carried = gradients if holds_sums else {}
+            rank_zero_info(
+                f"lightning_accum: resumed inside an accumulation group; its first {total} micro-batch(es) (over all"
+                " replicas) come from the checkpoint (gradient and counters), so the group closes exactly."
+            )
+            return
+        engine.note_missing_microbatches(position)
+        # Lightning runs again the micro-batch whose step was running when the checkpoint was written (one per
+        # replica).
+        lost = max(total - int(group.get("rerun", 0)) * written_replicas, 0)
+        reason = group.get("reason") or "no consistent gradient"
+        rank_zero_warn(
+            f"lightning_accum: resumed inside an accumulation group, but the checkpoint does not carry the"
+            f" {total} micro-batch(es) of that group it holds (over {written_replicas} replica(s); {reason}):"
+            f" {lost} of them, which Lightning does not run again, are lost (not in the update, normalized by what"
+            " remains, and not counted by the ledger). Checkpoints written between micro-batches"
+            " (on_train_batch_end, OnExceptionCheckpoint after a failed hook there, SIGTERM) or at update boundaries"
+            " resume exactly."
+        )
+
+    def install(self, parameters: NamedParameters) -> None:
+        """Add the carried gradient to the parameters' gradients (right before the first backward after the
+        reopen, or before the close when the group's remaining micro-batches had no backward)."""
+        gradients, self.carried = self.carried, None
+        if not gradients:
+            return
+        for name, p in parameters:
+            saved = gradients.get(name)
+            if saved is None:
+                continue
+            saved = saved.to(device=p.device, dtype=p.dtype, copy=True)
+            p.grad = saved if p.grad is None else p.grad.add_(saved)
+
+
+def slicing_state(mine: dict[str, Any], world: int, gather: bool) -> dict[str, Any]:
+    """Every rank's slicing record (``per_rank``; a collective with several processes), so that each rank resumes
+    with its own slice size; this rank's alone when the others cannot be reached."""
+    rows: list[Any] = [mine]
+    if gather and world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        rows = [None] * world
+        torch.distributed.all_gather_object(rows, mine)
+    return {**mine, "per_rank": rows}
+
+
+def save_without_peers(
+    checkpoint_io: Any, checkpoint: dict[str, Any], filepath: Any, rank: int, storage_options: Any | None
+) -> None:
+    """Every surviving rank writes the checkpoint (rank zero, which alone writes otherwise, may be the dead one):
+    a private file first, then an atomic rename, so that concurrent writers leave one whole file."""
+    path = str(filepath)
+    if "://" in path:  # a remote file system: no atomic rename to rely on
+        checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        return
+    partial = f"{path}.rank{rank}.partial"
+    checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+    os.replace(partial, path)
+
+
+def _announce_changes(written: Mapping[str, Any], now: Mapping[str, Any], position: int) -> None:
+    """Say which of ``A``, ``D`` and ``partial_group`` differ from the run that wrote the checkpoint."""
+    changes = [
+        f"{label} {written[key]!r} -> {now[key]!r}"
+        for key, label in (
+            ("accumulate", "accumulate_grad_batches"),
+            ("replicas", "data-parallel replicas"),
+            ("partial_group", "partial_group"),
+        )
+        if key in written and written[key] != now[key]
+    ]
+    if not changes:
+        return
+    where = (
+        f" Lightning groups micro-batches by their index in the epoch, so the first group after the resume already"
+        f" counts {position} place(s) of {now['accumulate']} as done: it closes after"
+        f" {now['accumulate'] - position} more micro-batch(es) per replica and is updated with its real"
+        " denominator (a full group, not a partial one)."
+        if position
+        else ""
+    )
+    rank_zero_info(f"lightning_accum: resumed with {', '.join(changes)}; the new values apply from here on.{where}")
+
+
+def _honour_normalize(engine: AccumulationEngine, written_unit: str | None, group: Mapping[str, Any]) -> None:
+    """An explicit ``normalize=`` that differs from the unit the checkpoint's run used wins at an update boundary
+    (announced; ``M`` is measured again in the new unit); inside a carried group it is an error, since that group's
+    gradient is already weighted by the other unit."""
+    wanted = engine.normalize
+    if wanted == "auto" or written_unit is None or wanted == written_unit:
+        return
+    if group.get("gradients") is not None:
+        raise ValueError(
+            f"`normalize={wanted!r}` conflicts with the checkpoint: it was written inside an accumulation group"
+            f" whose gradient is weighted by {written_unit}. Resume with `normalize={written_unit!r}` (or"
+            " 'auto') to finish that group exactly, or resume from a checkpoint written at an update boundary to"
+            " change the unit."
+        )
+    engine.ledger.normalization = wanted
+    engine.scale_ref = None
+    rank_zero_info(
+        f"lightning_accum: the checkpoint's run weighted micro-batches by {written_unit}; from now on they are"
+        f" weighted by {wanted} (`normalize={wanted!r}` given to the strategy wins at an update boundary)."
+    )
+
+
+# ---------------------------------------------------------------------- the entry, checked
+
+_UNITS = tuple(UNIT_CODES)  # the units a run can be weighted by
+
+
+def _malformed(key: str, expected: str, found: Any) -> ValueError:
+    shown = repr(found)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ValueError(
+        f"The checkpoint's {CHECKPOINT_KEY!r} entry is damaged: `{key}` should be {expected}, but it is {shown}."
+        f" Resume from another checkpoint, or remove the {CHECKPOINT_KEY!r} entry to start the ledger again at 0"
+        " (announced when loading)."
+    )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(state: Mapping[str, Any], key: str, prefix: str, test: Callable[[Any], bool], expected: str) -> None:
+    if key in state and not test(state[key]):
+        raise _malformed(prefix + key, expected, state[key])
+
+
+def validated_state(state: Any) -> dict[str, Any]:
+    """The package's checkpoint entry after checking every field it reads: a ``ValueError`` naming the key, the
+    expected form and what was found, never a silent change."""
+    if not isinstance(state, Mapping):
+        raise _malformed(CHECKPOINT_KEY, "a dict", state)
+    ledger = state.get("ledger")
+    if not isinstance(ledger, Mapping):
+        raise _malformed("ledger", "a dict of the ledger's counters", ledger)
+    for name in COUNTERS:
+        _check(ledger, name, "ledger.", _is_count, "an int >= 0")
+    skipped = ledger.get("updates_skipped", {})
+    if not isinstance(skipped, Mapping) or not all(isinstance(k, str) and _is_count(v) for k, v in skipped.items()):
+        raise _malformed("ledger.updates_skipped", "a dict of reason -> int >= 0", skipped)
+    _check(ledger, "normalization", "ledger.", lambda u: u is None or u in _UNITS, f"None or one of {_UNITS}")
+    last = ledger.get("last_group")
+    if last is not None:
+        fields = {"loss", "tokens", "samples", "microbatches", "applied"}
+        if not isinstance(last, Mapping) or not fields <= set(last):
+            raise _malformed("ledger.last_group", f"None or a dict with {sorted(fields)}", last)
+    _check(state, "scale_ref", "", lambda v: v is None or (_is_number(v) and v > 0), "None or a number > 0")
+    _check(state, "consecutive_skips", "", _is_count, "an int >= 0")
+    _check(state, "open_group_microbatches", "", _is_count, "an int >= 0")
+    config = state.get("config")
+    if config is not None:
+        if not isinstance(config, Mapping):
+            raise _malformed("config", "a dict", config)
+        _check(config, "accumulate", "config.", lambda v: _is_count(v) and v > 0, "an int >= 1")
+        _check(config, "replicas", "config.", lambda v: _is_count(v) and v > 0, "an int >= 1")
+        _check(config, "normalize", "config.", lambda v: v in ("auto", *_UNITS), f"one of {('auto', *_UNITS)}")
+        _check(config, "partial_group", "config.", lambda v: v in ("rescale", "drop"), "'rescale' or 'drop'")
+    group = state.get("open_group")
+    if group is not None:
+        _validate_group(group)
+    slicing = state.get("slicing")
+    if slicing is not None:
+        if not isinstance(slicing, Mapping):
+            raise _malformed("slicing", "a dict", slicing)
+        _check(slicing, "size", "slicing.", lambda v: v is None or (_is_count(v) and v > 0), "None or an int >= 1")
+        sizes = slicing.get("slice_sizes", {})
+        if not isinstance(sizes, Mapping) or not all(_is_count(v) for v in sizes.values()):
+            raise _malformed("slicing.slice_sizes", "a dict of size -> int >= 0", sizes)
+        _check(slicing, "retries", "slicing.", lambda v: isinstance(v, list), "a list")
+        _check(slicing, "per_rank", "slicing.", lambda v: isinstance(v, list), "a list of each rank's record")
+    return dict(state)
+
+
+def _validate_group(group: Any) -> None:
+    if not isinstance(group, Mapping):
+        raise _malformed("open_group", "None or a dict", group)
+    if not _is_count(group.get("microbatches")):
+        raise _malformed("open_group.microbatches", "an int >= 0", group.get("microbatches"))
+    for key in ("replicas", "accumulate"):
+        _check(group, key, "open_group.", lambda v: _is_count(v) and v > 0, "an int >= 1")
+    _check(group, "total_microbatches", "open_group.", _is_count, "an int >= 0")
+    _check(group, "scale_ref", "open_group.", lambda v: v is None or (_is_number(v) and v > 0), "None or a number > 0")
+    if "gradients" not in group:
+        return
+    sums = group.get("sums")
+    names = [slot.name.lower() for slot in CARRIED]
+    if not isinstance(sums, Mapping) or set(sums) != set(names) or not all(_is_number(v) for v in sums.values()):
+        raise _malformed("open_group.sums", f"a dict of finite numbers with keys {names}", sums)
+    gradients = group["gradients"]
+    if not isinstance(gradients, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in gradients.items()
+    ):
+        raise _malformed("open_group.gradients", "a dict of parameter name -> tensor", gradients)
+    _check(
+        group,
+        "no_gradient",
+        "open_group.",
+        lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+        "a list of parameter names",
+    )
+
+
+def own_slicing(state: Mapping[str, Any], rank: int) -> Mapping[str, Any]:
+    """This rank's slicing record in a checkpoint's entry (rank zero's, or the only one, otherwise)."""
+    rows = state.get("per_rank")
+    if isinstance(rows, list) and rank < len(rows) and isinstance(rows[rank], Mapping):
+        return rows[rank]  # type: ignore[no-any-return]
+    return state
+
+
+def checked_gradients(group: Mapping[str, Any], parameters: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """The carried gradient, checked against the parameters it is added to (names, shapes, completeness)."""
+    gradients: dict[str, Tensor] = dict(group["gradients"])
+    shapes = {name: tuple(p.shape) for name, p in parameters}
+    for name, gradient in gradients.items():
+        if name not in shapes:
+            raise _malformed(
+                f"open_group.gradients[{name!r}]", f"the gradient of one of the parameters {sorted(shapes)}", name
+            )
+        if tuple(gradient.shape) != shapes[name]:
+            raise _malformed(f"open_group.gradients[{name!r}]", f"a tensor of shape {shapes[name]}", gradient.shape)
+    known = set(gradients) | set(group.get("no_gradient", []))  # every parameter is carried or listed as unused
+    for name in shapes:
+        if name not in known:
+            raise _malformed(
+                f"open_group.gradients[{name!r}]",
+                "a tensor (the parameter is neither carried nor listed in `open_group.no_gradient`)",
+                "missing",
+            )
+    return gradients

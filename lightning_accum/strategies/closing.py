@@ -1,0 +1,143 @@
+"""Closing a group over an optimizer's gradients, and completing its record once the optimizer ran.
+
+Shared by automatic optimization (the strategy's closure, inside the optimizer's ``step``) and the manual API
+(:mod:`~lightning_accum.strategies.manual`):
+
+* :meth:`GroupClosing.close`: the engine's close over the optimizer's gradients, grouped by device and dtype from a
+  layout kept for the run (one fused kernel each). Without a GradScaler the rescale also checks for NaN/Inf in the
+  same pass; with one, the scaler's own check decides (skip reason ``"overflow"``);
+* :meth:`GroupClosing.finish_after_step`: a GradScaler's skip, for every optimizer (fused ones included), from its
+  scale before and after ``update()`` read in one host read;
+* :meth:`GroupClosing.finish`: the ledger, the listeners, and the step-interval schedules made due.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_accum.decision import GroupOutcome
+from lightning_accum.engine import AccumulationEngine
+from lightning_accum.gradients import GradientsByKind, scaler_skipped
+from lightning_accum.ledger import GroupRecord
+from lightning_accum.schedules import UpdateSchedules
+
+__all__ = ["GroupClosing", "enabled_scaler"]
+
+
+def _as_is(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def enabled_scaler(plugin: Any) -> torch.amp.GradScaler | None:
+    """The enabled GradScaler of a precision plugin, or ``None``."""
+    scaler = getattr(plugin, "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
+class GroupClosing:
+    """What closing a group needs per run: the optimizer's parameter layout and the schedules.
+
+    Args:
+        local: The part of a gradient this rank rescales and checks (a DTensor's local shard, which shares its
+            storage; the gradient itself elsewhere).
+    """
+
+    def __init__(self, local: Callable[[Tensor], Tensor] = _as_is) -> None:
+        self.local = local
+        #: This rank, named beside a non-finite gradient where each rank checks its own shard (``None`` elsewhere).
+        self.rank: int | None = None
+        #: The step-interval schedules that follow updates (automatic optimization), set by the strategy's ``setup``.
+        self.schedules: UpdateSchedules | None = None
+        self._layout: tuple[Optimizer, tuple[tuple[int, int], ...], list[tuple[Any, list[Tensor]]]] | None = None
+
+    def reset(self) -> None:
+        """Forget the run's layout and schedules (``teardown``)."""
+        if self.schedules is not None:
+            self.schedules.release()
+            self.schedules = None
+        self._layout = None
+
+    def close(
+        self,
+        engine: AccumulationEngine,
+        optimizer: Optimizer,
+        module: Module | None,
+        accumulate: int,
+        ends_epoch: bool,
+        scaler: torch.amp.GradScaler | None,
+    ) -> GroupOutcome:
+        """Close the open group over ``optimizer``'s gradients: one all-reduce, the rescale, the decision."""
+        return engine.close_group(
+            accumulate=accumulate,
+            ends_epoch=ends_epoch,
+            gradients=self.gradients_by_kind(optimizer),
+            check_gradients=scaler is None and engine.options.on_nonfinite != "ignore",
+            describe_nonfinite=lambda: self.first_nonfinite(optimizer, module),
+        )
+
+    def gradients_by_kind(self, optimizer: Optimizer) -> GradientsByKind:
+        """``optimizer``'s gradients (this rank's part) grouped by device and dtype, from a layout of its parameters
+        kept for the run (built again when its parameter groups change)."""
+        groups = optimizer.param_groups
+        signature = tuple((id(group["params"]), len(group["params"])) for group in groups)
+        layout = self._layout
+        if layout is None or layout[0] is not optimizer or layout[1] != signature:
+            kinds: dict[Any, list[Tensor]] = {}
+            for group in groups:
+                for p in group["params"]:
+                    kinds.setdefault((p.device, p.dtype), []).append(p)  # a gradient has its parameter's kind
+            layout = self._layout = (optimizer, signature, list(kinds.items()))
+        by_kind = {}
+        for kind, params in layout[2]:
+            grads = [self.local(grad) for p in params if (grad := p.grad) is not None]
+            if grads:
+                by_kind[kind] = grads
+        return by_kind
+
+    def first_nonfinite(self, optimizer: Optimizer, module: Module | None) -> str:
+        """The first parameter of ``optimizer`` whose gradient (this rank's part) holds a NaN/Inf, for the error of
+        ``on_nonfinite="raise"`` (read only when the check found one)."""
+        names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not bool(torch.isfinite(self.local(p.grad)).all()):
+                    where = f", rank {self.rank}" if self.rank is not None else ""
+                    return f"`{names.get(id(p), 'unnamed parameter')}` (shape {tuple(p.shape)}{where})"
+        return "none found after the reduction" if self.rank is None else "in another rank's shard"
+
+    def scale_now(self, scaler: torch.amp.GradScaler | None) -> Tensor | None:
+        """The GradScaler's scale on the device, before its ``update()`` (no host read)."""
+        # `_scale` is private: read on the device before and after the update, it tells a skipped step for every
+        # optimizer, fused ones included, with one host read per update (see docs/internals.md: private names).
+        return scaler._scale.clone() if scaler is not None and scaler._scale is not None else None
+
+    def finish_after_step(
+        self,
+        engine: AccumulationEngine,
+        outcome: GroupOutcome,
+        scale_before: Tensor | None,
+        scaler: torch.amp.GradScaler | None,
+    ) -> GroupRecord:
+        """Complete the record of an update the optimizer ran: applied, unless the GradScaler skipped it."""
+        if scale_before is None or scaler is None or scaler._scale is None:
+            return self.finish(engine, outcome, applied=True)
+        before, after = torch.stack([scale_before, scaler._scale.to(scale_before)]).tolist()
+        outcome.record.grad_scale = before
+        return self.finish(engine, outcome, applied=not scaler_skipped(before, after), skip_reason="overflow")
+
+    def finish(
+        self, engine: AccumulationEngine, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None
+    ) -> GroupRecord:
+        """Add the group to the ledger (the listeners run) and make the step-interval schedules due where they
+        advance on it (Lightning calls the module's ``lr_scheduler_step`` right after this batch)."""
+        record = engine.finish_group(outcome, applied=applied, skip_reason=skip_reason)
+        schedules = self.schedules
+        if schedules is not None and schedules.configs:
+            schedules.mark_due(lambda frequency: engine.schedule_due(record, frequency))
+        return record
