@@ -1,103 +1,16 @@
-"""Instrumentation used by the tests and the benchmarks: host reads of tensor data made by this package, and
-the time spent in its own code.
-
-On a GPU a host read of device memory (``.item()``, ``bool(t)``, ``.tolist()``, ``.cpu()``) waits for the
-device: the per-micro-batch path must make none. On the CPU there is nothing to wait for, so the probe
-records the *calls* instead, attributed to this package's code, which is what would synchronize on a GPU.
-"""
+"""The benchmarks' instrumentation: the time spent in the package's own code (the tests' probe of host reads,
+``tests/host_reads.py``, is used by the benchmark too)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import time
-from typing import Any, ClassVar
+from typing import Any
 
 import lightning as L
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostReadProbe", "MicroBatchSyncCounter", "PackageTimer"]
-
-
-class HostReadProbe(TorchDispatchMode):
-    """Records host reads of tensor data issued from ``lightning_accum`` code while active.
-
-    Two probes: ``aten._local_scalar_dense`` (what ``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``
-    dispatch to) and, through ``sys.setprofile``, calls of the tensor methods that copy to the host
-    without dispatching (``tolist``, ``cpu``, ``numpy``). ``package_ops`` counts every tensor operation the
-    package issued while watching, to show the probe saw the package at work.
-    """
-
-    HOST_READS: ClassVar[set[str]] = {"tolist", "cpu", "numpy"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.hits: list[str] = []
-        self.package_ops = 0
-
-    @staticmethod
-    def _caller_in_package(frame: Any) -> str | None:
-        while frame is not None:
-            name = frame.f_globals.get("__name__", "")
-            if not name.startswith("torch"):
-                if name.startswith("lightning_accum"):
-                    return f"{name}:{frame.f_lineno}"
-                return None
-            frame = frame.f_back
-        return None
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        where = self._caller_in_package(sys._getframe(1))
-        if where:
-            self.package_ops += 1
-            if func is torch.ops.aten._local_scalar_dense.default:
-                self.hits.append(f"{func} at {where}")
-        return func(*args, **(kwargs or {}))
-
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "c_call" and getattr(arg, "__name__", "") in self.HOST_READS:
-            where = self._caller_in_package(frame)
-            if where:
-                self.hits.append(f"{arg.__name__} at {where}")
-
-    def __enter__(self) -> HostReadProbe:
-        super().__enter__()
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(None)
-        super().__exit__(*exc)
-
-
-class MicroBatchSyncCounter(L.Callback):
-    """Counts the package's host reads in non-final micro-batches and in group-closing ones, separately."""
-
-    def __init__(self) -> None:
-        self.non_final = HostReadProbe()
-        self.final = HostReadProbe()
-        self.non_final_batches = 0
-        self.final_batches = 0
-        self._active: HostReadProbe | None = None
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        last = batch_idx + 1 == trainer.num_training_batches
-        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0 and not last:
-            self.non_final_batches += 1
-            self._active = self.non_final
-        else:
-            self.final_batches += 1
-            self._active = self.final
-        self._active.__enter__()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self._active is not None:
-            self._active.__exit__(None, None, None)
-            self._active = None
+__all__ = ["PackageTimer"]
 
 
 class PackageTimer:

@@ -47,6 +47,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+# The benchmark's own modules, and the tests' probe of host reads (tests/host_reads.py).
+sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
 # ---------------------------------------------------------------------------- workloads
 
@@ -220,7 +222,7 @@ def trial(spec: dict[str, Any]) -> dict[str, Any]:
         strategy = _variant_strategy(variant, workload, logs, callbacks)
         probe = None
         if spec.get("probe"):
-            from probes import MicroBatchSyncCounter
+            from host_reads import MicroBatchSyncCounter
 
             probe = MicroBatchSyncCounter()
             callbacks.append(probe)
@@ -274,15 +276,17 @@ def timed_parts() -> list[tuple[Any, str]]:
     """The package's methods charged separately by ``accum_timed`` (besides the strategy's hooks and the callbacks').
 
     The group closes inside the optimizer's ``step``, in the closure the strategy hands it, that is below
-    Lightning's ``optimizer_step`` (Lightning's work, not charged): ``_close`` (vector, rescale, host read, decision)
-    and ``_scale_now`` are charged to the package there. The rescale and the callbacks' listeners are split out.
+    Lightning's ``optimizer_step`` (Lightning's work, not charged): ``GroupClosing.close`` (vector, rescale, host read,
+    decision) and ``GroupClosing.scale_now`` are charged to the package there. The rescale and the callbacks' listeners
+    are split out.
     """
     import lightning_accum.engine as engine_module
-    from lightning_accum import AccumulationReport, AxisLogger, ExactAccumulation
+    from lightning_accum import AccumulationReport, AxisLogger
+    from lightning_accum.strategies.closing import GroupClosing
 
     return [
-        (ExactAccumulation, "_close"),
-        (ExactAccumulation, "_scale_now"),
+        (GroupClosing, "close"),
+        (GroupClosing, "scale_now"),
         (engine_module, "rescale_gradients"),
         (AxisLogger, "_on_group"),
         (AccumulationReport, "_on_group"),
@@ -295,8 +299,8 @@ _PARTS = {
     "training_step": "per micro-batch (weights, w/c, hooks)",
     "backward": "per micro-batch (weights, w/c, hooks)",
     "optimizer_step": "group close (reduce, decide, ledger, schedules)",
-    "_close": "group close (reduce, decide, ledger, schedules)",
-    "_scale_now": "group close (reduce, decide, ledger, schedules)",
+    "close": "group close (reduce, decide, ledger, schedules)",
+    "scale_now": "group close (reduce, decide, ledger, schedules)",
     "rescale_gradients": "rescale and non-finite guard (one pass)",
     "dispatch": "Lightning's dispatch of the callbacks' hooks",
     "AxisLogger": "AxisLogger",
