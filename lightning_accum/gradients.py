@@ -14,7 +14,6 @@ from torch import Tensor
 __all__ = [
     "GradientsByKind",
     "by_kind",
-    "cached_scalar",
     "rescale_gradients",
     "scale_gradients",
     "scaler_skipped",
@@ -53,7 +52,7 @@ GradientsByKind = Mapping[tuple[torch.device, torch.dtype], list[Tensor]]
 
 
 def rescale_gradients(
-    gradients: Sequence[Tensor] | GradientsByKind, factor: Tensor | float, check: bool, flag: Tensor | None = None
+    gradients: Sequence[Tensor] | GradientsByKind, factor: Tensor | float, check: bool
 ) -> Tensor | None:
     """Multiply ``gradients`` in place by ``factor`` (a device scalar, or a float known on the host); with ``check``,
     also return a tensor whose sum is positive when a gradient held a NaN/Inf before the multiplication (no host
@@ -64,9 +63,7 @@ def rescale_gradients(
     arithmetic with the float32 factor, rounded once, as :func:`scale_gradients`), a multiply plus norms for
     float64. ``gradients`` may come grouped already (a mapping as :func:`by_kind` returns, e.g. from a layout the
     caller keeps for the run), which saves grouping them on every update. A float ``factor`` is rounded as a device
-    scalar would be (float32 below 64 bits), from a cached tensor: no operation forms it. ``flag``: a float32 zero of
-    one element on the gradients' device, for the check of the first kind to write into (the caller keeps it between
-    updates and knows from its read whether it is still zero); a new one otherwise.
+    scalar would be (float32 below 64 bits).
 
     Example:
         >>> g = [torch.tensor([1.0, float("nan")])]
@@ -79,7 +76,6 @@ def rescale_gradients(
     """
     flags: list[Tensor] = []
     groups = gradients if isinstance(gradients, Mapping) else by_kind(gradients)
-    on_host = not isinstance(factor, Tensor)
     for (device, dtype), grads in groups.items():
         if not grads:
             continue
@@ -87,12 +83,17 @@ def rescale_gradients(
             if check:
                 norms = torch.stack(torch._foreach_norm(grads)).sum()
                 flags.append((~torch.isfinite(norms)).to(torch.float64).reshape(1))
-            torch._foreach_mul_(grads, factor if on_host else factor.to(device))  # type: ignore[union-attr]
+            torch._foreach_mul_(grads, factor.to(device) if isinstance(factor, Tensor) else factor)
             continue
-        factor32 = cached_scalar(factor, device) if on_host else factor.to(device, torch.float32)  # type: ignore
+        # A float is rounded as a device scalar would be; `torch.full` passes it as a kernel argument (on a GPU no
+        # copy from host memory, which would wait for the work queued before it).
+        factor32 = (
+            factor.to(device, torch.float32)
+            if isinstance(factor, Tensor)
+            else torch.full((), factor, dtype=torch.float32, device=device)
+        )
         if check:
-            if flag is None or flags or flag.device != device or flag.dtype != torch.float32:
-                flag = torch.zeros(1, dtype=torch.float32, device=device)
+            flag = torch.zeros(1, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, factor32)
             flags.append(flag)
         else:
@@ -100,28 +101,6 @@ def rescale_gradients(
     if not flags:
         return None
     return flags[0] if len(flags) == 1 else torch.cat([f.to(flags[0].device, torch.float64) for f in flags])
-
-
-_SCALARS: dict[tuple[float, torch.device, torch.dtype], Tensor] = {}
-
-
-def cached_scalar(value: float, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
-    """A cached 0-d tensor of ``value`` on ``device`` (a run's factors repeat when its groups do), never modified.
-
-    Made by ``torch.full``, whose value travels as a kernel argument: on a GPU, no copy from host memory, which
-    would wait for the work queued before it (the backward) as ``torch.tensor(value, device=...)`` does.
-
-    Example:
-        >>> cached_scalar(0.5, torch.device("cpu")) is cached_scalar(0.5, torch.device("cpu"))
-        True
-    """
-    key = (value, device, dtype)
-    cached = _SCALARS.get(key)
-    if cached is None:
-        if len(_SCALARS) >= 256:
-            _SCALARS.clear()
-        cached = _SCALARS[key] = torch.full((), value, dtype=dtype, device=device)
-    return cached
 
 
 def scaler_skipped(scale_before: float, scale_after: float) -> bool:
