@@ -432,8 +432,10 @@ class AccumulationEngine:
         """
         found = rescale_gradients(gradients, 1.0, check=True) if gradients and check else None
         counts = [c for c in (*sums.tokens, *sums.samples) if isinstance(c, Tensor)]
-        items = [sums.losses[0], *([found] if found is not None else []), *counts]
-        values = torch.cat([item.reshape(-1).to(torch.float64) for item in items]).tolist()  # the one host read
+        # One concatenation, promoted to float64 by the counts (exact below 2^53); the loss and the flag as they are.
+        items = [sums.losses[0].reshape(1), *([found] if found is not None else [])]
+        items += [count.reshape(1).to(torch.float64) for count in counts]
+        values = torch.cat(items).tolist()  # the one host read
         loss = values[0]
         flags = values[1 : len(values) - len(counts)]
         read = iter(values[len(values) - len(counts) :])
