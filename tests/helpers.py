@@ -288,7 +288,8 @@ class ResumableLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"consumed": self.consumed}
+        # Between a restore and the first batch of the resumed epoch the batches to skip are the ones consumed.
+        return {"consumed": max(self.consumed, self.skip)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.skip = int(state["consumed"])

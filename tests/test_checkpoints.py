@@ -733,3 +733,73 @@ def test_a_checkpoint_without_the_entry_is_announced_once(tmp_path: Path) -> Non
     trainer, _, messages = _resume(ckpt, "accum", 3)
     assert sum("holds no 'lightning_accum' entry" in m for m in messages) == 1, messages
     assert trainer.strategy.ledger.updates_applied == 2  # the counters start again at 0, as announced
+
+
+def test_save_checkpoint_without_a_trainer_writes_as_lightnings_strategies_do(tmp_path: Path) -> None:
+    # A module connected to a strategy but not attached to a Trainer: Lightning's strategies write the file (its own
+    # checkpointing tests do this); ours raised "... is not attached to a `Trainer`" from `save_checkpoint`.
+    model = TinyLM()
+    written = {}
+    for strategy in (L.pytorch.strategies.SingleDeviceStrategy("cpu"), AccumulationStrategy()):
+        strategy.connect(model)
+        path = tmp_path / f"{type(strategy).__name__}.ckpt"
+        strategy.save_checkpoint({"state_dict": model.state_dict()}, path)
+        written[type(strategy).__name__] = torch.load(path, weights_only=True)
+    entry = written["AccumulationStrategy"]["lightning_accum"]
+    assert entry["ledger"]["updates_applied"] == 0 and entry["open_group_microbatches"] == 0
+    assert entry["config"] == {"replicas": 1, "normalize": "auto", "partial_group": "rescale"}  # no Trainer: no A
+    state = written["AccumulationStrategy"]["state_dict"]
+    assert all(torch.equal(state[k], v) for k, v in written["SingleDeviceStrategy"]["state_dict"].items())
+    fresh = AccumulationStrategy()
+    fresh.load_checkpoint(tmp_path / "AccumulationStrategy.ckpt")
+    assert fresh.ledger.updates_applied == 0
+
+
+class _StopAtStart(L.Callback):
+    """Writes a checkpoint when the resumed run starts, before its first micro-batch (a signal handler's save, or an
+    exception checkpoint when the first fetch fails), and stops the run there."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+        raise RuntimeError("stopped before the first micro-batch")
+
+
+def test_a_checkpoint_written_before_the_first_micro_batch_of_a_resume_carries_the_open_group(tmp_path: Path) -> None:
+    # The window after a mid-group resume and before its first training_step: the group the first checkpoint
+    # carried is pending, not yet reopened in the engine. A checkpoint written then carried nothing (the resumed
+    # run ended 2 micro-batches and their tokens short); it now writes the pending group again.
+    examples = make_examples(random_lengths(16, seed=52), seed=52)
+
+    def loader() -> ResumableLoader:
+        return ResumableLoader(ListDataset(examples), batch_size=2)
+
+    whole_model = _Interrupted()
+    whole = _mid_group_trainer("rescale", None)
+    whole.fit(whole_model, loader())
+
+    first_model = _Interrupted(("callback", 1, 1), str(tmp_path))  # writes by_callback.ckpt inside a group
+    with warnings.catch_warnings():
+        _ignore_on_exception_checkpoint_notes()
+        _mid_group_trainer("rescale", tmp_path).fit(first_model, loader())
+    first = tmp_path / "by_callback.ckpt"
+    window = tmp_path / "window.ckpt"
+    stopped = _mid_group_trainer("rescale", None)
+    stopped.callbacks.append(_StopAtStart(window))
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="stopped before the first micro-batch"):
+        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint")  # Lightning's note
+        stopped.fit(_Interrupted(), loader(), ckpt_path=first)
+    written = torch.load(window, weights_only=True)
+    assert written["lightning_accum"]["open_group_microbatches"] == 2
+    assert written["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] == 2  # the loader's place
+
+    resumed_model = _Interrupted()
+    resumed = _mid_group_trainer("rescale", None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint")
+        resumed.fit(resumed_model, loader(), ckpt_path=window)
+    assert first_model.seen_tokens[: 8 + 2] + resumed_model.seen_tokens == whole_model.seen_tokens
+    assert resumed.strategy.ledger == whole.strategy.ledger
+    torch.testing.assert_close(params_vector(resumed_model), params_vector(whole_model), rtol=1e-6, atol=1e-7)

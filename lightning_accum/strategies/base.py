@@ -501,25 +501,42 @@ class ExactAccumulation(Strategy):
         """Why the replicas cannot be reached for a collective now (``None``: they can, or there is one replica)."""
         return None
 
+    def _attached_trainer(self) -> Trainer | None:
+        """The Trainer running this strategy, or ``None`` (a module connected to the strategy without a Trainer, as
+        Lightning's own strategies allow for ``save_checkpoint``)."""
+        if self._trainer_ref is not None:
+            return self._trainer_ref
+        module = self.lightning_module
+        try:
+            return module.trainer if module is not None else None
+        except RuntimeError:  # "... is not attached to a `Trainer`"
+            return None
+
     def _configuration(self) -> dict[str, Any]:
-        """What the checkpoint's groups depend on: ``A``, ``D``, the ``normalize=`` and ``partial_group=`` options."""
-        trainer = self._trainer()
-        return {
-            "accumulate": int(trainer.accumulate_grad_batches),
-            "replicas": int(self.data_parallel_replicas),
-            "normalize": self._engine.normalize,
-            "partial_group": self._engine.partial_group,
-        }
+        """What the checkpoint's groups depend on: ``A`` (where a Trainer says it), ``D``, the ``normalize=`` and
+        ``partial_group=`` options."""
+        trainer = self._attached_trainer()
+        config: dict[str, Any] = {} if trainer is None else {"accumulate": int(trainer.accumulate_grad_batches)}
+        config.update(
+            replicas=int(self.data_parallel_replicas),
+            normalize=self._engine.normalize,
+            partial_group=self._engine.partial_group,
+        )
+        return config
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None) -> None:
         failed = self._collectives_failed() if self.data_parallel_replicas > 1 else None
-        progress = self._trainer().fit_loop.epoch_loop.batch_progress.current
+        trainer = self._attached_trainer()
+        # The micro-batch whose step is running, which Lightning runs again on resume (None between micro-batches).
+        running = None
+        if trainer is not None:
+            progress = trainer.fit_loop.epoch_loop.batch_progress.current
+            running = progress.ready if progress.ready > getattr(progress, "processed", progress.ready) else None
         state = self._checkpoint.entry(
             self._engine,
             self._configuration(),
-            # The micro-batch whose step is running, which Lightning runs again on resume (None between micro-batches).
-            running=progress.ready if progress.ready > getattr(progress, "processed", progress.ready) else None,
+            running=running,
             failed=failed,
             carry=self._carry_gradients,
             parameter_names=[name for name, _ in self._group_parameters()],

@@ -57,6 +57,8 @@ class OpenGroupCheckpoint:
         self.resumed: dict[str, Any] | None = None
         #: The carried gradient by parameter name, until the first backward after the reopen adds it.
         self.carried: dict[str, Tensor] | None = None
+        #: The checkpoint's entry of that group as it was read, written again by a checkpoint taken before the reopen.
+        self._pending_entry: tuple[int, dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ writing
 
@@ -83,6 +85,11 @@ class OpenGroupCheckpoint:
         """
         state = engine.state_dict()
         state["config"] = config
+        if self.resumed is not None and self._pending_entry is not None:
+            # Written after a resume inside a group and before the first micro-batch reopened it (a signal, an
+            # exception checkpoint when the first fetch fails): nothing ran since, so the group is the one read.
+            state["open_group_microbatches"], state["open_group"] = self._pending_entry
+            return state
         open_microbatches = engine.microbatches_in_group
         state["open_group_microbatches"] = open_microbatches
         carried_before = engine.carried_microbatches
@@ -116,9 +123,9 @@ class OpenGroupCheckpoint:
         else:
             group = engine.open_group_state()
             reason = "a micro-batch's backward had not completed"
-        group.update(
-            replicas=config["replicas"], accumulate=config["accumulate"], total_microbatches=total, rerun=rerun
-        )
+        group.update(replicas=config["replicas"], total_microbatches=total, rerun=rerun)
+        if "accumulate" in config:  # known where a Trainer runs the strategy
+            group["accumulate"] = config["accumulate"]
         gradients = carry() if group["consistent"] else None
         if group["consistent"] and gradients is None:
             reason = "the strategy cannot carry this group's gradient (see its warning)"
@@ -148,6 +155,7 @@ class OpenGroupCheckpoint:
         Returns:
             The checked entry, or ``None`` when the checkpoint has none (announced).
         """
+        self._pending_entry = None
         if CHECKPOINT_KEY not in checkpoint:
             rank_zero_warn(
                 f"lightning_accum: the checkpoint {path!r} holds no {CHECKPOINT_KEY!r} entry (written by another"
@@ -160,8 +168,11 @@ class OpenGroupCheckpoint:
         state = validated_state(checkpoint[CHECKPOINT_KEY])
         written_unit = state["ledger"].get("normalization")
         engine.load_state_dict(state)
-        group = dict(state.get("open_group") or {"microbatches": 0})
+        written_group = state.get("open_group")
+        group = dict(written_group or {"microbatches": 0})
         _honour_normalize(engine, written_unit, group)
+        if written_group is not None:
+            self._pending_entry = (int(group["microbatches"]), dict(written_group))
         group["config"] = dict(state.get("config") or {})  # checked against the loop's position at the reopen
         self.resumed = group
         return state
