@@ -436,25 +436,8 @@ class AccumulationEngine:
         items = [sums.losses[0].reshape(1), *([found] if found is not None else [])]
         items += [count.reshape(1).to(torch.float64) for count in counts]
         values = torch.cat(items).tolist()  # the one host read
-        loss = values[0]
         flags = values[1 : len(values) - len(counts)]
-        read = iter(values[len(values) - len(counts) :])
-        tokens, samples = (
-            [c if not isinstance(c, Tensor) else _exact(next(read), c) for c in kind]
-            for kind in (sums.tokens, sums.samples)
-        )
-        weight = float(tokens[0] if unit == "tokens" else samples[0] if unit == "samples" else 1)
-        reduced = ReducedGroup(
-            units=weight,
-            weighted_loss=weight * loss if weight > 0 else 0.0,  # an empty micro-batch's NaN mean is left out
-            tokens=sum(tokens),
-            samples=sum(samples),
-            negative=sum(int(c) < 0 for c in (*tokens, *samples)),
-            scale_ref_times_d=weight,  # c = w
-            microbatches=1,
-            unit_code=UNIT_CODES.get(unit or "", 0.0),
-            ended=int(ends_epoch),
-        )
+        reduced = _sole_group(sums, unit, values[0], values[len(values) - len(counts) :], ends_epoch)
         nonfinite = any(flag > 0 for flag in flags)
         return self._decide(sums, reduced, accumulate, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
 
@@ -652,6 +635,30 @@ def _counts(
         samples_c = as_count("num_samples", samples, device)
     size = samples_c if type(samples_c) is int else infer_num_samples(batch)
     return tokens_c, samples_c, size
+
+
+def _sole_group(
+    sums: GroupSums, unit: str | None, loss: float, read_counts: list[float], ends_epoch: bool
+) -> ReducedGroup:
+    """A sole micro-batch's group values (as the general close forms them), from its loss and its counts reported as
+    tensors, read on the host."""
+    read = iter(read_counts)
+    tokens, samples = (
+        [c if not isinstance(c, Tensor) else _exact(next(read), c) for c in kind]
+        for kind in (sums.tokens, sums.samples)
+    )
+    weight = float(tokens[0] if unit == "tokens" else samples[0] if unit == "samples" else 1)
+    return ReducedGroup(
+        units=weight,
+        weighted_loss=weight * loss if weight > 0 else 0.0,  # an empty micro-batch's NaN mean is left out
+        tokens=sum(tokens),
+        samples=sum(samples),
+        negative=sum(int(c) < 0 for c in (*tokens, *samples)),
+        scale_ref_times_d=weight,  # c = w
+        microbatches=1,
+        unit_code=UNIT_CODES.get(unit or "", 0.0),
+        ended=int(ends_epoch),
+    )
 
 
 def _exact(value: float, count: Tensor) -> int:
