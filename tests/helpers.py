@@ -110,16 +110,20 @@ def token_weighted_grad(module: nn.Module, examples: list[dict[str, Tensor]]) ->
     return torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
 
 
-def sgd_reference(module: nn.Module, groups: list[list[dict[str, Tensor]]], lr: float = 1.0) -> Tensor:
-    """Parameters after plain float64 SGD with one token-weighted update per group of examples."""
+def sgd_reference(
+    module: nn.Module, groups: list[list[dict[str, Tensor]]], lr: float = 1.0, momentum: float = 0.0
+) -> Tensor:
+    """Parameters after float64 SGD (torch's momentum rule) with one token-weighted update per group of examples."""
     ref = copy.deepcopy(module).double()
+    velocity: Tensor | None = None
     for group in groups:
         grad = token_weighted_grad(ref, group)
+        velocity = grad if velocity is None or not momentum else momentum * velocity + grad
         with torch.no_grad():
             offset = 0
             for p in ref.parameters():
                 n = p.numel()
-                p -= lr * grad[offset : offset + n].view_as(p)
+                p -= lr * velocity[offset : offset + n].view_as(p)
                 offset += n
     return params_vector(ref)
 

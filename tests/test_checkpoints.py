@@ -639,6 +639,7 @@ def test_a_boundary_checkpoint_resumed_with_another_accumulate_is_exact(
     ckpt = _written_at(tmp_path, 2)  # after the first update (A = 3), resumed with A = 4
     assert torch.load(ckpt, weights_only=True)["lightning_accum"]["config"] == {
         "accumulate": 3,
+        "strategy": "AccumulationStrategy",
         "replicas": 1,
         "normalize": "auto",
         "partial_group": "rescale",
@@ -699,6 +700,30 @@ def _damage(state: dict[str, Any], how: str) -> None:
         del group["gradients"]["head.bias"]
     elif how == "shape":
         group["gradients"]["head.bias"] = torch.zeros(3)
+    elif how == "open group None":
+        state["lightning_accum"]["open_group"] = None
+    elif how == "open group count":
+        group["microbatches"] = 1
+    elif how == "total 0":
+        group["total_microbatches"] = 0
+    elif how == "units 0":
+        group["sums"]["units"] = 0.0
+    elif how == "negative tokens":
+        group["sums"]["tokens_lo"] = -3.0
+    elif how == "huge samples":
+        group["sums"]["samples_hi"] = 1e300
+    elif how == "negative":
+        group["sums"]["negative"] = 1.0
+    elif how == "int64":
+        group["gradients"]["head.bias"] = group["gradients"]["head.bias"].long()
+    elif how == "applied":
+        ledger = state["lightning_accum"]["ledger"]
+        ledger["updates_applied"] = ledger["updates_attempted"] + 1
+    elif how == "format":
+        state["lightning_accum"]["format"] = 3
+    elif how == "legacy":  # as written before format 2 on 2 replicas (the gradient's meaning unknown)
+        del state["lightning_accum"]["format"]
+        group.update(replicas=2, total_microbatches=4)
 
 
 @pytest.mark.parametrize(
@@ -714,6 +739,31 @@ def _damage(state: dict[str, Any], how: str) -> None:
         ("microbatches", r"`open_group.microbatches` should be an int >= 0, but it is '2'"),
         ("gradient", r"`open_group.gradients\['head.bias'\]` should be a tensor .*, but it is 'missing'"),
         ("shape", r"`open_group.gradients\['head.bias'\]` should be a tensor of shape \(11,\), but it is torch.Size"),
+        (
+            "open group None",
+            r"`open_group` should be the group open at the checkpoint \(`open_group_microbatches` is 2",
+        ),
+        (
+            "open group count",
+            r"`open_group.microbatches` should be 2 \(as `open_group_microbatches` says\), but it is 1",
+        ),
+        ("total 0", r"`open_group.total_microbatches` should be at least 2 .*, but it is 0"),
+        ("units 0", r"`open_group.sums.units` should be \d+ \(the group's tokens: .*, but it is 0.0"),
+        (
+            "negative tokens",
+            r"`open_group.sums.tokens_lo` should be a whole number in \[0, 2\*\*53\) .*, but it is -3.0",
+        ),
+        (
+            "huge samples",
+            r"`open_group.sums.samples_hi` should be a whole number in \[0, 2\*\*53\) .*, but it is 1e\+300",
+        ),
+        ("negative", r"`open_group.sums.negative` should be 0 \(a micro-batch of the open group reported a negative"),
+        ("int64", r"`open_group.gradients\['head.bias'\]` should be a floating-point tensor, but it is torch.int64"),
+        (
+            "applied",
+            r"`ledger.updates_attempted` should be at least the applied and skipped updates \(2 \+ 0\), but it is 1",
+        ),
+        ("format", r"`format` should be 2 \(a later format is written by a later version\), but it is 3"),
     ],
 )
 def test_a_damaged_entry_is_an_error_naming_the_key(tmp_path: Path, how: str, message: str) -> None:
@@ -723,6 +773,40 @@ def test_a_damaged_entry_is_an_error_naming_the_key(tmp_path: Path, how: str, me
     torch.save(state, ckpt)
     with pytest.raises(ValueError, match=r"The checkpoint's 'lightning_accum' entry is damaged: " + message):
         _resume(ckpt, "accum", 3)
+
+
+def test_an_open_group_removed_with_its_count_is_told_by_lightnings_loop_state(tmp_path: Path) -> None:
+    # The entry's own two records of the open group removed together: the loop state Lightning wrote in the same file
+    # resumes the run at micro-batch 3 of a group of 3 under the configuration it was written under. Resumed as at an
+    # update boundary before, the group's first 2 micro-batches were silently missing from its update.
+    ckpt = _written_at(tmp_path, 4)
+    state = torch.load(ckpt, weights_only=True)
+    del state["lightning_accum"]["open_group"]
+    state["lightning_accum"]["open_group_microbatches"] = 0
+    torch.save(state, ckpt)
+    with pytest.raises(ValueError, match=r"`open_group` should be the group open at the checkpoint \(Lightning's loop"):
+        _resume(ckpt, "accum", 3)
+    # Under another A the resumed run's first group is only shorter (announced), as after a boundary checkpoint.
+    trainer, _, _ = _resume(ckpt, "accum", 2)
+    assert trainer.strategy.ledger.updates_applied == 1 + 1 + 1  # (0-2 before) + the short group (5) + 6, 7
+
+
+def test_an_entry_of_unknown_meaning_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    # Before format 2, an open group written on several replicas held their gradients' sum (DDP) or their average
+    # (FSDP2) without saying which: resumed under another engine it was weighted x2 or x1/2, announced as exact.
+    ckpt = _written_at(tmp_path, 4)
+    state = torch.load(ckpt, weights_only=True)
+    _damage(state, "legacy")
+    torch.save(state, ckpt)
+    with pytest.raises(ValueError, match=r"written inside an accumulation group on 2 replicas by an earlier version"):
+        _resume(ckpt, "accum", 3)
+    # The way out the message gives: say which it was (DDP's sum) and save it again.
+    state["lightning_accum"]["format"] = 2
+    group = state["lightning_accum"]["open_group"]
+    group.update(replicas=1, total_microbatches=2)
+    torch.save(state, ckpt)
+    trainer, _, _ = _resume(ckpt, "accum", 3)
+    assert trainer.strategy.ledger.microbatches == 3 + 3 + 2
 
 
 def test_a_checkpoint_without_the_entry_is_announced_once(tmp_path: Path) -> None:
@@ -747,7 +831,12 @@ def test_save_checkpoint_without_a_trainer_writes_as_lightnings_strategies_do(tm
         written[type(strategy).__name__] = torch.load(path, weights_only=True)
     entry = written["AccumulationStrategy"]["lightning_accum"]
     assert entry["ledger"]["updates_applied"] == 0 and entry["open_group_microbatches"] == 0
-    assert entry["config"] == {"replicas": 1, "normalize": "auto", "partial_group": "rescale"}  # no Trainer: no A
+    assert entry["config"] == {  # no Trainer: no A
+        "strategy": "AccumulationStrategy",
+        "replicas": 1,
+        "normalize": "auto",
+        "partial_group": "rescale",
+    }
     state = written["AccumulationStrategy"]["state_dict"]
     assert all(torch.equal(state[k], v) for k, v in written["SingleDeviceStrategy"]["state_dict"].items())
     fresh = AccumulationStrategy()

@@ -253,7 +253,7 @@ class ExactAccumulation(Strategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._checkpoint.carried is not None:
-            self._checkpoint.install(self._group_parameters())
+            self._checkpoint.install(self._carried_part)
         if not self._automatic():
             # `manual_backward`: the tensor is back-propagated as given; if it is the one `accumulate` handed out,
             # the open group notes that its gradient now holds that micro-batch.
@@ -335,7 +335,7 @@ class ExactAccumulation(Strategy):
             return self._reevaluate(step.optimizer, step.closure, trainer.accumulate_grad_batches, *args, **kw)
         result = step.closure(*args, **kw)
         if self._checkpoint.carried is not None:  # a resumed group whose remaining micro-batches had no backward
-            self._checkpoint.install(self._group_parameters())
+            self._checkpoint.install(self._carried_part)
         if self._slicer.enabled:  # a last slice without a loss: Lightning ran no backward to put its batch back
             self._slicer.install_pending(self)
         scaler = self.gradient_scaler
@@ -491,11 +491,32 @@ class ExactAccumulation(Strategy):
         return summed_gradients(self._group_parameters(), reduce)
 
     def _reopen(self, batch_idx: int) -> None:
-        """At the first micro-batch of a resumed run: reopen the group the checkpoint carries (one replica holds its
-        counters and gradient; the close's all-reduce and DDP's average add them to the others')."""
+        """At the first micro-batch of a resumed run: reopen the group the checkpoint carries."""
         self._checkpoint.reopen(
-            self._engine, self._configuration(), batch_idx, self.is_global_zero, self._group_parameters()
+            self._engine, self._configuration(), batch_idx, self._holds_group_sums(), self._group_parameters()
         )
+
+    def _holds_group_sums(self) -> bool:
+        """Whether this rank adds a carried group's counters (one rank per data-parallel group: the close's all-reduce
+        adds them to the others')."""
+        return bool(self.is_global_zero)
+
+    def _carried_part(self, parameter: Tensor, carried: Tensor) -> Tensor | None:
+        """What this rank adds to ``parameter``'s gradient of a carried group's gradient (the replicas' sum): all of it
+        on the rank holding the group's sums, nothing elsewhere; DDP's average at the group's last backward and the
+        close's ``c · D / W`` then treat it as any replica's part."""
+        if not self._holds_group_sums():
+            return None
+        return carried.to(device=parameter.device, dtype=parameter.dtype, copy=True)
+
+    def _distributed_reader(self, path: _Path) -> Callable[[list[str]], dict[str, Tensor]] | None:
+        """Reads a carried gradient from a distributed checkpoint's shards at ``path`` (``None``: this strategy reads
+        single files only)."""
+        return None
+
+    def _write_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None) -> None:
+        """Write ``checkpoint`` (with the package's entry) as the Lightning strategy underneath writes it."""
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _collectives_failed(self) -> str | None:
         """Why the replicas cannot be reached for a collective now (``None``: they can, or there is one replica)."""
@@ -518,6 +539,7 @@ class ExactAccumulation(Strategy):
         trainer = self._attached_trainer()
         config: dict[str, Any] = {} if trainer is None else {"accumulate": int(trainer.accumulate_grad_batches)}
         config.update(
+            strategy=type(self).__name__,
             replicas=int(self.data_parallel_replicas),
             normalize=self._engine.normalize,
             partial_group=self._engine.partial_group,
@@ -549,7 +571,7 @@ class ExactAccumulation(Strategy):
             rank = int(getattr(self, "global_rank", 0))
             save_without_peers(self.checkpoint_io, checkpoint, filepath, rank, storage_options)
             return
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        self._write_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -559,7 +581,9 @@ class ExactAccumulation(Strategy):
             if weights_only is None
             else super().load_checkpoint(checkpoint_path, weights_only)
         )
-        state = self._checkpoint.load(self._engine, checkpoint, str(checkpoint_path))
+        state = self._checkpoint.load(
+            self._engine, checkpoint, str(checkpoint_path), self._distributed_reader(checkpoint_path)
+        )
         if state is not None and self._slicer.enabled and state.get("slicing") is not None:
             # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.
             rank = int(getattr(self, "global_rank", 0))

@@ -3,7 +3,19 @@
 A checkpoint written through an accumulation strategy holds, under the key :data:`CHECKPOINT_KEY`, the engine's state
 (the ledger, ``M``), the configuration the run's groups depend on (``A``, ``D``, ``normalize``, ``partial_group``),
 and, when written inside a group, that group (``open_group``): its counters summed over the replicas and its
-accumulated gradient, so that a run resumed from it closes the group exactly, also under another ``A`` or ``D``.
+accumulated gradient, so that a run resumed from it closes the group exactly, also under another ``A``, ``D`` or
+strategy.
+
+The carried gradient has one meaning whatever strategy wrote it (entry ``format`` 2): the sum over the writing run's
+data-parallel replicas of ``Σ (w / c) · ∇loss`` over the group's micro-batches so far, where ``w`` is a micro-batch's
+weight in the run's unit and ``c`` is ``open_group.scale_ref``; full-size, in the parameters' dtype. DDP and one device
+hold that sum (DDP's gradient of a group's non-final micro-batches is each replica's own, summed when writing); FSDP2
+holds the replicas' average after each reduce-scatter and writes it multiplied by ``D``. On resume each strategy puts
+the sum back in its own terms: one replica adds it (DDP's average at the group's last backward and the close's
+``c · D / W`` then see it like any replica's part); under FSDP2 every rank adds its shard of it divided by the new
+``D``. A sharded (distributed-checkpoint) folder holds the gradient shard by shard under :data:`DISTRIBUTED_KEY`,
+never gathered whole. Entries written before format 2 by a run of several replicas do not say which they hold, and
+are refused when they carry a gradient.
 What cannot be carried (a backward in progress, replicas that cannot be reached) is said when writing and when
 resuming. The entry is checked before anything is installed: a damaged one is an error naming the key, a missing one
 is announced. See ``docs/reliability.md``.
@@ -30,13 +42,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_accum.engine import AccumulationEngine
-from lightning_accum.group import CARRIED, UNIT_CODES, group_position
+from lightning_accum.group import CARRIED, COUNT_SPLIT, UNIT_CODES, group_position
 from lightning_accum.ledger import COUNTERS
 
 __all__ = [
     "CHECKPOINT_KEY",
+    "DISTRIBUTED_KEY",
+    "FORMAT",
     "OpenGroupCheckpoint",
     "checked_gradients",
+    "malformed",
     "own_slicing",
     "save_without_peers",
     "slicing_state",
@@ -45,6 +60,11 @@ __all__ = [
 
 #: Key of the strategy's state in checkpoints written through the strategy.
 CHECKPOINT_KEY = "lightning_accum"
+#: The entry's format: 2 since the carried gradient is the replicas' sum whatever the strategy (see the module).
+FORMAT = 2
+#: Key, in a distributed checkpoint's sharded state, of the open group's gradient (name -> shard); the entry then
+#: says ``open_group.gradients_stored == "distributed"`` and lists ``open_group.gradient_names``.
+DISTRIBUTED_KEY = "lightning_accum_open_group"
 
 NamedParameters = list[tuple[str, Tensor]]
 
@@ -57,8 +77,9 @@ class OpenGroupCheckpoint:
         self.resumed: dict[str, Any] | None = None
         #: The carried gradient by parameter name, until the first backward after the reopen adds it.
         self.carried: dict[str, Tensor] | None = None
+        self._targets: NamedParameters = []  # the parameters `carried` is added to
         #: The checkpoint's entry of that group as it was read, written again by a checkpoint taken before the reopen.
-        self._pending_entry: tuple[int, dict[str, Any]] | None = None
+        self._pending_entry: tuple[int, dict[str, Any] | None, dict[str, Any] | None] | None = None
 
     # ------------------------------------------------------------------ writing
 
@@ -84,11 +105,15 @@ class OpenGroupCheckpoint:
             parameter_names: The optimized parameters' names (those without a carried gradient are listed).
         """
         state = engine.state_dict()
+        state["format"] = FORMAT
         state["config"] = config
         if self.resumed is not None and self._pending_entry is not None:
-            # Written after a resume inside a group and before the first micro-batch reopened it (a signal, an
-            # exception checkpoint when the first fetch fails): nothing ran since, so the group is the one read.
-            state["open_group_microbatches"], state["open_group"] = self._pending_entry
+            # Written after a resume and before the first micro-batch reopened the checkpoint's group (a signal, an
+            # exception checkpoint when the first fetch fails): nothing ran since, so the group, and the configuration
+            # it was formed under, are the ones read.
+            state["open_group_microbatches"], group, written_config = self._pending_entry
+            state["open_group"] = group
+            state["config"] = written_config or config
             return state
         open_microbatches = engine.microbatches_in_group
         state["open_group_microbatches"] = open_microbatches
@@ -149,8 +174,21 @@ class OpenGroupCheckpoint:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, engine: AccumulationEngine, checkpoint: Mapping[str, Any], path: str) -> dict[str, Any] | None:
+    def load(
+        self,
+        engine: AccumulationEngine,
+        checkpoint: Mapping[str, Any],
+        path: str,
+        read_distributed: Callable[[list[str]], dict[str, Tensor]] | None = None,
+    ) -> dict[str, Any] | None:
         """Restore the engine from ``checkpoint``'s entry, checked first; keep its open group for :meth:`reopen`.
+
+        Args:
+            engine: The run's engine.
+            checkpoint: The loaded checkpoint (a distributed checkpoint's metadata file, for a folder).
+            path: Where it was read from (named in messages).
+            read_distributed: Reads the open group's gradient of the given parameters from a distributed checkpoint's
+                shards (strategies that read such folders); ``None`` elsewhere.
 
         Returns:
             The checked entry, or ``None`` when the checkpoint has none (announced).
@@ -166,14 +204,21 @@ class OpenGroupCheckpoint:
             self.resumed = {"microbatches": 0, "unknown": True}
             return None
         state = validated_state(checkpoint[CHECKPOINT_KEY])
+        written_group = state.get("open_group")
+        if written_group is not None:
+            written_group = dict(written_group)
+            _refuse_unknown_meaning(state, written_group, path)
+            if written_group.get("gradients_stored") == "distributed":
+                written_group["gradients"] = _distributed_gradients(checkpoint, written_group, path, read_distributed)
+                _validate_gradients(written_group)
+            state["open_group"] = written_group
         written_unit = state["ledger"].get("normalization")
         engine.load_state_dict(state)
-        written_group = state.get("open_group")
         group = dict(written_group or {"microbatches": 0})
         _honour_normalize(engine, written_unit, group)
-        if written_group is not None:
-            self._pending_entry = (int(group["microbatches"]), dict(written_group))
-        group["config"] = dict(state.get("config") or {})  # checked against the loop's position at the reopen
+        config = dict(state.get("config") or {})
+        self._pending_entry = (int(group["microbatches"]), written_group, config)
+        group["config"] = config  # checked against the loop's position at the reopen
         self.resumed = group
         return state
 
@@ -227,12 +272,14 @@ class OpenGroupCheckpoint:
             return
         if total == 0:
             if position:
+                _refuse_a_lost_group(group.get("config") or {}, config, position)
                 engine.note_missing_microbatches(position)  # a shorter first group after a change of A
             return
         if "gradients" in group:
             gradients = checked_gradients(group, parameters)
             engine.resume_open_group(group, holds_sums=holds_sums, position=position, total=total)
-            self.carried = gradients if holds_sums else {}
+            self.carried = gradients  # each strategy's `part` says what of it each rank adds (see `install`)
+            self._targets = list(parameters)
             rank_zero_info(
                 f"lightning_accum: resumed inside an accumulation group; its first {total} micro-batch(es) (over all"
                 " replicas) come from the checkpoint (gradient and counters), so the group closes exactly."
@@ -252,18 +299,25 @@ class OpenGroupCheckpoint:
             " resume exactly."
         )
 
-    def install(self, parameters: NamedParameters) -> None:
-        """Add the carried gradient to the parameters' gradients (right before the first backward after the
-        reopen, or before the close when the group's remaining micro-batches had no backward)."""
+    def install(self, part: Callable[[Tensor, Tensor], Tensor | None]) -> None:
+        """Add the carried gradient to the gradients of the parameters it was checked against at the reopen (right
+        before the first backward after it, or before the close when the group's remaining micro-batches had no
+        backward). Those are the optimized parameters themselves: FSDP2 registers other, unsharded tensors on the
+        module between a forward and its backward.
+
+        Args:
+            part: The strategy's share of this rank, given a parameter and its carried gradient (the replicas' sum):
+                the tensor to add to the parameter's gradient, or ``None`` for nothing.
+        """
         gradients, self.carried = self.carried, None
+        parameters, self._targets = self._targets, []
         if not gradients:
             return
         for name, p in parameters:
             saved = gradients.get(name)
-            if saved is None:
-                continue
-            saved = saved.to(device=p.device, dtype=p.dtype, copy=True)
-            p.grad = saved if p.grad is None else p.grad.add_(saved)
+            share = part(p, saved) if saved is not None else None
+            if share is not None:
+                p.grad = share if p.grad is None else p.grad.add_(share)
 
 
 def slicing_state(mine: dict[str, Any], world: int, gather: bool) -> dict[str, Any]:
@@ -295,11 +349,12 @@ def _announce_changes(written: Mapping[str, Any], now: Mapping[str, Any], positi
     changes = [
         f"{label} {written[key]!r} -> {now[key]!r}"
         for key, label in (
+            ("strategy", "strategy"),
             ("accumulate", "accumulate_grad_batches"),
             ("replicas", "data-parallel replicas"),
             ("partial_group", "partial_group"),
         )
-        if key in written and written[key] != now[key]
+        if key in written and key in now and written[key] != now[key]
     ]
     if not changes:
         return
@@ -339,9 +394,10 @@ def _honour_normalize(engine: AccumulationEngine, written_unit: str | None, grou
 # ---------------------------------------------------------------------- the entry, checked
 
 _UNITS = tuple(UNIT_CODES)  # the units a run can be weighted by
+_LARGEST_COUNT = 2**53  # counts are exact below it in the float64 sums
 
 
-def _malformed(key: str, expected: str, found: Any) -> ValueError:
+def malformed(key: str, expected: str, found: Any) -> ValueError:
     shown = repr(found)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     return ValueError(
@@ -352,7 +408,7 @@ def _malformed(key: str, expected: str, found: Any) -> ValueError:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 def _is_number(value: Any) -> bool:
@@ -361,81 +417,201 @@ def _is_number(value: Any) -> bool:
 
 def _check(state: Mapping[str, Any], key: str, prefix: str, test: Callable[[Any], bool], expected: str) -> None:
     if key in state and not test(state[key]):
-        raise _malformed(prefix + key, expected, state[key])
+        raise malformed(prefix + key, expected, state[key])
 
 
 def validated_state(state: Any) -> dict[str, Any]:
     """The package's checkpoint entry after checking every field it reads: a ``ValueError`` naming the key, the
     expected form and what was found, never a silent change."""
     if not isinstance(state, Mapping):
-        raise _malformed(CHECKPOINT_KEY, "a dict", state)
+        raise malformed(CHECKPOINT_KEY, "a dict", state)
     ledger = state.get("ledger")
     if not isinstance(ledger, Mapping):
-        raise _malformed("ledger", "a dict of the ledger's counters", ledger)
+        raise malformed("ledger", "a dict of the ledger's counters", ledger)
     for name in COUNTERS:
         _check(ledger, name, "ledger.", _is_count, "an int >= 0")
     skipped = ledger.get("updates_skipped", {})
     if not isinstance(skipped, Mapping) or not all(isinstance(k, str) and _is_count(v) for k, v in skipped.items()):
-        raise _malformed("ledger.updates_skipped", "a dict of reason -> int >= 0", skipped)
+        raise malformed("ledger.updates_skipped", "a dict of reason -> int >= 0", skipped)
+    attempted, applied = ledger.get("updates_attempted", 0), ledger.get("updates_applied", 0)
+    if applied + sum(skipped.values()) > attempted:
+        raise malformed(
+            "ledger.updates_attempted",
+            f"at least the applied and skipped updates ({applied} + {sum(skipped.values())})",
+            attempted,
+        )
     _check(ledger, "normalization", "ledger.", lambda u: u is None or u in _UNITS, f"None or one of {_UNITS}")
     last = ledger.get("last_group")
     if last is not None:
         fields = {"loss", "tokens", "samples", "microbatches", "applied"}
         if not isinstance(last, Mapping) or not fields <= set(last):
-            raise _malformed("ledger.last_group", f"None or a dict with {sorted(fields)}", last)
+            raise malformed("ledger.last_group", f"None or a dict with {sorted(fields)}", last)
     _check(state, "scale_ref", "", lambda v: v is None or (_is_number(v) and v > 0), "None or a number > 0")
     _check(state, "consecutive_skips", "", _is_count, "an int >= 0")
     _check(state, "open_group_microbatches", "", _is_count, "an int >= 0")
     config = state.get("config")
     if config is not None:
         if not isinstance(config, Mapping):
-            raise _malformed("config", "a dict", config)
+            raise malformed("config", "a dict", config)
+        _check(config, "strategy", "config.", lambda v: isinstance(v, str), "the name of the strategy's class")
         _check(config, "accumulate", "config.", lambda v: _is_count(v) and v > 0, "an int >= 1")
         _check(config, "replicas", "config.", lambda v: _is_count(v) and v > 0, "an int >= 1")
         _check(config, "normalize", "config.", lambda v: v in ("auto", *_UNITS), f"one of {('auto', *_UNITS)}")
         _check(config, "partial_group", "config.", lambda v: v in ("rescale", "drop"), "'rescale' or 'drop'")
+    _check(state, "format", "", lambda v: v == FORMAT, f"{FORMAT} (a later format is written by a later version)")
+    if (
+        _is_count(state.get("open_group_microbatches"))
+        and state["open_group_microbatches"]
+        and not state.get("open_group")
+    ):
+        raise malformed(
+            "open_group",
+            f"the group open at the checkpoint (`open_group_microbatches` is {state['open_group_microbatches']})",
+            state.get("open_group", "missing"),
+        )
     group = state.get("open_group")
     if group is not None:
-        _validate_group(group)
+        _validate_group(group, state)
     slicing = state.get("slicing")
     if slicing is not None:
         if not isinstance(slicing, Mapping):
-            raise _malformed("slicing", "a dict", slicing)
+            raise malformed("slicing", "a dict", slicing)
         _check(slicing, "size", "slicing.", lambda v: v is None or (_is_count(v) and v > 0), "None or an int >= 1")
         sizes = slicing.get("slice_sizes", {})
         if not isinstance(sizes, Mapping) or not all(_is_count(v) for v in sizes.values()):
-            raise _malformed("slicing.slice_sizes", "a dict of size -> int >= 0", sizes)
+            raise malformed("slicing.slice_sizes", "a dict of size -> int >= 0", sizes)
         _check(slicing, "retries", "slicing.", lambda v: isinstance(v, list), "a list")
         _check(slicing, "per_rank", "slicing.", lambda v: isinstance(v, list), "a list of each rank's record")
     return dict(state)
 
 
-def _validate_group(group: Any) -> None:
+def _validate_group(group: Any, state: Mapping[str, Any]) -> None:
     if not isinstance(group, Mapping):
-        raise _malformed("open_group", "None or a dict", group)
-    if not _is_count(group.get("microbatches")):
-        raise _malformed("open_group.microbatches", "an int >= 0", group.get("microbatches"))
+        raise malformed("open_group", "None or a dict", group)
+    microbatches = group.get("microbatches")
+    if not isinstance(microbatches, int) or not _is_count(microbatches):
+        raise malformed("open_group.microbatches", "an int >= 0", microbatches)
+    written = state.get("open_group_microbatches")
+    if _is_count(written) and written != microbatches:
+        raise malformed("open_group.microbatches", f"{written} (as `open_group_microbatches` says)", microbatches)
     for key in ("replicas", "accumulate"):
         _check(group, key, "open_group.", lambda v: _is_count(v) and v > 0, "an int >= 1")
     _check(group, "total_microbatches", "open_group.", _is_count, "an int >= 0")
     _check(group, "scale_ref", "open_group.", lambda v: v is None or (_is_number(v) and v > 0), "None or a number > 0")
-    if "gradients" not in group:
+    stored = group.get("gradients_stored", "inline")
+    if stored not in ("inline", "distributed"):
+        raise malformed("open_group.gradients_stored", "'inline' or 'distributed'", stored)
+    if stored == "distributed":
+        names = group.get("gradient_names")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise malformed("open_group.gradient_names", "a list of parameter names", names)
+    elif "gradients" not in group:
         return
-    sums = group.get("sums")
-    names = [slot.name.lower() for slot in CARRIED]
-    if not isinstance(sums, Mapping) or set(sums) != set(names) or not all(_is_number(v) for v in sums.values()):
-        raise _malformed("open_group.sums", f"a dict of finite numbers with keys {names}", sums)
-    gradients = group["gradients"]
-    if not isinstance(gradients, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, Tensor) for k, v in gradients.items()
-    ):
-        raise _malformed("open_group.gradients", "a dict of parameter name -> tensor", gradients)
+    else:
+        _validate_gradients(group)
     _check(
         group,
         "no_gradient",
         "open_group.",
         lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
         "a list of parameter names",
+    )
+    # A carried group: its counters must be ones a run can write.
+    replicas = int(group.get("replicas", 1))
+    total = group.get("total_microbatches", microbatches * replicas)
+    if total < max(1, microbatches * replicas):
+        raise malformed(
+            "open_group.total_microbatches",
+            f"at least {max(1, microbatches * replicas)} (the group carries a gradient of {microbatches}"
+            f" micro-batch(es) on each of {replicas} replica(s))",
+            total,
+        )
+    sums = group.get("sums")
+    names = [slot.name.lower() for slot in CARRIED]
+    if not isinstance(sums, Mapping) or set(sums) != set(names) or not all(_is_number(v) for v in sums.values()):
+        raise malformed("open_group.sums", f"a dict of finite numbers with keys {names}", sums)
+    for name in names:
+        if name != "weighted_loss" and not (float(sums[name]).is_integer() and 0 <= sums[name] < _LARGEST_COUNT):
+            raise malformed(f"open_group.sums.{name}", "a whole number in [0, 2**53) (a count)", sums[name])
+    for name in ("tokens_lo", "samples_lo"):
+        if sums[name] >= COUNT_SPLIT:
+            raise malformed(f"open_group.sums.{name}", f"below {COUNT_SPLIT} (the low part of a count)", sums[name])
+    if sums["negative"]:
+        raise malformed(
+            "open_group.sums.negative",
+            "0 (a micro-batch of the open group reported a negative count before the checkpoint; such a group stops at"
+            " its close and cannot be resumed)",
+            sums["negative"],
+        )
+    unit = state["ledger"].get("normalization")
+    if unit in ("tokens", "samples"):
+        count = sums[f"{unit}_hi"] * COUNT_SPLIT + sums[f"{unit}_lo"]
+        if sums["units"] != count:
+            raise malformed(
+                "open_group.sums.units",
+                f"{count:g} (the group's {unit}: the run weighs micro-batches by them)",
+                sums["units"],
+            )
+
+
+def _validate_gradients(group: Mapping[str, Any]) -> None:
+    gradients = group.get("gradients")
+    if not isinstance(gradients, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in gradients.items()
+    ):
+        raise malformed("open_group.gradients", "a dict of parameter name -> tensor", gradients)
+    for name, gradient in gradients.items():
+        if not gradient.is_floating_point():
+            raise malformed(f"open_group.gradients[{name!r}]", "a floating-point tensor", gradient.dtype)
+
+
+def _refuse_unknown_meaning(state: Mapping[str, Any], group: Mapping[str, Any], path: str) -> None:
+    """An entry written before format 2 inside a group of several replicas carries either their gradients' sum
+    (DDP) or their average (FSDP2), without saying which: refused, with what to do."""
+    carries = "gradients" in group or group.get("gradients_stored") == "distributed"
+    replicas = int(group.get("replicas", 1))
+    if "format" in state or not carries or replicas == 1:
+        return
+    raise ValueError(
+        f"The checkpoint {path!r} was written inside an accumulation group on {replicas} replicas by an earlier"
+        f" version of lightning_accum, whose entry does not say whether the carried gradient is the replicas' sum"
+        f" (strategy 'accum_ddp') or their average ('accum_fsdp'): `{CHECKPOINT_KEY}.format` is missing. Resume from a"
+        " checkpoint written at an update boundary; or, knowing the strategy that wrote it, set"
+        f" `checkpoint[{CHECKPOINT_KEY!r}]['format'] = {FORMAT}` (after multiplying each tensor of"
+        f" `open_group.gradients` by {replicas} if it was 'accum_fsdp' or 'accum_model_parallel') and save it again."
+    )
+
+
+def _distributed_gradients(
+    checkpoint: Mapping[str, Any],
+    group: Mapping[str, Any],
+    path: str,
+    read: Callable[[list[str]], dict[str, Tensor]] | None,
+) -> dict[str, Tensor]:
+    """The open group's gradient stored in a distributed checkpoint's shards (or in one file it was consolidated into,
+    which holds it under :data:`DISTRIBUTED_KEY`)."""
+    if DISTRIBUTED_KEY in checkpoint:
+        return dict(checkpoint[DISTRIBUTED_KEY])
+    if read is None:
+        raise ValueError(
+            f"The checkpoint {path!r} was written inside an accumulation group by a sharded strategy: the group's"
+            f" gradient is stored shard by shard in its distributed checkpoint (under {DISTRIBUTED_KEY!r}), which this"
+            " strategy does not read. Resume it with strategy='accum_fsdp' or 'accum_model_parallel' (on any number"
+            " of devices), or resume from a checkpoint written at an update boundary."
+        )
+    return read(list(group["gradient_names"]))
+
+
+def _refuse_a_lost_group(written: Mapping[str, Any], now: Mapping[str, Any], position: int) -> None:
+    """The entry says no group was open, yet Lightning's loop state resumes inside one under the configuration the
+    checkpoint was written under: the group's first micro-batches would be silently missing from its update."""
+    if any(key not in written or written[key] != now[key] for key in ("accumulate", "replicas")):
+        return  # another A or D: the resumed run's first group is shorter (announced), nothing is lost
+    raise malformed(
+        "open_group",
+        f"the group open at the checkpoint (Lightning's loop state in the same checkpoint resumes the run at"
+        f" micro-batch {position + 1} of a group of {now['accumulate']}, the configuration it was written under)",
+        None,
     )
 
 
@@ -448,20 +624,29 @@ def own_slicing(state: Mapping[str, Any], rank: int) -> Mapping[str, Any]:
 
 
 def checked_gradients(group: Mapping[str, Any], parameters: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
-    """The carried gradient, checked against the parameters it is added to (names, shapes, completeness)."""
+    """The carried gradient, checked against the parameters it is added to (names, shapes, completeness; a group of
+    no weight carries no gradient)."""
     gradients: dict[str, Tensor] = dict(group["gradients"])
+    if not group["sums"]["units"]:
+        for name, gradient in gradients.items():
+            if bool(gradient.ne(0).any()):
+                raise malformed(
+                    f"open_group.gradients[{name!r}]",
+                    "zero (`open_group.sums.units` is 0: no micro-batch of the group had a weight)",
+                    "a tensor with non-zero values",
+                )
     shapes = {name: tuple(p.shape) for name, p in parameters}
     for name, gradient in gradients.items():
         if name not in shapes:
-            raise _malformed(
+            raise malformed(
                 f"open_group.gradients[{name!r}]", f"the gradient of one of the parameters {sorted(shapes)}", name
             )
         if tuple(gradient.shape) != shapes[name]:
-            raise _malformed(f"open_group.gradients[{name!r}]", f"a tensor of shape {shapes[name]}", gradient.shape)
+            raise malformed(f"open_group.gradients[{name!r}]", f"a tensor of shape {shapes[name]}", gradient.shape)
     known = set(gradients) | set(group.get("no_gradient", []))  # every parameter is carried or listed as unused
     for name in shapes:
         if name not in known:
-            raise _malformed(
+            raise malformed(
                 f"open_group.gradients[{name!r}]",
                 "a tensor (the parameter is neither carried nor listed in `open_group.no_gradient`)",
                 "missing",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
@@ -148,10 +150,17 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
             return None
         # Inside Lightning's `on_exception` (OnExceptionCheckpoint): the exception being handled says whether the
         # replicas can still be reached. No collective is tried to find out (it would wait for a dead peer).
-        failure = _collective_failure(sys.exc_info()[1])
+        failure = _collective_failure(sys.exc_info()[1], self._failed_in_synchronising_batch())
         if failure is not None:
             self._peers_lost = failure
         return failure
+
+    def _failed_in_synchronising_batch(self) -> bool:
+        """Whether the micro-batch that was running when training failed synchronises gradients in its backward (by
+        Lightning's grouping: DDP's own flag is reset when Lightning's ``no_sync`` exits on the exception)."""
+        if self._trainer_ref is None or self.data_parallel_replicas == 1:
+            return False
+        return ExactAccumulation._synchronises(self)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -162,7 +171,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        failure = _collective_failure(exception)
+        failure = _collective_failure(exception, self._failed_in_synchronising_batch())
         if failure is None:
             return
         self._peers_lost = failure
@@ -246,30 +255,43 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
             )
 
 
-#: Words of the errors a failed collective raises (gloo, NCCL, the c10d store), for the exception's chain.
-_COLLECTIVE_FAILURES = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "timed out",
-    "timeout",
-    "broken pipe",
-    "nccl",
-    "gloo",
-    "processgroup",
-)
+#: Where a failed collective raises a plain ``RuntimeError`` (gloo's "Connection closed by peer" is one, not a
+#: ``DistError``): torch.distributed's collectives and DDP's wrapper (its buffer broadcast before a forward).
+_COLLECTIVE_SOURCES = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}nn{os.sep}parallel{os.sep}distributed.py")
+#: The autograd engine: DDP's gradient all-reduce runs in hooks of a synchronising backward and fails there.
+_BACKWARD_SOURCE = f"torch{os.sep}autograd{os.sep}"
 
 
-def _collective_failure(exception: BaseException | None) -> str | None:
-    """A short description when ``exception`` (or one it was raised from) is a failed collective, else ``None``."""
+def _collective_failure(exception: BaseException | None, synchronising: bool = False) -> str | None:
+    """A short description when ``exception`` (or one it was raised from) is a failed collective, else ``None``.
+
+    Recognised by its type, a ``torch.distributed.DistError`` (backend, network and store errors), or, for the plain
+    ``RuntimeError`` gloo raises, by where it was raised: inside torch.distributed or DDP's wrapper, or inside the
+    autograd engine during a backward that synchronises gradients over the replicas (``synchronising``). Its text is
+    never read: an HTTP timeout or a ``ValueError`` naming a backend raised by the user's code is not a lost peer.
+    An autograd error of the synchronising backward itself (an in-place modification) would be taken for one: the
+    checkpoint then leaves out the open group and says so, nothing waits and nothing is trained wrongly.
+    """
     seen = 0
     while exception is not None and seen < 8:
-        text = str(exception)
-        if isinstance(exception, torch.distributed.DistError) or any(w in text.lower() for w in _COLLECTIVE_FAILURES):
-            first = text.strip().splitlines()[0] if text.strip() else type(exception).__name__
+        if isinstance(exception, torch.distributed.DistError) or (
+            type(exception) is RuntimeError and _raised_in_collective(exception, synchronising)
+        ):
+            text = str(exception).strip()
+            first = text.splitlines()[0] if text else type(exception).__name__
             return f"{type(exception).__name__}: {first[:200]}"
         exception = exception.__cause__ or exception.__context__
         seen += 1
     return None
+
+
+def _raised_in_collective(exception: BaseException, synchronising: bool) -> bool:
+    """Whether the innermost frame of ``exception``'s traceback (where it was raised) is a collective's."""
+    frames = traceback.extract_tb(exception.__traceback__)
+    if not frames:
+        return False
+    where = frames[-1].filename
+    return any(source in where for source in _COLLECTIVE_SOURCES) or (synchronising and _BACKWARD_SOURCE in where)
 
 
 def _iterable_training_data(trainer: Trainer) -> bool:

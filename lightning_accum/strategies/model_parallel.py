@@ -20,22 +20,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from typing_extensions import override
 
 from lightning_accum.engine import Replicas
-from lightning_accum.group import group_position
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.strategies.base import ExactAccumulation
+from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, DISTRIBUTED_KEY, malformed
 from lightning_accum.strategies.closing import GroupClosing
 
 __all__ = ["GRADIENT_SYNC_MODES", "ModelParallelAccumulationStrategy"]
@@ -289,43 +290,113 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
                 " (ModelCheckpoint's default), for an exact resume."
             )
             return None
-        # Every micro-batch was reduce-scattered: each rank's shard holds its part of the data-parallel average so far.
-        # Gathered whole (a collective per parameter, the same order on every rank), as a full checkpoint holds it.
+        # Every micro-batch was reduce-scattered: each rank's shard holds its part of the replicas' average so far.
+        # The checkpoint carries their sum (the one meaning of a carried gradient): the average times D. A distributed
+        # checkpoint writes it shard by shard (`_write_checkpoint`); one file holds it whole, gathered for rank zero.
+        replicas = self.data_parallel_replicas
+        sharded = bool(self._save_distributed_checkpoint)
+        keep = self.global_rank == 0
         gradients: dict[str, Tensor] = {}
         for name, p in self._group_parameters():
             if p.grad is None:
                 continue
-            full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            gradients[name] = full.detach().to("cpu", copy=True)
+            if sharded:
+                gradients[name] = p.grad.detach() * replicas
+                continue
+            full = (
+                p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            )  # a collective, in every rank's order
+            if keep:
+                gradients[name] = (full.detach() * replicas).to("cpu")
         return gradients
 
     @override
-    def _reopen(self, batch_idx: int) -> None:
-        group = self._checkpoint.resumed
-        assert group is not None
-        carried = int(group["microbatches"])
-        position = group_position(batch_idx, self._trainer().accumulate_grad_batches)
-        if not (carried and position == carried and "gradients" in group):
-            super()._reopen(batch_idx)
+    def _write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None) -> None:
+        group = checkpoint.get(CHECKPOINT_KEY, {}).get("open_group")
+        gradients = group.get("gradients") if isinstance(group, dict) else None
+        if gradients is None:
+            super()._write_checkpoint(checkpoint, filepath, storage_options)
             return
-        self._checkpoint.resumed = None
-        # One rank per data-parallel group carries the counters (the close sums them over that group); every rank
-        # takes back its own shard of the averaged gradient, to which the remaining backwards add.
-        self._engine.resume_open_group(group, holds_sums=self.device_mesh["data_parallel"].get_local_rank() == 0)
-        saved: dict[str, Tensor] = group["gradients"]
-        for name, p in self._group_parameters():
-            full = saved.get(name)
-            if full is None:
-                p.grad = None
-            elif isinstance(p, DTensor):
-                local = full.to(device=p.device, dtype=p.dtype)
-                p.grad = distribute_tensor(local, p.device_mesh, p.placements, src_data_rank=None)
-            else:
-                p.grad = full.to(device=p.device, dtype=p.dtype, copy=True)
-        rank_zero_info(
-            f"lightning_accum: resumed inside an accumulation group; its first {carried} micro-batch(es) come from the"
-            " checkpoint (sharded gradient and counters), so the group closes exactly."
-        )
+        parameters = dict(self._group_parameters())
+        group = dict(group)
+        checkpoint[CHECKPOINT_KEY] = {**checkpoint[CHECKPOINT_KEY], "open_group": group}
+        if not self._save_distributed_checkpoint:
+            # Whole tensors in one file (a group read from a distributed checkpoint and not yet reopened is gathered).
+            group["gradients"] = {
+                name: (g.full_tensor() if isinstance(g, DTensor) else g).to("cpu") for name, g in gradients.items()
+            }
+            super()._write_checkpoint(checkpoint, filepath, storage_options)
+            return
+        shards = {name: _as_shard(g, parameters.get(name)) for name, g in gradients.items()}
+        del group["gradients"]
+        group.update(gradients_stored="distributed", gradient_names=sorted(shards))
+        self._save_distributed(checkpoint, filepath, storage_options, shards)
+
+    def _save_distributed(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None, shards: dict[str, Tensor]
+    ) -> None:
+        """Lightning's distributed save (``ModelParallelStrategy.save_checkpoint`` with
+        ``save_distributed_checkpoint=True``), with the open group's gradient as one more entry of the sharded state:
+        each rank writes its own shards, nothing is gathered."""
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from torch.distributed.checkpoint import save
+
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
+                f" `{type(self).__name__}` does not use the `CheckpointIO`."
+            )
+        path = Path(self.broadcast(filepath))
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        state[DISTRIBUTED_KEY] = shards
+        save(state, checkpoint_id=path)
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / _METADATA_FILENAME)
+
+    @override
+    def _distributed_reader(self, path: Any) -> Callable[[list[str]], dict[str, Tensor]] | None:
+        folder = Path(path)
+        if not folder.is_dir():
+            return None
+
+        def read(names: list[str]) -> dict[str, Tensor]:
+            # Each rank reads its own shards, in the layout of this run (another D or mesh than the writer's too).
+            from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
+
+            stored = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+            parameters = dict(self._group_parameters())
+            templates: dict[str, Tensor] = {}
+            for name in names:
+                key = f"open_group.gradients[{name!r}]"
+                p = parameters.get(name)
+                if p is None:
+                    raise malformed(key, f"the gradient of one of the parameters {sorted(parameters)}", name)
+                meta = stored.get(f"{DISTRIBUTED_KEY}.{name}")
+                if not isinstance(meta, TensorStorageMetadata):
+                    raise malformed(key, f"a tensor in the distributed checkpoint under {DISTRIBUTED_KEY!r}", "missing")
+                if tuple(meta.size) != tuple(p.shape):
+                    raise malformed(key, f"a tensor of shape {tuple(p.shape)}", meta.size)
+                if not meta.properties.dtype.is_floating_point:
+                    raise malformed(key, "a floating-point tensor", meta.properties.dtype)
+                templates[name] = torch.zeros_like(p, dtype=meta.properties.dtype)
+            load({DISTRIBUTED_KEY: templates}, checkpoint_id=str(folder))
+            return templates
+
+        return read
+
+    @override
+    def _holds_group_sums(self) -> bool:
+        return bool(self.device_mesh["data_parallel"].get_local_rank() == 0)
+
+    @override
+    def _carried_part(self, parameter: Tensor, carried: Tensor) -> Tensor | None:
+        # Every rank adds its shard of the replicas' sum divided by this run's D: FSDP2's reduce-scatter averages the
+        # remaining micro-batches' gradients over the replicas, and the close multiplies by c · D / W.
+        return _as_shard(carried, parameter).to(dtype=parameter.dtype) / self.data_parallel_replicas
 
     @classmethod
     @override
@@ -343,3 +414,14 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             description="Exact gradient accumulation with FSDP2 + tensor parallelism (Lightning's automatic sizes)",
             override=True,
         )
+
+
+def _as_shard(gradient: Tensor, parameter: Tensor | None) -> Tensor:
+    """``gradient`` in ``parameter``'s layout: a whole tensor becomes this rank's shard of it (no communication); a
+    sharded one is already in it (read into templates of this run's parameters)."""
+    if isinstance(parameter, DTensor) and not isinstance(gradient, DTensor):
+        local = gradient.to(device=parameter.device)
+        return distribute_tensor(local, parameter.device_mesh, parameter.placements, src_data_rank=None)
+    if parameter is not None and not isinstance(gradient, DTensor):
+        return gradient.to(device=parameter.device, copy=True)
+    return gradient
