@@ -565,6 +565,97 @@ def test_a_peer_killed_with_sigkill_leaves_a_checkpoint_from_the_survivor(tmp_pa
     assert resumed.strategy.ledger.updates_applied > 1
 
 
+class _KillsItself(TinyLM):
+    """Rank 1 kills its own process (SIGKILL) after micro-batch 4 of the epoch, inside the group 3, 4, 5."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.global_rank == 1 and batch_idx == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(240)
+def test_a_spawned_worker_killed_leaves_the_launchers_error_on_top_and_no_untrained_checkpoint(tmp_path: Path) -> None:
+    # Under spawn, Lightning runs the exception hooks (OnExceptionCheckpoint) in the main process only, whose model
+    # was never trained (the workers run `fit` without them). The package's `save_checkpoint` raised "... is not
+    # attached to a `Trainer`" there, hiding the ProcessExitedException; written as Lightning's strategies write it,
+    # the file would hold the untrained copy and an empty ledger under the name of an exception checkpoint.
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    from torch.multiprocessing import ProcessExitedException
+
+    examples = make_examples(random_lengths(24, seed=70), seed=70)
+    trainer = L.Trainer(
+        strategy="accum_ddp_spawn",
+        accelerator="cpu",
+        devices=2,
+        accumulate_grad_batches=3,
+        max_epochs=1,
+        logger=False,
+        callbacks=[OnExceptionCheckpoint(dirpath=tmp_path, filename="spawn_killed")],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        pytest.raises(ProcessExitedException, match="process 1 terminated with signal SIGKILL"),
+    ):
+        warnings.simplefilter("always")
+        trainer.fit(_KillsItself(optimizer="adamw"), ResumableLoader(ListDataset(examples), batch_size=2))
+    said = [str(w.message) for w in caught if "no checkpoint written to" in str(w.message)]
+    assert len(said) == 1 and "holds the model as it was before `fit`" in said[0], [str(w.message) for w in caught]
+    assert not (tmp_path / "spawn_killed.ckpt").exists()
+
+
+class _FailsWithWords(TinyLM):
+    """Both ranks raise, after micro-batch 4 (inside the group 3, 4, 5), errors of the user's own code whose words a
+    failed collective also uses: "timeout", "gloo"."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 4:
+            if self.global_rank == 0:
+                raise RuntimeError("HTTP read timeout while sending metrics")
+            raise ValueError("unknown metrics backend 'gloo'")
+
+
+def _words_worker(rank: int, folder: str) -> None:
+    import json
+
+    from helpers import RankStridedSampler
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    examples = make_examples(random_lengths(24, seed=70), seed=70)
+    callback = OnExceptionCheckpoint(dirpath=folder, filename="words")
+    trainer = ddp_trainer(DDPAccumulationStrategy(start_method="popen"), accumulate=3, callbacks=[callback])
+    loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(_FailsWithWords(optimizer="adamw"), loader)
+        except (RuntimeError, ValueError) as err:
+            error = f"{type(err).__name__}: {err}"
+    said = [str(w.message) for w in caught]
+    Path(folder, f"words-rank{rank}.json").write_text(json.dumps({"error": error, "warnings": said}))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(240)
+def test_an_error_of_the_users_code_is_not_taken_for_a_lost_peer_by_its_words(tmp_path: Path) -> None:
+    # Lost peers were recognised by words ("timeout", "gloo", ...): these two errors of the user's code made the
+    # exception checkpoint leave out the open group and skip the barrier. They are recognised now by the exception's
+    # type (torch.distributed.DistError) or by where it was raised (a collective, DDP's wrapper, a synchronising
+    # backward): the peers are alive, so the open group is carried.
+    import json
+
+    run_ddp(_words_worker, str(tmp_path))
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"words-rank{rank}.json").read_text())
+        assert ("timeout" if rank == 0 else "'gloo'") in result["error"]
+        assert not any("a collective failed" in m for m in result["warnings"]), result["warnings"]
+    group = torch.load(tmp_path / "words.ckpt", weights_only=True)["lightning_accum"]["open_group"]
+    assert group["carried"] is True and (group["microbatches"], group["total_microbatches"]) == (2, 4)
+    assert set(group["gradients"]) == {"embed.weight", "head.weight", "head.bias"}
+
+
 # ---------------------------------------------------------------------------- changes between runs, damaged entries
 
 

@@ -35,18 +35,21 @@ N = 24  # examples, micro-batches of 2
 LR = 0.5
 MOMENTUM = 0.5  # the optimizer has a state to carry (Lightning's FSDP2 loader fails on an empty one)
 EXAMPLES = make_examples(random_lengths(N, seed=81), seed=81)
-# Where each writer saves (micro-batch index of the epoch after which it writes; its data consumed per rank).
-# Two replicas with A = 2: a group is micro-batches 2g, 2g + 1 on each. One device with A = 4.
+# Where each writer saves (micro-batch index of the epoch after which it writes; its data consumed per replica).
+# Two replicas with A = 2: a group is micro-batches 2g, 2g + 1 on each. One replica (one device, or two processes
+# under tensor parallelism) with A = 4.
 WRITERS = {
-    "one": {"devices": 1, "accumulate": 4, "boundary": 3, "inside": 5},
-    "ddp": {"devices": 2, "accumulate": 2, "boundary": 1, "inside": 2},
-    "fsdp-file": {"devices": 2, "accumulate": 2, "boundary": 1, "inside": 2},
-    "fsdp-folder": {"devices": 2, "accumulate": 2, "boundary": 1, "inside": 2},
+    "one": {"replicas": 1, "accumulate": 4, "boundary": 3, "inside": 5},
+    "tp-folder": {"replicas": 1, "accumulate": 4, "boundary": 3, "inside": 5},  # 2 processes, 1 replica
+    "ddp": {"replicas": 2, "accumulate": 2, "boundary": 1, "inside": 2},
+    "fsdp-file": {"replicas": 2, "accumulate": 2, "boundary": 1, "inside": 2},
+    "fsdp-folder": {"replicas": 2, "accumulate": 2, "boundary": 1, "inside": 2},
 }
-# Readers: DDP and FSDP2 on 2 processes with A = 2, one device with A = 3 (another D and another A).
-READERS = {"one": 3, "ddp": 2, "fsdp": 2}
-# Lightning's own loaders read files only: a sharded folder is resumed by the sharded strategy (any D).
-READS = {writer: (["fsdp"] if writer == "fsdp-folder" else list(READERS)) for writer in WRITERS}
+# Readers: DDP and FSDP2 on 2 processes with A = 2, one device and tensor parallelism (2 processes, one replica)
+# with A = 3 (another D and another A).
+READERS = {"one": 3, "ddp": 2, "fsdp": 2, "tp": 3}
+# Lightning's own loaders read files only: a sharded folder is resumed by the model-parallel strategy (any layout).
+READS = {writer: (["fsdp", "tp"] if writer.endswith("folder") else list(READERS)) for writer in WRITERS}
 
 
 class Indexed(Dataset):
@@ -60,12 +63,12 @@ class Indexed(Dataset):
 class PerRankBatches(Sampler[list[int]]):
     """Rank r's batches (of example indices), read when iterating (the sampler is built before processes start)."""
 
-    def __init__(self, by_rank: list[list[list[int]]]) -> None:
-        self.by_rank = by_rank
+    def __init__(self, by_rank: list[list[list[int]]], tensor_parallel: int = 1) -> None:
+        self.by_rank, self.tensor_parallel = by_rank, tensor_parallel
 
     def _mine(self) -> list[list[int]]:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return self.by_rank[rank]
+        return self.by_rank[rank // self.tensor_parallel]  # the ranks of one replica read the same data
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self._mine())
@@ -74,11 +77,11 @@ class PerRankBatches(Sampler[list[int]]):
         return len(self._mine())
 
 
-def _layout(examples: list[int], devices: int, skipped: int) -> list[list[list[int]]]:
+def _layout(examples: list[int], replicas: int, skipped: int) -> list[list[list[int]]]:
     """`skipped` batches already consumed by the run that wrote the checkpoint (the loader skips them on resume),
     then `examples` in micro-batches of 2 dealt to the ranks in turn."""
     pairs = [examples[i : i + 2] for i in range(0, len(examples), 2)]
-    return [[[0, 1]] * skipped + pairs[rank::devices] for rank in range(devices)]
+    return [[[0, 1]] * skipped + pairs[rank::replicas] for rank in range(replicas)]
 
 
 class ShardableLM(TinyLM):
@@ -90,12 +93,23 @@ class ShardableLM(TinyLM):
         self.records: list[tuple[int, int, list[int]]] = []
 
     def configure_model(self) -> None:
-        if self.device_mesh is None:
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        if mesh["tensor_parallel"].size() > 1:
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            plan = {
+                "embed": RowwiseParallel(input_layouts=Replicate()),
+                "head": ColwiseParallel(output_layouts=Replicate()),
+            }
+            parallelize_module(self, mesh["tensor_parallel"], plan)  # type: ignore[arg-type]
             return
         from torch.distributed.fsdp import fully_shard
 
         for module in (self.embed, self.head):
-            fully_shard(module, mesh=self.device_mesh["data_parallel"])
+            fully_shard(module, mesh=mesh["data_parallel"])
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
         self.records.append((batch_idx, self.trainer.global_step, batch["idx"].tolist()))
@@ -135,7 +149,9 @@ def _strategy(kind: str) -> Any:
         return AccumulationStrategy()
     if kind == "ddp":
         return DDPAccumulationStrategy(start_method="popen")
-    return ModelParallelAccumulationStrategy(tensor_parallel_size=1, save_distributed_checkpoint=kind == "fsdp-folder")
+    return ModelParallelAccumulationStrategy(
+        tensor_parallel_size=2 if kind.startswith("tp") else 1, save_distributed_checkpoint=kind.endswith("folder")
+    )
 
 
 def _fit(kind: str, accumulate: int, batches: list[list[list[int]]], callbacks: list[L.Callback], ckpt: Any) -> None:
@@ -152,7 +168,7 @@ def _fit(kind: str, accumulate: int, batches: list[list[list[int]]], callbacks: 
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
-    loader = ResumableLoader(Indexed(), batch_sampler=PerRankBatches(batches))
+    loader = ResumableLoader(Indexed(), batch_sampler=PerRankBatches(batches, 2 if kind.startswith("tp") else 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's resume notes; the package's notes are checked elsewhere
         trainer.fit(ShardableLM(), loader, ckpt_path=ckpt)
@@ -160,9 +176,11 @@ def _fit(kind: str, accumulate: int, batches: list[list[list[int]]], callbacks: 
 
 def _write(kind: str, folder: str) -> None:
     config = WRITERS[kind]
-    devices = int(config["devices"])
+    replicas = int(config["replicas"])
     at = {int(config[where]): os.path.join(folder, f"{kind}-{where}.ckpt") for where in ("boundary", "inside")}
-    _fit(kind, int(config["accumulate"]), _layout(list(range(N)), devices, 0), [SaveAt(at), Finish(folder, kind)], None)
+    _fit(
+        kind, int(config["accumulate"]), _layout(list(range(N)), replicas, 0), [SaveAt(at), Finish(folder, kind)], None
+    )
 
 
 def _consumed(folder: str, writer: str, where: str) -> tuple[list[tuple[int, list[int]]], list[int]]:
@@ -171,7 +189,7 @@ def _consumed(folder: str, writer: str, where: str) -> tuple[list[tuple[int, lis
     last = int(config[where])
     records = [
         (step, ids)
-        for rank in range(int(config["devices"]))
+        for rank in range(int(config["replicas"]))  # replicas (tensor parallelism: rank 0 records the replica)
         for batch_idx, step, ids in json.loads(Path(folder, f"{writer}-rank{rank}.json").read_text())["records"]
         if batch_idx <= last
     ]
@@ -182,14 +200,17 @@ def _consumed(folder: str, writer: str, where: str) -> tuple[list[tuple[int, lis
 def _read(reader: str, writer: str, where: str, folder: str) -> None:
     config = WRITERS[writer]
     _, remaining = _consumed(folder, writer, where)
-    devices = 1 if reader == "one" else 2
-    batches = _layout(remaining, devices, int(config[where]) + 1)
+    batches = _layout(remaining, _replicas(reader), int(config[where]) + 1)
     ckpt = os.path.join(folder, f"{writer}-{where}.ckpt")
     _fit(reader, READERS[reader], batches, [Finish(folder, f"{writer}-{where}-to-{reader}")], ckpt)
 
 
+def _replicas(kind: str) -> int:
+    return 1 if kind == "one" or kind.startswith("tp") else 2
+
+
 def _distributed_runs(rank: int, folder: str) -> None:
-    for writer in ("ddp", "fsdp-file", "fsdp-folder"):
+    for writer in ("ddp", "fsdp-file", "fsdp-folder", "tp-folder"):
         _write(writer, folder)
     for writer, readers in READS.items():
         for reader in readers:
@@ -201,11 +222,10 @@ def _distributed_runs(rank: int, folder: str) -> None:
 def _reference(folder: str, writer: str, where: str, reader: str) -> tuple[Tensor, dict[str, int]]:
     """float64 SGD over the groups the two runs formed, and the ledger those groups give."""
     before, _ = _consumed(folder, writer, where)
-    devices = 1 if reader == "one" else 2
     name = f"{writer}-{where}-to-{reader}"
     after = [
         (step, ids)
-        for rank in range(devices)
+        for rank in range(_replicas(reader))  # under tensor parallelism both ranks record the one replica's data
         for _, step, ids in json.loads(Path(folder, f"{name}-rank{rank}.json").read_text())["records"]
     ]
     groups: dict[int, list[int]] = {}
@@ -229,6 +249,7 @@ def test_a_checkpoint_resumes_exactly_under_every_engine_d_and_a(tmp_path: Path)
             _read("one", writer, where, folder)
 
     assert (tmp_path / "fsdp-folder-inside.ckpt").is_dir() and (tmp_path / "fsdp-file-inside.ckpt").is_file()
+    assert (tmp_path / "tp-folder-inside.ckpt").is_dir()
     errors = {}
     for writer, readers in READS.items():
         for reader in readers:

@@ -549,6 +549,24 @@ class ExactAccumulation(Strategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None) -> None:
         failed = self._collectives_failed() if self.data_parallel_replicas > 1 else None
+        try:
+            state = self._package_entry(failed)
+        except Exception as error:
+            # A collective of the entry failed: a peer died since training last reached one (a SIGTERM checkpoint
+            # after another rank was killed, say). The survivors write what they hold, without the peers.
+            failed = self._peers_lost_in(error) if failed is None else None
+            if failed is None:
+                raise
+            state = self._package_entry(failed)
+        checkpoint[CHECKPOINT_KEY] = state
+        if failed is not None:
+            rank = int(getattr(self, "global_rank", 0))
+            save_without_peers(self.checkpoint_io, checkpoint, filepath, rank, storage_options)
+            return
+        self._write_checkpoint(checkpoint, filepath, storage_options)
+
+    def _package_entry(self, failed: str | None) -> dict[str, Any]:
+        """The package's checkpoint entry (collectives with several replicas unless ``failed`` says why not)."""
         trainer = self._attached_trainer()
         # The micro-batch whose step is running, which Lightning runs again on resume (None between micro-batches).
         running = None
@@ -566,12 +584,11 @@ class ExactAccumulation(Strategy):
         if self._slicer.enabled:
             world = int(getattr(self, "world_size", 1))
             state["slicing"] = slicing_state(self._slicer.log.state_dict(), world, gather=failed is None)
-        checkpoint[CHECKPOINT_KEY] = state
-        if failed is not None:
-            rank = int(getattr(self, "global_rank", 0))
-            save_without_peers(self.checkpoint_io, checkpoint, filepath, rank, storage_options)
-            return
-        self._write_checkpoint(checkpoint, filepath, storage_options)
+        return state
+
+    def _peers_lost_in(self, error: BaseException | None) -> str | None:
+        """Why the replicas cannot be reached, when ``error`` is a failed collective (``None``: it is not one)."""
+        return None
 
     @override
     def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -33,6 +33,17 @@ class _LedgerReturningLauncher(_MultiProcessingLauncher):
     group in each worker before it exits (see :mod:`lightning_accum._worker_exit`)."""
 
     @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        strategy: DDPAccumulationStrategy = self._strategy  # type: ignore[assignment]
+        strategy._workers_failed = False
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException:
+            # This process's model is the one `fit` was given, untrained: the training state lived in the workers.
+            strategy._workers_failed = True
+            raise
+
+    @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         super()._wrapping_function(*args, **kwargs)
         close_process_group(self._strategy)
@@ -106,6 +117,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         self._init_accumulation(options, microbatch_size, split_batch)
         super().__init__(**kwargs)
         self._peers_lost: str | None = None  # why the replicas cannot be reached, once a collective failed
+        self._workers_failed = False  # in the main process of a spawn/fork launch whose workers failed
         self.check_data_ends = bool(check_data_ends)
         self._check_data_ends = False
         self._flag_group: Any = None  # a CPU (gloo) group for the data-end flag when the backend is not gloo
@@ -150,10 +162,24 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
             return None
         # Inside Lightning's `on_exception` (OnExceptionCheckpoint): the exception being handled says whether the
         # replicas can still be reached. No collective is tried to find out (it would wait for a dead peer).
-        failure = _collective_failure(sys.exc_info()[1], self._failed_in_synchronising_batch())
-        if failure is not None:
-            self._peers_lost = failure
-        return failure
+        return self._peers_lost_in(sys.exc_info()[1])
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._workers_failed:
+            # Lightning's exception checkpoint, called in the main process after a worker died (ProcessExitedException
+            # on top): this process's copy of the model was never trained. Lightning's own strategies write it; here a
+            # surviving worker's exception checkpoint, written before the launcher stopped it, is left as it is.
+            warnings.warn(
+                f"lightning_accum: no checkpoint written to {str(filepath)!r} from the main process of this"
+                f" {self._start_method} launch: a worker failed, and this process holds the model as it was before"
+                " `fit` (the training state lived in the workers). A surviving worker's exception checkpoint, if"
+                " one was written there, is the state to resume from.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _failed_in_synchronising_batch(self) -> bool:
         """Whether the micro-batch that was running when training failed synchronises gradients in its backward (by
@@ -171,9 +197,13 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        failure = _collective_failure(exception, self._failed_in_synchronising_batch())
-        if failure is None:
-            return
+        self._peers_lost_in(exception)
+
+    @override
+    def _peers_lost_in(self, error: BaseException | None) -> str | None:
+        failure = _collective_failure(error, self._failed_in_synchronising_batch())
+        if failure is None or self._peers_lost is not None:
+            return failure
         self._peers_lost = failure
         # Every rank, not rank zero only: the rank that ran out of data may be the only one left to say so.
         warnings.warn(
@@ -186,6 +216,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
             UserWarning,
             stacklevel=1,
         )
+        return failure
 
     @override
     def on_train_start(self) -> None:
