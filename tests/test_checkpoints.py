@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -563,6 +564,76 @@ def test_a_peer_killed_with_sigkill_leaves_a_checkpoint_from_the_survivor(tmp_pa
     lost = [m for m in messages if "does not carry the 6 micro-batch(es) of that group it holds (over 2" in m]
     assert len(lost) == 1 and ": 4 of them, which Lightning does not run again, are lost" in lost[0], messages
     assert resumed.strategy.ledger.updates_applied > 1
+
+
+class _SavesAfterThePeerDied(TinyLM):
+    """After micro-batch 4 (inside the group 3, 4, 5): rank 1 kills itself (SIGKILL); rank 0 waits until the test
+    has reaped it, then writes a checkpoint (its collectives meet a dead peer) and stops."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(lr=0.3, optimizer="adamw")
+        self.folder = folder
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx != 4:
+            return
+        if self.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        go = Path(self.folder, "reaped")
+        while not go.exists():  # the test writes it once rank 1's process is gone
+            time.sleep(0.05)
+        self.trainer.save_checkpoint(Path(self.folder, "after_death.ckpt"))
+        raise RuntimeError("stopped after the checkpoint")
+
+
+def _saves_after_death_worker(rank: int, folder: str) -> None:
+    import json
+
+    from helpers import RankStridedSampler
+
+    examples = make_examples(random_lengths(24, seed=70), seed=70)
+    strategy = DDPAccumulationStrategy(start_method="popen")
+    trainer = ddp_trainer(strategy, accumulate=3)
+    loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError, match="stopped after the"):
+        warnings.simplefilter("always")
+        trainer.fit(_SavesAfterThePeerDied(folder), loader)
+    Path(folder, f"after-death-rank{rank}.json").write_text(json.dumps([str(w.message) for w in caught]))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(240)
+def test_a_checkpoint_whose_own_collectives_meet_a_dead_peer_is_written_by_the_survivor(tmp_path: Path) -> None:
+    # A checkpoint written after a peer died and before any collective of training noticed it (a SIGTERM checkpoint,
+    # a callback's save): its own collectives (the open group's sums and gradient) failed, and the save raised.
+    import json
+
+    from helpers import _ddp_worker, free_port
+
+    context = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    workers = [
+        context.Process(target=_ddp_worker, args=(rank, 2, port, _saves_after_death_worker, (str(tmp_path),)))
+        for rank in (0, 1)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        workers[1].join(120)
+        (tmp_path / "reaped").write_text("")
+        workers[0].join(120)
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+    assert workers[1].exitcode == -signal.SIGKILL and workers[0].exitcode == 0
+    said = json.loads((tmp_path / "after-death-rank0.json").read_text())
+    assert any("a collective failed" in m for m in said), said
+    state = torch.load(tmp_path / "after_death.ckpt", weights_only=True)["lightning_accum"]
+    assert state["ledger"]["updates_applied"] == 1 and state["ledger"]["microbatches"] == 6
+    group = state["open_group"]
+    assert group["carried"] is False and "could not be reached" in group["reason"]
+    assert (group["microbatches"], group["total_microbatches"]) == (2, 4)
 
 
 class _KillsItself(TinyLM):
