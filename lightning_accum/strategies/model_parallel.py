@@ -303,11 +303,12 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             if sharded:
                 gradients[name] = p.grad.detach() * replicas
                 continue
-            full = (
-                p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            )  # a collective, in every rank's order
-            if keep:
-                gradients[name] = (full.detach() * replicas).to("cpu")
+            if isinstance(p.grad, DTensor):
+                full = p.grad.full_tensor()  # a collective, in every rank's order; a new tensor, scaled in place
+                if keep:
+                    gradients[name] = full.mul_(replicas).to("cpu")
+            elif keep:
+                gradients[name] = (p.grad.detach() * replicas).to("cpu")
         return gradients
 
     @override
