@@ -472,7 +472,11 @@ def validated_state(state: Any) -> dict[str, Any]:
     group = state.get("open_group")
     if group is not None:
         _validate_group(group, state)
-    slicing = state.get("slicing")
+    _validate_slicing(state.get("slicing"))
+    return dict(state)
+
+
+def _validate_slicing(slicing: Any) -> None:
     if slicing is not None:
         if not isinstance(slicing, Mapping):
             raise malformed("slicing", "a dict", slicing)
@@ -482,7 +486,6 @@ def validated_state(state: Any) -> dict[str, Any]:
             raise malformed("slicing.slice_sizes", "a dict of size -> int >= 0", sizes)
         _check(slicing, "retries", "slicing.", lambda v: isinstance(v, list), "a list")
         _check(slicing, "per_rank", "slicing.", lambda v: isinstance(v, list), "a list of each rank's record")
-    return dict(state)
 
 
 def _validate_group(group: Any, state: Mapping[str, Any]) -> None:
@@ -516,7 +519,11 @@ def _validate_group(group: Any, state: Mapping[str, Any]) -> None:
         lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
         "a list of parameter names",
     )
-    # A carried group: its counters must be ones a run can write.
+    _validate_carried_counts(group, microbatches, state["ledger"].get("normalization"))
+
+
+def _validate_carried_counts(group: Mapping[str, Any], microbatches: int, unit: str | None) -> None:
+    """A carried group's counters must be ones a run can write."""
     replicas = int(group.get("replicas", 1))
     total = group.get("total_microbatches", microbatches * replicas)
     if total < max(1, microbatches * replicas):
@@ -543,7 +550,6 @@ def _validate_group(group: Any, state: Mapping[str, Any]) -> None:
             " its close and cannot be resumed)",
             sums["negative"],
         )
-    unit = state["ledger"].get("normalization")
     if unit in ("tokens", "samples"):
         count = sums[f"{unit}_hi"] * COUNT_SPLIT + sums[f"{unit}_lo"]
         if sums["units"] != count:
