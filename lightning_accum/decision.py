@@ -18,6 +18,7 @@ __all__ = [
     "check_agreement",
     "classify",
     "empty_message",
+    "excess_message",
     "group_record",
     "nonfinite_message",
     "partial_message",
@@ -178,6 +179,17 @@ def partial_message(microbatches: int, accumulate: int, partial_group: str) -> s
     )
     return (
         f"lightning_accum: an epoch ended with a partial group of {microbatches} of {accumulate} micro-batches; {what}."
+    )
+
+
+def excess_message(update: int, microbatches: int) -> str:
+    """A token count above its batch's label positions (said once per run)."""
+    return (
+        f"lightning_accum: {microbatches} micro-batch(es) of update {update} reported more tokens (`num_tokens`, or"
+        " `count_tokens`) than their batch has label positions (`batch['labels'].numel()`). A count of supervised"
+        " tokens is at most that: this one probably counts something else (the inputs with their padding, or the"
+        " batch more than once), and the updates are weighted by it as reported. Count the labels that are not the"
+        " ignore index. (Said once.)"
     )
 
 

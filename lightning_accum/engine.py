@@ -77,6 +77,7 @@ from lightning_accum.decision import (
     check_agreement,
     classify,
     empty_message,
+    excess_message,
     group_record,
     nonfinite_message,
     partial_message,
@@ -281,15 +282,16 @@ class AccumulationEngine:
         )
         weight = unit_weight(unit, self.options.normalize, tokens_c, samples_c)
         sums = self._sums
+        positions = _label_positions(batch) if tokens_c is not None else None
         if sole and not continues and not sums.microbatches and self._one_replica() and sums.carried_nothing:
             # c = w: the loss itself is back-propagated, and the close's factor c · D / W is exactly 1.
-            sums.add(loss, tokens_c, samples_c, size)
+            sums.add(loss, tokens_c, samples_c, size, positions=positions)
             sums.sole = True
             self.last_weight = weight
             self._group_ref = weight if isinstance(weight, Tensor) else float(weight)
             self._pending_backward = loss
             return loss
-        sums.add(loss, tokens_c, samples_c, size, continues)
+        sums.add(loss, tokens_c, samples_c, size, continues, positions)
         self.last_weight = weight
         if self._group_ref is None:
             self._group_ref = self._group_scale(weight, accumulate, loss.device)
@@ -468,6 +470,8 @@ class AccumulationEngine:
         record.dropped = action == "drop"
         record.skip_reason = reason
         update = self.ledger.updates_attempted + 1
+        if reduced.excess:
+            self._say_once("excess", self.warn, excess_message(update, reduced.excess))
         if reason == "empty":
             self._say_once("empty", self.warn, empty_message(update, unit))
         elif reason == "nonfinite":
@@ -658,7 +662,15 @@ def _sole_group(
         microbatches=1,
         unit_code=UNIT_CODES.get(unit or "", 0.0),
         ended=int(ends_epoch),
+        excess=sum(p is not None and int(c) > p for c, p in zip(tokens, sums.positions, strict=True)),
     )
+
+
+def _label_positions(batch: Any) -> int | None:
+    """The label positions of a micro-batch with a ``"labels"`` tensor (its number of elements, known on the host
+    without reading it), else ``None``: no token count of the batch can exceed them."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    return labels.numel() if isinstance(labels, Tensor) else None
 
 
 def _exact(value: float, count: Tensor) -> int:

@@ -59,6 +59,7 @@ class Slot(IntEnum):
     MICROBATCHES = 8
     UNIT_CODE = 9  #: :data:`UNIT_CODES` of the replica's unit (the sum is code · D when replicas agree)
     LAST = 10  #: 1 on a replica whose data ends with this group
+    EXCESS = 11  #: micro-batches that reported more tokens than their batch has label positions (where known)
 
 
 VECTOR_SIZE = len(Slot)
@@ -111,6 +112,7 @@ class ReducedGroup:
     microbatches: int
     unit_code: float
     ended: int
+    excess: int = 0
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> ReducedGroup:
@@ -124,6 +126,7 @@ class ReducedGroup:
             microbatches=round(values[Slot.MICROBATCHES]),
             unit_code=values[Slot.UNIT_CODE],
             ended=round(values[Slot.LAST]),
+            excess=round(values[Slot.EXCESS]),
         )
 
 
@@ -147,6 +150,8 @@ class GroupSums:
         self.carried_microbatches = 0
         self.losses: list[Tensor] = []
         self.tokens: list[Count] = []
+        #: The label positions of the batch of each entry of :attr:`tokens` (``labels.numel()``), or ``None``.
+        self.positions: list[int | None] = []
         self.samples: list[Count] = []
         self.batch_samples: list[int] = []
         self._mark: tuple[int, int, int, int, int, int] | None = None  # what `retract` restores
@@ -166,12 +171,14 @@ class GroupSums:
         samples: Count | None,
         size: int | None,
         continues: bool = False,
+        positions: int | None = None,
     ) -> None:
         """Record one micro-batch (``loss`` ``None``: the step returned no loss).
 
         ``continues``: a further slice of the micro-batch recorded last (``microbatch_size=``): its counts and loss
         are added, but the group's micro-batch count and the list of micro-batch sizes do not grow (the size is
-        added to the last one).
+        added to the last one). ``positions``: its batch's label positions, where known (a token count above them
+        is counted in :attr:`Slot.EXCESS`).
         """
         sizes = self.batch_samples
         self._mark = (
@@ -193,6 +200,7 @@ class GroupSums:
         self.losses.append(loss.detach())
         if tokens is not None:
             self.tokens.append(tokens)
+            self.positions.append(positions)
         if samples is not None:
             self.samples.append(samples)
 
@@ -203,7 +211,8 @@ class GroupSums:
             raise RuntimeError("GroupSums.retract: nothing was added since the last retract.")
         self.sole = False  # the group is back to what it was before that add, which no sole add follows
         self.microbatches, losses, tokens, samples, sizes, last = mark
-        del self.losses[losses:], self.tokens[tokens:], self.samples[samples:], self.batch_samples[sizes:]
+        del self.losses[losses:], self.tokens[tokens:], self.positions[tokens:], self.samples[samples:]
+        del self.batch_samples[sizes:]
         if sizes:
             self.batch_samples[-1] = last
         self._mark = None
@@ -224,6 +233,7 @@ class GroupSums:
         host = [0.0] * VECTOR_SIZE
         for slot, value in (*(extra or {}).items(), *self.carried.items()):
             host[slot] += value
+        host[Slot.EXCESS] += self.host_excess()
         parts: list[tuple[tuple[Slot, ...], Tensor]] = []  # device values and the slots they are added to
         if isinstance(scale_ref, Tensor):
             parts.append(((Slot.SCALE_REF,), scale_ref.to(device=device, dtype=torch.float64).reshape(1)))
@@ -241,10 +251,13 @@ class GroupSums:
             tensors = [count for count in counts if isinstance(count, Tensor)]
             if tensors:
                 stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
-                rows = torch.stack(
-                    (torch.div(stacked, COUNT_SPLIT, rounding_mode="floor"), stacked % COUNT_SPLIT, stacked < 0)
-                )
-                parts.append(((hi, lo, Slot.NEGATIVE), rows.sum(1, dtype=torch.float64)))
+                columns = [torch.div(stacked, COUNT_SPLIT, rounding_mode="floor"), stacked % COUNT_SPLIT, stacked < 0]
+                targets: tuple[Slot, ...] = (hi, lo, Slot.NEGATIVE)
+                limits = self._position_limits(counts) if counts is self.tokens else None
+                if limits is not None:
+                    columns.append(stacked > limits.to(device, non_blocking=True))
+                    targets = (hi, lo, Slot.NEGATIVE, Slot.EXCESS)
+                parts.append((targets, torch.stack(columns).sum(1, dtype=torch.float64)))
                 if counts is weights and len(tensors) == len(counts):
                     stacked_weights = stacked
         if self.losses:
@@ -263,6 +276,22 @@ class GroupSums:
             index = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
             vector.index_add_(0, index, torch.cat([values for _, values in parts]))
         return vector
+
+    def _position_limits(self, counts: list[Count]) -> Tensor | None:
+        """The label positions of the token counts reported as tensors (a bound no count reaches where unknown), or
+        ``None`` when none is known. Counts reported as ints are compared on the host, in :meth:`host_excess`."""
+        limits = [p for c, p in zip(counts, self.positions, strict=True) if isinstance(c, Tensor)]
+        if all(p is None for p in limits):
+            return None
+        return torch.tensor([2**62 if p is None else p for p in limits], dtype=torch.int64)
+
+    def host_excess(self) -> int:
+        """Token counts reported as ints above their batch's label positions."""
+        return sum(
+            1
+            for c, p in zip(self.tokens, self.positions, strict=True)
+            if p is not None and not isinstance(c, Tensor) and c > p
+        )
 
     # ------------------------------------------------------------------ across a checkpoint
 

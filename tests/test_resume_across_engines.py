@@ -217,6 +217,18 @@ def _distributed_runs(rank: int, folder: str) -> None:
             if reader != "one":
                 for where in ("boundary", "inside"):
                     _read(reader, writer, where, folder)
+    # A carried gradient of the wrong shape, resumed under FSDP2: the package's error naming the key (it reached
+    # torch's own error before, the check being skipped under FSDP2).
+    damaged = os.path.join(folder, f"damaged-rank{rank}.ckpt")
+    state = torch.load(os.path.join(folder, "ddp-inside.ckpt"), weights_only=True)
+    state["lightning_accum"]["open_group"]["gradients"]["head.bias"] = torch.zeros(3)
+    torch.save(state, damaged)
+    try:
+        _fit("fsdp", 2, _layout(list(range(N)), 2, 3), [], damaged)
+        said = "no error"
+    except ValueError as error:
+        said = str(error)
+    Path(folder, f"damaged-said-rank{rank}.txt").write_text(said)
 
 
 def _reference(folder: str, writer: str, where: str, reader: str) -> tuple[Tensor, dict[str, int]]:
@@ -263,5 +275,8 @@ def test_a_checkpoint_resumes_exactly_under_every_engine_d_and_a(tmp_path: Path)
     for writer in WRITERS:
         whole = json.loads(Path(folder, f"{writer}-rank0.json").read_text())
         assert whole["ledger"]["tokens"] == ledger["tokens"]
+    for rank in (0, 1):
+        said = Path(folder, f"damaged-said-rank{rank}.txt").read_text()
+        assert "`open_group.gradients['head.bias']` should be a tensor of shape (11,)" in said, said
     one = json.loads(Path(folder, "one-rank0.json").read_text())
     assert relative_error(torch.tensor(one["params"]), params_vector(ShardableLM())) > 1e-2  # it trained

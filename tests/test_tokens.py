@@ -172,3 +172,58 @@ def test_example_in_a_reduced_size(capsys: pytest.CaptureFixture[str]) -> None:
     for other in others:
         assert relative_error(other, first) <= 1e-5
     assert lightning_accum.causal_lm_tokens is causal_lm_tokens  # the package face exports the preset
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "as_int"), [(1, False), (2, False), (2, True)], ids=["sole-tensor", "group-tensor", "group-int"]
+)
+def test_a_token_count_above_the_label_positions_is_warned_once(accumulate: int, as_int: bool) -> None:
+    # A count of supervised tokens is at most `labels.numel()`: one above it counts something else (here every
+    # position twice). Compared in the group's one read (tensors) or on the host (ints): no read per micro-batch.
+    import lightning as L
+    from helpers import ListDataset, TinyLM, make_examples, random_lengths
+
+    class OverCounts(TinyLM):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+            out = super().training_step(batch, batch_idx)
+            count = 2 * batch["labels"].numel() if batch_idx == 3 else out["num_tokens"]
+            out["num_tokens"] = int(count) if as_int else torch.as_tensor(count)
+            return out
+
+    trainer = L.Trainer(
+        strategy=AccumulationStrategy(),
+        accelerator="cpu",
+        accumulate_grad_batches=accumulate,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = torch.utils.data.DataLoader(ListDataset(make_examples(random_lengths(12, seed=3), seed=3)), batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(OverCounts(), loader)
+    said = [str(w.message) for w in caught if "than their batch has label positions" in str(w.message)]
+    update = 3 // accumulate + 1
+    assert said == [said[0]] and said[0].startswith(f"lightning_accum: 1 micro-batch(es) of update {update} "), said
+
+
+def test_a_token_count_within_the_label_positions_says_nothing() -> None:
+    # Every label position supervised (the most a count can be): no warning (the suite turns warnings into errors).
+    import lightning as L
+    from helpers import ListDataset, TinyLM, make_examples
+
+    trainer = L.Trainer(
+        strategy=AccumulationStrategy(),
+        accelerator="cpu",
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    examples = make_examples([6] * 8)  # SEQ = 6: every position carries a label
+    trainer.fit(TinyLM(), torch.utils.data.DataLoader(ListDataset(examples), batch_size=2))
+    assert trainer.strategy.ledger.tokens == 8 * 6
