@@ -6,6 +6,7 @@ import importlib.util
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -180,7 +181,6 @@ def test_example_in_a_reduced_size(capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_token_count_above_the_label_positions_is_warned_once(accumulate: int, as_int: bool) -> None:
     # A count of supervised tokens is at most `labels.numel()`: one above it counts something else (here every
     # position twice). Compared in the group's one read (tensors) or on the host (ints): no read per micro-batch.
-    import lightning as L
     from helpers import ListDataset, TinyLM, make_examples, random_lengths
 
     class OverCounts(TinyLM):
@@ -190,16 +190,7 @@ def test_a_token_count_above_the_label_positions_is_warned_once(accumulate: int,
             out["num_tokens"] = int(count) if as_int else torch.as_tensor(count)
             return out
 
-    trainer = L.Trainer(
-        strategy=AccumulationStrategy(),
-        accelerator="cpu",
-        accumulate_grad_batches=accumulate,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = fit_trainer(accumulate, epochs=2)
     loader = torch.utils.data.DataLoader(ListDataset(make_examples(random_lengths(12, seed=3), seed=3)), batch_size=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -211,19 +202,25 @@ def test_a_token_count_above_the_label_positions_is_warned_once(accumulate: int,
 
 def test_a_token_count_within_the_label_positions_says_nothing() -> None:
     # Every label position supervised (the most a count can be): no warning (the suite turns warnings into errors).
-    import lightning as L
     from helpers import ListDataset, TinyLM, make_examples
 
-    trainer = L.Trainer(
+    trainer = fit_trainer(2, epochs=1)
+    examples = make_examples([6] * 8)  # SEQ = 6: every position carries a label
+    trainer.fit(TinyLM(), torch.utils.data.DataLoader(ListDataset(examples), batch_size=2))
+    assert trainer.strategy.ledger.tokens == 8 * 6
+
+
+def fit_trainer(accumulate: int, epochs: int) -> Any:
+    """A one-device Trainer of the exact strategy, without logger, checkpoints or bars."""
+    import lightning as L
+
+    return L.Trainer(
         strategy=AccumulationStrategy(),
         accelerator="cpu",
-        accumulate_grad_batches=2,
-        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        max_epochs=epochs,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    examples = make_examples([6] * 8)  # SEQ = 6: every position carries a label
-    trainer.fit(TinyLM(), torch.utils.data.DataLoader(ListDataset(examples), batch_size=2))
-    assert trainer.strategy.ledger.tokens == 8 * 6
