@@ -37,17 +37,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from fsdp_sync import resident_bytes
 from helpers import run_ddp
 
 from lightning_accum import ModelParallelAccumulationStrategy
 
 ROWS, WIDTH, ACCUMULATE = 200_000, 256, 2
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
 
 
 class Embedded(L.LightningModule):

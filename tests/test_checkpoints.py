@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -458,6 +460,25 @@ def test_accumulation_check_leaves_a_group_resumed_inside_the_first_group_alone(
 # ---------------------------------------------------------------------------- faults: a dead peer
 
 
+@contextlib.contextmanager
+def _two_workers(target: Callable[..., None], folder: Path) -> Iterator[list[Any]]:
+    """Ranks 0 and 1 in processes of their own running `target(rank, folder)` (the test kills or waits for them, one
+    by one); any still alive at the end is killed."""
+    from helpers import _ddp_worker, free_port
+
+    context = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    workers = [context.Process(target=_ddp_worker, args=(rank, 2, port, target, (str(folder),))) for rank in (0, 1)]
+    for worker in workers:
+        worker.start()
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+
+
 class _StopsForAKill(TinyLM):
     """On rank 1, after micro-batch `at` of epoch 0, writes `ready` and waits to be killed (SIGKILL from outside)."""
 
@@ -504,19 +525,8 @@ def _killed_peer_worker(rank: int, folder: str) -> None:
 @pytest.mark.timeout(240)
 def test_a_peer_killed_with_sigkill_leaves_a_checkpoint_from_the_survivor(tmp_path: Path) -> None:
     import json
-    import time
 
-    from helpers import _ddp_worker, free_port
-
-    context = torch.multiprocessing.get_context("spawn")
-    port = free_port()
-    workers = [
-        context.Process(target=_ddp_worker, args=(rank, 2, port, _killed_peer_worker, (str(tmp_path),)))
-        for rank in (0, 1)
-    ]
-    for worker in workers:
-        worker.start()
-    try:
+    with _two_workers(_killed_peer_worker, tmp_path) as workers:
         ready = tmp_path / "ready"
         while not ready.exists() or not ready.read_text():  # rank 1 reached the point where it waits to be killed
             assert workers[1].is_alive(), "rank 1 ended before it could be killed"
@@ -524,10 +534,6 @@ def test_a_peer_killed_with_sigkill_leaves_a_checkpoint_from_the_survivor(tmp_pa
         os.kill(int(ready.read_text()), signal.SIGKILL)
         workers[1].join(30)
         workers[0].join(120)
-    finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
     assert workers[1].exitcode == -signal.SIGKILL
     result = json.loads((tmp_path / "killed-rank0.json").read_text())
     # The user sees the failure that stopped training (the collective with the dead peer), not a second one from
@@ -608,24 +614,10 @@ def test_a_checkpoint_whose_own_collectives_meet_a_dead_peer_is_written_by_the_s
     # a callback's save): its own collectives (the open group's sums and gradient) failed, and the save raised.
     import json
 
-    from helpers import _ddp_worker, free_port
-
-    context = torch.multiprocessing.get_context("spawn")
-    port = free_port()
-    workers = [
-        context.Process(target=_ddp_worker, args=(rank, 2, port, _saves_after_death_worker, (str(tmp_path),)))
-        for rank in (0, 1)
-    ]
-    for worker in workers:
-        worker.start()
-    try:
+    with _two_workers(_saves_after_death_worker, tmp_path) as workers:
         workers[1].join(120)
         (tmp_path / "reaped").write_text("")
         workers[0].join(120)
-    finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
     assert workers[1].exitcode == -signal.SIGKILL and workers[0].exitcode == 0
     said = json.loads((tmp_path / "after-death-rank0.json").read_text())
     assert any("a collective failed" in m for m in said), said
