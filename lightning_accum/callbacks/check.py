@@ -130,7 +130,10 @@ class AccumulationCheck(Callback):
       grows with every micro-batch);
     - a step-interval scheduler whose length counts micro-batches (warning);
     - under DDP with ``D > 1``: a training sampler that is not distributed, or replicas whose first
-      micro-batches are identical (warnings).
+      micro-batches are identical (warnings);
+    - a ``validation_step`` whose outputs give no exact validation loss (it returns nothing, or a loss without the
+      run's unit count), from the sanity check's steps or, without one, from the first validation (warning):
+      ``accum/val_loss`` needs the training contract, ``{"loss": loss, "num_tokens": n}``.
 
     Args:
         tolerance: Largest accepted relative error; by default ``1e-4`` (mixed precision included, compared in
@@ -160,10 +163,12 @@ class AccumulationCheck(Callback):
         self.ignore_index = ignore_index
         self.result: CheckResult | None = None
         self._unit: str | None = None
+        self._evaluation_checked = False
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = accumulation_strategy(trainer, "AccumulationCheck")
+        self._evaluation_checked = False
         if not pl_module.automatic_optimization:
             raise RuntimeError(
                 f"AccumulationCheck calls `training_step` as automatic optimization does (it returns the loss), but"
@@ -257,7 +262,27 @@ class AccumulationCheck(Callback):
         warnings.extend(self._scheduler_findings(trainer, accumulate))
         if replicas > 1:
             warnings.extend(self._replica_findings(trainer, batches))
+        warnings.extend(self._evaluation_findings(strategy))
         return CheckResult(rel, ratio, len(batches), errors, warnings)
+
+    def _evaluation_findings(self, strategy: ExactAccumulation) -> list[str]:
+        """Why the validation loss is not on the exact footing, once the strategy has seen a validation step (the
+        sanity check's, before the check runs, or the first validation's; see :meth:`on_validation_end`)."""
+        finding = strategy.evaluation_findings.get("validate", "")
+        if finding == "" or self._evaluation_checked:
+            return []
+        self._evaluation_checked = True
+        return [finding] if finding is not None else []
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Without a sanity check, the first validation of the fit says what `validation_step` returns.
+        if self.result is None or trainer.sanity_checking:
+            return
+        findings = self._evaluation_findings(accumulation_strategy(trainer, "AccumulationCheck"))
+        self.result.warnings.extend(findings)
+        for message in findings:
+            rank_zero_warn(f"AccumulationCheck: {message}")
 
     def _diagnose(
         self,
@@ -530,7 +555,7 @@ class AccumulationCheck(Callback):
 
     def _report(self, result: CheckResult) -> None:
         for message in result.warnings:
-            rank_zero_warn(f"AccumulationCheck: {message}.")
+            rank_zero_warn(f"AccumulationCheck: {message}" + ("" if message.endswith(".") else "."))
         if result.errors:
             text = "AccumulationCheck failed:\n- " + "\n- ".join(result.errors)
             if self.strict:

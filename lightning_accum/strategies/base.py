@@ -60,6 +60,7 @@ from lightning_accum.strategies.checkpoint import (
     slicing_state,
 )
 from lightning_accum.strategies.closing import GroupClosing, enabled_scaler
+from lightning_accum.strategies.evaluation import ExactEvaluation
 from lightning_accum.strategies.manual import ManualGroups
 from lightning_accum.strategies.slicing import BatchSlicer
 
@@ -140,6 +141,7 @@ class ExactAccumulation(Strategy):
         self._closing = closing if closing is not None else GroupClosing()
         self._manual = ManualGroups()
         self._checkpoint = OpenGroupCheckpoint()
+        self._evaluation = ExactEvaluation()
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
         self._step: _Step | None = None
 
@@ -160,6 +162,13 @@ class ExactAccumulation(Strategy):
         """This rank's record of ``microbatch_size=``: the size in force, realized slice sizes, out-of-memory retries
         (see :class:`~lightning_accum.slicing.SlicingLog`)."""
         return self._slicer.log
+
+    @property
+    def evaluation_findings(self) -> dict[str, str | None]:
+        """Per evaluated stage (``"validate"``, ``"test"``): why its exact loss (``accum/val_loss``,
+        ``accum/test_loss``) was not logged, or ``None`` when it was; see
+        :mod:`~lightning_accum.strategies.evaluation`."""
+        return dict(self._evaluation.findings)
 
     @property
     def data_parallel_replicas(self) -> int:
@@ -290,6 +299,55 @@ class ExactAccumulation(Strategy):
         return (epoch_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
             epoch_loop.batch_progress.is_last_batch
         )
+
+    # ------------------------------------------------------------------ evaluation
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        self._evaluate(output, args, kwargs)
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        self._evaluate(output, args, kwargs)
+        return output
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._evaluation.start("validate")
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._evaluation.start("test")
+
+    def _evaluate(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Weigh an evaluation step's output like a training micro-batch (:mod:`~.evaluation`)."""
+        trainer = self._trainer()
+        if trainer.barebones:  # Lightning logs nothing then
+            return
+        # Lightning passes (batch, batch_idx[, dataloader_idx]) positionally; a direct call may name them.
+        batch = args[0] if args else kwargs.get("batch")
+        loader = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
+        engine = self._engine
+        self._evaluation.step(
+            output,
+            batch,
+            int(loader),
+            self.lightning_module,
+            engine.ledger.normalization,
+            engine.normalize,
+            engine.options.count_tokens,
+            self._evaluation_group(),
+            rank_zero_warn,
+        )
+
+    def _evaluation_group(self) -> Any:
+        """The process group an evaluation's sums are added over (``None``: every process, or no process group)."""
+        return None
 
     # ------------------------------------------------------------------ the update
 

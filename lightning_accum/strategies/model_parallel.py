@@ -170,6 +170,11 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         return tensor
 
     @override
+    def _evaluation_group(self) -> Any:
+        # Tensor-parallel ranks of one replica evaluate the same batch: sum over the data-parallel group only.
+        return self.device_mesh["data_parallel"].get_group()
+
+    @override
     def agree_slice_count(self, count: int, num_samples: int) -> int:
         # FSDP2 all-gathers in every forward and tensor parallelism communicates inside every layer: every rank must
         # run the same number of slices. One small all-reduce per loader batch, on the CPU (a gloo group when the
