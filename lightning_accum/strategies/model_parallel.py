@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed
 from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -38,11 +39,14 @@ from lightning_accum.options import AccumulationOptions
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, DISTRIBUTED_KEY, malformed
 from lightning_accum.strategies.closing import GroupClosing
+from lightning_accum.strategies.mesh_clipping import clip_grad_norm_, clip_grad_value_
 
 __all__ = ["GRADIENT_SYNC_MODES", "ModelParallelAccumulationStrategy"]
 
 #: The values of ``gradient_sync``.
 GRADIENT_SYNC_MODES = ("every_microbatch", "last_microbatch")
+#: The precision plugin's clipping methods the strategy routes through `mesh_clipping` (see `_clip_over_the_mesh`).
+_CLIPPING = ("clip_grad_by_norm", "clip_grad_by_value")
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -238,6 +242,29 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             self.root_device, Replicas(self.data_parallel_replicas, self.reduce_sum, check_sum=self._sum_over_mesh)
         )
         self._closing.rank = self.global_rank  # each rank checks its own shard: name it beside a non-finite gradient
+        self._clip_over_the_mesh()
+
+    @override
+    def teardown(self) -> None:
+        for name in _CLIPPING:
+            self.precision_plugin.__dict__.pop(name, None)
+        super().teardown()
+
+    def _clip_over_the_mesh(self) -> None:
+        """Route the precision plugin's clipping (``gradient_clip_val=``, ``self.clip_gradients``) through
+        :mod:`~lightning_accum.strategies.mesh_clipping`: torch's fails on models that mix DTensor and plain
+        parameters. Set on the plugin instance, for the run; a plugin class that clips its own way keeps it."""
+        plugin = self.precision_plugin
+
+        def by_norm(optimizer: Any, clip_val: float) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+        def by_value(optimizer: Any, clip_val: float) -> None:
+            clip_grad_value_(plugin.main_params(optimizer), clip_val)
+
+        for name, ours in zip(_CLIPPING, (by_norm, by_value), strict=True):
+            if getattr(type(plugin), name) is getattr(Precision, name):
+                setattr(plugin, name, ours)
 
     def _check_sharded(self) -> None:
         from torch.distributed.fsdp import FSDPModule

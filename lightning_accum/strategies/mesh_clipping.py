@@ -1,0 +1,92 @@
+"""Gradient clipping for models whose parameters mix DTensors (on one or several device meshes) and plain tensors.
+
+A Hugging Face Llama or GPT-2 whose linears are tensor-parallel keeps its embedding, norms and ``lm_head`` as plain
+tensors (replicated on every rank of the mesh). torch's ``clip_grad_norm_`` (what Lightning's precision plugins
+call) then fails in ``aten._foreach_norm`` with "got mixed torch.Tensor and DTensor"; FSDP2 over tensor parallelism
+puts parameters on a 2-D mesh and on its data-parallel sub-mesh, which the fused norm cannot mix either.
+
+:func:`clip_grad_norm_` here computes the norm of the whole model with every parameter counted once across the mesh:
+a DTensor's local shards' ``p``-th powers are summed over the mesh dimensions it is sharded on (one small collective
+per distinct layout, never a gathered gradient), a dimension it is replicated on counts it once, and a plain tensor,
+replicated everywhere, counts once without a collective. The factor, ``max_norm / (total + 1e-6)`` capped at 1, is
+torch's, and multiplies every local gradient: the same clipping as the one-device run of the same model. Clipping
+by value is element-wise and needs no norm: :func:`clip_grad_value_` clamps each local shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "total_norm"]
+
+
+def _local(grad: Tensor) -> Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def total_norm(grads: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all ``grads`` together, each counted once over its mesh (a float64 0-d tensor)."""
+    infinite = math.isinf(norm_type)
+    reduce_op = "max" if infinite else "sum"
+    device: torch.device | None = None
+    plain: list[Tensor] = []
+    layouts: dict[tuple[object, tuple[bool, ...]], list[Tensor]] = {}
+    for grad in grads:
+        device = device or _local(grad).device
+        if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):  # not a layout backward leaves; reduce it first
+                grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+            key = (grad.device_mesh, tuple(p.is_shard() for p in grad.placements))
+            layouts.setdefault(key, []).append(grad.to_local())
+        else:
+            plain.append(grad)
+    if device is None:
+        return torch.zeros((), dtype=torch.float64)
+    parts = [_power(plain, norm_type, device)]
+    for (mesh, sharded), locals_ in layouts.items():
+        local = _power(locals_, norm_type, device)
+        placements = [Partial(reduce_op) if shard else Replicate() for shard in sharded]
+        # The sharded dimensions add (or take the max of) their ranks' parts; a replicated one holds it once.
+        parts.append(DTensor.from_local(local, mesh, placements, run_check=False).full_tensor())  # type: ignore[arg-type]
+    combined = torch.stack(parts)
+    return combined.max() if infinite else combined.sum() ** (1.0 / norm_type)
+
+
+def _power(tensors: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    """``Σ ‖t‖^p`` over ``tensors`` (the max for the infinity norm), in float32 on ``device``."""
+    if not tensors:
+        return torch.zeros((), device=device, dtype=torch.float64)
+    # Each norm in its tensor's precision (half precision in float32), combined in float64.
+    norms = torch.stack([_norm(t, norm_type).to(device=device, dtype=torch.float64) for t in tensors])
+    return norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
+
+
+def _norm(tensor: Tensor, norm_type: float) -> Tensor:
+    dtype = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else None
+    return torch.linalg.vector_norm(tensor, norm_type, dtype=dtype)
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Scale the gradients of ``parameters`` so that their total norm is at most ``max_norm``; return the norm
+    before clipping. Equal to ``torch.nn.utils.clip_grad_norm_`` on the same model on one device."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = total_norm(grads, float(norm_type))
+    if not grads:
+        return norm
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for grad in grads:
+        local = _local(grad)
+        local.mul_(factor.to(device=local.device, dtype=local.dtype))
+    return norm
+
+
+def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
+    """Clamp every gradient element of ``parameters`` to ``[-clip_value, clip_value]`` (each local shard in place)."""
+    for p in parameters:
+        if p.grad is not None:
+            _local(p.grad).clamp_(-clip_value, clip_value)
