@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchmetrics.text import Perplexity
 
 import lightning_accum
-from lightning_accum import AccumulationCheck, AccumulationReport, AxisLogger
+from lightning_accum import AccumulationCheck, AccumulationReport, AxisLogger, AxisProgressBar
 
 IGNORE_INDEX = -100
 EFFECTIVE_BATCH = 32
@@ -178,8 +178,13 @@ class TinyGPT(L.LightningModule):
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
         return {"loss": loss, "num_tokens": (batch["labels"] != IGNORE_INDEX).sum()}
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self.val_perplexity.update(self(batch["input_ids"]), batch["labels"])
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        logits = self(batch["input_ids"])
+        self.val_perplexity.update(logits, batch["labels"])  # for the plain Lightning runs' `val/loss`
+        # The training contract: the exact runs' strategy also logs `accum/val_loss` from it (the same value as
+        # `val/loss`: both weight every token of the set once, over every replica).
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+        return {"loss": loss, "num_tokens": (batch["labels"] != IGNORE_INDEX).sum()}
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_perplexity.compute().log()  # token-weighted over the whole set and all replicas
@@ -294,6 +299,10 @@ def train(config: Config, args: argparse.Namespace, index: int, count: int) -> f
     else:
         strategy = "accum_ddp_spawn" if config.replicas > 1 else "accum"
         callbacks = [AxisLogger(axis="tokens"), AccumulationReport()]
+        if not args.quiet:
+            # Applied updates out of `--updates`, the rate and the time left; outside a terminal (a log file, CI), one
+            # plain line every 10 s instead of a bar that shows nothing until the run ends.
+            callbacks.append(AxisProgressBar(axis="updates", interval=10.0))
         if index == 1:  # the pre-flight check once: one group against the same examples in one batch
             callbacks.append(AccumulationCheck())
     trainer = L.Trainer(

@@ -12,7 +12,7 @@ Layout (each module imports only the ones above it)::
     engine                               the arithmetic of a run, composed of the above (no Lightning)
     schedules, axis_lr                   schedulers that follow applied updates; rates as a function of tokens
     strategies/                          Lightning's hooks adapted to the engine (base, single, ddp, model_parallel)
-    callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon
+    callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon, AxisProgressBar
 
 Example:
     >>> import lightning_accum
@@ -22,7 +22,14 @@ Example:
 """
 
 from lightning_accum.axis_lr import AxisLR, warmup_cosine, warmup_linear
-from lightning_accum.callbacks import AccumulationCheck, AccumulationCheckError, AccumulationReport, AxisLogger, Horizon
+from lightning_accum.callbacks import (
+    AccumulationCheck,
+    AccumulationCheckError,
+    AccumulationReport,
+    AxisLogger,
+    AxisProgressBar,
+    Horizon,
+)
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.options import AccumulationOptions
@@ -45,6 +52,7 @@ __all__ = [
     "AccumulationStrategy",
     "AxisLR",
     "AxisLogger",
+    "AxisProgressBar",
     "DDPAccumulationStrategy",
     "ExactAccumulation",
     "GroupRecord",

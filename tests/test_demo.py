@@ -88,6 +88,11 @@ def test_two_demo_runs_in_a_row(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert len(list(folder.glob("events.out.tfevents.*"))) == 1, config.name
         steps = scalar_steps(folder)
         assert {"accum/loss", "val/loss"} <= steps.keys(), config.name
+        if not config.plain:  # the strategy's accum/val_loss and the demo's own token-summing metric agree
+            values = demo.read_curves(folder, "accum/val_loss")
+            assert [x for x, _ in values] == steps["val/loss"], config.name
+            for (_, exact), (_, own) in zip(values, demo.read_curves(folder, "val/loss"), strict=True):
+                assert exact == pytest.approx(own, rel=1e-5), config.name
         for tag, values in steps.items():
             assert all(a < b for a, b in itertools.pairwise(values)), (config.name, tag, values)
             assert len(values) == len(set(values)), (config.name, tag)

@@ -71,7 +71,7 @@ def test_report_of_a_run_with_a_partial_group(tmp_path: Path, capsys: pytest.Cap
     }
     assert record["updates"] == {"attempted": 3, "applied": 3, "skipped": {"empty": 0, "nonfinite": 0, "overflow": 0}}
     memory = record["memory"]
-    assert "ru_maxrss" in memory["source"] and memory["unit"] == "bytes"
+    assert "VmHWM" in memory["source"] and memory["unit"] == "bytes"  # this fit's peak (Linux)
     assert 0 < memory["first_group_peak"][0] <= memory["run_peak"][0]
     assert record["time"]["wall_seconds"] > 0
     assert record["time"]["tokens_per_second"] == pytest.approx(sum(lengths) / record["time"]["wall_seconds"])
@@ -248,3 +248,30 @@ def test_an_error_in_an_earlier_setup_stays_the_only_error(tmp_path: Path) -> No
         fit(TinyLM(), make_examples([3] * 8), 2, 2, strategy="auto", callbacks=[AxisLogger(axis="tokens"), report])
     assert caught.value.__context__ is None and caught.value.__cause__ is None  # no second, chained error
     assert not (tmp_path / REPORT_FILENAME).exists() and report.written_to is None
+
+
+class _HoldMemory(L.Callback):
+    """Holds `megabytes` of touched memory from the first batch to the end of training (a large first fit)."""
+
+    def __init__(self, megabytes: int) -> None:
+        self.megabytes = megabytes
+        self.block: torch.Tensor | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self.block is None:
+            self.block = torch.ones(self.megabytes * 2**20 // 4)  # float32, every page written
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.block = None
+
+
+def test_the_second_fit_in_a_process_reports_its_own_peak_memory(tmp_path: Path) -> None:
+    examples = make_examples(random_lengths(8, seed=3), seed=3)
+    peaks = []
+    for name, callbacks in (("first", [_HoldMemory(400)]), ("second", [])):
+        report = AccumulationReport(path=tmp_path / name)
+        fit(TinyLM(), examples, batch_size=2, accumulate=2, callbacks=[*callbacks, report])
+        record = json.loads((tmp_path / name / REPORT_FILENAME).read_text())
+        peaks.append(record["memory"]["run_peak"][0])
+    # The first fit's 400 MB block is gone before the second starts; a lifetime peak would report it again.
+    assert peaks[0] - peaks[1] > 300 * 2**20, [p / 2**20 for p in peaks]

@@ -251,7 +251,7 @@ class AxisLogger(Callback):
             fields["seen"] = format_count(ledger.tokens, "tok")
         else:
             fields["seen"] = format_count(ledger.samples, "sp")
-        fields["skipped"] = ledger.skipped_total
+        fields["skipped"] = str(ledger.skipped_total)  # text: Rich's bar shows every number as "0.000"
         return fields
 
     # ------------------------------------------------------------------ group metrics

@@ -26,13 +26,37 @@ REPORT_FILENAME = "accumulation_report.json"
 REPORT_SCHEMA = "lightning_accum.report/1"
 
 
-def _peak_memory(device: torch.device) -> tuple[int, str]:
+_PEAK_SINCE_RESET = "VmHWM (peak RSS since the fit started: reset through /proc/self/clear_refs)"
+
+
+def _reset_peak_memory(device: torch.device) -> bool:
+    """Start the peak of this fit: CUDA's allocator peak, or on Linux the process's peak resident set (writing ``5`` to
+    ``/proc/self/clear_refs`` resets it, Linux 4.0 and later). ``False`` where the peak cannot be reset (macOS, a
+    ``/proc`` that refuses the write): the report then gives the process's lifetime peak and says so."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _peak_memory(device: torch.device, since_reset: bool) -> tuple[int, str]:
     """Peak memory in bytes on ``device`` and where the number comes from."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated (CUDA allocator peak)"
+    if since_reset:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, _PEAK_SINCE_RESET
     # ru_maxrss is in kilobytes on Linux and bytes on macOS; it is the process's lifetime peak.
     scale = 1 if sys.platform == "darwin" else 1024
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale, "getrusage ru_maxrss (process peak RSS)"
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+    return peak, "getrusage ru_maxrss (process lifetime peak RSS, earlier fits included)"
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -92,9 +116,11 @@ class AccumulationReport(Callback):
     ``ledger``                           the ledger's state
     ==================================== ===============================================================
 
-    The first group's peak is read after the first update (backward and optimizer state included);
-    on CPU the source is the process's peak resident memory, a lifetime peak that includes what the
-    process held before ``fit``.
+    The first group's peak is read after the first update (backward and optimizer state included). Both peaks
+    are this fit's: CUDA's allocator peak is reset at the start of training, and on Linux so is the process's peak
+    resident memory (``/proc/self/clear_refs``), so the second of two fits in one process reports its own peak.
+    Where the resident peak cannot be reset (macOS), it is the process's lifetime peak and ``source`` says so. On
+    CPU the resident set includes what the process held before ``fit`` (the model, the data, the interpreter).
 
     The console table shows memory in MiB and rates per second, and ends with the JSON file's path
     (also kept in :attr:`written_to`). When the Trainer stops before this callback's ``setup`` ran
@@ -127,6 +153,7 @@ class AccumulationReport(Callback):
         self._microbatch_min: int | None = None
         self._microbatch_max: int | None = None
         self._first_group_peak: int | None = None
+        self._peak_reset = False  # whether this fit's peak was reset at its start (see `_reset_peak_memory`)
         self._written = False
 
     @staticmethod
@@ -153,8 +180,7 @@ class AccumulationReport(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._reset()
         self._start = time.perf_counter()
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        self._peak_reset = _reset_peak_memory(trainer.strategy.root_device)
 
     def _on_group(self, group: GroupRecord, batch_samples: Sequence[int]) -> None:
         if batch_samples:
@@ -170,7 +196,7 @@ class AccumulationReport(Callback):
         self._samples_per_update.append(group.samples)
         self._tokens_per_update.append(group.tokens)
         if self._first_group_peak is None and self._trainer is not None:
-            self._first_group_peak = _peak_memory(self._trainer.strategy.root_device)[0]
+            self._first_group_peak = _peak_memory(self._trainer.strategy.root_device, self._peak_reset)[0]
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -198,7 +224,7 @@ class AccumulationReport(Callback):
         ledger = self._ledger(trainer)
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
         device = trainer.strategy.root_device
-        run_peak, source = _peak_memory(device)
+        run_peak, source = _peak_memory(device, self._peak_reset)
         # -1 marks "none" in the gathered integer tensor only; the record says None.
         first_peak = self._first_group_peak if self._first_group_peak is not None else -1
         low = self._microbatch_min if self._microbatch_min is not None else -1
