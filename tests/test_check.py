@@ -315,3 +315,22 @@ def test_manual_optimization_is_named() -> None:
 
     with pytest.raises(RuntimeError, match=r"AccumulationCheck calls `training_step` as automatic.*is False"):
         fit(ManualLM(), make_examples([3, 4]), batch_size=1, accumulate=1, callbacks=[AccumulationCheck()])
+
+
+def test_a_check_at_one_microbatch_says_what_it_could_not_check(caplog: pytest.LogCaptureFixture) -> None:
+    check = AccumulationCheck()
+    with caplog.at_level("INFO"):
+        fit(TinyLM(), examples(8), batch_size=2, accumulate=1, callbacks=[check])
+    assert check.result is not None and check.result.passed
+    assert any("not the weighting of micro-batches" in note for note in check.result.notes)
+    assert "1 micro-batch(es) match one batch" in caplog.text and "not the weighting of micro-batches" in caplog.text
+    accumulated = AccumulationCheck()
+    fit(TinyLM(), examples(8), batch_size=2, accumulate=A, callbacks=[accumulated])
+    assert accumulated.result is not None and accumulated.result.notes == []  # SGD, A = 4: nothing to add
+
+
+def test_an_adam_type_optimizer_gets_the_note_on_float32_amplification() -> None:
+    check = AccumulationCheck()
+    fit(TinyLM(lr=0.1, optimizer="adamw"), examples(8), batch_size=2, accumulate=A, callbacks=[check])
+    assert check.result is not None and check.result.passed
+    assert [note for note in check.result.notes if note.startswith("AdamW divides each element")]

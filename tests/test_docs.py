@@ -56,3 +56,18 @@ def test_readme_python_blocks_run_in_order(tmp_path: Path) -> None:
             exec(compile(block, "README.md", "exec"), namespace)
     finally:
         os.chdir(cwd)
+
+
+def test_the_quickstart_runs_without_lightnings_logging_interval_warning(tmp_path: Path) -> None:
+    import warnings
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")  # the suite's filters ignore this warning elsewhere
+            for block in BLOCK.findall((DOCS / "quickstart.md").read_text()):
+                exec(compile(block, "quickstart.md", "exec"), {"__name__": "__docs__"})
+    finally:
+        os.chdir(cwd)
+    assert not [w for w in seen if "logging interval" in str(w.message)]

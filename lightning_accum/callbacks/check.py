@@ -7,7 +7,7 @@ import random
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,6 +89,8 @@ class CheckResult:
         microbatches: Micro-batches of the checked group on this replica.
         errors: Failures (raised as :class:`AccumulationCheckError` when ``strict``).
         warnings: Findings that are reported but do not fail the check.
+        notes: What the check could not see (one micro-batch on one replica: nothing accumulated), and how close
+            runs of other splits can be expected to stay (Adam-type optimizers); printed with the result.
     """
 
     relative_error: float
@@ -96,6 +98,7 @@ class CheckResult:
     microbatches: int
     errors: list[str]
     warnings: list[str]
+    notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -263,7 +266,9 @@ class AccumulationCheck(Callback):
         if replicas > 1:
             warnings.extend(self._replica_findings(trainer, batches))
         warnings.extend(self._evaluation_findings(strategy))
-        return CheckResult(rel, ratio, len(batches), errors, warnings)
+        return CheckResult(
+            rel, ratio, len(batches), errors, warnings, _notes(len(batches), replicas, strategy, optimizer)
+        )
 
     def _evaluation_findings(self, strategy: ExactAccumulation) -> list[str]:
         """Why the validation loss is not on the exact footing, once the strategy has seen a validation step (the
@@ -562,16 +567,40 @@ class AccumulationCheck(Callback):
                 raise AccumulationCheckError(text)
             rank_zero_warn(text)
             return
+        notes = "".join(f" Note: {note}" for note in result.notes)
         if result.warnings:
-            rank_zero_info(f"AccumulationCheck passed with {len(result.warnings)} warning(s).")
+            rank_zero_info(f"AccumulationCheck passed with {len(result.warnings)} warning(s).{notes}")
             return
         rank_zero_info(
-            f"AccumulationCheck passed: {result.microbatches} micro-batches match one batch of the same examples"
-            f" (relative error {result.relative_error:.2e}, ratio {result.ratio:.6f})."
+            f"AccumulationCheck passed: {result.microbatches} micro-batch(es) match one batch of the same examples"
+            f" (relative error {result.relative_error:.2e}, ratio {result.ratio:.6f}).{notes}"
         )
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _notes(microbatches: int, replicas: int, strategy: ExactAccumulation, optimizer: Optimizer) -> list[str]:
+    """What a passed check does not say: see :attr:`CheckResult.notes`."""
+    notes = []
+    if microbatches == 1 and replicas == 1 and strategy.slicing.configured is None:
+        notes.append(
+            "with one micro-batch per update on one replica the group is the batch itself, so this compared the"
+            " strategy's step path and the loss's scale, not the weighting of micro-batches; run the check with"
+            " accumulate_grad_batches > 1 (or several replicas, or microbatch_size=) to check accumulation."
+        )
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or type(optimizer).__name__ in _ADAM_LIKE:
+        notes.append(
+            f"{type(optimizer).__name__} divides each element by the root of its second moment, which magnifies"
+            " float32 rounding where a gradient element is near zero: runs of other splits (m, A, D) start from"
+            " gradients equal to ~1e-7 (this check) but their parameters may drift apart by far more over many"
+            " updates, without any weighting error. Compare gradients (this check), or SGD / float64 runs, to"
+            " verify exactness (docs/concepts.md, 'How close is exact')."
+        )
+    return notes
+
+
+_ADAM_LIKE = {"Adamax", "NAdam", "RAdam", "Adafactor", "Adam8bit", "AdamW8bit", "Adagrad"}
 
 
 def _prepare_batch(trainer: Trainer, module: LightningModule, batch: Any) -> Any:
