@@ -332,17 +332,9 @@ class ExactAccumulation(Strategy):
         # Lightning passes (batch, batch_idx[, dataloader_idx]) positionally; a direct call may name them.
         batch = args[0] if args else kwargs.get("batch")
         loader = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
-        engine = self._engine
+        module = self.lightning_module
         self._evaluation.step(
-            output,
-            batch,
-            int(loader),
-            self.lightning_module,
-            engine.ledger.normalization,
-            engine.normalize,
-            engine.options.count_tokens,
-            self._evaluation_group(),
-            rank_zero_warn,
+            output, batch, int(loader), module, self._engine, self._evaluation_group(), rank_zero_warn
         )
 
     def _evaluation_group(self) -> Any:

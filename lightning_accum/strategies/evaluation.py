@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_accum.engine import AccumulationEngine
 from lightning_accum.microbatch import Count, as_count, choose_unit, parse_step_output
 
 __all__ = ["EVALUATION_KEYS", "ExactEvaluation", "WeightedMean"]
@@ -128,21 +129,21 @@ class ExactEvaluation:
         batch: Any,
         dataloader_idx: int,
         module: Any,
-        training_unit: str | None,
-        normalize: str,
-        count_tokens: Any,
+        engine: AccumulationEngine,
         sync_group: Any,
         warn: Any,
     ) -> None:
-        """Record one evaluation step's ``output`` and log the loader's metrics through ``module.log``."""
+        """Record one evaluation step's ``output`` and log the loader's metrics through ``module.log``; the unit is
+        ``engine``'s (its training's, or chosen by its ``normalize=`` option from the first batch)."""
         run = self._run
         if run is None or run.active is False:
             return
-        loss, tokens, samples = _read(output, batch, count_tokens, run.stage)
+        loss, tokens, samples = _read(output, batch, engine.options.count_tokens, run.stage)
         if run.active is None:
             reported = isinstance(output, Mapping) and output.get("num_samples") is not None
             has_tokens = tokens is not None and not reported
-            unit = training_unit or choose_unit(normalize, has_tokens, samples is not None)[0]
+            normalize = engine.normalize
+            unit = engine.ledger.normalization or choose_unit(normalize, has_tokens, samples is not None)[0]
             why = _inactive(loss, unit, tokens, samples, run.stage, normalize)
             self.findings[run.stage] = why
             run.active, run.unit = why is None, unit
