@@ -12,7 +12,7 @@ Layout (each module imports only the ones above it)::
     engine                               the arithmetic of a run, composed of the above (no Lightning)
     schedules, axis_lr                   schedulers that follow applied updates; rates as a function of tokens
     strategies/                          Lightning's hooks adapted to the engine (base, single, ddp, model_parallel)
-    callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon, AxisProgressBar
+    callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon, the progress bars
 
 Example:
     >>> import lightning_accum
@@ -28,6 +28,7 @@ from lightning_accum.callbacks import (
     AccumulationReport,
     AxisLogger,
     AxisProgressBar,
+    AxisRichProgressBar,
     Horizon,
 )
 from lightning_accum.engine import AccumulationEngine
@@ -53,6 +54,7 @@ __all__ = [
     "AxisLR",
     "AxisLogger",
     "AxisProgressBar",
+    "AxisRichProgressBar",
     "DDPAccumulationStrategy",
     "ExactAccumulation",
     "GroupRecord",

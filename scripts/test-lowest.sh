@@ -21,7 +21,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/lowest
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet -c requirements/lowest.txt torch==2.13.0
   "$VENV/bin/python" -m pip install --quiet -c requirements/lowest.txt -e . lightning pytorch-lightning torchmetrics \
-    tensorboard pytest pytest-timeout hypothesis "jsonargparse[signatures]"
+    tensorboard rich pytest pytest-timeout hypothesis "jsonargparse[signatures]"
   touch "$stamp"
 fi
 "$VENV/bin/python" -c "import lightning; assert lightning.__version__ == '2.5.0', lightning.__version__"
@@ -29,7 +29,7 @@ export PYTHONHASHSEED=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not ddp" \
   lightning_accum tests/test_strategies.py tests/test_schedules.py tests/test_manual.py tests/test_mixed_precision.py \
   tests/test_engine.py tests/test_ledger.py tests/test_checkpoints.py tests/test_check.py tests/test_axis_logger.py \
-  tests/test_report.py tests/test_slicing.py tests/test_evaluation.py
+  tests/test_report.py tests/test_slicing.py tests/test_evaluation.py tests/test_progress.py
 # One 2-process DDP run: the spawn launcher extended with a private Lightning class (docs/internals.md).
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
   "tests/test_ddp.py::test_accum_ddp_spawn_matches_single_process_reference"

@@ -1,8 +1,9 @@
-"""AxisProgressBar: Lightning's TQDM bar counting the run's axis against a Horizon's budget, and plain lines outside a
-terminal."""
+"""AxisProgressBar and AxisRichProgressBar: Lightning's TQDM and Rich bars counting the run's axis against a Horizon's
+budget, and plain lines outside a terminal."""
 
 from __future__ import annotations
 
+import io
 import re
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 from helpers import IGNORE, ListDataset, TinyLM, make_examples
 from torch.utils.data import DataLoader
 
-from lightning_accum import AxisProgressBar, Horizon
+from lightning_accum import AxisProgressBar, AxisRichProgressBar, Horizon
 
 LENGTHS = [6, 1, 5, 2, 6, 1, 4, 1, 6, 2, 5, 1, 6, 1, 3, 2] * 2
 BUDGET = 80  # tokens: Horizon stops after the update that reaches it (the data holds 104)
@@ -22,7 +23,7 @@ class Validated(TinyLM):
         return {"loss": self.mean_loss(batch), "num_tokens": (batch["labels"] != IGNORE).sum()}
 
 
-def _fit(bar: AxisProgressBar, budget: int | None = BUDGET, **kwargs: Any) -> L.Trainer:
+def _fit(bar: AxisProgressBar | AxisRichProgressBar, budget: int | None = BUDGET, **kwargs: Any) -> L.Trainer:
     callbacks: list[L.Callback] = [bar]
     if budget is not None:
         callbacks.append(Horizon(axis="tokens", stop_at=budget))
@@ -63,8 +64,11 @@ def test_without_a_budget_the_bar_counts_without_a_total() -> None:
     assert bar.train_progress_bar.n == trainer.strategy.ledger.samples == len(LENGTHS)  # type: ignore[attr-defined]
 
 
-def test_plain_lines_at_a_steady_interval_and_after_each_validation(capsys: pytest.CaptureFixture[str]) -> None:
-    bar = AxisProgressBar(axis="tokens", plain=True, interval=1e-9)  # every micro-batch: the test's own clock
+@pytest.mark.parametrize("kind", [AxisProgressBar, AxisRichProgressBar])
+def test_plain_lines_at_a_steady_interval_and_after_each_validation(
+    kind: type[AxisProgressBar | AxisRichProgressBar], capsys: pytest.CaptureFixture[str]
+) -> None:
+    bar = kind(axis="tokens", plain=True, interval=1e-9)  # every micro-batch: the test's own clock
     trainer = _fit(bar, val_check_interval=4, num_sanity_val_steps=0)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
     ledger = trainer.strategy.ledger  # type: ignore[attr-defined]
@@ -75,11 +79,61 @@ def test_plain_lines_at_a_steady_interval_and_after_each_validation(capsys: pyte
     validations = [line for line in lines if "accum/val_loss" in line]
     assert len(validations) >= 2 and all("accum/val_perplexity" in line for line in validations)
     assert f"updates {ledger.updates_applied} applied, 0 skipped" in lines[-1] and "left 0:00:00" in lines[-1]
+    # Horizon stops inside epoch 0 (the data holds 104 tokens); the Trainer's epoch reads 1 once it has ended.
+    assert trainer.current_epoch == 1 and lines[-1].startswith("epoch 0 |"), lines[-1]
+
+
+def _rich(axis: str = "tokens") -> tuple[AxisRichProgressBar, io.StringIO]:
+    screen = io.StringIO()  # a terminal without colours, 160 columns wide
+    console = {"file": screen, "force_terminal": True, "width": 160, "color_system": None}
+    return AxisRichProgressBar(axis=axis, plain=False, console_kwargs=console), screen
+
+
+def _frames(screen: io.StringIO) -> list[str]:
+    """The lines Rich drew, without the terminal's control sequences."""
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
+    return [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
+
+
+def test_the_rich_bar_counts_tokens_against_the_budget_over_the_whole_fit() -> None:
+    bar, screen = _rich()
+    trainer = _fit(bar, limit_val_batches=0)
+    ledger = trainer.strategy.ledger  # type: ignore[attr-defined]
+    frames = [line for line in _frames(screen) if line.startswith("tokens")]
+    print(frames[-1])  # e.g. "tokens ━━━━━━━━ 92/80 tok 0:00:00 • 0:00:00 2.7k tok/s applied: 7 skipped: 0 ..."
+    final = frames[-1]
+    assert ledger.tokens > BUDGET and f" {ledger.tokens}/{BUDGET} tok " in final, final
+    assert re.search(r" [\d.]+k? tok/s ", final) and "it/s" not in final, final
+    assert f"applied: {ledger.updates_applied} " in final and "skipped: 0 " in final, final  # not "0.000"
+    assert not any("Epoch" in line for line in frames)  # one task over the fit, not Lightning's per epoch
+    # Every frame of the training task counts tokens: the first one too (the task is drawn once it is known).
+    counts = [int(re.search(r" (\d+)/80 tok ", line).group(1)) for line in frames]  # type: ignore[union-attr]
+    assert counts == sorted(counts) and counts[-1] == ledger.tokens
+
+
+def _row(bar: AxisRichProgressBar, task_id: Any) -> str:
+    """One task's text columns as Rich renders them (whatever the refresh thread happened to draw)."""
+    assert bar.progress is not None
+    task = next(task for task in bar.progress.tasks if task.id == task_id)
+    cells = [column(task) for column in bar.progress.columns]
+    return " ".join(cell.plain for cell in cells if hasattr(cell, "plain"))
+
+
+def test_the_rich_bar_without_a_budget_and_lightnings_tasks_beside_it() -> None:
+    bar, _ = _rich("samples")
+    trainer = _fit(bar, budget=None, max_epochs=2, num_sanity_val_steps=2)
+    ledger = trainer.strategy.ledger  # type: ignore[attr-defined]
+    train = _row(bar, bar.train_progress_bar_id)
+    assert train.startswith("samples") and f" {ledger.samples} sp " in train and " sp/s" in train, train
+    # Lightning's tasks keep Lightning's columns: micro-batches and it/s.
+    sanity, validation = _row(bar, bar.val_sanity_progress_bar_id), _row(bar, bar.val_progress_bar_id)
+    assert sanity.startswith("Sanity Checking") and " 2/2 " in sanity and "it/s" in sanity, sanity
+    assert validation.startswith("Validation") and " 2/2 " in validation and "it/s" in validation, validation
 
 
 def test_plain_mode_is_the_default_outside_a_terminal() -> None:
     # pytest captures standard output: not a terminal.
-    assert AxisProgressBar().plain is True
+    assert AxisProgressBar().plain is True and AxisRichProgressBar().plain is True
     with pytest.raises(ValueError, match="`interval` must be > 0 seconds"):
         AxisProgressBar(interval=0)
     with pytest.raises(ValueError, match="`axis` must be one of"):

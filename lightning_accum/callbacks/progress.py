@@ -1,12 +1,14 @@
 """Progress on the run's own axis: tokens (or samples, or applied updates) done out of the budget, the rate, the time
 left, applied and skipped updates.
 
-Lightning's bar counts micro-batches of the epoch (``640/40`` against ``max_steps`` with ``A = 16``) and has nothing
-to count against on a token budget; outside a terminal (a log file, CI, a cluster job) its carriage-return updates
-show nothing readable until a run ends. :class:`AxisProgressBar` is Lightning's ``TQDMProgressBar`` whose training
-bar counts the ledger's exact count over the whole fit against the budget a :class:`~lightning_accum.Horizon` sets
-(``stop_at`` on the same axis; ``max_steps`` for ``axis="updates"``), and which, when the output is not a terminal,
-prints one plain line at a steady interval instead (:func:`progress_line`).
+Lightning's bars count micro-batches of the epoch (``640/40`` against ``max_steps`` with ``A = 16``) and have nothing
+to count against on a token budget; outside a terminal (a log file, CI, a cluster job) their carriage-return updates
+show nothing readable until a run ends. :class:`AxisProgressBar` (Lightning's ``TQDMProgressBar``) and
+:class:`AxisRichProgressBar` (Lightning's ``RichProgressBar``) draw one training bar over the whole fit that counts
+the ledger's exact count against the budget a :class:`~lightning_accum.Horizon` sets (``stop_at`` on the same axis;
+``max_steps`` for ``axis="updates"``), and, when the output is not a terminal, print one plain line at a steady
+interval instead (:func:`progress_line`). What the two share is :class:`_AxisBar`; each adds only how its library
+draws the training bar.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
 from typing_extensions import override
 
 from lightning_accum.callbacks.common import accumulation_strategy, format_count
@@ -25,10 +29,10 @@ from lightning_accum.callbacks.horizon import Horizon
 from lightning_accum.ledger import AXES, AccumulationLedger
 from lightning_accum.options import validate_choice
 
-__all__ = ["AxisProgressBar", "progress_line", "run_budget"]
+__all__ = ["AxisProgressBar", "AxisRichProgressBar", "progress_line", "run_budget"]
 
-#: The unit each axis is counted in, as the bar shows it.
-_UNITS = {"tokens": "tok", "samples": "sp", "updates": "upd"}
+#: The unit each axis is counted in, as the bars show it.
+UNITS = {"tokens": "tok", "samples": "sp", "updates": "upd"}
 
 
 def run_budget(trainer: Trainer, axis: str) -> int | None:
@@ -50,7 +54,7 @@ def _duration(seconds: float) -> str:
 def progress_line(
     ledger: AccumulationLedger, axis: str, budget: int | None, start_count: int, elapsed: float, epoch: int
 ) -> str:
-    """One plain line of progress (what :class:`AxisProgressBar` prints outside a terminal): exact counts.
+    """One plain line of progress (what the bars print outside a terminal): exact counts.
 
     Example:
         >>> ledger = AccumulationLedger()
@@ -64,7 +68,7 @@ def progress_line(
         updates 12 applied, 0 skipped
     """
     count = int(getattr(ledger, AXES[axis]))
-    unit = _UNITS[axis]
+    unit = UNITS[axis]
     parts = [f"epoch {epoch}"]
     if budget:
         parts.append(f"{axis} {count:,}/{budget:,} ({100.0 * count / budget:.1f}%)")
@@ -82,7 +86,120 @@ def progress_line(
     return " | ".join(parts)
 
 
-class AxisProgressBar(TQDMProgressBar):
+class _AxisBar(ProgressBar):
+    """What both bars share: the count on the axis, the budget, the plain lines, the counts in the metrics.
+
+    A mixin placed before Lightning's bar class (``class AxisProgressBar(_AxisBar, TQDMProgressBar)``): its
+    ``super()`` calls reach Lightning's hooks. A subclass adds ``_open(trainer)`` (the training bar at the fit's
+    start, counting from ``self._start[0]`` to ``self._budget``) and ``_draw(trainer, pl_module)`` (the bar at the
+    ledger's count).
+    """
+
+    def _axis_options(self, axis: str, plain: bool | None, interval: float) -> None:
+        self.axis = validate_choice("axis", axis, AXES)
+        if not interval > 0:
+            raise ValueError(f"`interval` must be > 0 seconds, got {interval!r}. Pass e.g. `interval=30.0`.")
+        self.plain = (not sys.stdout.isatty()) if plain is None else bool(plain)
+        self.interval = float(interval)
+        self._budget: int | None = None
+        self._start = (0, 0.0)  # (count, time) when the fit's training started
+        self._next_line = 0.0
+        self._epoch = 0  # the epoch that runs (the Trainer's counts one more once an epoch has ended)
+
+    # ------------------------------------------------------------------ what the bar counts
+
+    def _ledger(self, trainer: Trainer) -> AccumulationLedger:
+        return accumulation_strategy(trainer, type(self).__name__).ledger
+
+    def _count(self, trainer: Trainer) -> int:
+        return int(getattr(self._ledger(trainer), AXES[self.axis]))
+
+    def _line(self, trainer: Trainer) -> str:
+        count, started = self._start
+        return progress_line(
+            self._ledger(trainer), self.axis, self._budget, count, time.monotonic() - started, self._epoch
+        )
+
+    def _say(self, trainer: Trainer, extra: str = "") -> None:
+        if trainer.is_global_zero:
+            print(self._line(trainer) + extra, flush=True)
+
+    #: Draw the training bar every this many micro-batches.
+    _draw_every = 1
+
+    def _open(self, trainer: Trainer) -> None:
+        raise NotImplementedError
+
+    def _draw(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        raise NotImplementedError
+
+    @override
+    def get_metrics(
+        self, trainer: Trainer, pl_module: LightningModule
+    ) -> dict[str, int | str | float | dict[str, float]]:
+        metrics = super().get_metrics(trainer, pl_module)
+        ledger = self._ledger(trainer)
+        # Counts as text: Rich's metrics column formats every number with three decimals ("skipped: 0.000").
+        metrics.update(applied=str(ledger.updates_applied), skipped=str(ledger.skipped_total))
+        return metrics
+
+    # ------------------------------------------------------------------ training
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._ledger(trainer)  # the accumulation strategy, or one error naming it
+        if self.plain:
+            self.disable()
+        super().setup(trainer, pl_module, stage)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._budget = run_budget(trainer, self.axis)
+        now = time.monotonic()
+        self._start = (self._count(trainer), now)
+        self._next_line = now + self.interval
+        self._epoch = trainer.current_epoch
+        if not self.plain:
+            self._open(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, *_: Any) -> None:
+        # One bar over the whole fit: Lightning's bars reset it per epoch, to the epoch's micro-batches.
+        self._epoch = trainer.current_epoch
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.plain:
+            if time.monotonic() >= self._next_line:
+                self._next_line = time.monotonic() + self.interval
+                self._say(trainer)
+        elif (batch_idx + 1) % self._draw_every == 0:
+            self._draw(trainer, pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.plain:
+            self._draw(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.plain:
+            self._say(trainer)
+        super().on_train_end(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if self.plain and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            values = {k: float(v) for k, v in trainer.callback_metrics.items() if "val" in k and v.numel() == 1}
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(values.items()))
+            self._say(trainer, f" | {shown}" if shown else "")
+
+
+class AxisProgressBar(_AxisBar, TQDMProgressBar):
     """Lightning's TQDM progress bar with the training bar on the run's axis, and a plain-line mode.
 
     The training bar covers the whole fit (not one epoch): ``n`` is the ledger's exact count on ``axis`` (tokens,
@@ -90,6 +207,7 @@ class AxisProgressBar(TQDMProgressBar):
     rate in units per second and the time left from the rate since the fit started; the postfix adds applied and
     skipped updates (whole numbers) to Lightning's metrics. The validation, test and sanity-check bars are
     Lightning's. It replaces Lightning's bar the usual way: ``Trainer(callbacks=[AxisProgressBar()])``.
+    :class:`AxisRichProgressBar` is the same on Lightning's Rich bar.
 
     ``plain=True`` (the default when standard output is not a terminal): no bars; one :func:`progress_line` every
     ``interval`` seconds of training, at the end of every validation and at the end of the fit, on global rank zero,
@@ -118,81 +236,18 @@ class AxisProgressBar(TQDMProgressBar):
         interval: float = 30.0,
     ) -> None:
         super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
-        self.axis = validate_choice("axis", axis, AXES)
-        if not interval > 0:
-            raise ValueError(f"`interval` must be > 0 seconds, got {interval!r}. Pass e.g. `interval=30.0`.")
-        self.plain = (not sys.stdout.isatty()) if plain is None else bool(plain)
-        self.interval = float(interval)
-        self._budget: int | None = None
-        self._start = (0, 0.0)  # (count, time) when the fit's training started
-        self._next_line = 0.0
-
-    # ------------------------------------------------------------------ what the bar counts
-
-    def _ledger(self, trainer: Trainer) -> AccumulationLedger:
-        return accumulation_strategy(trainer, "AxisProgressBar").ledger
-
-    def _count(self, trainer: Trainer) -> int:
-        return int(getattr(self._ledger(trainer), AXES[self.axis]))
-
-    def _line(self, trainer: Trainer) -> str:
-        count, started = self._start
-        return progress_line(
-            self._ledger(trainer), self.axis, self._budget, count, time.monotonic() - started, trainer.current_epoch
-        )
-
-    def _say(self, trainer: Trainer) -> None:
-        if trainer.is_global_zero:
-            print(self._line(trainer), flush=True)
+        self._axis_options(axis, plain, interval)
+        self._draw_every = self.refresh_rate  # micro-batches, as Lightning's TQDM bar (Rich's rate is per second)
 
     @override
-    def get_metrics(
-        self, trainer: Trainer, pl_module: LightningModule
-    ) -> dict[str, int | str | float | dict[str, float]]:
-        metrics = super().get_metrics(trainer, pl_module)
-        ledger = self._ledger(trainer)
-        # Counts as text: Rich's metrics column formats every number with three decimals ("skipped: 0.000").
-        metrics.update(applied=str(ledger.updates_applied), skipped=str(ledger.skipped_total))
-        return metrics
-
-    # ------------------------------------------------------------------ training
-
-    @override
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        accumulation_strategy(trainer, "AxisProgressBar")
-        if self.plain:
-            self.disable()
-        super().setup(trainer, pl_module, stage)
-
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        self._budget = run_budget(trainer, self.axis)
-        now = time.monotonic()
-        self._start = (self._count(trainer), now)
-        self._next_line = now + self.interval
+    def _open(self, trainer: Trainer) -> None:
         bar = self.train_progress_bar
-        bar.unit, bar.unit_scale = _UNITS[self.axis], True
+        bar.unit, bar.unit_scale = UNITS[self.axis], True
         bar.reset(total=self._budget)
         bar.initial = bar.n = self._start[0]
         bar.set_description(self.axis)
 
     @override
-    def on_train_epoch_start(self, trainer: Trainer, *_: Any) -> None:
-        pass  # one bar over the whole fit: Lightning's resets it per epoch, to the epoch's micro-batches
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self.plain:
-            if time.monotonic() >= self._next_line:
-                self._next_line = time.monotonic() + self.interval
-                self._say(trainer)
-            return
-        if (batch_idx + 1) % self.refresh_rate == 0:
-            self._draw(trainer, pl_module)
-
     def _draw(self, trainer: Trainer, pl_module: LightningModule) -> None:
         bar = self.train_progress_bar
         if bar is None or bar.disable:
@@ -205,22 +260,64 @@ class AxisProgressBar(TQDMProgressBar):
         bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
         bar.refresh()
 
-    @override
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self.plain:
-            self._draw(trainer, pl_module)
+
+class AxisRichProgressBar(_AxisBar, RichProgressBar):
+    """Lightning's Rich progress bar with the training bar on the run's axis, and the same plain-line mode.
+
+    As :class:`AxisProgressBar`, drawn by Rich (``pip install rich``, as for Lightning's ``RichProgressBar``): the
+    training task covers the whole fit and shows ``count/budget unit`` (``704/2.0k tok``), elapsed and remaining
+    time, and the rate in units per second (Rich's estimate over its last 30 seconds) instead of Lightning's
+    micro-batches and ``it/s``; applied and skipped updates appear with Lightning's metrics. The validation, test
+    and sanity-check tasks are Lightning's, as drawn by its columns.
+
+    Args:
+        axis: ``"tokens"``, ``"samples"`` or ``"updates"``.
+        refresh_rate: As in ``RichProgressBar``: redraws per second (``0`` disables the bars, not the plain lines).
+        leave: As in ``RichProgressBar``.
+        theme: As in ``RichProgressBar``.
+        console_kwargs: As in ``RichProgressBar``.
+        plain: Plain lines instead of bars; ``None``: when standard output is not a terminal.
+        interval: Seconds between plain lines.
+    """
+
+    def __init__(
+        self,
+        axis: str = "tokens",
+        refresh_rate: int = 100,
+        leave: bool = False,
+        theme: RichProgressBarTheme | None = None,
+        console_kwargs: dict[str, Any] | None = None,
+        plain: bool | None = None,
+        interval: float = 30.0,
+    ) -> None:
+        super().__init__(
+            refresh_rate=refresh_rate, leave=leave, theme=theme or RichProgressBarTheme(), console_kwargs=console_kwargs
+        )
+        self._axis_options(axis, plain, interval)
 
     @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.plain:
-            self._say(trainer)
-        super().on_train_end(trainer, pl_module)
+    def configure_columns(self, trainer: Trainer) -> list:
+        from lightning_accum.callbacks.rich_columns import axis_columns  # rich is optional, as for Lightning
+
+        return axis_columns(self, super().configure_columns(trainer), UNITS[self.axis])
 
     @override
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_validation_end(trainer, pl_module)
-        if self.plain and trainer.state.fn == "fit" and not trainer.sanity_checking:
-            values = {k: float(v) for k, v in trainer.callback_metrics.items() if "val" in k and v.numel() == 1}
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(values.items()))
-            if trainer.is_global_zero:
-                print(self._line(trainer) + (f" | {shown}" if shown else ""), flush=True)
+    def _open(self, trainer: Trainer) -> None:
+        if self.progress is None or self.is_disabled:
+            return
+        total = float("inf") if self._budget is None else float(self._budget)
+        # Hidden until the columns can tell it is the training task (adding a task draws the table).
+        self.train_progress_bar_id = self.progress.add_task(
+            self.axis, total=total, completed=self._start[0], visible=False
+        )
+        self.progress.update(self.train_progress_bar_id, visible=True)
+
+    @override
+    def _draw(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.progress is None or self.is_disabled or self.train_progress_bar_id is None:
+            return
+        # The total stays the budget: Rich draws a count past it as a full bar ("92/80 tok"), and a new total would
+        # reset the task's rate estimate.
+        self.progress.update(self.train_progress_bar_id, completed=self._count(trainer))
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
