@@ -594,7 +594,8 @@ def _notes(microbatches: int, replicas: int, strategy: ExactAccumulation, optimi
             f"{type(optimizer).__name__} divides each element by the root of its second moment, which magnifies"
             " float32 rounding where a gradient element is near zero: runs of other splits (m, A, D) start from"
             " gradients equal to ~1e-7 (this check) but their parameters may drift apart by far more over many"
-            " updates, without any weighting error. Compare gradients (this check), or SGD / float64 runs, to"
+            " updates, without any weighting error (the demo's transformer, 40 updates: 8e-6 relative with AdamW,"
+            " 1e-8 with SGD). Compare gradients (this check), or SGD / float64 runs, to"
             " verify exactness (docs/concepts.md, 'How close is exact')."
         )
     return notes
