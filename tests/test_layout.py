@@ -15,8 +15,6 @@ INTERNALS = ROOT / "docs" / "internals.md"
 LONG_CLASSES: dict[str, str] = {
     "engine.py:AccumulationEngine": "the engine's public surface (25 documented members the strategies, the check and"
     " users drive); its parts are modules of their own (group, decision, gradients, microbatch, ledger)",
-    "strategies/base.py:ExactAccumulation": "Lightning's hooks and the documented public seam (ledger, listeners,"
-    " use_engine, the manual API's docstrings); closing, manual, slicing and checkpoints are modules of their own",
     "callbacks/check.py:AccumulationCheck": "one callback whose diagnoses share the group it runs",
     "strategies/slicing.py:BatchSlicer": "one loader batch's slices and their out-of-memory retries",
 }
@@ -81,10 +79,15 @@ def test_nothing_below_the_schedules_imports_lightning() -> None:
 
 def test_classes_and_functions_stay_readable() -> None:
     too_long = []
+    exempt_and_long = set()
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if not isinstance(node, ast.ClassDef) or f"{path.relative_to(PACKAGE)}:{node.name}" in LONG_CLASSES:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            if f"{path.relative_to(PACKAGE)}:{node.name}" in LONG_CLASSES:
+                if node.end_lineno - node.lineno + 1 > 400:  # type: ignore[operator]
+                    exempt_and_long.add(f"{path.relative_to(PACKAGE)}:{node.name}")
                 continue
             if node.end_lineno - node.lineno + 1 > 400:  # type: ignore[operator]
                 too_long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1})")
@@ -98,3 +101,5 @@ def test_classes_and_functions_stay_readable() -> None:
                 if length > 60 and key not in LONG_FUNCTIONS:
                     too_long.append(f"{key} ({length})")
     assert not too_long, too_long
+    # An exemption outlives its reason once the class is short again (or gone): drop it from LONG_CLASSES.
+    assert exempt_and_long == set(LONG_CLASSES), sorted(set(LONG_CLASSES) - exempt_and_long)

@@ -15,7 +15,9 @@ With ``automatic_optimization = False`` every hook passes through (Lightning's b
 weighting through :meth:`ExactAccumulation.accumulate` and :meth:`ExactAccumulation.close_group`
 (:mod:`~lightning_accum.strategies.manual`). ``microbatch_size=`` runs a loader batch as slices
 (:mod:`~lightning_accum.strategies.slicing`). Checkpoints carry the ledger and an open group
-(:mod:`~lightning_accum.strategies.checkpoint`).
+(:mod:`~lightning_accum.strategies.checkpoint`; the strategy's side is the base class
+:class:`~lightning_accum.strategies.checkpoint_hooks.CheckpointHooks`); evaluation steps are weighted like training
+micro-batches (:mod:`~lightning_accum.strategies.evaluation`, whose ``EvaluationHooks`` is the other base class).
 
 ``trainer.global_step`` keeps Lightning's meaning (optimizer-step calls, a dropped partial group included); exact
 counts are in :attr:`ExactAccumulation.ledger`.
@@ -30,13 +32,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -45,28 +45,20 @@ from typing_extensions import override
 
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine, GroupListener, Replicas
-from lightning_accum.gradients import summed_gradients
 from lightning_accum.group import group_position
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
 from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
-from lightning_accum.strategies.checkpoint import (
-    CHECKPOINT_KEY,
-    OpenGroupCheckpoint,
-    own_slicing,
-    save_without_peers,
-    slicing_state,
-)
+from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, OpenGroupCheckpoint
+from lightning_accum.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_accum.strategies.closing import GroupClosing, enabled_scaler
-from lightning_accum.strategies.evaluation import ExactEvaluation
+from lightning_accum.strategies.evaluation import EvaluationHooks, ExactEvaluation
 from lightning_accum.strategies.manual import ManualGroups
 from lightning_accum.strategies.slicing import BatchSlicer
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
-
-_Path = str | Path  # what Lightning's checkpoint methods accept
 
 #: Optimizers known to evaluate the closure several times per update (a line search).
 _CLOSURE_EVALUATING: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
@@ -104,7 +96,7 @@ def _reevaluation_message(name: str, accumulate: int) -> str:
     )
 
 
-class ExactAccumulation(Strategy):
+class ExactAccumulation(CheckpointHooks, EvaluationHooks):
     """The public base of the accumulation strategies: the hooks they share and the interface callbacks use.
 
     Listed first in a strategy's bases so that its overrides wrap the Lightning strategy's own methods
@@ -300,47 +292,6 @@ class ExactAccumulation(Strategy):
             epoch_loop.batch_progress.is_last_batch
         )
 
-    # ------------------------------------------------------------------ evaluation
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().validation_step(*args, **kwargs)
-        self._evaluate(output, args, kwargs)
-        return output
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().test_step(*args, **kwargs)
-        self._evaluate(output, args, kwargs)
-        return output
-
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._evaluation.start("validate")
-
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self._evaluation.start("test")
-
-    def _evaluate(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Weigh an evaluation step's output like a training micro-batch (:mod:`~.evaluation`)."""
-        trainer = self._trainer()
-        if trainer.barebones:  # Lightning logs nothing then
-            return
-        # Lightning passes (batch, batch_idx[, dataloader_idx]) positionally; a direct call may name them.
-        batch = args[0] if args else kwargs.get("batch")
-        loader = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
-        module = self.lightning_module
-        self._evaluation.step(
-            output, batch, int(loader), module, self._engine, self._evaluation_group(), rank_zero_warn
-        )
-
-    def _evaluation_group(self) -> Any:
-        """The process group an evaluation's sums are added over (``None``: every process, or no process group)."""
-        return None
-
     # ------------------------------------------------------------------ the update
 
     @override
@@ -522,140 +473,6 @@ class ExactAccumulation(Strategy):
         _check_supported(self, trainer)
         if trainer.lightning_module.automatic_optimization:
             self._engine.warn_short_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _group_parameters(self) -> list[tuple[str, Tensor]]:
-        """The optimized parameters by name, in a fixed order (the same on every replica)."""
-        module = self.lightning_module
-        assert module is not None
-        optimized = {
-            id(p) for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]
-        }
-        return [(name, p) for name, p in module.named_parameters() if id(p) in optimized]
-
-    def _carry_gradients(self) -> dict[str, Tensor] | None:
-        """The open group's gradient summed over replicas, by parameter name, for a checkpoint written inside a
-        group (a collective: every replica calls it); ``None`` where the strategy cannot carry it (it says why)."""
-        reduce = self.reduce_sum if self.data_parallel_replicas > 1 else None
-        return summed_gradients(self._group_parameters(), reduce)
-
-    def _reopen(self, batch_idx: int) -> None:
-        """At the first micro-batch of a resumed run: reopen the group the checkpoint carries."""
-        self._checkpoint.reopen(
-            self._engine, self._configuration(), batch_idx, self._holds_group_sums(), self._group_parameters()
-        )
-
-    def _holds_group_sums(self) -> bool:
-        """Whether this rank adds a carried group's counters (one rank per data-parallel group: the close's all-reduce
-        adds them to the others')."""
-        return bool(self.is_global_zero)
-
-    def _carried_part(self, parameter: Tensor, carried: Tensor) -> Tensor | None:
-        """What this rank adds to ``parameter``'s gradient of a carried group's gradient (the replicas' sum): all of it
-        on the rank holding the group's sums, nothing elsewhere; DDP's average at the group's last backward and the
-        close's ``c · D / W`` then treat it as any replica's part."""
-        if not self._holds_group_sums():
-            return None
-        return carried.to(device=parameter.device, dtype=parameter.dtype, copy=True)
-
-    def _distributed_reader(self, path: _Path) -> Callable[[list[str]], dict[str, Tensor]] | None:
-        """Reads a carried gradient from a distributed checkpoint's shards at ``path`` (``None``: this strategy reads
-        single files only)."""
-        return None
-
-    def _write_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None) -> None:
-        """Write ``checkpoint`` (with the package's entry) as the Lightning strategy underneath writes it."""
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def _collectives_failed(self) -> str | None:
-        """Why the replicas cannot be reached for a collective now (``None``: they can, or there is one replica)."""
-        return None
-
-    def _attached_trainer(self) -> Trainer | None:
-        """The Trainer running this strategy, or ``None`` (a module connected to the strategy without a Trainer, as
-        Lightning's own strategies allow for ``save_checkpoint``)."""
-        if self._trainer_ref is not None:
-            return self._trainer_ref
-        module = self.lightning_module
-        try:
-            return module.trainer if module is not None else None
-        except RuntimeError:  # "... is not attached to a `Trainer`"
-            return None
-
-    def _configuration(self) -> dict[str, Any]:
-        """What the checkpoint's groups depend on: ``A`` (where a Trainer says it), ``D``, the ``normalize=`` and
-        ``partial_group=`` options."""
-        trainer = self._attached_trainer()
-        config: dict[str, Any] = {} if trainer is None else {"accumulate": int(trainer.accumulate_grad_batches)}
-        config.update(
-            strategy=type(self).__name__,
-            replicas=int(self.data_parallel_replicas),
-            normalize=self._engine.normalize,
-            partial_group=self._engine.partial_group,
-        )
-        return config
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None) -> None:
-        failed = self._collectives_failed() if self.data_parallel_replicas > 1 else None
-        try:
-            state = self._package_entry(failed)
-        except Exception as error:
-            # A collective of the entry failed: a peer died since training last reached one (a SIGTERM checkpoint
-            # after another rank was killed, say). The survivors write what they hold, without the peers.
-            failed = self._peers_lost_in(error) if failed is None else None
-            if failed is None:
-                raise
-            state = self._package_entry(failed)
-        checkpoint[CHECKPOINT_KEY] = state
-        if failed is not None:
-            rank = int(getattr(self, "global_rank", 0))
-            save_without_peers(self.checkpoint_io, checkpoint, filepath, rank, storage_options)
-            return
-        self._write_checkpoint(checkpoint, filepath, storage_options)
-
-    def _package_entry(self, failed: str | None) -> dict[str, Any]:
-        """The package's checkpoint entry (collectives with several replicas unless ``failed`` says why not)."""
-        trainer = self._attached_trainer()
-        # The micro-batch whose step is running, which Lightning runs again on resume (None between micro-batches).
-        running = None
-        if trainer is not None:
-            progress = trainer.fit_loop.epoch_loop.batch_progress.current
-            running = progress.ready if progress.ready > getattr(progress, "processed", progress.ready) else None
-        state = self._checkpoint.entry(
-            self._engine,
-            self._configuration(),
-            running=running,
-            failed=failed,
-            carry=self._carry_gradients,
-            parameter_names=[name for name, _ in self._group_parameters()],
-        )
-        if self._slicer.enabled:
-            world = int(getattr(self, "world_size", 1))
-            state["slicing"] = slicing_state(self._slicer.log.state_dict(), world, gather=failed is None)
-        return state
-
-    def _peers_lost_in(self, error: BaseException | None) -> str | None:
-        """Why the replicas cannot be reached, when ``error`` is a failed collective (``None``: it is not one)."""
-        return None
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:
-        # Lightning 2.5.0 has no `weights_only` (and never passes it): call its method as it is declared there.
-        checkpoint: dict[str, Any] = (
-            super().load_checkpoint(checkpoint_path)
-            if weights_only is None
-            else super().load_checkpoint(checkpoint_path, weights_only)
-        )
-        state = self._checkpoint.load(
-            self._engine, checkpoint, str(checkpoint_path), self._distributed_reader(checkpoint_path)
-        )
-        if state is not None and self._slicer.enabled and state.get("slicing") is not None:
-            # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.
-            rank = int(getattr(self, "global_rank", 0))
-            self._slicer.log.load_state_dict(own_slicing(state["slicing"], rank))
-        return checkpoint
 
 
 def _check_supported(strategy: ExactAccumulation, trainer: Trainer) -> None:

@@ -35,13 +35,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import Metric
+from typing_extensions import override
 
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.microbatch import Count, as_count, choose_unit, parse_step_output
 
-__all__ = ["EVALUATION_KEYS", "ExactEvaluation", "WeightedMean"]
+__all__ = ["EVALUATION_KEYS", "EvaluationHooks", "ExactEvaluation", "WeightedMean"]
 
 #: The keys logged per stage: (loss, perplexity). Part of the public contract.
 EVALUATION_KEYS = {
@@ -212,3 +215,53 @@ def _weight(run: _Run, loss: Tensor | None, tokens: object, samples: object) -> 
             " the set would leave batches out. Return the count from every call."
         )
     return as_count(f"num_{run.unit}", value, loss.device)
+
+
+class EvaluationHooks(Strategy):
+    """The strategy's evaluation hooks: each ``validation_step`` / ``test_step`` output to :class:`ExactEvaluation`.
+
+    A base of :class:`~lightning_accum.strategies.base.ExactAccumulation` (never used alone), which sets up
+    ``_engine`` and ``_evaluation``; the model-parallel strategy overrides :meth:`_evaluation_group`.
+    """
+
+    _engine: AccumulationEngine
+    _evaluation: ExactEvaluation
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        self._evaluate(output, args, kwargs)
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        self._evaluate(output, args, kwargs)
+        return output
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._evaluation.start("validate")
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._evaluation.start("test")
+
+    def _evaluate(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Weigh an evaluation step's output like a training micro-batch (this module)."""
+        module = self.lightning_module
+        assert module is not None
+        if module.trainer.barebones:  # Lightning logs nothing then
+            return
+        # Lightning passes (batch, batch_idx[, dataloader_idx]) positionally; a direct call may name them.
+        batch = args[0] if args else kwargs.get("batch")
+        loader = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
+        self._evaluation.step(
+            output, batch, int(loader), module, self._engine, self._evaluation_group(), rank_zero_warn
+        )
+
+    def _evaluation_group(self) -> Any:
+        """The process group an evaluation's sums are added over (``None``: every process, or no process group)."""
+        return None
