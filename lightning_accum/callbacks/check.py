@@ -17,10 +17,17 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_accum.callbacks.common import accumulation_strategy
+from lightning_accum.callbacks.diagnoses import (
+    TOKEN_COUNTS,
+    diagnose,
+    first_nonfinite,
+    passed_notes,
+    replica_findings,
+    scheduler_findings,
+)
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.gradients import scale_gradients
 from lightning_accum.microbatch import infer_num_samples
@@ -30,8 +37,6 @@ from lightning_accum.tokens import TokenWeightingWarning, find_labels, supervise
 __all__ = ["AccumulationCheck", "AccumulationCheckError", "CheckResult", "concat_microbatches"]
 
 _BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
-#: The token counts the diagnosis tries: a causal LM's shifted count, and every unignored label position.
-_TOKEN_COUNTS = ("shifted tokens", "tokens")
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -233,7 +238,7 @@ class AccumulationCheck(Callback):
         g = torch.cat([x.reshape(-1).to(torch.float64) for x in group])
         r = torch.cat([x.reshape(-1).to(torch.float64) for x in reference])
         if not bool(torch.isfinite(g).all()):
-            where = self._first_nonfinite(module, group)
+            where = first_nonfinite(module, group)
             errors.append(f"the group's gradient is not finite (first non-finite gradient: {where})")
         norm = float(r.norm())
         rel = float((g - r).norm() / norm) if norm > 0 else float((g - r).norm())
@@ -261,13 +266,15 @@ class AccumulationCheck(Callback):
                     alternatives = self._alternative_weightings(
                         trainer, module, strategy, optimizer, everything, seed, r
                     )
-            errors.append(self._diagnose(rel, ratio, tolerance, accumulate, strategy, batches, alternatives))
-        warnings.extend(self._scheduler_findings(trainer, accumulate))
+            errors.append(
+                diagnose(rel, ratio, tolerance, accumulate, self._unit, self.ignore_index, batches, alternatives)
+            )
+        warnings.extend(scheduler_findings(trainer, accumulate))
         if replicas > 1:
-            warnings.extend(self._replica_findings(trainer, batches))
+            warnings.extend(replica_findings(trainer, batches))
         warnings.extend(self._evaluation_findings(strategy))
         return CheckResult(
-            rel, ratio, len(batches), errors, warnings, _notes(len(batches), replicas, strategy, optimizer)
+            rel, ratio, len(batches), errors, warnings, passed_notes(len(batches), replicas, strategy, optimizer)
         )
 
     def _evaluation_findings(self, strategy: ExactAccumulation) -> list[str]:
@@ -289,66 +296,6 @@ class AccumulationCheck(Callback):
         for message in findings:
             rank_zero_warn(f"AccumulationCheck: {message}")
 
-    def _diagnose(
-        self,
-        rel: float,
-        ratio: float,
-        tolerance: float,
-        a: int,
-        strategy: Any,
-        batches: list[Any],
-        alternatives: Mapping[str, float] | None = None,
-    ) -> str:
-        measured = f"relative error {rel:.3e} > tolerance {tolerance:.1e}, gradient ratio {ratio:.4f}"
-        if a > 1 and abs(ratio - 1.0 / a) < 0.25 / a:
-            return (
-                f"the loss is divided by A twice: the group gradient is {ratio:.4f} ≈ 1/{a} of the one-batch gradient"
-                f" ({measured}). Return the micro-batch's mean loss; the strategy does the normalization."
-            )
-        unit = self._unit
-        ignore = self.ignore_index
-        # Which token weighting reproduces the one-batch gradient (formed by the check from per-micro-batch
-        # gradients), if any: it names the count the loss really averages over.
-        matches = sorted((err, name) for name, err in (alternatives or {}).items() if name in _TOKEN_COUNTS)
-        best = matches[0][1] if matches and matches[0][0] <= tolerance else None
-        index = "" if ignore == -100 else f", ignore_index={ignore}"
-        shifted = f"lightning_accum.supervised_tokens(labels{index})"
-        unshifted = f"lightning_accum.supervised_tokens(labels, shift=False{index})"
-        if unit == "tokens" and best == "shifted tokens":
-            return (
-                "the token count is off by the shift: the loss shifts the labels by one (as Hugging Face causal"
-                " LMs do: it compares logits[:, :-1] with labels[:, 1:]), so it averages over"
-                f" `(labels[..., 1:] != {ignore}).sum()` positions, one token fewer per sequence than the reported"
-                f" `num_tokens`; weighted by that shifted count, the error falls to {matches[0][0]:.1e}"
-                f" ({measured}). Report `num_tokens={shifted}`,"
-                " or pass `count_tokens=lightning_accum.causal_lm_tokens` to the strategy."
-            )
-        if unit == "tokens" and best == "tokens":
-            return (
-                "the token count is off by the shift the other way: the loss compares every label position (no shift),"
-                f" but the reported `num_tokens` is not `(labels != {ignore}).sum()`; weighted by that count, the"
-                f" error falls to {matches[0][0]:.1e} ({measured}). Report `num_tokens={unshifted}` (or"
-                " `count_tokens=lightning_accum.seq2seq_tokens`)."
-            )
-        if unit in ("samples", "batches") and (best is not None or self._has_ignored_labels(batches)):
-            if best is not None:
-                count = shifted if best == "shifted tokens" else unshifted
-                evidence = f"weighted by {best} (`{count}`), the error falls to {matches[0][0]:.1e}"
-            else:
-                count = f"{shifted} (or shift=False when the loss does not shift the labels)"
-                evidence = "the labels hold ignored positions"
-            return (
-                f"token weighting is missing: micro-batches are weighted by {unit}, so the update is a mean of"
-                f" micro-batch means and depends on how examples are split; {evidence} ({measured}). Return"
-                f" `{{'loss': loss, 'num_tokens': {count}}}` from `training_step`, or pass `count_tokens=` to the"
-                " strategy (`lightning_accum.causal_lm_tokens` for a Hugging Face causal LM)."
-            )
-        return (
-            f"the group gradient differs from the gradient of the same examples in one batch ({measured}). Check that"
-            " `training_step` returns the mean loss over the units it reports, and that nothing in the model depends"
-            " on the micro-batch composition."
-        )
-
     def _alternative_weightings(
         self,
         trainer: Trainer,
@@ -365,7 +312,7 @@ class AccumulationCheck(Callback):
         gradient ``g_i``; for each way of counting, ``Σ w_i g_i / Σ w_i`` is the update that weighting would make.
         Runs only when the check has already failed.
         """
-        weightings: dict[str, list[float]] = {name: [] for name in (*_TOKEN_COUNTS, "samples", "batches")}
+        weightings: dict[str, list[float]] = {name: [] for name in (*TOKEN_COUNTS, "samples", "batches")}
         sums: dict[str, Tensor] = {}
         for batch in batches:
             found = find_labels(batch)
@@ -391,24 +338,6 @@ class AccumulationCheck(Callback):
             if total > 0 and name in sums and norm > 0:
                 errors[name] = float((sums[name] / total - reference).norm() / norm)
         return errors
-
-    def _has_ignored_labels(self, batches: list[Any]) -> bool:
-        found = False
-
-        def visit(obj: Any, key: str = "") -> None:
-            nonlocal found
-            if isinstance(obj, Tensor) and any(w in key.lower() for w in ("label", "target")):
-                found = found or bool((obj == self.ignore_index).any())
-            elif isinstance(obj, Mapping):
-                for k, v in obj.items():
-                    visit(v, str(k))
-            elif isinstance(obj, (list, tuple)):
-                for v in obj:
-                    visit(v, key)
-
-        for b in batches:
-            visit(b)
-        return found
 
     def _take(self, trainer: Trainer, module: LightningModule, count: int) -> list[Any]:
         loader = trainer.train_dataloader
@@ -506,58 +435,6 @@ class AccumulationCheck(Callback):
         finally:
             trainer.accumulate_grad_batches = accumulate
 
-    @staticmethod
-    def _first_nonfinite(module: LightningModule, grads: list[Tensor]) -> str:
-        names = [n for n, _ in module.named_parameters()]
-        for name, grad in zip(names, grads, strict=False):
-            if not bool(torch.isfinite(grad).all()):
-                return f"`{name}`"
-        return "unknown"
-
-    @staticmethod
-    def _scheduler_findings(trainer: Trainer, accumulate: int) -> list[str]:
-        findings: list[str] = []
-        if accumulate == 1 or not trainer.max_epochs or trainer.max_epochs < 0:
-            return findings
-        microbatches = trainer.num_training_batches * trainer.max_epochs
-        if microbatches == float("inf"):
-            return findings
-        for config in trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if config.interval != "step":
-                continue
-            for attr in ("total_steps", "T_max"):
-                length = getattr(scheduler, attr, None)
-                updates = int(trainer.estimated_stepping_batches)
-                if isinstance(length, int) and length >= int(microbatches) > updates:
-                    findings.append(
-                        f"{type(scheduler).__name__}.{attr}={length} counts micro-batches ({int(microbatches)} in the"
-                        f" run), but the schedule advances once per update ({updates} updates): it would cover only"
-                        " 1/A of its course. Use `trainer.estimated_stepping_batches`."
-                    )
-        return findings
-
-    @staticmethod
-    def _replica_findings(trainer: Trainer, batches: list[Any]) -> list[str]:
-        findings = []
-        loader = trainer.train_dataloader
-        sampler = getattr(loader, "sampler", None)
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        inner = getattr(batch_sampler, "sampler", None)
-        if not isinstance(sampler, DistributedSampler) and not isinstance(inner, DistributedSampler):
-            findings.append(
-                "the training sampler is not a DistributedSampler: make sure every replica reads different examples"
-                " (Lightning adds one with `use_distributed_sampler=True`)"
-            )
-        fingerprint = _fingerprint(batches[0]).reshape(1)
-        everyone = trainer.strategy.all_gather(fingerprint).reshape(-1).tolist()
-        if len(set(everyone)) < len(everyone):
-            findings.append(
-                "replicas received identical first micro-batches: the same examples on every replica add no"
-                " information. Check the sampler (DistributedSampler) or the iterable dataset's sharding."
-            )
-        return findings
-
     def _report(self, result: CheckResult) -> None:
         for message in result.warnings:
             rank_zero_warn(f"AccumulationCheck: {message}" + ("" if message.endswith(".") else "."))
@@ -578,30 +455,6 @@ class AccumulationCheck(Callback):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _notes(microbatches: int, replicas: int, strategy: ExactAccumulation, optimizer: Optimizer) -> list[str]:
-    """What a passed check does not say: see :attr:`CheckResult.notes`."""
-    notes = []
-    if microbatches == 1 and replicas == 1 and strategy.slicing.configured is None:
-        notes.append(
-            "with one micro-batch per update on one replica the group is the batch itself, so this compared the"
-            " strategy's step path and the loss's scale, not the weighting of micro-batches; run the check with"
-            " accumulate_grad_batches > 1 (or several replicas, or microbatch_size=) to check accumulation."
-        )
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or type(optimizer).__name__ in _ADAM_LIKE:
-        notes.append(
-            f"{type(optimizer).__name__} divides each element by the root of its second moment, which magnifies"
-            " float32 rounding where a gradient element is near zero: runs of other splits (m, A, D) start from"
-            " gradients equal to ~1e-7 (this check) but their parameters may drift apart by far more over many"
-            " updates, without any weighting error (the demo's transformer, 40 updates: 8e-6 relative with AdamW,"
-            " 1e-8 with SGD). Compare gradients (this check), or SGD / float64 runs, to"
-            " verify exactness (docs/concepts.md, 'How close is exact')."
-        )
-    return notes
-
-
-_ADAM_LIKE = {"Adamax", "NAdam", "RAdam", "Adafactor", "Adam8bit", "AdamW8bit", "Adagrad"}
 
 
 def _prepare_batch(trainer: Trainer, module: LightningModule, batch: Any) -> Any:
@@ -699,27 +552,6 @@ def _graph_attached(module: LightningModule) -> list[tuple[str, tuple[int, ...]]
             continue
         visit(value, name, 0)
     return found
-
-
-def _fingerprint(batch: Any) -> Tensor:
-    total: Tensor | None = None
-
-    def visit(obj: Any) -> None:
-        nonlocal total
-        if isinstance(obj, Tensor) and obj.numel() > 0:
-            flat = obj.reshape(-1).to(torch.float64)
-            weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
-            value = (flat * weights).sum()
-            total = value if total is None else total + value
-        elif isinstance(obj, Mapping):
-            for v in obj.values():
-                visit(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                visit(v)
-
-    visit(batch)
-    return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 
 def _to_cpu(obj: Any) -> Any:
