@@ -239,7 +239,7 @@ class BatchSlicer:
             for p in params:
                 p.grad = None
         self.log.note_slices(sizes)
-        result = self._combined(output)
+        result = combined_output(self._parts, output)
         if self._final is not None:
             self._final.output = result
         return result
@@ -406,33 +406,6 @@ class BatchSlicer:
             f" again as slices of {new} (microbatch_size='auto'; the group's update is unchanged)."
         )
 
-    def _combined(self, output: Any) -> Any:
-        """The last slice's output with ``"loss"`` (and the counts it reports) of the whole loader batch."""
-        parts = self._parts
-        if len(parts) <= 1:
-            return output
-        loss = output if isinstance(output, Tensor) else output.get("loss") if isinstance(output, Mapping) else None
-        if not isinstance(loss, Tensor):
-            return output
-        weighted = [(p.loss, p.weight) for p in parts if p.loss is not None]
-        numerator = sum(part.to(torch.float64) * w for part, w in weighted)
-        total = sum(w for _, w in weighted)
-        mean: Tensor | float
-        if isinstance(total, Tensor):
-            mean = torch.where(total > 0, numerator / total.clamp(min=1), loss.detach().to(torch.float64))
-        else:
-            mean = numerator / total if total else loss.detach().to(torch.float64)
-        combined = loss + (torch.as_tensor(mean, device=loss.device).to(loss.dtype) - loss.detach())
-        if isinstance(output, Tensor):
-            return combined
-        result = dict(output)
-        result["loss"] = combined
-        for key, attribute in (("num_tokens", "tokens"), ("num_samples", "samples")):
-            values = [getattr(p, attribute) for p in parts]
-            if output.get(key) is not None and all(v is not None for v in values):
-                result[key] = sum(values)
-        return result
-
     # ------------------------------------------------------------------ backward
 
     def install_pending(self, strategy: SliceHost) -> None:
@@ -536,6 +509,35 @@ class BatchSlicer:
                             params.append(p)
             self._parameters, self._layout = params, layout
         return self._parameters
+
+
+def combined_output(parts: list[_Part], output: Any) -> Any:
+    """What Lightning sees of a sliced loader batch: the last slice's ``output`` with ``"loss"`` (and the counts it
+    reports) of the whole batch, the slices' losses weighted by their units (gradients flow only through the last
+    slice's loss; the others' backwards already ran)."""
+    if len(parts) <= 1:
+        return output
+    loss = output if isinstance(output, Tensor) else output.get("loss") if isinstance(output, Mapping) else None
+    if not isinstance(loss, Tensor):
+        return output
+    weighted = [(p.loss, p.weight) for p in parts if p.loss is not None]
+    numerator = sum(part.to(torch.float64) * w for part, w in weighted)
+    total = sum(w for _, w in weighted)
+    mean: Tensor | float
+    if isinstance(total, Tensor):
+        mean = torch.where(total > 0, numerator / total.clamp(min=1), loss.detach().to(torch.float64))
+    else:
+        mean = numerator / total if total else loss.detach().to(torch.float64)
+    combined = loss + (torch.as_tensor(mean, device=loss.device).to(loss.dtype) - loss.detach())
+    if isinstance(output, Tensor):
+        return combined
+    result = dict(output)
+    result["loss"] = combined
+    for key, attribute in (("num_tokens", "tokens"), ("num_samples", "samples")):
+        values = [getattr(p, attribute) for p in parts]
+        if output.get(key) is not None and all(v is not None for v in values):
+            result[key] = sum(values)
+    return result
 
 
 def _forward(
