@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lightning_accum.strategies import ExactAccumulation
 
-__all__ = ["accumulation_strategy", "format_count", "unsupported_strategy_hint"]
+__all__ = ["accumulation_strategy", "format_count", "format_rate", "unsupported_strategy_hint"]
 
 
 def accumulation_strategy(trainer: Trainer, who: str) -> ExactAccumulation:
@@ -44,6 +44,16 @@ def format_count(value: int, unit: str = "") -> str:
         if abs(value) >= size:
             return f"{value / size:.1f}{letter}{suffix}"
     return f"{value}{suffix}"
+
+
+def format_rate(rate: float, unit: str) -> str:
+    """A rate per second for the progress bars: a short count from 1 per second up, two decimals below.
+
+    Example:
+        >>> format_rate(12_345.6, "tok"), format_rate(0.25, "upd")
+        ('12.3k tok/s', '0.25 upd/s')
+    """
+    return f"{format_count(round(rate))} {unit}/s" if rate >= 1 else f"{rate:.2f} {unit}/s"
 
 
 def unsupported_strategy_hint(strategy: object) -> str:

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
 from typing_extensions import override
 
-from lightning_accum.callbacks.common import accumulation_strategy, format_count
+from lightning_accum.callbacks.common import accumulation_strategy, format_rate
 from lightning_accum.callbacks.horizon import Horizon
 from lightning_accum.ledger import AXES, AccumulationLedger
 from lightning_accum.options import validate_choice
@@ -75,7 +75,7 @@ def progress_line(
     else:
         parts.append(f"{axis} {count:,}")
     rate = (count - start_count) / elapsed if elapsed > 0 else 0.0
-    parts.append(f"{format_count(round(rate), '')} {unit}/s" if rate >= 1 else f"{rate:.2f} {unit}/s")
+    parts.append(format_rate(rate, unit))
     parts.append(f"elapsed {_duration(elapsed)}")
     if budget and rate > 0:
         parts.append(f"left {_duration(max(budget - count, 0) / rate)}")

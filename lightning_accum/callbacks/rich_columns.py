@@ -15,7 +15,7 @@ from rich.console import RenderableType
 from rich.progress import ProgressColumn, Task
 from rich.text import Text
 
-from lightning_accum.callbacks.common import format_count
+from lightning_accum.callbacks.common import format_count, format_rate
 
 
 class _OnTheAxis(ProgressColumn):
@@ -49,7 +49,7 @@ class _Rate(_OnTheAxis):
         speed = task.finished_speed or task.speed  # Rich keeps the rate of a finished task in finished_speed
         if speed is None:
             return f"- {self.unit}/s"
-        return f"{format_count(round(speed))} {self.unit}/s" if speed >= 1 else f"{speed:.2f} {self.unit}/s"
+        return format_rate(speed, self.unit)
 
 
 def axis_columns(bar: Any, columns: list[Any], unit: str) -> list[Any]:
