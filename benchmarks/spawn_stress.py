@@ -29,7 +29,7 @@ Options:
   ``gdb -batch -ex "thread apply all bt"`` on every core found (cores are deleted after, unless
   ``--keep-cores``). Needs ``kernel.core_pattern`` to write a file into the working directory.
 
-The core of the loop is :func:`stress`, which the slow test ``tests/test_spawn_stress.py`` runs with a
+The core of the loop is :func:`stress`, which the slow test in ``benchmarks/test_benchmarks.py`` runs with a
 small N.
 """
 

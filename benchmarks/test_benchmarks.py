@@ -1,6 +1,8 @@
-"""The benchmark's own tests: its instruments, and a smoke run in seconds (the real run is `bash benchmarks/run.sh`).
+"""The benchmarks' own tests: the main benchmark's instruments and a smoke run in seconds (the real run is
+`bash benchmarks/run.sh`), the slicing benchmark's smoke run, and the loops of `spawn_stress.py` and
+`spawn_exit_race.py` (slow; their real runs are described in `benchmarks/SPAWN_STRESS.md`).
 
-They live beside the benchmark (collected by the test command through `testpaths`) so that the package's tests
+They live beside the benchmarks (collected by the test command through `testpaths`) so that the package's tests
 import nothing from `benchmarks/`; they use the tests' tiny models.
 """
 
@@ -28,16 +30,21 @@ from helpers import TinyLM, fit, make_examples  # noqa: E402
 from probes import PackageTimer  # noqa: E402
 
 
-@pytest.mark.timeout(300)
-def test_benchmark_smoke_run_writes_its_results(tmp_path: Path) -> None:
+def _smoke_run(script: str, out: Path, **kwargs: Any) -> None:
+    """`python benchmarks/<script> --smoke --out <out>` in a fresh interpreter, within 280 s; it must succeed."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=280,
-        cwd=ROOT,
+        **kwargs,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_smoke_run_writes_its_results(tmp_path: Path) -> None:
+    _smoke_run("run.py", tmp_path, cwd=ROOT)
     results = json.loads((tmp_path / "results.json").read_text())
     variants = {(t["workload"], t["A"], t["variant"]) for t in results["trials"]}
     assert variants == {("mlp", a, v) for a in (1, 8) for v in ("lightning", "accum", "loop", "accum_timed")}
@@ -131,3 +138,46 @@ def test_package_timer_charges_the_group_close_inside_the_optimizer_step() -> No
         assert ("GroupClosing.close" in timer.by_method) == bool(parts)
     assert charged[0] < 2 * 0.05  # without the close among the parts it goes uncounted (the rest is ~1 ms)
     assert charged[1] >= 2 * 0.05  # the benchmark's parts charge it to the package
+
+
+@pytest.mark.timeout(300)
+def test_slicing_benchmark_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    _smoke_run("slicing.py", tmp_path)
+    rows = json.loads((tmp_path / "slicing.json").read_text())
+    assert [r["size"] for r in rows] == [None, 2] and rows[1]["slice_sizes"] == {"2": 16}
+    assert all(r["ms_per_update"] > 0 and r["peak_bytes"] > 0 for r in rows)
+    assert "| 2 | 4 |" in (tmp_path / "SLICING.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(900)
+def test_stress_loop_counts_runs_and_finds_no_crash(tmp_path: Path) -> None:
+    from spawn_stress import stress
+
+    summary = stress(2, ["accum_ddp_spawn", "ddp_spawn"], tmp_path, batch=2, updates=2, timeout=400.0)
+    for variant in ("accum_ddp_spawn", "ddp_spawn"):
+        assert summary["counts"][variant]["runs"] == 2
+        assert summary["counts"][variant]["failed"] == 0, summary["failures"]
+    assert json.loads((tmp_path / "summary.json").read_text())["counts"] == summary["counts"]
+    assert "| `accum_ddp_spawn` | 2 | 0 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_stress_loop_rejects_an_unknown_variant(tmp_path: Path) -> None:
+    from spawn_stress import stress
+
+    with pytest.raises(ValueError, match=r"`variants` must be among .* got 'ddp_fork'"):
+        stress(1, ["ddp_fork"], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="Python 3.14 hangs such threads instead of ending them")
+def test_forced_exit_race_aborts_unless_the_group_is_closed() -> None:
+    import spawn_exit_race as race
+
+    crashed = race.run("exit", 1)
+    assert crashed["sigabrt"] == 1 and crashed["terminate_message"] == 1, crashed
+    closed = race.run("close", 1)
+    assert closed == {"mode": "close", "runs": 1, "sigabrt": 0, "terminate_message": 0, "other": 0}

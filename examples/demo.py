@@ -37,6 +37,7 @@ import shutil
 import string
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,6 +235,28 @@ class PlainTokenAxis(L.Callback):
             trainer.logger.log_metrics({"val/loss": pl_module.last_val_loss}, step=self.tokens)  # type: ignore[attr-defined]
 
 
+class PlainLines(L.Callback):
+    """For the plain Lightning runs: a plain progress line every ``interval`` seconds and at the end (Lightning's own
+    bar, outside a terminal, prints nothing until the run ends), in the exact runs' words."""
+
+    def __init__(self, name: str, updates: int, interval: float) -> None:
+        self.name, self.updates, self.interval = name, updates, interval
+        self.start = self.last = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.interval or trainer.global_step >= self.updates:
+            self.last = now
+            print(
+                f"epoch {trainer.current_epoch} | updates {trainer.global_step}/{self.updates} | elapsed"
+                f" {now - self.start:.0f} s | {self.name} (plain Lightning)",
+                flush=True,
+            )
+
+
 # ---------------------------------------------------------------------------- runs
 
 
@@ -296,9 +319,12 @@ def train(config: Config, args: argparse.Namespace, index: int, count: int) -> f
         strategy: Any = "auto"
         model.log_validation = False
         callbacks = [PlainTokenAxis()]
+        if not args.quiet:
+            callbacks.append(PlainLines(config.name, args.updates, interval=10.0))
     else:
         strategy = "accum_ddp_spawn" if config.replicas > 1 else "accum"
-        callbacks = [AxisLogger(axis="tokens"), AccumulationReport()]
+        # The whole run record on the console for the first run, one line for the others (the files hold it all).
+        callbacks = [AxisLogger(axis="tokens"), AccumulationReport(table=index == 1)]
         if not args.quiet:
             # Applied updates out of `--updates`, the rate and the time left; outside a terminal (a log file, CI), one
             # plain line every 10 s instead of a bar that shows nothing until the run ends.
@@ -321,7 +347,7 @@ def train(config: Config, args: argparse.Namespace, index: int, count: int) -> f
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_model_summary=False,
-        enable_progress_bar=not args.quiet,
+        enable_progress_bar=not args.quiet and not config.plain,  # plain runs: `PlainLines`
     )
     train_loader = DataLoader(
         train_data, batch_size=config.m, sampler=GroupSampler(len(train_data), EFFECTIVE_BATCH, seed=args.seed)
@@ -523,6 +549,8 @@ def tensorboard_command(out: str) -> str:
 
 def main(argv: list[str] | None = None) -> list[Config]:
     args = parse_args(argv)
+    # A deprecation inside Lightning 2.6's own loaders (torch 2.13's pytree), not the demo's: kept out of its log.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     configs = configurations(ddp=not args.no_ddp)
     print(

@@ -220,9 +220,9 @@ class AxisLR(LRScheduler):
     def bind(self, engine: AccumulationEngine) -> None:
         """Count what every applied update of ``engine``'s groups consumed (the strategies call this at fit start)."""
         if self._engine is not None and self._engine is not engine:
-            self._engine.remove_listener(self._on_group)
+            self._engine.decisions.remove_listener(self._on_group)
         self._engine = engine
-        engine.add_listener(self._on_group)
+        engine.decisions.add_listener(self._on_group)
 
     def _on_group(self, record: GroupRecord, batch_samples: Sequence[int]) -> None:
         if record.dropped or not record.applied:

@@ -1,19 +1,26 @@
-"""What to do with a closed group, decided from its reduced values alone.
+"""What to do with a closed group, decided from its reduced values alone, and what follows once it is decided.
 
 Every replica reads the same reduced vector, so every replica takes the same decision: no rank can leave the
-others waiting in a collective. Pure functions: the engine says the messages formed here and keeps the ledger.
+others waiting in a collective. The decision itself is pure functions (:func:`check_agreement`, :func:`classify`,
+the messages); :class:`GroupDecisions` applies them to each closed group of a run and books the result: the messages
+said once per run, the ledger, the streak of skipped updates and the listeners.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lightning_accum.group import UNIT_CODES, ReducedGroup
+from lightning_accum.group import UNIT_CODES, GroupSums, ReducedGroup
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.options import AccumulationOptions
 
 __all__ = [
+    "GroupDecisions",
+    "GroupListener",
     "GroupOutcome",
     "check_agreement",
     "classify",
@@ -28,6 +35,9 @@ __all__ = [
 ]
 
 Action = Literal["apply", "skip", "drop"]
+#: ``listener(record, batch_samples)``: see :meth:`GroupDecisions.add_listener`.
+GroupListener = Callable[[GroupRecord, Sequence[int]], None]
+Say = Callable[[str], None]
 
 
 @dataclass(slots=True)
@@ -237,3 +247,130 @@ def short_epoch_message(batches_per_epoch: float, accumulate: int, partial_group
         f" partial group of {batches} micro-batches (normalized by its real denominator). Lower"
         " `accumulate_grad_batches` if that is not what you intended."
     )
+
+
+class GroupDecisions:
+    """What happens to the closed groups of a run: each one decided from its reduced values, then booked.
+
+    :meth:`decide` forms the group's record and action (and says the messages of the decision, each kind once per
+    run); :meth:`finish`, once the optimizer ran (or did not), adds the record to the ledger, keeps the streak of
+    skipped updates (an error at ``max_consecutive_skips``) and calls the listeners.
+
+    Args:
+        options: The run's options (``partial_group``, ``on_nonfinite``, ``max_consecutive_skips``).
+        ledger: The run's ledger.
+    """
+
+    def __init__(self, options: AccumulationOptions, ledger: AccumulationLedger) -> None:
+        self.options = options
+        self.ledger = ledger
+        #: Skipped updates since the last applied one (dropped groups count neither way).
+        self.consecutive_skips = 0
+        self.listeners: list[GroupListener] = []
+        self._said: set[str] = set()  # the kinds of message said once per run
+
+    def decide(
+        self,
+        sums: GroupSums,
+        reduced: ReducedGroup,
+        accumulate: int,
+        replicas: int,
+        ends_epoch: bool,
+        nonfinite: bool,
+        scaled: bool,
+        describe_nonfinite: Callable[[], str] | None,
+        say: tuple[Say, Say],
+    ) -> GroupOutcome:
+        """The record and action of the group whose local ``sums`` reduced to ``reduced`` (every close ends here);
+        messages go to ``say`` = ``(info, warn)``.
+
+        Raises:
+            RuntimeError: The replicas closed the group differently (:func:`check_agreement`), or its gradient is
+                non-finite under ``on_nonfinite="raise"``.
+            ValueError: A reported count was negative.
+        """
+        info, warn = say
+        k, unit = sums.microbatches, self.ledger.normalization
+        carried = sums.carried_microbatches  # known alike on every replica (from the checkpoint)
+        checked = dataclasses.replace(reduced, microbatches=reduced.microbatches - carried) if carried else reduced
+        check_agreement(checked, k, replicas, ends_epoch, unit)
+        record = group_record(reduced)
+        partial = k + sums.missing < accumulate
+        if partial:
+            self.ledger.partial_groups += 1
+            self._say_once("partial", info, partial_message(k, accumulate, self.options.partial_group))
+        action, reason = classify(reduced, partial, self.options.partial_group, nonfinite)
+        record.dropped = action == "drop"
+        record.skip_reason = reason
+        update = self.ledger.updates_attempted + 1
+        if reduced.excess:
+            self._say_once("excess", warn, excess_message(update, reduced.excess))
+        if reason == "empty":
+            self._say_once("empty", warn, empty_message(update, unit))
+        elif reason == "nonfinite":
+            where = describe_nonfinite() if describe_nonfinite is not None else "a parameter"
+            message = nonfinite_message(update, where, record.loss, self.options.on_nonfinite)
+            if self.options.on_nonfinite == "raise":
+                raise RuntimeError(message)
+            warn(message)
+        factor = reduced.group_scale_times_d / reduced.units if action == "apply" else 1.0
+        return GroupOutcome(action, factor, record, scaled=scaled, batch_samples=sums.batch_samples)
+
+    def _say_once(self, kind: str, say: Say, message: str) -> None:
+        if kind not in self._said:
+            self._said.add(kind)
+            say(message)
+
+    def finish(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
+        """Complete the outcome's record after the optimizer ran (or did not), add it to the ledger, call the
+        listeners.
+
+        Raises:
+            RuntimeError: ``max_consecutive_skips`` updates in a row were skipped: the run makes no progress.
+        """
+        record = outcome.record
+        record.applied = applied
+        if not applied and record.skip_reason is None and not record.dropped:
+            record.skip_reason = skip_reason
+        self.ledger.record(record)
+        if not record.dropped:
+            self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
+        for listener in self.listeners:
+            listener(record, outcome.batch_samples)
+        limit = self.options.max_consecutive_skips
+        if limit is not None and self.consecutive_skips >= limit:
+            raise RuntimeError(
+                f"{self.consecutive_skips} consecutive updates were skipped (the last for {record.skip_reason!r};"
+                f" skipped so far: {self.ledger.updates_skipped}): the run makes no progress. Find the source of the"
+                " NaN/Inf (or the empty groups), or raise `max_consecutive_skips=` on the strategy."
+            )
+        return record
+
+    def schedule_due(self, record: GroupRecord, frequency: int = 1) -> bool:
+        """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in the ledger): see
+        :func:`schedule_due`."""
+        return schedule_due(record, self.ledger, self.options.schedule_on, frequency)
+
+    def warn_short_epoch(self, batches_per_epoch: float, accumulate: int, warn: Say) -> None:
+        """Warn (or raise under ``"drop"``) when an epoch holds fewer batches than one group."""
+        message = short_epoch_message(batches_per_epoch, accumulate, self.options.partial_group)
+        if message is not None and self.options.partial_group == "drop":
+            raise ValueError(message)
+        if message is not None:
+            warn(message)
+
+    def add_listener(self, listener: GroupListener) -> None:
+        """Call ``listener(record, batch_samples)`` after every group is added to the ledger (by :meth:`finish`):
+        updates, skipped attempts and dropped groups alike (``record.dropped``).
+
+        ``batch_samples`` are the group's micro-batch sizes known on the host (see :attr:`GroupOutcome.batch_samples`).
+        This is how the callbacks act once per group without a hook on every micro-batch. Adding a listener twice
+        has no effect.
+        """
+        if listener not in self.listeners:
+            self.listeners.append(listener)
+
+    def remove_listener(self, listener: GroupListener) -> None:
+        """Stop calling ``listener`` (no effect if it was not added)."""
+        if listener in self.listeners:
+            self.listeners.remove(listener)

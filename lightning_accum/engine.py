@@ -72,30 +72,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_accum.carry import carried_state, reopened_group
 from lightning_accum.decision import (
+    GroupDecisions,
+    GroupListener,
     GroupOutcome,
-    check_agreement,
-    classify,
-    empty_message,
-    excess_message,
-    group_record,
-    nonfinite_message,
-    partial_message,
     raised_reference,
-    schedule_due,
-    short_epoch_message,
 )
 from lightning_accum.gradients import GradientsByKind, rescale_gradients
 from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
-from lightning_accum.microbatch import Count, as_count, choose_unit, infer_num_samples, parse_step_output, unit_weight
+from lightning_accum.microbatch import Count, Microbatch, choose_unit, read_microbatch, unit_weight
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.tokens import TokenWeightingWarning, token_weighting_hint
 
 __all__ = ["AccumulationEngine", "GroupListener", "GroupOutcome", "Replicas"]
 
-#: ``listener(record, batch_samples)``: see :meth:`AccumulationEngine.add_listener`.
-GroupListener = Callable[[GroupRecord, Sequence[int]], None]
 ReduceSum = Callable[[Tensor], Tensor]
 
 _log = logging.getLogger("lightning_accum")
@@ -131,10 +123,10 @@ class Replicas:
 class AccumulationEngine:
     """Exact weighted accumulation over micro-batches and replicas, one group at a time.
 
-    The strategies :meth:`bind` it to their device and replicas, call :meth:`add_microbatch` after every
-    ``training_step``, back-propagate the tensor it returns, call :meth:`close_group` after the last backward of a
-    group and before unscaling, clipping and the optimizer, act on the returned :class:`GroupOutcome`, and report
-    the result with :meth:`finish_group`.
+    The strategies :meth:`bind` it to their device and replicas, :meth:`read` every ``training_step``'s output once
+    and :meth:`record` it (:meth:`add_microbatch` does both), back-propagate the tensor it returns, call
+    :meth:`close_group` after a group's last backward and before unscaling, clipping and the optimizer, act on the
+    returned :class:`GroupOutcome`, and report the result with :meth:`finish_group`.
 
     Args:
         normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options, see
@@ -161,32 +153,42 @@ class AccumulationEngine:
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
     ) -> None:
-        self.options = AccumulationOptions.pick(locals())
+        self._start(AccumulationOptions.pick(locals()))
+
+    @classmethod
+    def from_options(cls, options: AccumulationOptions) -> AccumulationEngine:
+        """An engine with the options a strategy validated."""
+        engine = cls.__new__(cls)
+        engine._start(options)
+        return engine
+
+    @classmethod
+    def unweighted(cls) -> AccumulationEngine:
+        """An engine that weighs every micro-batch 1 with ``M = 1`` (``c = A``, no first-group collective): the hooks
+        back-propagate Lightning's ``loss / A`` on it (see :meth:`ExactAccumulation.one_batch_reference`)."""
+        engine = cls(normalize="batches")
+        engine.reference_weight = 1.0
+        return engine
+
+    def _start(self, options: AccumulationOptions) -> None:
+        self.options = options
         self.ledger = AccumulationLedger()
+        #: What happens to each closed group: the decision, its messages, the ledger, the listeners.
+        self.decisions = GroupDecisions(options, self.ledger)
         #: ``M`` of the module docstring (the reference micro-batch weight; ``c = A · M``), once a group with units
         #: has closed.
-        self.scale_ref: float | None = None
-        self.consecutive_skips = 0
+        self.reference_weight: float | None = None
         #: Where messages go (the strategies route them to rank zero through Lightning's utilities).
         self.info: Callable[[str], None] = _log.info
         self.warn: Callable[..., None] = _warn  # warn(message, category=UserWarning)
         self.device = torch.device("cpu")
         self.replicas = Replicas()
-        self._group_ref: float | Tensor | None = None
+        self._group_scale: float | Tensor | None = None
         self._sums = GroupSums()
         self._pending_backward: Tensor | None = None
         #: The weight ``w`` of the micro-batch recorded last (its units; 1 for "batches").
         self.last_weight: Count = 0
         self._backward_running = False
-        self._said: set[str] = set()  # the kinds of message said once per run
-        self._listeners: list[GroupListener] = []
-
-    @classmethod
-    def from_options(cls, options: AccumulationOptions) -> AccumulationEngine:
-        """An engine with the options a strategy validated."""
-        engine = cls()
-        engine.options = options
-        return engine
 
     # ------------------------------------------------------------------ options and binding
 
@@ -216,18 +218,12 @@ class AccumulationEngine:
             self.warn = warn
 
     def scratch(self, on_nonfinite: str = "ignore") -> AccumulationEngine:
-        """A fresh engine with the same options, binding, unit and ``c``, whose groups do not touch this ledger
-        (for :class:`~lightning_accum.AccumulationCheck`)."""
-        other = AccumulationEngine(
-            normalize=self.normalize,
-            count_tokens=self.count_tokens,
-            partial_group=self.partial_group,
-            schedule_on=self.schedule_on,
-            on_nonfinite=on_nonfinite,
-            max_consecutive_skips=None,
-        )
+        """A fresh engine with the same options (but ``on_nonfinite`` and no skip limit), binding, unit and ``M``, whose
+        groups do not touch this ledger (for :class:`~lightning_accum.AccumulationCheck`)."""
+        options = dataclasses.replace(self.options, on_nonfinite=on_nonfinite, max_consecutive_skips=None)
+        other = AccumulationEngine.from_options(options)
         other.bind(self.device, self.replicas, self.info, self.warn)
-        other.scale_ref = self.scale_ref
+        other.reference_weight = self.reference_weight
         other.ledger.normalization = self.ledger.normalization
         return other
 
@@ -243,17 +239,33 @@ class AccumulationEngine:
         """Micro-batches of the open group on this replica."""
         return self._sums.microbatches
 
+    def read(self, output: Any, batch: Any, num_samples: int | None = None) -> Microbatch:
+        """Read a step's ``output`` for ``batch`` once (:func:`~lightning_accum.microbatch.read_microbatch`, with
+        this engine's ``count_tokens``): what :meth:`record` takes."""
+        return read_microbatch(output, batch, self.options.count_tokens, num_samples)
+
     def add_microbatch(
         self, output: Any, batch: Any, accumulate: int, continues: bool = False, sole: bool = False
     ) -> Tensor | None:
-        """Record one micro-batch's ``training_step`` output and return the tensor to back-propagate.
+        """Read one micro-batch's ``training_step`` output and record it: :meth:`record` of :meth:`read`.
 
         Args:
             output: What ``training_step`` returned: a loss tensor, a mapping with ``"loss"`` and
                 optionally ``"num_tokens"`` / ``"num_samples"``, or ``None``.
             batch: The micro-batch (used for ``count_tokens`` and to infer the number of samples).
+            accumulate, continues, sole: See :meth:`record`.
+        """
+        return self.record(self.read(output, batch), accumulate, continues, sole)
+
+    def record(
+        self, microbatch: Microbatch, accumulate: int, continues: bool = False, sole: bool = False
+    ) -> Tensor | None:
+        """Record one micro-batch, as read, in the open group and return the tensor to back-propagate.
+
+        Args:
+            microbatch: The micro-batch as :meth:`read` gave it.
             accumulate: ``A``, the configured number of micro-batches per group.
-            continues: ``batch`` is a further slice of the micro-batch recorded last (``microbatch_size=``): it is
+            continues: The micro-batch is a further slice of the one recorded last (``microbatch_size=``): it is
                 weighted like any micro-batch (exact: a slice's weight is its own units), but the group's
                 micro-batch count does not grow. :meth:`retract_microbatch` forgets the last call.
             sole: The caller knows that this micro-batch is its group's only one (automatic optimization with
@@ -264,38 +276,33 @@ class AccumulationEngine:
         Returns:
             ``loss · w / c`` (the loss itself for a sole micro-batch), or ``None`` when the step returned no loss.
         """
-        if self._sums.sole:
+        sums = self._sums
+        if sums.sole:
             raise RuntimeError(
                 "AccumulationEngine.add_microbatch: the open group holds a micro-batch recorded with `sole=True` (its"
                 " group's only one, back-propagated with c = w), so no other micro-batch can join it. Close the group"
                 " first (`close_group`), or record the first micro-batch with `sole=False`."
             )
-        loss, tokens, samples = parse_step_output(output, batch, self.options.count_tokens)
+        loss = microbatch.loss
         if loss is None:
-            self._sums.add(None, None, None, infer_num_samples(batch), continues)
+            sums.add(microbatch, continues)
             return None
-        tokens_c, samples_c, size = _counts(tokens, samples, batch, loss.device)
-        # A step that reports `num_samples` itself chose samples: no hint that tokens were probably intended.
-        reported = (type(output) is dict or isinstance(output, Mapping)) and output.get("num_samples") is not None
+        tokens, samples = microbatch.tokens, microbatch.samples
         unit = self.ledger.normalization or self._decide_unit(
-            tokens_c is not None, samples_c is not None, None if reported else batch
+            tokens is not None, samples is not None, None if microbatch.reports_samples else microbatch.batch
         )
-        weight = unit_weight(unit, self.options.normalize, tokens_c, samples_c)
-        sums = self._sums
-        positions = _label_positions(batch) if tokens_c is not None else None
-        if sole and not continues and not sums.microbatches and self._one_replica() and sums.carried_nothing:
+        weight = unit_weight(unit, self.options.normalize, tokens, samples)
+        self.last_weight = weight
+        sums.add(microbatch, continues)
+        if sole and not continues and sums.microbatches == 1 and self._one_replica() and sums.carried_nothing:
             # c = w: the loss itself is back-propagated, and the close's factor c · D / W is exactly 1.
-            sums.add(loss, tokens_c, samples_c, size, positions=positions)
             sums.sole = True
-            self.last_weight = weight
-            self._group_ref = weight if isinstance(weight, Tensor) else float(weight)
+            self._group_scale = weight if isinstance(weight, Tensor) else float(weight)
             self._pending_backward = loss
             return loss
-        sums.add(loss, tokens_c, samples_c, size, continues, positions)
-        self.last_weight = weight
-        if self._group_ref is None:
-            self._group_ref = self._group_scale(weight, accumulate, loss.device)
-        backward = weighted_loss(loss, weight, self._group_ref)
+        if self._group_scale is None:
+            self._group_scale = self._first_group_scale(weight, accumulate, loss.device)
+        backward = weighted_loss(loss, weight, self._group_scale)
         self._pending_backward = backward
         return backward
 
@@ -311,7 +318,7 @@ class AccumulationEngine:
         sole = self._sums.sole
         self._sums.retract()
         if sole:
-            self._group_ref = None
+            self._group_scale = None
         self._pending_backward = None
         self._backward_running = False
 
@@ -344,9 +351,9 @@ class AccumulationEngine:
         self.ledger.normalization = unit
         return unit
 
-    def _group_scale(self, weight: Count, accumulate: int, device: torch.device) -> float | Tensor:
+    def _first_group_scale(self, weight: Count, accumulate: int, device: torch.device) -> float | Tensor:
         """``c = A · M`` for the group the micro-batch of ``weight`` opens (see the module docstring)."""
-        reference = self.scale_ref
+        reference = self.reference_weight
         if self.replicas.size == 1 or self.replicas.reduce_sum is None:
             floor = 1.0 if reference is None else reference
             if isinstance(weight, Tensor):  # max(w, M) on the device: no host read
@@ -391,201 +398,76 @@ class AccumulationEngine:
                 is non-finite under ``on_nonfinite="raise"``.
         """
         sums, unit = self._sums, self.ledger.normalization
-        if sums.sole:
-            return self._close_sole(sums, unit, accumulate, ends_epoch, gradients, check_gradients, describe_nonfinite)
+        if sums.sole:  # one micro-batch on one replica, c = w: its own short close (see `_sole_close`)
+            reduced, nonfinite = _sole_close(sums, unit, ends_epoch, gradients, check_gradients)
+        else:
+            reduced, nonfinite = self._reduce(sums, unit, accumulate, ends_epoch, gradients, check_gradients)
+        # The next group opens (whatever the decision raises); M is raised by the closed one.
+        self._sums, self._group_scale = GroupSums(), None
+        self.reference_weight = raised_reference(self.reference_weight, reduced)
+        size, scaled = self.replicas.size, bool(gradients)
+        say = (self.info, self.warn)
+        return self.decisions.decide(
+            sums, reduced, accumulate, size, ends_epoch, nonfinite, scaled, describe_nonfinite, say
+        )
+
+    def _reduce(
+        self, sums: GroupSums, unit: str | None, accumulate: int, ends_epoch: bool, gradients: Any, check: bool
+    ) -> tuple[ReducedGroup, bool]:
+        """The general close: the vector, its sum over the replicas, the rescale with its check, one host read."""
         extra = {
             Slot.MICROBATCHES: float(sums.microbatches),
             Slot.UNIT_CODE: UNIT_CODES.get(unit or "", 0.0),
             Slot.LAST: 1.0 if ends_epoch else 0.0,
         }
-        ref = self._group_ref if self._group_ref is not None else accumulate * (self.scale_ref or 1.0)
-        vector = self.replicas.sum_(sums.local_vector(self.device, unit, extra, ref))
+        scale = self._group_scale if self._group_scale is not None else accumulate * (self.reference_weight or 1.0)
+        vector = self.replicas.sum_(sums.local_vector(self.device, unit, extra, scale))
         found: Tensor | None = None
         if gradients:
             # c · D / W on the device: the gradient is rescaled before anything is read on the host.
-            found = rescale_gradients(gradients, vector[Slot.SCALE_REF] / vector[Slot.UNITS], check_gradients)
+            found = rescale_gradients(gradients, vector[Slot.GROUP_SCALE] / vector[Slot.UNITS], check)
             if found is not None and self.replicas.check_sum is not None:
                 # Sharded gradients: each rank checked its own shard; every rank must take the same decision.
                 found = self.replicas.check_sum(found)
         values = (torch.cat((vector, found.to(vector.device))) if found is not None else vector).tolist()  # one read
-        reduced = ReducedGroup.from_values(values)
-        nonfinite = any(flag > 0 for flag in values[VECTOR_SIZE:])
-        return self._decide(sums, reduced, accumulate, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
-
-    def _close_sole(
-        self,
-        sums: GroupSums,
-        unit: str | None,
-        accumulate: int,
-        ends_epoch: bool,
-        gradients: Sequence[Tensor] | GradientsByKind | None,
-        check: bool,
-        describe_nonfinite: Callable[[], str] | None,
-    ) -> GroupOutcome:
-        """:meth:`close_group` for a group of one micro-batch on one replica (``c = w``, see :meth:`add_microbatch`):
-        the factor ``c · D / W = w / w`` is exactly 1 and there is nothing to sum, so the gradient is only checked
-        (where a check runs) and the loss, the check's flag and the counts reported as tensors are read in one host
-        read; the group's values are formed on the host as the general close forms them (``Σ w·loss`` is the one
-        product ``w · loss``, rounded as the device rounds it).
-
-        The one specialised path of the close, kept for its measured cost: the general close costs the small GPT's
-        update at ``A = 1`` 4.7 % end to end (B/A 1.062 against 1.015; ``benchmarks/RESULTS.md``, issue #28), 0.3 %
-        at ``A = 8``, where every group takes it.
-        """
-        found = rescale_gradients(gradients, 1.0, check=True) if gradients and check else None
-        counts = [c for c in (*sums.tokens, *sums.samples) if isinstance(c, Tensor)]
-        # One concatenation, promoted to float64 by the counts (exact below 2^53); the loss and the flag as they are.
-        items = [sums.losses[0].reshape(1), *([found] if found is not None else [])]
-        items += [count.reshape(1).to(torch.float64) for count in counts]
-        values = torch.cat(items).tolist()  # the one host read
-        flags = values[1 : len(values) - len(counts)]
-        reduced = _sole_group(sums, unit, values[0], values[len(values) - len(counts) :], ends_epoch)
-        nonfinite = any(flag > 0 for flag in flags)
-        return self._decide(sums, reduced, accumulate, ends_epoch, nonfinite, bool(gradients), describe_nonfinite)
-
-    def _decide(
-        self,
-        sums: GroupSums,
-        reduced: ReducedGroup,
-        accumulate: int,
-        ends_epoch: bool,
-        nonfinite: bool,
-        scaled: bool,
-        describe_nonfinite: Callable[[], str] | None,
-    ) -> GroupOutcome:
-        """The group's record and decision from its reduced values (every close ends here); opens a new group."""
-        self._sums = GroupSums()
-        self._group_ref = None
-        k, unit = sums.microbatches, self.ledger.normalization
-        carried = sums.carried_microbatches  # known alike on every replica (from the checkpoint)
-        checked = dataclasses.replace(reduced, microbatches=reduced.microbatches - carried) if carried else reduced
-        check_agreement(checked, k, self.replicas.size, ends_epoch, unit)
-        record = group_record(reduced)
-        self.scale_ref = raised_reference(self.scale_ref, reduced)
-        partial = k + sums.missing < accumulate
-        if partial:
-            self.ledger.partial_groups += 1
-            self._say_once("partial", self.info, partial_message(k, accumulate, self.options.partial_group))
-        action, reason = classify(reduced, partial, self.options.partial_group, nonfinite)
-        record.dropped = action == "drop"
-        record.skip_reason = reason
-        update = self.ledger.updates_attempted + 1
-        if reduced.excess:
-            self._say_once("excess", self.warn, excess_message(update, reduced.excess))
-        if reason == "empty":
-            self._say_once("empty", self.warn, empty_message(update, unit))
-        elif reason == "nonfinite":
-            where = describe_nonfinite() if describe_nonfinite is not None else "a parameter"
-            message = nonfinite_message(update, where, record.loss, self.options.on_nonfinite)
-            if self.options.on_nonfinite == "raise":
-                raise RuntimeError(message)
-            self.warn(message)
-        factor = reduced.scale_ref_times_d / reduced.units if action == "apply" else 1.0
-        return GroupOutcome(action, factor, record, scaled=scaled, batch_samples=sums.batch_samples)
-
-    def _say_once(self, kind: str, say: Callable[[str], None], message: str) -> None:
-        """Say a message of the decision once per run, by its kind."""
-        if kind not in self._said:
-            self._said.add(kind)
-            say(message)
+        return ReducedGroup.from_values(values), any(flag > 0 for flag in values[VECTOR_SIZE:])
 
     def schedule_due(self, record: GroupRecord, frequency: int = 1) -> bool:
-        """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in the ledger): see
-        :func:`~lightning_accum.decision.schedule_due`."""
-        return schedule_due(record, self.ledger, self.options.schedule_on, frequency)
-
-    def finish_group(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
-        """Complete the outcome's record after the optimizer ran (or did not) and add it to the ledger."""
-        record = outcome.record
-        record.applied = applied
-        if not applied and record.skip_reason is None and not record.dropped:
-            record.skip_reason = skip_reason
-        self.ledger.record(record)
-        if not record.dropped:
-            self.consecutive_skips = 0 if applied else self.consecutive_skips + 1
-        for listener in self._listeners:
-            listener(record, outcome.batch_samples)
-        limit = self.options.max_consecutive_skips
-        if limit is not None and self.consecutive_skips >= limit:
-            raise RuntimeError(
-                f"{self.consecutive_skips} consecutive updates were skipped (the last for {record.skip_reason!r};"
-                f" skipped so far: {self.ledger.updates_skipped}): the run makes no progress. Find the source of the"
-                " NaN/Inf (or the empty groups), or raise `max_consecutive_skips=` on the strategy."
-            )
-        return record
+        """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in the ledger)."""
+        return self.decisions.schedule_due(record, frequency)
 
     def add_listener(self, listener: GroupListener) -> None:
-        """Call ``listener(record, batch_samples)`` after every group is added to the ledger (by
-        :meth:`finish_group`): updates, skipped attempts and dropped groups alike (``record.dropped``).
-
-        ``batch_samples`` are the group's micro-batch sizes known on the host (see :attr:`GroupOutcome.batch_samples`).
-        This is how the callbacks act once per group without a hook on every micro-batch. Adding a listener twice
-        has no effect.
-        """
-        if listener not in self._listeners:
-            self._listeners.append(listener)
+        """Call ``listener(record, batch_samples)`` after every closed group (see :class:`GroupDecisions`)."""
+        self.decisions.add_listener(listener)
 
     def remove_listener(self, listener: GroupListener) -> None:
         """Stop calling ``listener`` (no effect if it was not added)."""
-        if listener in self._listeners:
-            self._listeners.remove(listener)
+        self.decisions.remove_listener(listener)
 
-    def warn_short_epoch(self, batches_per_epoch: float, accumulate: int) -> None:
-        """Warn (or raise under ``"drop"``) when an epoch holds fewer batches than one group."""
-        message = short_epoch_message(batches_per_epoch, accumulate, self.options.partial_group)
-        if message is not None and self.options.partial_group == "drop":
-            raise ValueError(message)
-        if message is not None:
-            self.warn(message)
+    def finish_group(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
+        """Complete the outcome's record once the optimizer ran (or did not): the ledger, the listeners."""
+        return self.decisions.finish(outcome, applied, skip_reason)
 
     # ------------------------------------------------------------------ groups across a checkpoint
 
     def open_group_state(self) -> dict[str, Any]:
-        """The open group's counters summed over replicas, for a checkpoint written inside a group.
+        """The open group's counters summed over replicas, for a checkpoint written inside a group
+        (:func:`~lightning_accum.carry.carried_state`).
 
         A collective with several replicas (every replica must call it, as every replica takes part in writing a
         checkpoint); one host read. The gradient accumulated so far is saved by the strategy next to it.
-
-        Returns:
-            ``microbatches`` (per replica), ``sums`` (the carried sums over all replicas by name: units, Σ w·loss,
-            the count parts and negative counts, floats), ``scale_ref`` (the group's ``c``, or ``None`` if no
-            micro-batch reported a loss) and ``consistent`` (see :attr:`group_consistent`).
         """
         vector = self.replicas.sum_(self._sums.local_vector(self.device, self.ledger.normalization))
-        ref = self._group_ref
-        return {
-            "microbatches": self._sums.microbatches,
-            "sums": GroupSums.carry_state(vector.tolist()),
-            "scale_ref": float(ref) if ref is not None else None,
-            # The first group of a run computes w / c with c as a float64 tensor: resumed, it must do the same.
-            "scale_ref_is_tensor": isinstance(ref, Tensor),
-            "consistent": self.group_consistent,
-        }
+        return carried_state(self._sums.microbatches, vector.tolist(), self._group_scale, self.group_consistent)
 
     def resume_open_group(
         self, state: Mapping[str, Any], holds_sums: bool, position: int | None = None, total: int | None = None
     ) -> None:
-        """Reopen the group a checkpoint was written in, so that it closes exactly as if never interrupted.
-
-        Args:
-            state: What :meth:`open_group_state` returned when the checkpoint was written.
-            holds_sums: Whether this replica carries the group's counters (exactly one replica does, like the
-                one that carries the accumulated gradient; the all-reduce at the close adds them to the others').
-            position: Where the resumed run stands in Lightning's grouping now (micro-batches of the group it does
-                not run again). Given, the carried micro-batches are counted as ``total`` wherever they fall (another
-                ``A`` or world size than when written), and the group is full when it reaches ``A`` places.
-            total: The carried micro-batches over all replicas of the run that wrote the checkpoint.
-        """
-        microbatches = int(state["microbatches"])
-        carried = int(total if total is not None else microbatches * self.replicas.size)
-        self._sums = GroupSums.reopened(microbatches, state["sums"], holds_sums, position, carried)
-        ref = state.get("scale_ref")
-        if ref is None:
-            self._group_ref = None
-        elif state.get("scale_ref_is_tensor"):
-            self._group_ref = torch.tensor(float(ref), dtype=torch.float64)  # a 0-d CPU tensor works on any device
-        else:
-            self._group_ref = float(ref)
+        """Reopen the group a checkpoint was written in (``state``: what :meth:`open_group_state` returned), so that it
+        closes exactly as if never interrupted; the arguments are :func:`~lightning_accum.carry.reopened_group`'s
+        (``total`` defaults to the written micro-batches on this run's replicas)."""
+        carried = int(total if total is not None else int(state["microbatches"]) * self.replicas.size)
+        self._sums, self._group_scale = reopened_group(state, holds_sums, position, carried)
 
     @property
     def carried_microbatches(self) -> int:
@@ -597,7 +479,7 @@ class AccumulationEngine:
         """Forget the open group (its gradient was discarded by ``zero_grad``); return its micro-batch count."""
         count = self._sums.microbatches
         self._sums = GroupSums()
-        self._group_ref = None
+        self._group_scale = None
         return count
 
     def note_missing_microbatches(self, count: int) -> None:
@@ -614,63 +496,62 @@ class AccumulationEngine:
         """Plain-data state: the ledger and ``M``; loadable with ``torch.load(weights_only=True)``."""
         return {
             "ledger": self.ledger.state_dict(),
-            "scale_ref": self.scale_ref,
-            "consecutive_skips": self.consecutive_skips,
+            "scale_ref": self.reference_weight,  # M, under the key it was always written with
+            "consecutive_skips": self.decisions.consecutive_skips,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.ledger.load_state_dict(dict(state.get("ledger", {})))
         ref = state.get("scale_ref")
-        self.scale_ref = float(ref) if ref is not None else None
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.reference_weight = float(ref) if ref is not None else None
+        self.decisions.consecutive_skips = int(state.get("consecutive_skips", 0))
 
 
-def _counts(
-    tokens: Any, samples: Any, batch: Any, device: torch.device
-) -> tuple[Count | None, Count | None, int | None]:
-    """The micro-batch's counts, checked (:func:`~lightning_accum.microbatch.as_count`), and its number of samples as a
-    host int where known without a device read (for the listeners)."""
-    tokens_c = as_count("num_tokens", tokens, device) if tokens is not None else None
-    samples_c: Count | None = None
-    if type(samples) is int and samples >= 0:  # the common inferred case needs no checks
-        samples_c = samples
-    elif samples is not None:
-        samples_c = as_count("num_samples", samples, device)
-    size = samples_c if type(samples_c) is int else infer_num_samples(batch)
-    return tokens_c, samples_c, size
+def _sole_close(
+    sums: GroupSums,
+    unit: str | None,
+    ends_epoch: bool,
+    gradients: Sequence[Tensor] | GradientsByKind | None,
+    check: bool,
+) -> tuple[ReducedGroup, bool]:
+    """:meth:`AccumulationEngine.close_group` of a group of one micro-batch on one replica (``c = w``, see
+    :meth:`AccumulationEngine.record`): the group's reduced values and whether its gradient is non-finite.
 
+    The factor ``c · D / W = w / w`` is exactly 1 and there is nothing to sum, so the gradient is only checked (where a
+    check runs) and the loss, the check's flag and the counts reported as tensors are read in one host read; the
+    group's values are formed on the host as the general close forms them (``Σ w·loss`` is the one product
+    ``w · loss``, rounded as the device rounds it).
 
-def _sole_group(
-    sums: GroupSums, unit: str | None, loss: float, read_counts: list[float], ends_epoch: bool
-) -> ReducedGroup:
-    """A sole micro-batch's group values (as the general close forms them), from its loss and its counts reported as
-    tensors, read on the host."""
-    read = iter(read_counts)
+    The one specialised path of the close, kept for its measured cost: the general close costs the small GPT's
+    update at ``A = 1`` 4.7 % end to end (B/A 1.062 against 1.015; ``benchmarks/RESULTS.md``, issue #28), 0.3 %
+    at ``A = 8``, where every group takes it.
+    """
+    found = rescale_gradients(gradients, 1.0, check=True) if gradients and check else None
+    counts = [c for c in (*sums.tokens, *sums.samples) if isinstance(c, Tensor)]
+    # One concatenation, promoted to float64 by the counts (exact below 2^53); the loss and the flag as they are.
+    items = [sums.losses[0].reshape(1), *([found] if found is not None else [])]
+    items += [count.reshape(1).to(torch.float64) for count in counts]
+    values = torch.cat(items).tolist()  # the one host read
+    flags, read_counts = values[1 : len(values) - len(counts)], iter(values[len(values) - len(counts) :])
     tokens, samples = (
-        [c if not isinstance(c, Tensor) else _exact(next(read), c) for c in kind]
+        [c if not isinstance(c, Tensor) else _exact(next(read_counts), c) for c in kind]
         for kind in (sums.tokens, sums.samples)
     )
     weight = float(tokens[0] if unit == "tokens" else samples[0] if unit == "samples" else 1)
-    return ReducedGroup(
+    reduced = ReducedGroup(
         units=weight,
-        weighted_loss=weight * loss if weight > 0 else 0.0,  # an empty micro-batch's NaN mean is left out
+        weighted_loss=weight * values[0] if weight > 0 else 0.0,  # an empty micro-batch's NaN mean is left out
         tokens=sum(tokens),
         samples=sum(samples),
         negative=sum(int(c) < 0 for c in (*tokens, *samples)),
-        scale_ref_times_d=weight,  # c = w
+        group_scale_times_d=weight,  # c = w
         microbatches=1,
         unit_code=UNIT_CODES.get(unit or "", 0.0),
         ended=int(ends_epoch),
         excess=sum(p is not None and int(c) > p for c, p in zip(tokens, sums.positions, strict=True)),
     )
-
-
-def _label_positions(batch: Any) -> int | None:
-    """The label positions of a micro-batch with a ``"labels"`` tensor (its number of elements, known on the host
-    without reading it), else ``None``: no token count of the batch can exceed them."""
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    return labels.numel() if isinstance(labels, Tensor) else None
+    return reduced, any(flag > 0 for flag in flags)
 
 
 def _exact(value: float, count: Tensor) -> int:
@@ -679,7 +560,7 @@ def _exact(value: float, count: Tensor) -> int:
     return int(value) if abs(value) < 2**53 else int(count.item())
 
 
-def weighted_loss(loss: Tensor, weight: Count, scale_ref: float | Tensor) -> Tensor:
+def weighted_loss(loss: Tensor, weight: Count, group_scale: float | Tensor) -> Tensor:
     """``loss · w / c``, formed in the loss's dtype (float32 for a half-precision loss, whose factor ``w / c`` would be
     rounded by ~1e-3 otherwise).
 
@@ -689,8 +570,8 @@ def weighted_loss(loss: Tensor, weight: Count, scale_ref: float | Tensor) -> Ten
     """
     if loss.dtype in (torch.float16, torch.bfloat16):
         loss = loss.float()
-    if not isinstance(weight, Tensor) and not isinstance(scale_ref, Tensor):
-        return loss * (weight / scale_ref)  # w / c in float64 on the host, rounded once to the loss's dtype
+    if not isinstance(weight, Tensor) and not isinstance(group_scale, Tensor):
+        return loss * (weight / group_scale)  # w / c in float64 on the host, rounded once to the loss's dtype
     w = weight.to(loss.dtype) if isinstance(weight, Tensor) else weight
-    c = scale_ref.to(device=loss.device, dtype=loss.dtype) if isinstance(scale_ref, Tensor) else scale_ref
+    c = group_scale.to(device=loss.device, dtype=loss.dtype) if isinstance(group_scale, Tensor) else group_scale
     return loss * w / c

@@ -25,7 +25,7 @@ from enum import IntEnum
 import torch
 from torch import Tensor
 
-from lightning_accum.microbatch import Count
+from lightning_accum.microbatch import Count, Microbatch
 
 __all__ = [
     "CARRIED",
@@ -55,7 +55,7 @@ class Slot(IntEnum):
     SAMPLES_HI = 4
     SAMPLES_LO = 5
     NEGATIVE = 6  #: micro-batch counts reported below zero
-    SCALE_REF = 7  #: c (every replica adds its own, identical, c: the sum is c · D)
+    GROUP_SCALE = 7  #: c, the group's scale (every replica adds its own, identical, c: the sum is c · D)
     MICROBATCHES = 8
     UNIT_CODE = 9  #: :data:`UNIT_CODES` of the replica's unit (the sum is code · D when replicas agree)
     LAST = 10  #: 1 on a replica whose data ends with this group
@@ -108,7 +108,7 @@ class ReducedGroup:
     tokens: int
     samples: int
     negative: int
-    scale_ref_times_d: float
+    group_scale_times_d: float
     microbatches: int
     unit_code: float
     ended: int
@@ -122,7 +122,7 @@ class ReducedGroup:
             tokens=int(values[Slot.TOKENS_HI]) * COUNT_SPLIT + int(values[Slot.TOKENS_LO]),
             samples=int(values[Slot.SAMPLES_HI]) * COUNT_SPLIT + int(values[Slot.SAMPLES_LO]),
             negative=round(values[Slot.NEGATIVE]),
-            scale_ref_times_d=values[Slot.SCALE_REF],
+            group_scale_times_d=values[Slot.GROUP_SCALE],
             microbatches=round(values[Slot.MICROBATCHES]),
             unit_code=values[Slot.UNIT_CODE],
             ended=round(values[Slot.LAST]),
@@ -141,7 +141,7 @@ class GroupSums:
     def __init__(self) -> None:
         self.microbatches = 0
         #: Sums of micro-batches carried over from a checkpoint written inside this group, by slot (on one
-        #: replica only; see :meth:`carry_state` and :meth:`from_carried`).
+        #: replica only; see :mod:`lightning_accum.carry`).
         self.carried: dict[Slot, float] = {}
         #: Micro-batches of this group that ran before a checkpoint but could not be carried over (lost).
         self.missing = 0
@@ -164,21 +164,13 @@ class GroupSums:
         """Whether nothing of this group comes from a checkpoint (carried sums, or lost micro-batches)."""
         return not self.carried and not self.missing and not self.carried_microbatches
 
-    def add(
-        self,
-        loss: Tensor | None,
-        tokens: Count | None,
-        samples: Count | None,
-        size: int | None,
-        continues: bool = False,
-        positions: int | None = None,
-    ) -> None:
-        """Record one micro-batch (``loss`` ``None``: the step returned no loss).
+    def add(self, microbatch: Microbatch, continues: bool = False) -> None:
+        """Record one micro-batch as read (:func:`~lightning_accum.microbatch.read_microbatch`; no loss: the step
+        returned none).
 
         ``continues``: a further slice of the micro-batch recorded last (``microbatch_size=``): its counts and loss
         are added, but the group's micro-batch count and the list of micro-batch sizes do not grow (the size is
-        added to the last one). ``positions``: its batch's label positions, where known (a token count above them
-        is counted in :attr:`Slot.EXCESS`).
+        added to the last one). A token count above the batch's label positions is counted in :attr:`Slot.EXCESS`.
         """
         sizes = self.batch_samples
         self._mark = (
@@ -189,20 +181,22 @@ class GroupSums:
             len(sizes),
             sizes[-1] if sizes else 0,
         )
+        size = microbatch.size
         if not continues:
             self.microbatches += 1
             if size is not None:
-                self.batch_samples.append(size)
-        elif size is not None and self.batch_samples:
-            self.batch_samples[-1] += size
+                sizes.append(size)
+        elif size is not None and sizes:
+            sizes[-1] += size
+        loss = microbatch.loss
         if loss is None:
             return
         self.losses.append(loss.detach())
-        if tokens is not None:
-            self.tokens.append(tokens)
-            self.positions.append(positions)
-        if samples is not None:
-            self.samples.append(samples)
+        if microbatch.tokens is not None:
+            self.tokens.append(microbatch.tokens)
+            self.positions.append(microbatch.label_positions)
+        if microbatch.samples is not None:
+            self.samples.append(microbatch.samples)
 
     def retract(self) -> None:
         """Forget the last :meth:`add` (a slice whose backward ran out of memory and is run again, smaller)."""
@@ -222,11 +216,11 @@ class GroupSums:
         device: torch.device,
         unit: str | None,
         extra: Mapping[Slot, float] | None = None,
-        scale_ref: float | Tensor = 0.0,
+        group_scale: float | Tensor = 0.0,
     ) -> Tensor:
         """This replica's contribution to the group's reduced vector (:class:`Slot` layout), a new float64 tensor.
 
-        ``extra`` adds host values by slot; ``scale_ref`` is ``c`` (a float, or a device scalar). Host values (ints
+        ``extra`` adds host values by slot; ``group_scale`` is ``c`` (a float, or a device scalar). Host values (ints
         reported as such, ``c`` as a float, ``extra``, what a checkpoint carried) are summed on the host, exactly;
         values reported as tensors are summed on the device (a handful of operations whatever the group's size).
         """
@@ -235,10 +229,10 @@ class GroupSums:
             host[slot] += value
         host[Slot.EXCESS] += self.host_excess()
         parts: list[tuple[tuple[Slot, ...], Tensor]] = []  # device values and the slots they are added to
-        if isinstance(scale_ref, Tensor):
-            parts.append(((Slot.SCALE_REF,), scale_ref.to(device=device, dtype=torch.float64).reshape(1)))
+        if isinstance(group_scale, Tensor):
+            parts.append(((Slot.GROUP_SCALE,), group_scale.to(device=device, dtype=torch.float64).reshape(1)))
         else:
-            host[Slot.SCALE_REF] += float(scale_ref)
+            host[Slot.GROUP_SCALE] += float(group_scale)
         weights = self.tokens if unit == "tokens" else self.samples if unit == "samples" else None
         stacked_weights: Tensor | None = None  # the unit's counts stacked on the device, when all are tensors
         for counts, hi, lo in (
@@ -292,40 +286,6 @@ class GroupSums:
             for c, p in zip(self.tokens, self.positions, strict=True)
             if p is not None and not isinstance(c, Tensor) and c > p
         )
-
-    # ------------------------------------------------------------------ across a checkpoint
-
-    @staticmethod
-    def carry_state(values: Sequence[float]) -> dict[str, float]:
-        """The carried slots of a reduced vector, by name (plain floats, for a checkpoint)."""
-        return {slot.name.lower(): float(values[slot]) for slot in CARRIED}
-
-    @classmethod
-    def reopened(
-        cls, microbatches: int, sums: Mapping[str, float], holds_sums: bool, position: int | None, total: int
-    ) -> GroupSums:
-        """A group reopened from a checkpoint written inside it (:meth:`carry_state` gave ``sums``).
-
-        Args:
-            microbatches: The group's micro-batches per replica when the checkpoint was written.
-            sums: The carried slots, summed over the replicas of the run that wrote it.
-            holds_sums: Whether this replica adds them to the group (exactly one replica does).
-            position: ``None``: the run resumes where the group's micro-batches left off (same grouping). Else the
-                places of the group that Lightning's grouping counts as done now (another ``A`` or ``D``): the
-                carried micro-batches then count as ``total``, wherever they fall.
-            total: The carried micro-batches over all replicas of the run that wrote the checkpoint.
-        """
-        group = cls()
-        if holds_sums:
-            group.carried = {slot: float(sums[slot.name.lower()]) for slot in CARRIED}
-        if position is None:
-            group.microbatches = microbatches
-            return group
-        group.missing = position
-        group.carried_microbatches = total
-        if holds_sums:
-            group.carried[Slot.MICROBATCHES] = float(total)
-        return group
 
 
 def _as_vector(weights: list[Count], device: torch.device) -> Tensor:

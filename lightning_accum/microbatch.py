@@ -1,5 +1,9 @@
 """Reading one micro-batch: what ``training_step`` returned, its unit counts, and the unit of the run.
 
+A micro-batch is read once, where it enters the package (the strategy's ``training_step``, a slice of the slicer,
+``strategy.accumulate``): :func:`read_microbatch` forms a :class:`Microbatch` (its loss, its counts checked, its
+size on the host, its label positions) that every later layer takes as it is, instead of reading the batch again.
+
 Pure functions over tensors: nothing here reads device memory (counts that arrive as tensors stay on the device
 until the group closes) and nothing imports Lightning.
 """
@@ -7,12 +11,22 @@ until the group closes) and nothing imports Lightning.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Count", "as_count", "choose_unit", "infer_num_samples", "parse_step_output", "unit_weight"]
+__all__ = [
+    "Count",
+    "Microbatch",
+    "as_count",
+    "choose_unit",
+    "infer_num_samples",
+    "parse_step_output",
+    "read_microbatch",
+    "unit_weight",
+]
 
 #: A count of units as reported: a Python int, or a 0-d integer tensor on the loss's device.
 Count = int | Tensor
@@ -119,9 +133,11 @@ def as_count(name: str, value: object, device: torch.device) -> Count:
 
 
 def parse_step_output(
-    output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None = None
+    output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None = None, infer_samples: bool = True
 ) -> tuple[Tensor | None, object, object]:
     """``(loss, tokens, samples)`` from what ``training_step`` returned; ``loss`` is ``None`` when there is none.
+
+    ``samples`` is inferred from ``batch``'s shapes when not reported (unless ``infer_samples=False``).
 
     An output that is neither a tensor nor a mapping with a tensor under ``"loss"`` is left to Lightning, which
     raises its own error for it (``MisconfigurationException``) right after: it is reported as "no loss" here.
@@ -155,9 +171,76 @@ def parse_step_output(
         )
     if tokens is None and count_tokens is not None:
         tokens = count_tokens(batch)
-    if samples is None:
+    if samples is None and infer_samples:
         samples = infer_num_samples(batch)
     return (loss.reshape(()) if loss.ndim else loss), tokens, samples
+
+
+@dataclass(frozen=True, slots=True)
+class Microbatch:
+    """One micro-batch as read at the door (:func:`read_microbatch`), handed down unchanged.
+
+    Attributes:
+        loss: Its mean loss (a 0-d tensor, graph attached), or ``None`` when the step returned none.
+        tokens: Its supervised tokens, checked (:func:`as_count`), or ``None`` when not reported.
+        samples: Its samples, checked: reported, else given by the caller, else the batch's leading dimension;
+            ``None`` when unknown.
+        size: Its samples as a host int where known without a device read (reported as an int, or from tensor
+            shapes): for the listeners' micro-batch sizes; ``None`` otherwise.
+        reports_samples: The step reported ``num_samples`` itself (it chose samples: no token-weighting hint).
+        label_positions: ``labels.numel()`` of a batch with a ``"labels"`` tensor, when tokens are reported (no
+            token count can exceed it); ``None`` otherwise.
+        batch: The batch itself, for the once-per-run hint that token weighting was probably intended.
+    """
+
+    loss: Tensor | None
+    tokens: Count | None = None
+    samples: Count | None = None
+    size: int | None = None
+    reports_samples: bool = False
+    label_positions: int | None = None
+    batch: Any = None
+
+
+def read_microbatch(
+    output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None = None, num_samples: int | None = None
+) -> Microbatch:
+    """Read what a step returned for ``batch`` once: the loss, the counts checked, the size and label positions.
+
+    Args:
+        output: What the step returned (see :func:`parse_step_output`).
+        batch: The micro-batch.
+        count_tokens: The strategy's ``count_tokens=`` (used when the step reports no ``num_tokens``).
+        num_samples: The micro-batch's samples when the caller knows them (a slice of ``stop - start`` samples):
+            used instead of reading the batch's shapes when the step reports none.
+
+    Example:
+        >>> mb = read_microbatch({"loss": torch.tensor(2.0), "num_tokens": 5}, {"labels": torch.zeros(3, 4)})
+        >>> float(mb.loss), mb.tokens, mb.samples, mb.size, mb.label_positions
+        (2.0, 5, 3, 3, 12)
+    """
+    reports_samples = isinstance(output, Mapping) and output.get("num_samples") is not None
+    if num_samples is not None and not reports_samples:
+        loss, tokens, _ = parse_step_output(output, batch, count_tokens, infer_samples=False)
+        samples: object = num_samples
+    else:
+        loss, tokens, samples = parse_step_output(output, batch, count_tokens)
+    if loss is None:
+        size = num_samples if num_samples is not None else infer_num_samples(batch)
+        return Microbatch(None, size=size, batch=batch)
+    device = loss.device
+    tokens_c = as_count("num_tokens", tokens, device) if tokens is not None else None
+    samples_c: Count | None = None
+    if type(samples) is int and samples >= 0:  # the common inferred case needs no checks
+        samples_c = samples
+    elif samples is not None:
+        samples_c = as_count("num_samples", samples, device)
+    size = samples_c if type(samples_c) is int else num_samples if num_samples is not None else None
+    if size is None:  # reported as a tensor (read at the close, not here): the batch's shapes tell the host
+        size = infer_num_samples(batch)
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    positions = labels.numel() if tokens_c is not None and isinstance(labels, Tensor) else None
+    return Microbatch(loss, tokens_c, samples_c, size, reports_samples, positions, batch)
 
 
 def choose_unit(normalize: str, has_tokens: bool, has_samples: bool) -> tuple[str, str | None]:

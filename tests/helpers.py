@@ -6,7 +6,10 @@ import copy
 import gc
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -157,6 +160,27 @@ class RankStridedSampler(Sampler[int]):
         return len(range(rank, self.length, world))
 
 
+def make_trainer(**overrides: Any) -> L.Trainer:
+    """A quiet CPU Trainer of the exact strategy: `strategy="accum"`, one device, one epoch, no logger, checkpoints,
+    progress bar, model summary or sanity validation; on several devices or nodes no distributed sampler (each rank
+    reads what its loader gives it: a `RankStridedSampler`'s share, or the same examples). `overrides` win."""
+    options: dict[str, Any] = {
+        "strategy": "accum",
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        **overrides,
+    }
+    if options["devices"] != 1 or options.get("num_nodes", 1) != 1:
+        options.setdefault("use_distributed_sampler", False)
+    return L.Trainer(**options)
+
+
 def fit(
     model: L.LightningModule,
     examples: list[dict[str, Tensor]],
@@ -169,21 +193,10 @@ def fit(
 ) -> L.Trainer:
     """One epoch of `Trainer.fit` over `examples` in order; with several devices each rank reads a strided,
     unshuffled share; `collate_fn` for examples the default collation cannot stack."""
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    options.update(trainer_kwargs)
-    distributed = options["devices"] != 1 or options.get("num_nodes", 1) != 1
-    if distributed:
-        options["use_distributed_sampler"] = False
-    trainer = L.Trainer(strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks or [], **options)
+    trainer = make_trainer(
+        strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks or [], **trainer_kwargs
+    )
+    distributed = trainer_kwargs.get("devices", 1) != 1 or trainer_kwargs.get("num_nodes", 1) != 1
     sampler = RankStridedSampler(len(examples)) if distributed else None
     loader = DataLoader(
         ListDataset(examples), batch_size=batch_size, shuffle=False, sampler=sampler, collate_fn=collate_fn
@@ -196,6 +209,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def launch_env() -> dict[str, str]:
+    """This process's environment for a launched script: without pytest's and torch's distributed variables, and
+    with warnings silenced."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "LOCAL_RANK", "RANK", "WORLD_SIZE"))}
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def torchrun_two_nodes(script: Path, *args: str, env: dict[str, str]) -> None:
+    """Runs `script args` under torchrun as 2 nodes x 1 process on the loopback interface; both must end cleanly."""
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                str(script), *args,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    logs = [node.communicate(timeout=500)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
 
 
 def _ddp_worker(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
@@ -262,18 +304,13 @@ def ddp_trainer(
     strategy: Any, accumulate: int, max_epochs: int = 1, callbacks: list[L.Callback] | None = None
 ) -> L.Trainer:
     """A 2-process CPU Trainer for run_ddp workers; each rank reads its own data (no distributed sampler)."""
-    return L.Trainer(
+    return make_trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=2,
         accumulate_grad_batches=accumulate,
         max_epochs=max_epochs,
-        logger=False,
         callbacks=callbacks or [],
         enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from helpers import ListDataset, RankStridedSampler, TinyLM
+from helpers import ListDataset, RankStridedSampler, TinyLM, make_trainer
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -64,10 +64,10 @@ class Trace(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
-        trainer.strategy.engine.add_listener(self._on_group)  # type: ignore[attr-defined]
+        trainer.strategy.add_group_listener(self._on_group)  # type: ignore[attr-defined]
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        trainer.strategy.engine.remove_listener(self._on_group)  # type: ignore[attr-defined]
+        trainer.strategy.remove_group_listener(self._on_group)  # type: ignore[attr-defined]
 
     def _on_group(self, record: GroupRecord, batch_samples: Sequence[int]) -> None:
         assert self._trainer is not None
@@ -116,22 +116,11 @@ def trainer_for(
     accumulate: int, callbacks: list[L.Callback], devices: int = 1, strategy: str = "accum", **kwargs: Any
 ) -> L.Trainer:
     """A quiet CPU Trainer that validates only when the Horizon (or a stop) asks for it."""
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": devices,
-        "max_epochs": -1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-        "check_val_every_n_epoch": None,
-        "val_check_interval": 10**9,
-    }
-    if devices > 1:
-        options["use_distributed_sampler"] = False
+    options: dict[str, Any] = {"max_epochs": -1, "check_val_every_n_epoch": None, "val_check_interval": 10**9}
     options.update(kwargs)
-    return L.Trainer(strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks, **options)
+    return make_trainer(
+        strategy=strategy, devices=devices, accumulate_grad_batches=accumulate, callbacks=callbacks, **options
+    )
 
 
 def reference_points(group_tokens: Sequence[int], stop_at: int, every: int | None) -> tuple[list[int], list[int]]:

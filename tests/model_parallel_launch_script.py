@@ -11,9 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lightning as L
 import torch
-from helpers import ListDataset, RankStridedSampler, make_examples
+from helpers import ListDataset, RankStridedSampler, make_examples, make_trainer
 from test_model_parallel import UNEQUAL, ShardedLM, full_params
 from torch.utils.data import DataLoader
 
@@ -25,20 +24,7 @@ def main() -> None:
     torch.set_num_threads(1)
     examples = make_examples(UNEQUAL, seed=8)
     model = ShardedLM("fsdp")
-    trainer = L.Trainer(
-        strategy="accum_fsdp",
-        accelerator="cpu",
-        devices=1,
-        num_nodes=2,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
+    trainer = make_trainer(strategy="accum_fsdp", num_nodes=2, accumulate_grad_batches=2, gradient_clip_val=0.2)
     loader = DataLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
     trainer.fit(model, loader)
     params = full_params(model)  # a collective: every rank gathers

@@ -55,6 +55,7 @@ def run(
     epochs: int = 1,
     ckpt_path: Path | None = None,
     extra_loggers: bool = False,
+    prefix: str = "accum/",
 ) -> tuple[L.Trainer, LoggingLM]:
     model = model or LoggingLM(lr=0.5)
     loggers: list[Any] = [TensorBoardLogger(tmp_path, name=name, version=0)]
@@ -66,7 +67,7 @@ def run(
         accumulate_grad_batches=accumulate,
         max_epochs=epochs,
         logger=loggers,
-        callbacks=[AxisLogger(axis=axis), LearningRateMonitor(logging_interval="step")],
+        callbacks=[AxisLogger(axis=axis, prefix=prefix), LearningRateMonitor(logging_interval="step")],
         log_every_n_steps=1,
         val_check_interval=val_every,
         check_val_every_n_epoch=1 if val_every is None else None,
@@ -109,11 +110,16 @@ def test_accum_loss_steps_are_cumulative_tokens_and_validation_sits_at_its_token
     ledger = trainer.strategy.ledger
     assert ledger.tokens == expected[-1]
     assert data["accum/loss"][-1][1] == pytest.approx(ledger.last_group.loss, rel=1e-6)
-    # LearningRateMonitor logs on every micro-batch; on the axis each x holds one value.
-    lr_steps = [step for step, _ in data["lr-SGD"]]
-    assert lr_steps == sorted(set(lr_steps)) and lr_steps[0] == 0
+    # LearningRateMonitor logs before every micro-batch; on the axis each update's rate is one point, at the x
+    # after the update that used it, where accum/lr is.
+    assert [step for step, _ in data["lr-SGD"]] == expected
+    assert data["lr-SGD"] == data["accum/lr"]
     # The rate used by update i is 0.5 * 0.9**i (the schedule advances after every applied update).
     assert [v for _, v in data["accum/lr"]] == pytest.approx([0.5 * 0.9**i for i in range(4)])
+    # The axis by name: a curve whose value is its x, at every x anything was written at.
+    written = {step for tag, points in data.items() if tag != "accum/tokens" for step, _ in points}
+    assert {step for step, _ in data["accum/tokens"]} == written >= set(expected)
+    assert all(value == step for step, value in data["accum/tokens"])
     train_steps = [step for step, _ in data["train_loss"]]
     assert train_steps == sorted(set(train_steps)) and set(train_steps) <= {0, *expected}
     assert [v for _, v in data["accum/skipped_updates"]] == [0, 0, 0, 0]
@@ -165,6 +171,93 @@ def test_csv_has_the_same_steps_and_resume_continues_the_axis(tmp_path: Path) ->
     resumed = [s for s, _ in scalars(tmp_path / "second" / "version_0")["accum/loss"]]
     assert resumed[0] > tb_steps[-1] and resumed == sorted(resumed), (tb_steps, resumed)
     assert resumed[-1] == 2 * tb_steps[-1]  # the same 8 examples twice
+
+
+def csv_rows(folder: Path) -> list[dict[str, str]]:
+    with open(folder / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_every_csv_row_names_its_x_and_the_monitors_rate_shares_the_row_of_accum_lr(tmp_path: Path) -> None:
+    examples = make_examples(random_lengths(24, seed=5), seed=5)
+    # m = 2, A = 3: 4 updates; validation after updates 2 and 4.
+    trainer, _ = run(tmp_path, examples, m=2, accumulate=3, name="rows", val_every=6, extra_loggers=True)
+    expected = cumulative_tokens(examples, 6)
+    assert trainer.strategy.ledger.tokens == expected[-1]
+    rows = csv_rows(tmp_path / "rows-csv" / "version_0")
+    # Every row, whatever it holds (a group point, `self.log` in training or validation, the monitor's rate), names
+    # its x: the axis metric, written as the same exact int as the row's step.
+    assert len(rows) > len(expected) and all(row["accum/tokens"] == row["step"] for row in rows)
+
+    def steps(key: str) -> list[int]:
+        return [int(row["step"]) for row in rows if row[key]]
+
+    assert steps("accum/loss") == expected
+    assert steps("val_loss") == [expected[1], expected[3]]
+    # LearningRateMonitor's rate of update i is in update i's point row, beside accum/lr: same x, same value.
+    assert steps("lr-SGD") == expected
+    assert all(row["lr-SGD"] == row["accum/lr"] for row in rows if row["lr-SGD"])
+
+
+def test_the_axis_metric_follows_the_axis_and_the_prefix(tmp_path: Path) -> None:
+    examples = make_examples(random_lengths(12, seed=2), seed=2)  # m = 2, A = 2: 3 updates of 4 samples
+    run(tmp_path, examples, m=2, accumulate=2, name="samples", axis="samples", prefix="run/", extra_loggers=True)
+    trainer, _ = run(tmp_path, examples, m=2, accumulate=2, name="updates", axis="updates", extra_loggers=True)
+    samples = csv_rows(tmp_path / "samples-csv" / "version_0")
+    assert all(row["run/samples"] == row["step"] for row in samples)
+    assert [int(row["run/samples"]) for row in samples if row["run/loss"]] == [4, 8, 12]
+    assert not {"accum/samples", "run/tokens", "accum/tokens"} & set(samples[0])
+    updates = csv_rows(tmp_path / "updates-csv" / "version_0")
+    assert all(row["accum/updates"] == row["step"] for row in updates)
+    assert [int(row["accum/updates"]) for row in updates if row["accum/loss"]] == [1, 2, 3]
+    assert trainer.strategy.ledger.updates_applied == 3
+
+
+class OneCycleLM(LoggingLM):
+    """SGD with momentum under OneCycleLR: the rate and the momentum change at every update."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=8)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_learning_rate_monitor_and_accum_lr_sit_at_the_same_x_for_the_same_update(tmp_path: Path) -> None:
+    # 6 updates (m = 2, A = 2) at log_every_n_steps=2: the monitor reads the rates before the micro-batches of
+    # updates 2, 4 and 6 (Lightning's cadence), and AxisLogger writes a point after each of those updates.
+    examples = make_examples(random_lengths(24, seed=4), seed=4)
+    trainer = L.Trainer(
+        strategy=AccumulationStrategy(),
+        accelerator="cpu",
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        logger=TensorBoardLogger(tmp_path, name="lr", version=0),
+        callbacks=[AxisLogger(axis="tokens"), LearningRateMonitor(logging_interval="step", log_momentum=True)],
+        log_every_n_steps=2,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    # The reference, per update: the count after it, and the rate and momentum it used (the listeners run after the
+    # update, before the schedule advances).
+    used: list[tuple[int, float, float]] = []
+    strategy = trainer.strategy
+
+    def listen(record: Any, _: Any) -> None:
+        (group,) = trainer.optimizers[0].param_groups
+        used.append((strategy.ledger.tokens, group["lr"], group["momentum"]))
+
+    strategy.add_group_listener(listen)
+    val = DataLoader(ListDataset(examples[:2]), batch_size=2)
+    trainer.fit(OneCycleLM(lr=0.5), DataLoader(ListDataset(examples), batch_size=2), val)
+    assert len(used) == 6 and len({lr for _, lr, _ in used}) == 6  # a rate of its own per update
+    logged = scalars(tmp_path / "lr" / "version_0")
+    points = used[1::2]  # updates 2, 4 and 6
+    for tag, values in (("lr-SGD", [lr for _, lr, _ in points]), ("lr-SGD-momentum", [mom for *_, mom in points])):
+        assert [step for step, _ in logged[tag]] == [x for x, _, _ in points], tag
+        assert [value for _, value in logged[tag]] == pytest.approx(values, rel=1e-6), tag  # float32 in the file
+    assert logged["accum/lr"] == logged["lr-SGD"]
 
 
 def test_requires_an_accumulation_strategy(tmp_path: Path) -> None:
@@ -346,10 +439,16 @@ def test_two_fits_with_one_axis_logger_continue_the_axis_and_leave_the_logger_cl
         )
         trainer.fit(model, DataLoader(ListDataset(examples), batch_size=2), DataLoader(ListDataset(examples[:2])))
         assert "log_metrics" not in vars(logger)  # nothing left on the logger instance
-    steps = [s for s, _ in scalars(tmp_path / "stages" / "version_0")["accum/loss"]]
+    logged = scalars(tmp_path / "stages" / "version_0")
+    steps = [s for s, _ in logged["accum/loss"]]
     per_stage = cumulative_tokens(examples, 4)
     assert len(steps) == 8  # 4 updates per stage, none dropped
     assert sorted(steps) == per_stage + [per_stage[-1] + x for x in per_stage]  # one event file per fit
+    # The axis metric holds the shifted x of the second stage too.
+    assert (
+        all(value == step for step, value in logged["accum/tokens"])
+        and set(steps) <= dict(logged["accum/tokens"]).keys()
+    )
 
 
 def test_the_missing_token_count_is_reported_before_the_first_update(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import ListDataset, TinyLM, fit, make_examples, params_vector, random_lengths, run_ddp
+from helpers import ListDataset, TinyLM, fit, make_examples, make_trainer, params_vector, random_lengths, run_ddp
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader
@@ -48,17 +48,7 @@ def test_shuffled_data_order_is_restored(own_generator: bool) -> None:
         L.seed_everything(11)
         model = TinyLM(lr=0.3, seed=2)
         callbacks = [AccumulationCheck()] if with_check else []
-        trainer = L.Trainer(
-            strategy="accum",
-            accelerator="cpu",
-            accumulate_grad_batches=3,
-            max_epochs=1,
-            logger=False,
-            callbacks=callbacks,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = make_trainer(accumulate_grad_batches=3, callbacks=callbacks)
         generator = torch.Generator().manual_seed(5) if own_generator else None
         trainer.fit(model, DataLoader(ListDataset(data), batch_size=2, shuffle=True, generator=generator))
         runs.append((params_vector(model), [ids.clone() for ids in model.seen_input_ids[-12:]]))
@@ -176,28 +166,35 @@ def test_collate_for_structures_that_do_not_concatenate() -> None:
         AccumulationCheck(tolerance=0)
 
 
-def _ddp_same_examples(rank: int, folder: str) -> None:
-    # No distributed sampler: both replicas read the same examples.
-    check = AccumulationCheck()
-    trainer = L.Trainer(
+def _checked_ddp_fit(
+    path: str,
+    check: AccumulationCheck,
+    model: L.LightningModule,
+    loader: DataLoader,
+    use_distributed_sampler: bool,
+    field: str,
+) -> None:
+    """A 2-process `accum_ddp` fit (A = 2) under `check`, warnings recorded; this rank writes the check's `field`
+    and its relative error to `path`."""
+    trainer = make_trainer(
         strategy="accum_ddp",
-        accelerator="cpu",
         devices=2,
         accumulate_grad_batches=2,
-        max_epochs=1,
-        use_distributed_sampler=False,
-        logger=False,
+        use_distributed_sampler=use_distributed_sampler,
         callbacks=[check],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        trainer.fit(TinyLM(), DataLoader(ListDataset(examples(8)), batch_size=2))
+        trainer.fit(model, loader)
     assert check.result is not None
-    with open(f"{folder}/rank{rank}.json", "w") as f:
-        json.dump({"warnings": check.result.warnings, "error": check.result.relative_error}, f)
+    with open(path, "w") as f:
+        json.dump({field: getattr(check.result, field), "error": check.result.relative_error}, f)
+
+
+def _ddp_same_examples(rank: int, folder: str) -> None:
+    # No distributed sampler: both replicas read the same examples.
+    loader = DataLoader(ListDataset(examples(8)), batch_size=2)
+    _checked_ddp_fit(f"{folder}/rank{rank}.json", AccumulationCheck(), TinyLM(), loader, False, "warnings")
 
 
 @pytest.mark.ddp
@@ -276,26 +273,10 @@ def test_one_sequence_per_microbatch_without_counts_is_missing_token_weighting()
 def _ddp_hf_naive(rank: int, folder: str) -> None:
     import hf_models as hf
 
-    check = AccumulationCheck(strict=False)
-    trainer = L.Trainer(
-        strategy="accum_ddp",
-        accelerator="cpu",
-        devices=2,
-        accumulate_grad_batches=2,
-        max_epochs=1,
-        logger=False,
-        callbacks=[check],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
     loader = DataLoader(hf.sequences(16, seed=3), batch_size=2, collate_fn=hf.pad_collate)  # type: ignore[arg-type]
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        trainer.fit(hf.HFCausalLM(count="naive"), loader)
-    assert check.result is not None
-    with open(f"{folder}/rank{rank}.json", "w") as f:
-        json.dump({"errors": check.result.errors, "error": check.result.relative_error}, f)
+    # Lightning's distributed sampler: each replica reads its own share.
+    check, model = AccumulationCheck(strict=False), hf.HFCausalLM(count="naive")
+    _checked_ddp_fit(f"{folder}/rank{rank}.json", check, model, loader, True, "errors")
 
 
 @pytest.mark.ddp

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import os
+import pickle
+import re
+import shutil
 import signal
 import time
 import warnings
@@ -24,6 +29,7 @@ from helpers import (
     random_lengths,
     run_ddp,
 )
+from torch import Tensor
 
 from lightning_accum import AccumulationStrategy, DDPAccumulationStrategy
 
@@ -1046,3 +1052,374 @@ def test_a_checkpoint_written_before_the_first_micro_batch_of_a_resume_carries_t
     assert first_model.seen_tokens[: 8 + 2] + resumed_model.seen_tokens == whole_model.seen_tokens
     assert resumed.strategy.ledger == whole.strategy.ledger
     torch.testing.assert_close(params_vector(resumed_model), params_vector(whole_model), rtol=1e-6, atol=1e-7)
+
+
+def test_a_group_that_says_it_carried_its_gradient_but_holds_none_is_an_error(tmp_path: Path) -> None:
+    # `carried: True` without `gradients`: read before as a group that could not be carried, its first micro-batches
+    # were lost with a warning and the run trained on, off the uninterrupted run.
+    ckpt = _written_at(tmp_path, 4)
+    state = torch.load(ckpt, weights_only=True)
+    assert state["lightning_accum"]["open_group"]["carried"] is True
+    del state["lightning_accum"]["open_group"]["gradients"]
+    torch.save(state, ckpt)
+    with pytest.raises(
+        ValueError,
+        match=r"`open_group.gradients` should be a dict of parameter name -> tensor: the group's \(`open_group.carried`"
+        r" is True\), but it is 'missing'",
+    ):
+        _resume(ckpt, "accum", 3)
+
+
+def test_a_total_of_micro_batches_that_contradicts_the_counters_is_an_error(tmp_path: Path) -> None:
+    # The total over all replicas is the run's micro-batches on each replica plus those carried in from an earlier
+    # checkpoint (recorded). Read before as it was, the ledger counted the extra micro-batches (13 instead of 8).
+    ckpt = _written_at(tmp_path, 4)
+    state = torch.load(ckpt, weights_only=True)
+    group = state["lightning_accum"]["open_group"]
+    assert (group["microbatches"], group["replicas"], group["carried_microbatches"]) == (2, 1, 0)
+    group["total_microbatches"] = 7
+    torch.save(state, ckpt)
+    with pytest.raises(
+        ValueError,
+        match=r"`open_group.total_microbatches` should be 2 \(`open_group.carried_microbatches` 0, carried into the"
+        r" group from an earlier checkpoint, \+ 2 micro-batch\(es\) on each of 1 replica\(s\)\), but it is 7",
+    ):
+        _resume(ckpt, "accum", 3)
+
+
+def test_a_group_carried_through_two_checkpoints_records_what_it_carried_and_resumes_exactly(tmp_path: Path) -> None:
+    # Written inside the group 4..7 (A = 4) after micro-batch 4, resumed, written again after 5 in the same group:
+    # the second entry's total holds the micro-batch carried in (1) and the resumed run's own (1).
+    whole = _plain_trainer("accum", 4)
+    whole_model = TinyLM()
+    whole.fit(whole_model, _loader())
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    _plain_trainer("accum", 4).fit(_WritesAt(first, 4), _loader())
+    _resume(first / "at.ckpt", "accum", 4, model=_WritesAt(second, 5))
+    state = torch.load(second / "at.ckpt", weights_only=True)
+    group = state["lightning_accum"]["open_group"]
+    assert (group["microbatches"], group["carried_microbatches"], group["total_microbatches"]) == (1, 1, 2)
+    trainer, model, messages = _resume(second / "at.ckpt", "accum", 4)
+    assert not [m for m in messages if "lost" in m], messages
+    assert trainer.strategy.ledger == whole.strategy.ledger
+    torch.testing.assert_close(params_vector(model), params_vector(whole_model), rtol=1e-6, atol=1e-7)
+    group["total_microbatches"] = 1  # as if nothing had been carried in: the counters contradict it
+    torch.save(state, second / "at.ckpt")
+    with pytest.raises(ValueError, match=r"`open_group.total_microbatches` should be 2 \("):
+        _resume(second / "at.ckpt", "accum", 4)
+
+
+# ---------------------------------------------------------------------------- every damage to a real entry
+
+_DELETE = object()  # the key is removed
+_KINDS = ["delete", "none", "wrong type", "negative", "out of range", "inconsistent"]
+#: Relations between fields, each broken by one damage: (key path, the damage, the keys an error may name; none:
+#: harmless, the resumed run is the undamaged resume).
+_INCONSISTENT: list[tuple[tuple[Any, ...], Callable[[Any], Any], tuple[str, ...]]] = [
+    (("open_group", "microbatches"), lambda v: v + 1, ("open_group.microbatches",)),
+    (("open_group_microbatches",), lambda v: v + 1, ("open_group.microbatches",)),
+    (("open_group_microbatches",), lambda v: 0, ("open_group.microbatches",)),
+    (("open_group", "total_microbatches"), lambda v: v + 5, ("open_group.total_microbatches",)),
+    (("open_group", "total_microbatches"), lambda v: v - 1, ("open_group.total_microbatches",)),
+    (("open_group", "carried_microbatches"), lambda v: v + 1, ("open_group.total_microbatches",)),
+    (("open_group", "replicas"), lambda v: 2, ("open_group.total_microbatches",)),
+    (("open_group", "sums", "units"), lambda v: v + 1, ("open_group.sums.units",)),
+    (("open_group", "sums", "tokens_lo"), lambda v: v + 1, ("open_group.sums.units",)),
+    (("open_group", "sums", "tokens_hi"), lambda v: v + 1, ("open_group.sums.units",)),
+    (("open_group", "sums", "negative"), lambda v: 1.0, ("open_group.sums.negative",)),
+    (("open_group", "sums", "units"), lambda v: 0.0, ("open_group.sums.units",)),
+    (("open_group", "carried"), lambda v: False, ("open_group.carried",)),
+    (("open_group", "gradients_stored"), lambda v: "distributed", ("open_group.gradient_names",)),
+    (("open_group", "gradients"), lambda v: {f"{k}x": t for k, t in v.items()}, ("open_group.gradients",)),
+    (("open_group", "no_gradient"), lambda v: ["head.bias"], ()),  # listed, yet carried: the gradient is added
+    (("ledger", "updates_applied"), lambda v: v + 1, ("ledger.updates_attempted",)),
+    (("ledger", "updates_skipped", "overflow"), lambda v: v + 1, ("ledger.updates_attempted",)),
+    (("ledger", "normalization"), lambda v: "samples", ("open_group.sums.units",)),
+    (("config", "accumulate"), lambda v: v + 1, ()),  # announced as a change of A: nothing is computed from it
+    (("config", "replicas"), lambda v: v + 1, ()),
+    (("format",), lambda v: 1, ("format",)),
+]
+
+
+def _leaves(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every value of the entry with its path (dict keys, list indices), the entry itself first."""
+    yield path, node
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        yield from _leaves(value, (*path, key))
+
+
+def _shown(path: tuple[Any, ...]) -> str:
+    """The key as the package's errors name it: `open_group.gradients['head.bias']`, `slicing.per_rank[0].size`."""
+    text = "lightning_accum" if not path else ""
+    for i, part in enumerate(path):
+        indexed = isinstance(part, int) or (i and path[i - 1] == "gradients")
+        text += f"[{part!r}]" if indexed else (f".{part}" if text else part)
+    return text
+
+
+def _damages(kind: str, path: tuple[Any, ...], value: Any) -> list[Any]:
+    """The damaged values of one kind for the value at `path` (`_DELETE` removes the key)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == "delete":
+        return [_DELETE] if path else []  # the whole entry removed is the announced case (tested above)
+    if kind == "none":
+        return [] if value is None else [None]
+    if kind == "wrong type":
+        return [1 if isinstance(value, str) else "x"]
+    if kind == "negative":  # a loss sum may be below 0 (a loss below 0): not a damage
+        return [-1 if isinstance(value, int) else -1.0] if number and path[-1] != "weighted_loss" else []
+    if kind != "out of range":
+        return []
+    if isinstance(value, bool):
+        return [2]
+    if isinstance(value, int):
+        return [2**63, 2.5]
+    if isinstance(value, float):
+        if path[-1] == "weighted_loss":  # a loss sum is whatever the losses were: NaN and inf are not damage
+            return []
+        counts = path[:2] == ("open_group", "sums")
+        return [float("nan"), float("inf"), *([0.5, 2.0**53] if counts else [])]
+    if isinstance(value, Tensor):
+        return [torch.zeros(3), value.long()]
+    if isinstance(value, list):
+        return [[1]]
+    if isinstance(value, str):
+        return ["no such value"]
+    return []
+
+
+def _damaged(state: dict[str, Any], path: tuple[Any, ...], new: Any) -> dict[str, Any]:
+    state = copy.deepcopy(state)
+    holder: Any = state
+    for part in ("lightning_accum", *path)[:-1]:
+        holder = holder[part]
+    last = ("lightning_accum", *path)[-1]
+    if new is _DELETE:
+        del holder[last]
+    else:
+        holder[last] = new
+    return state
+
+
+def _sliced() -> AccumulationStrategy:
+    return AccumulationStrategy(microbatch_size=1)  # the entry then also holds the slicing record
+
+
+@pytest.fixture(scope="module")
+def real_entry(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], torch.Tensor, Any]:
+    """A checkpoint written inside a group (micro-batches 3, 4 of 3..5, sliced), and the run resumed from it."""
+    folder = tmp_path_factory.mktemp("entry")
+    ckpt = _written_at(folder, 4, strategy=_sliced())
+    trainer, model, _ = _resume(ckpt, _sliced(), 3)
+    state = torch.load(ckpt, weights_only=True)
+    slicing = state["lightning_accum"]["slicing"]
+    slicing["per_rank"] = copy.deepcopy(slicing["per_rank"])  # shared in the file with the top record: apart
+    return state, params_vector(model), (trainer.strategy.ledger, trainer.strategy.slicing.state_dict())
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+def test_every_damage_to_a_real_entry_is_an_error_naming_the_key_or_harmless(
+    tmp_path: Path, real_entry: tuple[dict[str, Any], Tensor, Any], kind: str
+) -> None:
+    state, params, (ledger, record) = real_entry  # the undamaged resume: parameters, ledger, slicing record
+    if kind == "inconsistent":
+        cases = [(path, damage(_at(state, path)), keys) for path, damage, keys in _INCONSISTENT]
+    else:
+        cases = [
+            (path, new, None)
+            for path, value in _leaves(state["lightning_accum"])
+            for new in _damages(kind, path, value)
+        ]
+    ckpt = tmp_path / "damaged.ckpt"
+    outcomes: dict[str, list[str]] = {"error": [], "harmless": [], "record only": [], "wrong": []}
+    for path, new, keys in cases:
+        torch.save(_damaged(state, path, new), ckpt)
+        label = f"{_shown(path)} = {'deleted' if new is _DELETE else repr(new)[:40]}"
+        try:
+            trainer, model, _ = _resume(ckpt, _sliced(), 3)
+        except ValueError as error:
+            named = re.search(r"entry is damaged: `([^`]+)`", str(error))
+            key = named.group(1) if named else str(error)[:80]
+            related = _names_the_key(key, _shown(path)) if keys is None else any(_names_the_key(key, k) for k in keys)
+            outcomes["error" if related else "wrong"].append(f"{label}: names {key}")
+            continue
+        trained = trainer.strategy.ledger == ledger and torch.allclose(
+            params_vector(model), params, rtol=1e-6, atol=1e-8
+        )
+        recorded = trainer.strategy.slicing.state_dict() == record
+        if trained and not recorded and path[:1] == ("slicing",) and not keys:
+            # A checkpoint written without `microbatch_size=` holds no slicing record, and the record's counts are
+            # free: the training is the undamaged one, only the record of slice sizes (the report's) starts again.
+            outcomes["record only"].append(label)
+            continue
+        outcomes["harmless" if trained and recorded and not keys else "wrong"].append(
+            f"{label}: {'same run' if trained else 'resumed differently'}"
+        )
+    counts = {name: len(found) for name, found in outcomes.items() if name != "wrong"}
+    print(f"\n{kind}: {len(cases)} damages, {counts}; harmless: {outcomes['harmless']}, {outcomes['record only']}")
+    assert cases and not outcomes["wrong"], outcomes["wrong"]
+
+
+def _at(state: dict[str, Any], path: tuple[Any, ...]) -> Any:
+    value: Any = state["lightning_accum"]
+    for part in path:
+        value = value.get(part) if isinstance(value, dict) else value[part]
+    return value
+
+
+def _names_the_key(named: str, damaged: str) -> bool:
+    """The error names the damaged key, the dict that holds it, or a key inside it."""
+    if named == damaged or damaged == "lightning_accum":
+        return True
+    return any(a.startswith(b) and a[len(b)] in ".[" for a, b in ((named, damaged), (damaged, named)))
+
+
+# ---------------------------------------------------------------------------- files that cannot be read
+
+
+@pytest.mark.parametrize(
+    ("name", "cause"),
+    [
+        ("empty", r"the file is empty \(0 bytes\), as a write that stopped before its first byte leaves it"),
+        ("one byte", r"the file is not a PyTorch checkpoint: it is 1 byte\(s\) starting with b'x'.*weights_only=False"),
+        ("text", r"the file is not a PyTorch checkpoint: it is 27 byte\(s\) starting with b'epoch: 3'"),
+        ("half", r"the file is cut short: \d+ bytes of a zip archive \(PyTorch's checkpoint format\) without the"),
+    ],
+)
+def test_a_checkpoint_file_that_cannot_be_read_is_named_with_its_size_and_likely_cause(
+    tmp_path: Path, name: str, cause: str
+) -> None:
+    # Before: torch's bare EOFError (empty), an UnpicklingError advising weights_only=False (one byte: wrong advice),
+    # bare errors of its unpickler (text: IndexError "pop from empty list") and "PytorchStreamReader failed reading zip
+    # archive" (half), none naming the file.
+    written = _written_at(tmp_path, 4).read_bytes()
+    content = {"empty": b"", "one byte": b"x", "text": b"epoch: 3\nloss: 2.5\nstep: 9\n", "half": written[:2000]}
+    ckpt = tmp_path / f"{name.replace(' ', '-')}.ckpt"
+    ckpt.write_bytes(content[name])
+    with pytest.raises(ValueError, match=re.escape(f"`ckpt_path={str(ckpt)!r}` cannot be read: ") + cause) as caught:
+        _resume(ckpt, "accum", 3)
+    assert caught.value.__cause__ is not None  # torch's own error, chained
+
+
+def test_errors_of_a_read_that_are_not_about_an_unreadable_file_pass_through(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):  # Lightning's own
+        _resume(tmp_path / "never-written.ckpt", "accum", 3)
+    # A whole checkpoint holding an object `weights_only=True` refuses: torch's error and its advice are right.
+    # (Lightning 2.5 reads checkpoints with `weights_only=False`: the object is loaded there, nothing to refuse.)
+    state = torch.load(_written_at(tmp_path, 4), weights_only=True)
+    state["note"] = contextlib.nullcontext()
+    torch.save(state, tmp_path / "with-an-object.ckpt")
+    if tuple(int(v) for v in L.__version__.split(".")[:2]) >= (2, 6):
+        with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+            _resume(tmp_path / "with-an-object.ckpt", "accum", 3)
+
+
+class _ShardedTinyLM(TinyLM):
+    """TinyLM (AdamW: Lightning's FSDP2 loader needs an optimizer state) that shards itself with FSDP2 in
+    `configure_model`; `on_one_device=False` leaves it whole on a mesh of one device, as some user code does."""
+
+    def __init__(self, on_one_device: bool = True) -> None:
+        super().__init__(lr=0.3, optimizer="adamw")
+        self.on_one_device = on_one_device
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is None or (mesh["data_parallel"].size() == 1 and not self.on_one_device):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for module in (self.embed, self.head):
+            fully_shard(module, mesh=mesh["data_parallel"])
+
+
+class _SaveAt(L.Callback):
+    def __init__(self, path: Path, batch_idx: int) -> None:
+        self.path, self.batch_idx = path, batch_idx
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if args[-1] == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+
+def _sharded_fit(devices: int, model: L.LightningModule, callbacks: list[L.Callback], ckpt: Path | None) -> L.Trainer:
+    from lightning_accum import ModelParallelAccumulationStrategy
+
+    trainer = L.Trainer(
+        strategy=ModelParallelAccumulationStrategy(tensor_parallel_size=1),  # a sharded folder (Lightning's default)
+        accelerator="cpu",
+        devices=devices,
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    loader = ResumableLoader(ListDataset(_EXAMPLES[rank::devices]), batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's resume notes
+        trainer.fit(model, loader, ckpt_path=ckpt)
+    return trainer
+
+
+def _write_sharded_folder(rank: int, folder: str) -> None:
+    # Inside the group of micro-batches 2, 3 (after the first update: Lightning's FSDP2 loader needs an optimizer
+    # state).
+    _sharded_fit(2, _ShardedTinyLM(), [_SaveAt(Path(folder, "inside.ckpt"), 2)], None)
+
+
+def _read_on_one_device(rank: int, folder: str) -> None:
+    said = {}
+    for name, model, ckpt in (
+        ("unsharded model", _ShardedTinyLM(on_one_device=False), "inside.ckpt"),
+        ("shard cut short", _ShardedTinyLM(), "cut.ckpt"),
+        ("sharded model", _ShardedTinyLM(), "inside.ckpt"),
+    ):
+        try:
+            trainer = _sharded_fit(1, model, [], Path(folder, ckpt))
+            said[name] = f"resumed: {trainer.strategy.ledger.microbatches} micro-batches"
+        except ValueError as error:
+            said[name] = f"{error} (from {type(error.__cause__).__name__})"
+    Path(folder, "said.json").write_text(json.dumps(said))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_a_sharded_folder_that_cannot_be_read_says_what_wrote_it_and_how_to_resume_it(tmp_path: Path) -> None:
+    run_ddp(_write_sharded_folder, str(tmp_path))  # accum_fsdp on 2 devices: a sharded folder
+    folder = tmp_path / "inside.ckpt"
+    assert folder.is_dir()
+    # A strategy that reads single files (before: IsADirectoryError).
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"`ckpt_path={str(folder)!r}` is a sharded checkpoint")
+        + r".* written by ModelParallelAccumulationStrategy on 2 process\(es\), 2 data-parallel replica\(s\),.*"
+        r"AccumulationStrategy reads a checkpoint from a single file only.* Resume it with strategy='accum_fsdp'"
+        r" and devices=2 as it was written",
+    ):
+        _resume(folder, "accum", 2)
+    # One shard cut in half (before: torch's CheckpointException around "failed reading zip archive").
+    shutil.copytree(folder, tmp_path / "cut.ckpt")
+    shard = max((tmp_path / "cut.ckpt").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    run_ddp(_read_on_one_device, str(tmp_path), world_size=1)
+    said = json.loads((tmp_path / "said.json").read_text())
+    # On one device the folder resumes into a model sharded on its mesh of one ...
+    assert said["sharded model"] == "resumed: 11 micro-batches", said  # 2 x 2, then 2 carried + 1, then 2 x 2
+    # ... and a model left whole gets what to do (before: Lightning's "Could not find a distributed model").
+    assert re.search(
+        r"this run's model has no sharded \(DTensor\) parameter: its `configure_model` did not shard it on this run's"
+        r" 1 device\(s\).* Resume it with strategy='accum_fsdp' and devices=2 as it was written",
+        said["unsharded model"],
+    ), said
+    assert re.search(
+        rf"cut\.ckpt'` cannot be read: it is a sharded checkpoint, and its shard `{shard.name}` is"
+        rf" {shard.stat().st_size} bytes, but the folder's `\.metadata` places data up to byte \d+ in it: the shard is"
+        r" cut short.*\(from CheckpointException\)",
+        said["shard cut short"],
+    ), said

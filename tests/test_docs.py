@@ -71,3 +71,42 @@ def test_the_quickstart_runs_without_lightnings_logging_interval_warning(tmp_pat
     finally:
         os.chdir(cwd)
     assert not [w for w in seen if "logging interval" in str(w.message)]
+
+
+def test_internals_shows_each_strategys_method_resolution_order() -> None:
+    import lightning_accum as la
+
+    text = (DOCS / "internals.md").read_text()
+    shown = re.search(r"```text\n(AccumulationStrategy → .*?)```", text, re.DOTALL)
+    assert shown is not None
+    lines = shown.group(1).strip().splitlines()
+    strategies = (la.AccumulationStrategy, la.DDPAccumulationStrategy, la.ModelParallelAccumulationStrategy)
+    expected = [
+        " → ".join(c.__name__ for c in s.__mro__[: s.__mro__.index(la.ExactAccumulation.__mro__[1]) + 1])
+        for s in strategies
+    ]
+    assert lines == expected
+    # One package class between each public strategy and Lightning's.
+    for strategy in strategies:
+        ours = [c for c in strategy.__mro__ if c.__module__.startswith("lightning_accum")]
+        assert ours == [strategy, la.ExactAccumulation]
+
+
+def test_internals_lists_every_member_of_the_adapter_interface() -> None:
+    from lightning_accum.strategies.adapter import EngineAdapter
+
+    text = (DOCS / "internals.md").read_text().split("Its whole interface:\n\n", 1)[1].split("\n\n", 1)[0]
+    members = {name for name in vars(EngineAdapter) if not name.startswith("_")} - {"strategy"}
+    listed = set(re.findall(r"`(\w+)", text))
+    assert members <= listed, sorted(members - listed)
+
+
+def test_every_trainer_in_the_readme_says_when_it_stops() -> None:
+    # A Trainer without `max_epochs` or `max_steps` runs Lightning's default of 1000 epochs when fitted as written.
+    blocks = BLOCK.findall((DOCS.parent / "README.md").read_text())
+    calls = [
+        call for block in blocks for call in re.findall(r"L\.Trainer\((.*?)\n\)|L\.Trainer\((.*?)\)\n", block, re.S)
+    ]
+    texts = [first or second for first, second in calls]
+    assert len(texts) >= 5
+    assert all("max_epochs" in text or "max_steps" in text for text in texts), texts

@@ -327,7 +327,7 @@ def test_state_round_trip_restores_scale_reference() -> None:
     engine.finish_group(engine.close_group(accumulate=2), applied=True)
     restored = AccumulationEngine(normalize="tokens")
     restored.load_state_dict(engine.state_dict())
-    assert restored.scale_ref == engine.scale_ref == 50.0  # M: the mean micro-batch weight of the group
+    assert restored.reference_weight == engine.reference_weight == 50.0  # M: the mean micro-batch weight of the group
     assert restored.ledger == engine.ledger
 
 
@@ -494,7 +494,7 @@ def test_the_backward_tensor_keeps_a_float64_loss_precision(count: int | torch.T
     engine = AccumulationEngine(normalize="tokens")
     engine.bind(replicas=Replicas(2, lambda t: t))  # several replicas: c = A · M as a float after the first group
     if not first_group:
-        engine.scale_ref = 3.5  # c = 2 · 3.5 = 7
+        engine.reference_weight = 3.5  # c = 2 · 3.5 = 7
     loss = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
     tensor = engine.add_microbatch({"loss": loss, "num_tokens": count}, None, accumulate=2)
     assert tensor is not None and tensor.dtype == torch.float64
@@ -528,7 +528,7 @@ def _sole_and_general(
             # The factor c·D/W differs by construction (c = w here, A·max(w, M) there): each close applies its own.
             factor = outcome.factor
             assert factor == 1.0 if sole else True
-            results.append(((outcome.action, outcome.record, engine.scale_ref), weight.grad.clone()))
+            results.append(((outcome.action, outcome.record, engine.reference_weight), weight.grad.clone()))
             weight.grad = None
         runs.append(results)
     return list(zip(*runs, strict=True))
@@ -606,7 +606,7 @@ def test_a_sole_micro_batch_stays_alone_and_closes_exactly_with_another_accumula
         engine.add_microbatch({"loss": (weight * x).sum(), "num_tokens": 4}, None, accumulate=1)
     # Retracted (its backward never completed), the group is empty again and takes any micro-batch; c is formed anew.
     engine.retract_microbatch()
-    engine.scale_ref = 10.0  # M from earlier groups
+    engine.reference_weight = 10.0  # M from earlier groups
     tensor = engine.add_microbatch({"loss": (weight * x).sum(), "num_tokens": 2}, None, accumulate=1)
     assert tensor is not None
     assert torch.allclose(tensor, (weight * x).sum() * 2 / 10)  # c = A · max(w, M), not the retracted w

@@ -22,6 +22,7 @@ def load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # importable by its name, as jsonargparse resolves the recipe's classes
     spec.loader.exec_module(module)
     return module
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TinyLM, free_port, make_examples, relative_error, sgd_reference
+from helpers import TinyLM, launch_env, make_examples, relative_error, sgd_reference, torchrun_two_nodes
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(600)]
 
@@ -30,38 +29,20 @@ def check(out: Path) -> None:
     assert (ledger["updates_applied"], ledger["tokens"], ledger["samples"]) == (2, sum(UNEQUAL), 16)
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "LOCAL_RANK", "RANK", "WORLD_SIZE"))}
-    env["PYTHONWARNINGS"] = "ignore"
-    return env
-
-
 def test_torchrun_two_nodes_one_process_each(tmp_path: Path) -> None:
     out = tmp_path / "torchrun.pt"
-    port = free_port()
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
-                str(SCRIPT), str(out), "torchrun",
-            ],
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]  # fmt: skip
-    logs = [node.communicate(timeout=500)[0] for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
+    torchrun_two_nodes(SCRIPT, str(out), "torchrun", env=launch_env())
     check(out)
 
 
 def test_lightning_launcher_from_a_script(tmp_path: Path) -> None:
     out = tmp_path / "launcher.pt"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), "launcher"], env=_env(), capture_output=True, text=True, timeout=500
+        [sys.executable, str(SCRIPT), str(out), "launcher"],
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=500,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     check(out)

@@ -13,8 +13,10 @@ INTERNALS = ROOT / "docs" / "internals.md"
 
 #: Classes allowed past 400 lines, each with its reason.
 LONG_CLASSES: dict[str, str] = {
-    "engine.py:AccumulationEngine": "the engine's public surface (25 documented members the strategies, the check and"
-    " users drive); its parts are modules of their own (group, decision, gradients, microbatch, ledger)",
+    "strategies/base.py:ExactAccumulation": "the one package layer between each public strategy and Lightning's class:"
+    " every Lightning hook the package changes in one file, each delegating to a composed part, and the documented"
+    " public interface (the manual API's docstrings alone are 60 lines); one longer class reads better than a tower of"
+    " bases (issue #37)",
 }
 #: Functions allowed past 60 lines, each with its reason.
 LONG_FUNCTIONS: dict[str, str] = {
@@ -25,8 +27,8 @@ LONG_FUNCTIONS: dict[str, str] = {
 }
 
 
-def _module_name(path: Path) -> str:
-    relative = path.relative_to(PACKAGE).with_suffix("")
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    relative = path.relative_to(package).with_suffix("")
     parts = [part for part in relative.parts if part != "__init__"]
     return "/".join(parts) if parts else "lightning_accum"
 
@@ -37,42 +39,95 @@ def _layers() -> list[str]:
     return re.findall(r"^\| `([\w/]+)` \|", section, flags=re.MULTILINE)
 
 
-def _imports(path: Path) -> set[str]:
-    """The package modules ``path`` imports, anywhere in it (``TYPE_CHECKING`` blocks and functions included)."""
-    found: set[str] = set()
+def _absolute(node: ast.ImportFrom, path: Path, package: Path) -> str | None:
+    """The absolute module a ``from ... import`` names: relative imports (``from .engine import x``, ``from .. import
+    y``) resolved against ``path``'s own package."""
+    if not node.level:
+        return node.module
+    here = ["lightning_accum", *path.relative_to(package).parent.parts]
+    if path.name == "__init__.py":
+        here = ["lightning_accum", *path.relative_to(package).parent.parts]
+    base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _imported_names(path: Path, package: Path = PACKAGE) -> list[str]:
+    """Every module name ``path`` imports, anywhere in it (``TYPE_CHECKING`` blocks and functions included), relative
+    imports resolved."""
+    names: list[str] = []
     for node in ast.walk(ast.parse(path.read_text())):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        if isinstance(node, ast.ImportFrom):
+            module = _absolute(node, path, package)
+            if module:
+                names += [module] + [f"{module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        for name in names:
-            if name == "lightning_accum" or name.startswith("lightning_accum."):
-                module = name.removeprefix("lightning_accum").lstrip(".").replace(".", "/") or "lightning_accum"
-                if (PACKAGE / f"{module}.py").exists() or (PACKAGE / module / "__init__.py").exists():
-                    found.add(module)
+            names += [alias.name for alias in node.names]
+    return names
+
+
+def _imports(path: Path, package: Path = PACKAGE) -> set[str]:
+    """The package modules ``path`` imports."""
+    found: set[str] = set()
+    for name in _imported_names(path, package):
+        if name == "lightning_accum" or name.startswith("lightning_accum."):
+            module = name.removeprefix("lightning_accum").lstrip(".").replace(".", "/") or "lightning_accum"
+            if (package / f"{module}.py").exists() or (package / module / "__init__.py").exists():
+                found.add(module)
     return found
+
+
+def _upward(layers: list[str], package: Path) -> list[str]:
+    rank = {module: index for index, module in enumerate(layers)}
+    return [
+        f"{_module_name(path, package)} imports {imported}"
+        for path in sorted(package.rglob("*.py"))
+        for imported in sorted(_imports(path, package))
+        if rank[imported] >= rank[_module_name(path, package)]
+    ]
+
+
+def _lightning_in(module_paths: list[Path]) -> list[str]:
+    """Modules among ``module_paths`` that import Lightning (``lightning``, ``lightning.pytorch``,
+    ``lightning.fabric``, ``pytorch_lightning``, ``lightning_fabric``), anywhere in them."""
+    roots = ("lightning", "pytorch_lightning", "lightning_fabric")
+    return [
+        f"{path.name} imports {name}"
+        for path in module_paths
+        for name in _imported_names(path)
+        if name.split(".")[0] in roots
+    ]
 
 
 def test_every_module_imports_only_modules_of_lower_layers() -> None:
     layers = _layers()
     files = sorted(PACKAGE.rglob("*.py"))
     assert sorted(layers) == sorted(_module_name(path) for path in files), "docs/internals.md lists other modules"
-    rank = {module: index for index, module in enumerate(layers)}
-    upward = [
-        f"{_module_name(path)} imports {imported}"
-        for path in files
-        for imported in sorted(_imports(path))
-        if rank[imported] >= rank[_module_name(path)]
-    ]
+    upward = _upward(layers, PACKAGE)
     assert not upward, upward
 
 
-def test_nothing_below_the_schedules_imports_lightning() -> None:
+def test_a_planted_relative_import_upward_is_caught(tmp_path: Path) -> None:
+    # A copy of two layers, the lower one importing the upper one relatively: the check names it.
+    package = tmp_path / "lightning_accum"
+    (package / "strategies").mkdir(parents=True)
+    (package / "engine.py").write_text("from .strategies.base import ExactAccumulation\n")
+    (package / "strategies" / "__init__.py").write_text("")
+    (package / "strategies" / "base.py").write_text(
+        "from ..engine import AccumulationEngine\nfrom .closing import close\n"
+    )
+    (package / "strategies" / "closing.py").write_text("")
+    layers = ["engine", "strategies/closing", "strategies/base", "strategies"]
+    assert _upward(layers, package) == ["engine imports strategies/base"]
+
+
+def test_nothing_below_the_schedules_imports_lightning(tmp_path: Path) -> None:
     layers = _layers()
-    for module in layers[: layers.index("axis_lr")]:
-        path = PACKAGE / f"{module}.py"
-        assert "lightning.pytorch" not in path.read_text() and "import lightning" not in path.read_text(), module
+    below = [PACKAGE / f"{module}.py" for module in layers[: layers.index("axis_lr")]]
+    assert not _lightning_in(below)
+    # The check sees every spelling, Fabric and relative-free plain imports included.
+    planted = tmp_path / "planted.py"
+    planted.write_text("import lightning.fabric as F\nfrom lightning_fabric.utilities import rank_zero_warn\n")
+    assert len(_lightning_in([planted])) == 3
 
 
 def test_classes_and_functions_stay_readable() -> None:

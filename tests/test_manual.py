@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from helpers import (
@@ -17,6 +16,7 @@ from helpers import (
     fit,
     load_ranks,
     make_examples,
+    make_trainer,
     params_vector,
     random_lengths,
     relative_error,
@@ -171,16 +171,10 @@ class _nothing:
 
 def test_axis_logger_and_report_work_on_a_manual_loop(tmp_path: Path) -> None:
     examples = make_examples(random_lengths(12, seed=2), seed=2)
-    trainer = L.Trainer(
-        strategy="accum",
-        accelerator="cpu",
-        max_epochs=1,
+    trainer = make_trainer(
         logger=TensorBoardLogger(tmp_path, name="tb", version=0),
         callbacks=[AxisLogger(axis="tokens"), AccumulationReport()],
         log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     from helpers import ListDataset
     from torch.utils.data import DataLoader

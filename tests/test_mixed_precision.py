@@ -9,7 +9,17 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import ListDataset, RecordOnRanks, TinyLM, fit, load_ranks, make_examples, params_vector, run_ddp
+from helpers import (
+    ListDataset,
+    RecordOnRanks,
+    TinyLM,
+    fit,
+    load_ranks,
+    make_examples,
+    make_trainer,
+    params_vector,
+    run_ddp,
+)
 from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader
 
@@ -190,9 +200,7 @@ def test_scheduler_objects_are_restored_and_checkpoints_load_in_plain_lightning(
     trainer.save_checkpoint(path)
     assert torch.load(path, weights_only=True)["lr_schedulers"][0]["last_epoch"] == 1
 
-    plain = L.Trainer(
-        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False
-    )
+    plain = make_trainer(strategy="auto", max_epochs=2)
     resumed = PoisonedLM(lr=0.1)
     plain.fit(resumed, DataLoader(ListDataset(examples), batch_size=M), ckpt_path=path)
     assert plain.lr_scheduler_configs[0].scheduler.last_epoch == 1 + 4  # plain Lightning steps per batch
@@ -202,17 +210,7 @@ def test_resume_after_a_skipped_update_continues_counters_and_lr(tmp_path: Path)
     examples, _ = examples_without((), 8)  # 2 groups per epoch; group 1 of epoch 0 overflows
 
     def trainer(epochs: int) -> L.Trainer:
-        return L.Trainer(
-            strategy="accum",
-            accelerator="cpu",
-            accumulate_grad_batches=A,
-            max_epochs=epochs,
-            plugins=[fp16()],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        return make_trainer(accumulate_grad_batches=A, max_epochs=epochs, plugins=[fp16()])
 
     loader = DataLoader(ListDataset(examples), batch_size=M)
     whole = trainer(3)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,10 +19,12 @@ from helpers import (
     ListDataset,
     RankStridedSampler,
     ResumableLoader,
-    free_port,
+    launch_env,
     make_examples,
+    make_trainer,
     relative_error,
     run_ddp,
+    torchrun_two_nodes,
 )
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
@@ -143,19 +143,12 @@ def _fit(
     callbacks: list[L.Callback],
     split: bool,
 ) -> L.Trainer:
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=devices,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=OPTIMIZERS[model.optimizer][1],
-        max_epochs=1,
-        logger=False,
         callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
     )
     sampler = RankStridedSampler(len(examples)) if split else None
     trainer.fit(model, DataLoader(ListDataset(examples), batch_size=batch_size, sampler=sampler))
@@ -309,18 +302,12 @@ def _checkpoint_runs(rank: int, folder: str) -> None:
         strategy = ModelParallelAccumulationStrategy(
             tensor_parallel_size=1, save_distributed_checkpoint=distributed, gradient_sync=sync
         )
-        trainer = L.Trainer(
+        trainer = make_trainer(
             strategy=strategy,
-            accelerator="cpu",
             devices=2,
             accumulate_grad_batches=2,
             max_epochs=epochs,
-            logger=False,
             callbacks=[Record(folder, name), *callbacks],
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
         )
         loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
         trainer.fit(ShardedLM("fsdp", optimizer="adamw"), loader, ckpt_path=ckpt)
@@ -371,7 +358,7 @@ def test_checkpoints_carry_the_ledger_and_the_open_group_and_resume_exactly(tmp_
 
 def test_strategy_strings_sizes_and_argument_errors() -> None:
     assert "accum_fsdp" in lightning_accum.strategies.StrategyRegistry
-    fsdp = L.Trainer(strategy="accum_fsdp", accelerator="cpu", devices=2, logger=False).strategy
+    fsdp = make_trainer(strategy="accum_fsdp", devices=2).strategy
     assert isinstance(fsdp, ModelParallelAccumulationStrategy) and fsdp.gradient_sync == "every_microbatch"
     assert fsdp.tensor_parallel_size == 1
     with pytest.raises(ValueError, match=r"`gradient_sync` must be one of 'every_microbatch', 'last_microbatch', got"):
@@ -394,7 +381,7 @@ def test_a_world_size_that_is_not_dp_times_tp_is_named_before_any_process_starts
     sizes: dict[str, int], message: str
 ) -> None:
     strategy = ModelParallelAccumulationStrategy(**sizes)  # type: ignore[arg-type]
-    L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    make_trainer(strategy=strategy, devices=2)
     with pytest.raises(ValueError, match=message):
         strategy.setup_environment()  # the first thing Lightning runs on every process, before the process group
 
@@ -403,7 +390,7 @@ def test_lightning_sharding_strategies_with_the_callbacks_name_what_is_supported
     # Lightning refuses FSDP1 on the CPU, so its sentence is checked directly; the callbacks append it.
     fsdp1 = unsupported_strategy_hint(FSDPStrategy())
     assert "FSDPStrategy (FSDP1) is not supported: use strategy='accum_fsdp'" in fsdp1
-    trainer = L.Trainer(strategy=ModelParallelStrategy(), accelerator="cpu", devices=1, logger=False)
+    trainer = make_trainer(strategy=ModelParallelStrategy())
     for callback in (AxisLogger(), AccumulationReport()):
         with pytest.raises(RuntimeError, match=r"use ModelParallelAccumulationStrategy \(strategy='accum_fsdp' or"):
             callback.setup(trainer, ShardedLM(), "fit")
@@ -428,19 +415,12 @@ def _two_d_run(rank: int, folder: str) -> None:
     examples = make_examples(UNEQUAL, seed=8)
     strategy = ModelParallelAccumulationStrategy(data_parallel_size=2, tensor_parallel_size=2)
     report = AccumulationReport(path=os.path.join(folder, "2d"))
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=4,
         accumulate_grad_batches=2,
         gradient_clip_val=CLIP,
-        max_epochs=1,
-        logger=False,
         callbacks=[Record(folder, "2d"), report],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
     )
     sampler = DataParallelStridedSampler(len(examples), tensor_parallel=2)
     trainer.fit(ShardedLM("2d"), DataLoader(ListDataset(examples), batch_size=2, sampler=sampler))
@@ -465,27 +445,10 @@ def test_fsdp2_with_tensor_parallel_on_four_processes_matches_the_single_process
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torchrun_two_nodes_one_process_each_with_accum_fsdp(tmp_path: Path) -> None:
-    out, port = tmp_path / "torchrun.pt", free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "LOCAL_RANK", "RANK", "WORLD_SIZE"))}
-    env["PYTHONWARNINGS"] = "ignore"
+    out, env = tmp_path / "torchrun.pt", launch_env()
     # This checkout's package, whatever copy the interpreter has installed.
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
-                str(Path(__file__).resolve().parent / "model_parallel_launch_script.py"), str(out),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]  # fmt: skip
-    logs = [node.communicate(timeout=500)[0] for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
+    torchrun_two_nodes(Path(__file__).resolve().parent / "model_parallel_launch_script.py", str(out), env=env)
     result = torch.load(out, weights_only=True)
     assert (result["replicas"], result["world_size"]) == (2, 2)
     single = _single(str(tmp_path), make_examples(UNEQUAL, seed=8), 4, "adamw")

@@ -9,7 +9,7 @@ from typing import Any
 
 import lightning as L
 import pytest
-from helpers import IGNORE, ListDataset, TinyLM, make_examples
+from helpers import IGNORE, ListDataset, TinyLM, make_examples, make_trainer
 from torch.utils.data import DataLoader
 
 from lightning_accum import AxisProgressBar, AxisRichProgressBar, Horizon
@@ -27,16 +27,10 @@ def _fit(bar: AxisProgressBar | AxisRichProgressBar, budget: int | None = BUDGET
     callbacks: list[L.Callback] = [bar]
     if budget is not None:
         callbacks.append(Horizon(axis="tokens", stop_at=budget))
-    options: dict[str, Any] = {"max_epochs": 3, "logger": False, "enable_checkpointing": False}
+    # The bars are shown, and Lightning's sanity validation runs (2 batches) unless a test says otherwise.
+    options: dict[str, Any] = {"max_epochs": 3, "enable_progress_bar": True, "num_sanity_val_steps": 2}
     options.update(kwargs)
-    trainer = L.Trainer(
-        strategy="accum",
-        accelerator="cpu",
-        accumulate_grad_batches=2,
-        callbacks=callbacks,
-        enable_model_summary=False,
-        **options,
-    )
+    trainer = make_trainer(accumulate_grad_batches=2, callbacks=callbacks, **options)
     examples = make_examples(LENGTHS, seed=1)
     train = DataLoader(ListDataset(examples), batch_size=2)
     trainer.fit(Validated(), train, DataLoader(ListDataset(examples[:6]), batch_size=3))

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import IGNORE, ListDataset, TinyLM, fit, make_examples, random_lengths, run_ddp
+from helpers import IGNORE, ListDataset, TinyLM, fit, make_examples, make_trainer, random_lengths, run_ddp
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader
@@ -28,16 +28,11 @@ def test_report_of_a_run_with_a_partial_group(tmp_path: Path, capsys: pytest.Cap
     lengths = random_lengths(14, seed=21)
     examples = make_examples(lengths, seed=21)
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=AccumulationStrategy(partial_group="rescale"),
-        accelerator="cpu",
         accumulate_grad_batches=3,
-        max_epochs=1,
         logger=logger,
         callbacks=[AccumulationReport()],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(TinyLM(lr=0.5), DataLoader(ListDataset(examples), batch_size=2))
     record = json.loads((tmp_path / "tb" / "version_0" / REPORT_FILENAME).read_text())

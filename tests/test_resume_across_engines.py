@@ -20,6 +20,7 @@ from helpers import (
     ResumableLoader,
     TinyLM,
     make_examples,
+    make_trainer,
     params_vector,
     random_lengths,
     relative_error,
@@ -155,18 +156,11 @@ def _strategy(kind: str) -> Any:
 
 
 def _fit(kind: str, accumulate: int, batches: list[list[list[int]]], callbacks: list[L.Callback], ckpt: Any) -> None:
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=_strategy(kind),
-        accelerator="cpu",
         devices=1 if kind == "one" else 2,
         accumulate_grad_batches=accumulate,
-        max_epochs=1,
-        logger=False,
         callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
     )
     loader = ResumableLoader(Indexed(), batch_sampler=PerRankBatches(batches, 2 if kind.startswith("tp") else 1))
     with warnings.catch_warnings():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from helpers import (
@@ -12,6 +11,7 @@ from helpers import (
     TinyLM,
     fit,
     make_examples,
+    make_trainer,
     params_vector,
     random_lengths,
     relative_error,
@@ -101,16 +101,7 @@ def test_samples_that_cannot_be_inferred_under_normalize_samples_in_a_real_run()
 
     model = TinyLM(report="loss")
     before = params_vector(model)
-    trainer = L.Trainer(
-        strategy=AccumulationStrategy(normalize="samples"),
-        accelerator="cpu",
-        accumulate_grad_batches=2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = make_trainer(strategy=AccumulationStrategy(normalize="samples"), accumulate_grad_batches=2)
     loader = DataLoader(ListDataset(make_examples([3, 4, 5, 6])), batch_size=2, collate_fn=collate)
     with pytest.raises(ValueError, match=r"number of samples of this micro-batch cannot be inferred .* 'num_samples'"):
         trainer.fit(model, loader)

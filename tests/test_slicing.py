@@ -24,6 +24,7 @@ from helpers import (
     fit,
     load_ranks,
     make_examples,
+    make_trainer,
     params_vector,
     random_lengths,
     relative_error,
@@ -277,15 +278,7 @@ def test_auto_size_survives_a_checkpoint(tmp_path: Path) -> None:
         trainer = fit(model, _examples(16), 8, 1, strategy=AccumulationStrategy(microbatch_size="auto"))
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     strategy = AccumulationStrategy(microbatch_size="auto")
-    resumed = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    resumed = make_trainer(strategy=strategy, max_epochs=2)
     loader = DataLoader(ListDataset(_examples(16)), batch_size=8)
     resumed.fit(LimitedLM(limit=2, lr=0.1, seed=2), loader, ckpt_path=tmp_path / "last.ckpt")  # no warning: no retry
     assert strategy.slicing.size == 2
@@ -544,18 +537,12 @@ def test_ddp_slices_and_an_out_of_memory_error_on_one_rank(tmp_path: Path) -> No
             **(checkpoints if name == "auto" else {}),
         )
     # Resumed for a second epoch: each rank keeps its own slice size from the checkpoint (rank 1 retries no more).
-    resumed = L.Trainer(
+    resumed = make_trainer(
         strategy=DDPAccumulationStrategy(start_method="spawn", microbatch_size="auto"),
-        accelerator="cpu",
         devices=2,
         accumulate_grad_batches=2,
         max_epochs=2,
-        logger=False,
         callbacks=[RecordSlicing(str(tmp_path), "resumed")],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
     )
     (checkpoint,) = (tmp_path / "auto").rglob("*.ckpt")
     loader = DataLoader(ListDataset(examples), batch_size=8, sampler=RankStridedSampler(len(examples)))
@@ -625,22 +612,6 @@ def test_fsdp2_slices_match_the_single_process_run_and_ranks_agree_on_the_slice_
         assert "holds 2 sample(s), fewer than the 3 slices" in message
 
 
-@pytest.mark.timeout(300)
-def test_slicing_benchmark_smoke_run_writes_its_table(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "slicing.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=280
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads((tmp_path / "slicing.json").read_text())
-    assert [r["size"] for r in rows] == [None, 2] and rows[1]["slice_sizes"] == {"2": 16}
-    assert all(r["ms_per_update"] > 0 and r["peak_bytes"] > 0 for r in rows)
-    assert "| 2 | 4 |" in (tmp_path / "SLICING.md").read_text()
-
-
 @pytest.mark.parametrize("size", [1, "auto"])
 def test_a_checkpoint_inside_a_group_of_sliced_batches_resumes_exactly(tmp_path: Path, size: Any) -> None:
     from helpers import ResumableLoader
@@ -649,15 +620,8 @@ def test_a_checkpoint_inside_a_group_of_sliced_batches_resumes_exactly(tmp_path:
     examples = _examples(16, seed=52)  # 8 batches of 2 an epoch, A = 3: groups of 3, 3, 2
 
     def run(model: _Interrupted, ckpt_path: Path | None = None) -> L.Trainer:
-        trainer = L.Trainer(
-            strategy=AccumulationStrategy(microbatch_size=size),
-            accelerator="cpu",
-            accumulate_grad_batches=3,
-            max_epochs=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+        trainer = make_trainer(
+            strategy=AccumulationStrategy(microbatch_size=size), accumulate_grad_batches=3, max_epochs=2
         )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint")

@@ -2,19 +2,18 @@
 
 A crash at the end of 2-process spawn runs ("terminate called without an active exception", SIGABRT) comes from
 native threads of the gloo process group meeting the interpreter's finalization. The package's launcher closes
-the group in each worker before it exits; these tests check that from inside the workers, and run the stress
-loop of ``benchmarks/spawn_stress.py`` (slow; its real runs are described in ``benchmarks/SPAWN_STRESS.md``).
+the group in each worker before it exits; these tests check that from inside the workers. The stress loop of
+``benchmarks/spawn_stress.py`` and the forced race of ``benchmarks/spawn_exit_race.py`` are tested beside those scripts,
+in ``benchmarks/test_benchmarks.py`` (their real runs are described in ``benchmarks/SPAWN_STRESS.md``).
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,8 +21,6 @@ import torch.distributed
 from helpers import TinyLM, fit, make_examples, random_lengths
 
 from lightning_accum._worker_exit import close_process_group
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _threads() -> list[str]:
@@ -75,49 +72,3 @@ def test_spawned_workers_close_the_process_group_before_interpreter_exit(tmp_pat
 def test_close_process_group_without_a_group_does_nothing() -> None:
     assert not torch.distributed.is_initialized()
     assert close_process_group(object()) is False
-
-
-def _stress_module() -> Any:
-    spec = importlib.util.spec_from_file_location("spawn_stress", ROOT / "benchmarks" / "spawn_stress.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.slow
-@pytest.mark.ddp
-@pytest.mark.timeout(900)
-def test_stress_loop_counts_runs_and_finds_no_crash(tmp_path: Path) -> None:
-    stress = _stress_module()
-    summary = stress.stress(2, ["accum_ddp_spawn", "ddp_spawn"], tmp_path, batch=2, updates=2, timeout=400.0)
-    for variant in ("accum_ddp_spawn", "ddp_spawn"):
-        assert summary["counts"][variant]["runs"] == 2
-        assert summary["counts"][variant]["failed"] == 0, summary["failures"]
-    assert json.loads((tmp_path / "summary.json").read_text())["counts"] == summary["counts"]
-    assert "| `accum_ddp_spawn` | 2 | 0 |" in (tmp_path / "summary.md").read_text()
-
-
-def test_stress_loop_rejects_an_unknown_variant(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"`variants` must be among .* got 'ddp_fork'"):
-        _stress_module().stress(1, ["ddp_fork"], tmp_path)
-
-
-def _race_module() -> Any:
-    spec = importlib.util.spec_from_file_location("spawn_exit_race", ROOT / "benchmarks" / "spawn_exit_race.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.slow
-@pytest.mark.ddp
-@pytest.mark.timeout(900)
-@pytest.mark.skipif(sys.version_info >= (3, 14), reason="Python 3.14 hangs such threads instead of ending them")
-def test_forced_exit_race_aborts_unless_the_group_is_closed() -> None:
-    race = _race_module()
-    crashed = race.run("exit", 1)
-    assert crashed["sigabrt"] == 1 and crashed["terminate_message"] == 1, crashed
-    closed = race.run("close", 1)
-    assert closed == {"mode": "close", "runs": 1, "sigabrt": 0, "terminate_message": 0, "other": 0}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from helpers import (
@@ -14,6 +13,7 @@ from helpers import (
     TinyLM,
     fit,
     make_examples,
+    make_trainer,
     params_vector,
     random_lengths,
     relative_error,
@@ -144,16 +144,7 @@ def test_iterable_dataset_streams_with_exact_partial_group() -> None:
     examples = make_examples(random_lengths(10, seed=4), seed=4)
     model = TinyLM(lr=0.5)
     expected = sgd_reference(model, [examples[0:6], examples[6:10]], lr=0.5)
-    trainer = L.Trainer(
-        strategy="accum",
-        accumulate_grad_batches=3,
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = make_trainer(accumulate_grad_batches=3)
     trainer.fit(model, DataLoader(_Stream(examples, 2), batch_size=None))
     assert relative_error(params_vector(model), expected) < 1e-5
     assert trainer.strategy.ledger.partial_groups == 1 and trainer.strategy.ledger.updates_applied == 2
@@ -201,7 +192,7 @@ def test_strategy_argument_errors() -> None:
 
 def test_accum_on_several_devices_names_the_ddp_string() -> None:
     with pytest.raises(ValueError, match=r"strategy='accum' runs on one device.*'accum_ddp'"):
-        L.Trainer(strategy="accum", accelerator="cpu", devices=2, logger=False)
+        make_trainer(strategy="accum", devices=2)
 
 
 def test_checkpoint_round_trip_with_weights_only(tmp_path: Any) -> None:
@@ -213,20 +204,11 @@ def test_checkpoint_round_trip_with_weights_only(tmp_path: Any) -> None:
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["lightning_accum"]["ledger"]["tokens"] == trainer.strategy.ledger.tokens
 
-    resumed = L.Trainer(
-        strategy="accum",
-        accumulate_grad_batches=4,
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    resumed = make_trainer(accumulate_grad_batches=4)
     # Loading a finished run's checkpoint restores the ledger before fit returns (max_epochs is reached).
     resumed.fit(TinyLM(lr=0.5), DataLoader(ListDataset(examples), batch_size=2), ckpt_path=path)
     assert resumed.strategy.ledger == trainer.strategy.ledger
-    assert resumed.strategy.engine.scale_ref == trainer.strategy.engine.scale_ref
+    assert resumed.strategy.engine.reference_weight == trainer.strategy.engine.reference_weight
 
 
 # ---------------------------------------------------------------------------- host syncs

@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import ListDataset, make_examples, relative_error, run_ddp
+from helpers import ListDataset, make_examples, make_trainer, relative_error, run_ddp
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_model_parallel import UNEQUAL, DataParallelStridedSampler, Record, ShardedLM
@@ -77,20 +77,13 @@ def _fit_llama(folder: str, name: str, devices: int, algorithm: str | None) -> N
         from lightning_accum import AccumulationStrategy
 
         strategy = AccumulationStrategy(count_tokens=causal_lm_tokens)
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=devices,
         accumulate_grad_batches=2,
         gradient_clip_val=CLIPS[algorithm] if algorithm else None,
         gradient_clip_algorithm=algorithm,
-        max_epochs=1,
-        logger=False,
         callbacks=[Record(folder, name)],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
     )
     examples = make_examples(UNEQUAL[:12], seed=12)
     trainer.fit(LlamaLM(), DataLoader(ListDataset(examples), batch_size=2))
@@ -166,12 +159,10 @@ def _callbacks_run(folder: str, name: str, layout: str | None, dp: int, tp: int,
     if devices > 1:
         strategy = ModelParallelAccumulationStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
     root = os.path.join(folder, name)
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=devices,
         accumulate_grad_batches=accumulate,
-        max_epochs=1,
         default_root_dir=root,
         logger=TensorBoardLogger(root, name="tb", version=0),
         callbacks=[
@@ -183,11 +174,6 @@ def _callbacks_run(folder: str, name: str, layout: str | None, dp: int, tp: int,
         log_every_n_steps=1,
         check_val_every_n_epoch=None,
         val_check_interval=10**12,  # validation on the tokens axis only (Horizon)
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
     )
     examples = make_examples(UNEQUAL, seed=8)
     train = DataLoader(ListDataset(examples), batch_size=2, sampler=DataParallelStridedSampler(len(examples), tp))

@@ -212,15 +212,6 @@ def test_a_token_count_within_the_label_positions_says_nothing() -> None:
 
 def fit_trainer(accumulate: int, epochs: int) -> Any:
     """A one-device Trainer of the exact strategy, without logger, checkpoints or bars."""
-    import lightning as L
+    from helpers import make_trainer
 
-    return L.Trainer(
-        strategy=AccumulationStrategy(),
-        accelerator="cpu",
-        accumulate_grad_batches=accumulate,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    return make_trainer(strategy=AccumulationStrategy(), accumulate_grad_batches=accumulate, max_epochs=epochs)

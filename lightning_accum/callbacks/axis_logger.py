@@ -7,7 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
@@ -67,6 +68,36 @@ class AxisLogger(Callback):
     is written at most once per x: the first value written there is kept, so the duplicates
     ``LearningRateMonitor`` emits on every micro-batch of a group disappear.
 
+    x is given to each logger as the ``step`` of ``log_metrics``, and also by name: the records this callback
+    writes (the group metrics' point and each moved write of Lightning's: ``self.log`` in training and validation,
+    ``LearningRateMonitor``) carry the axis metric ``<prefix><axis>`` (``accum/tokens``, ``accum/samples`` or
+    ``accum/updates``) = x, so any logger can plot against it by name: in every row of a CSV file, once per x in the
+    loggers that keep points. What each logger shows:
+
+    - TensorBoard: x is the count; ``accum/tokens`` is also a curve of its own (its value is float32 in the event
+      file, exact up to 2^24; x stays exact).
+    - CSV (``metrics.csv``) and MLflow: the ``step`` column (field) is the count; the ``accum/tokens`` column
+      (metric) names it. A record is a row in CSV, so there the axis metric is in every row; TensorBoard, MLflow and
+      W&B get it once per x (one point each).
+    - W&B (``WandbLogger``): when the run starts (``setup``), on global rank zero, the callback calls
+      ``define_metric("accum/tokens")`` and ``define_metric("*", step_metric="accum/tokens", step_sync=True)`` on
+      the logger's run, so every chart's x is the count (``step_sync``: a row logged straight to the run, without
+      the axis metric, gets the latest x). Lightning's ``WandbLogger.log_metrics`` adds
+      ``trainer/global_step`` = its ``step`` argument to every row; here that would be the count under the name
+      of Lightning's step, so the callback calls a W&B logger's ``log_metrics`` without a ``step``: the rows hold
+      no ``trainer/global_step``, W&B's own ``_step`` numbers the rows, and x is ``accum/tokens``. A
+      ``WandbLogger(prefix=...)`` is not supported: its rows name the axis metric ``<prefix>-accum/tokens``, so the
+      charts' definition finds no x in them.
+
+    Learning rates are plotted at the count *after* the update that used them: ``accum/lr`` is the rate of the
+    point's last update, written with that update's loss at the x it reached. ``LearningRateMonitor`` reads the
+    rates before each micro-batch (``on_train_batch_start``, ``on_train_epoch_start``), that is before the update
+    that will use them, at the count before it; its values (its ``lr-*``, ``-momentum`` and ``-weight_decay`` keys)
+    are held back and written when that update closes, at the x after it, in one record with ``accum/lr``. So both
+    curves show the same rate at the same x, next to the loss of the update that used it, the convention of
+    Lightning's own ``self.log`` of the training loss (written after the update, at the count it reached). A rate
+    that no update used (training ended first) is not written.
+
     The group metrics follow Lightning's cadence: a point every ``Trainer(log_every_n_steps=N)`` attempted
     updates (N = 50 by default; ``log_every_n_steps=1`` writes every update), and one more when training ends
     with updates not yet written. A point covers every attempted update since the previous one, on global rank
@@ -75,6 +106,7 @@ class AxisLogger(Callback):
     =============================== ================== ================================= ===================
     key                             unit               value at a point (x: axis value)  over ranks
     =============================== ================== ================================= ===================
+    ``accum/<axis>``                the axis's unit    x (an int), with every x written  summed (the ledger)
     ``accum/loss``                  loss               weighted by units over the window token-weighted, all
     ``accum/lr`` (``/pg{i}``)       learning rate      the rate the window's last update same on every rank
                                                        used
@@ -84,18 +116,20 @@ class AxisLogger(Callback):
     ``accum/grad_scale``            GradScaler scale   the window's last update's scale  same on every rank
     =============================== ================== ================================= ===================
 
-    ``accum/loss`` is written only when the window holds a group with units and a finite loss; ``accum/lr`` is
-    one key per parameter group when there are several; ``accum/grad_scale`` only with a GradScaler. With
-    ``axis="updates"`` x counts *applied* updates. The progress bar shows the tokens (or samples) seen and the
-    skipped updates.
+    ``accum/<axis>`` is ``accum/tokens``, ``accum/samples`` or ``accum/updates``, the only key written without the
+    once-per-x rule (it is x). ``accum/loss`` is written only when the window holds a group with units and a finite
+    loss; ``accum/lr`` is one key per parameter group when there are several; ``accum/grad_scale`` only with a
+    GradScaler. With ``axis="updates"`` x counts *applied* updates. The progress bar shows the tokens (or samples)
+    seen and the skipped updates.
 
     Several fits (e.g. two training stages, each with a new Trainer) logged by this callback to the same logger
     continue one axis: a fit whose ledger starts below the highest x already written is shifted to start there
-    (announced once), so the second stage's curves follow the first's instead of being dropped.
+    (announced once), so the second stage's curves follow the first's instead of being dropped; the axis metric
+    then holds the shifted x too.
 
     Args:
         axis: ``"tokens"``, ``"samples"`` or ``"updates"``.
-        prefix: Prefix of the group metrics' keys.
+        prefix: Prefix of the group metrics' keys, the axis metric's included.
 
     Raises:
         ValueError: For an unknown ``axis``.
@@ -107,6 +141,8 @@ class AxisLogger(Callback):
         >>> import lightning_accum
         >>> trainer = L.Trainer(strategy="accum", callbacks=[lightning_accum.AxisLogger(axis="tokens")],
         ...                     accelerator="cpu", logger=False, enable_checkpointing=False)
+        >>> lightning_accum.AxisLogger(axis="samples").axis_key
+        'accum/samples'
         >>> lightning_accum.AxisLogger(axis="steps")
         Traceback (most recent call last):
         ...
@@ -116,12 +152,17 @@ class AxisLogger(Callback):
     def __init__(self, axis: str = "tokens", prefix: str = "accum/") -> None:
         self.axis = validate_choice("axis", axis, AXES)
         self.prefix = prefix
-        self._originals: dict[int, tuple[Logger, Callable[..., Any]]] = {}
+        # Per logger: the logger, its own `log_metrics`, and whether that method is given x as its `step` (not a
+        # W&B logger's: see the class docstring).
+        self._originals: dict[int, tuple[Logger, Callable[..., Any], bool]] = {}
         self._last_x: dict[tuple[int, str], int] = {}
         self._high_x = -1  # the highest x written, over every fit of this callback
         self._offset = 0  # added to the ledger's count in this fit (see "Several fits" above)
         self._window: list[GroupRecord] = []
         self._window_lrs: list[float] = []
+        # LearningRateMonitor's values per logger, held until the update that uses them closes (see the docstring).
+        self._held_rates: dict[int, dict[str, float]] = {}
+        self._rate_monitors: list[LearningRateMonitor] = []
         # Per fit: see `_read_run`; and whether the token counts were found (checked until they are).
         self._run: tuple[AccumulationLedger, bool, list[dict[str, Any]], int] | None = None
         self._tokens_checked = False
@@ -129,6 +170,11 @@ class AxisLogger(Callback):
         self._progress_original: Callable[..., Any] | None = None
         self._trainer: Trainer | None = None
         self._state_key: str | None = None
+
+    @property
+    def axis_key(self) -> str:
+        """The axis metric's key, ``<prefix><axis>``: ``accum/tokens``, ``accum/samples`` or ``accum/updates``."""
+        return f"{self.prefix}{self.axis}"
 
     @property
     @override
@@ -159,6 +205,10 @@ class AxisLogger(Callback):
         self._checked_unit = False
         self._run = None
         self._tokens_checked = False
+        self._held_rates = {}
+        # `trainer.callbacks`: Lightning's public list, assigned by its callback connector (not declared on the class).
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        self._rate_monitors = [cb for cb in callbacks if isinstance(cb, LearningRateMonitor)]
         for logger in trainer.loggers:
             self._move_onto_axis(trainer, logger)
         # Called once per group, after the update and before the schedules advance: no hook on every micro-batch.
@@ -199,6 +249,7 @@ class AxisLogger(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._held_rates = {}  # rates read for an update that never came: no x to plot them at
         self._flush(trainer)
 
     @override
@@ -208,7 +259,9 @@ class AxisLogger(Callback):
             strategy.remove_group_listener(self._on_group)
         self._trainer = None
         self._run = None
-        for logger, original in self._originals.values():
+        self._held_rates = {}
+        self._rate_monitors = []
+        for logger, original, _ in self._originals.values():
             if logger.__dict__.get("log_metrics") is not None:
                 del logger.__dict__["log_metrics"]  # the class's method again, nothing left on the instance
             else:
@@ -225,24 +278,62 @@ class AxisLogger(Callback):
         if id(logger) in self._originals:
             return
         original = logger.log_metrics
-        self._originals[id(logger)] = (logger, original)
+        self._originals[id(logger)] = (logger, original, not isinstance(logger, WandbLogger))
+        if isinstance(logger, WandbLogger) and trainer.is_global_zero:
+            self._define_wandb_axis(logger)
 
         def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
-            self._write(logger, original, metrics, self.axis_value(self._ledger(trainer)))
+            if self._rate_monitors and trainer.training:
+                metrics = self._hold_rates(logger, metrics)
+            if metrics:
+                self._write(id(logger), metrics, self.axis_value(self._ledger(trainer)))
 
         logger.log_metrics = log_metrics  # type: ignore[method-assign]
 
-    def _write(self, logger: Logger, original: Callable[..., Any], metrics: Mapping[str, float], x: int) -> None:
+    def _define_wandb_axis(self, logger: WandbLogger) -> None:
+        # W&B plots a key against its `step_metric`; WandbLogger's own definition ("*" against trainer/global_step,
+        # made when it creates the run) is replaced by the axis metric, which every row this callback writes holds
+        # (`step_sync`: W&B adds the latest x to a row logged straight to the run without it).
+        run = logger.experiment  # creates the W&B run now if Lightning has not yet
+        run.define_metric(self.axis_key)
+        run.define_metric("*", step_metric=self.axis_key, step_sync=True)
+
+    def _hold_rates(self, logger: Logger, metrics: Mapping[str, float]) -> Mapping[str, float]:
+        """Keep a LearningRateMonitor's values back until the update that uses them closes; the rest, to write now.
+
+        The monitors' keys are the names they track (attributes without an underscore that they fill in
+        ``on_train_start`` and while they read the rates; read with defaults, so a Lightning that renamed them would
+        only put the rates back at the count before their update); a write holding none of them is returned as it is.
+        """
+        keys: set[str] = set()
+        for monitor in self._rate_monitors:
+            for names in ("lrs", "last_momentum_values", "last_weight_decay_values"):
+                keys.update(getattr(monitor, names, ()))
+        if keys.isdisjoint(metrics):
+            return metrics
+        # The latest value per key: the rate at the group's last micro-batch is the one its update uses.
+        self._held_rates.setdefault(id(logger), {}).update({k: v for k, v in metrics.items() if k in keys})
+        return {k: v for k, v in metrics.items() if k not in keys}
+
+    def _write(self, logger_id: int, metrics: Mapping[str, float], x: int) -> None:
         # At most one write per (tag, x), and x never goes back for a tag: the first value at an x is kept.
-        fresh = {}
+        _, original, pass_step = self._originals[logger_id]
+        fresh: dict[str, float] = {}
         for tag, value in metrics.items():
-            key = (id(logger), tag)
+            key = (logger_id, tag)
             if self._last_x.get(key, -1) < x:
                 self._last_x[key] = x
                 fresh[tag] = value
         if fresh:
             self._high_x = max(self._high_x, x)
-            original(fresh, step=x)
+            # The axis metric: in every row of a CSV file (a row is what a reader plots from), once per x elsewhere
+            # (TensorBoard and MLflow keep points, W&B fills a row's x in from the latest one: `step_sync`).
+            axis = (logger_id, self.axis_key)
+            if isinstance(self._originals[logger_id][0], CSVLogger) or self._last_x.get(axis, -1) < x:
+                self._last_x[axis] = x
+                fresh[self.axis_key] = x
+            # A W&B logger gets no `step`: it would add it to the row as `trainer/global_step` (class docstring).
+            original(fresh, step=x if pass_step else None)
 
     def _progress_fields(self, trainer: Trainer) -> dict[str, int | str]:
         ledger = self._ledger(trainer)
@@ -269,12 +360,19 @@ class AxisLogger(Callback):
                 raise no_token_counts_error("AxisLogger")
             self._tokens_checked = ledger.normalization == "tokens"  # then every later update has token counts
         if not writes:
+            self._held_rates = {}  # another rank: its loggers write nothing
             return
         self._window.append(group)
         # The schedules advance after the listeners: this is the rate the update used.
         self._window_lrs = [lr if type(lr := pg["lr"]) is float else float(lr) for pg in param_groups]
-        if ledger.updates_attempted % every == 0:
-            self._flush(trainer)
+        # LearningRateMonitor's values read for this update land at its x, in one record with the point (if any).
+        held, self._held_rates = self._held_rates, {}
+        point = self._point(ledger) if ledger.updates_attempted % every == 0 else {}
+        x = self.axis_value(ledger)
+        for logger_id in self._originals:
+            record = point | held.get(logger_id, {})
+            if record:
+                self._write(logger_id, record, x)
 
     def _read_run(self, trainer: Trainer) -> tuple[AccumulationLedger, bool, list[dict[str, Any]], int]:
         """The ledger, whether this rank writes, the optimizer's parameter groups and the cadence, for one fit."""
@@ -288,8 +386,15 @@ class AxisLogger(Callback):
         """Write the point of the attempted updates since the previous one (none pending: nothing)."""
         if not self._window or not trainer.is_global_zero:
             return
-        records, self._window = self._window, []
         ledger = self._ledger(trainer)
+        metrics = self._point(ledger)
+        x = self.axis_value(ledger)
+        for logger_id in self._originals:
+            self._write(logger_id, metrics, x)
+
+    def _point(self, ledger: AccumulationLedger) -> dict[str, float]:
+        """The group metrics of the attempted updates since the previous point; the window starts anew."""
+        records, self._window = self._window, []
         window = window_metrics(records, ledger.normalization)
         metrics: dict[str, float] = {f"{self.prefix}{key}": value for key, value in window.items()}
         lrs = self._window_lrs
@@ -300,6 +405,4 @@ class AxisLogger(Callback):
         metrics[f"{self.prefix}skipped_updates"] = ledger.skipped_total
         if records[-1].grad_scale is not None:
             metrics[f"{self.prefix}grad_scale"] = records[-1].grad_scale
-        x = self.axis_value(ledger)
-        for logger, original in self._originals.values():
-            self._write(logger, original, metrics, x)
+        return metrics

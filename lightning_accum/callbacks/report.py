@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_accum.callbacks.common import accumulation_strategy
-from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.ledger import GroupRecord
 from lightning_accum.strategies import ExactAccumulation
 
 __all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
@@ -47,7 +48,10 @@ def _reset_peak_memory(device: torch.device) -> bool:
 def _peak_memory(device: torch.device, since_reset: bool) -> tuple[int, str]:
     """Peak memory in bytes on ``device`` and where the number comes from."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated (CUDA allocator peak)"
+        since = "this fit" if since_reset else "the process started (or its last reset; reset_peak_memory=False)"
+        return int(
+            torch.cuda.max_memory_allocated(device)
+        ), f"torch.cuda.max_memory_allocated (CUDA allocator peak since {since})"
     if since_reset:
         with open("/proc/self/status") as status:
             for line in status:
@@ -57,6 +61,10 @@ def _peak_memory(device: torch.device, since_reset: bool) -> tuple[int, str]:
     scale = 1 if sys.platform == "darwin" else 1024
     peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
     return peak, "getrusage ru_maxrss (process lifetime peak RSS, earlier fits included)"
+
+
+#: Whether the reset of the process's peak counters was announced (once per process).
+_ANNOUNCED: list[bool] = []
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -116,11 +124,18 @@ class AccumulationReport(Callback):
     ``ledger``                           the ledger's state
     ==================================== ===============================================================
 
-    The first group's peak is read after the first update (backward and optimizer state included). Both peaks
-    are this fit's: CUDA's allocator peak is reset at the start of training, and on Linux so is the process's peak
-    resident memory (``/proc/self/clear_refs``), so the second of two fits in one process reports its own peak.
-    Where the resident peak cannot be reset (macOS), it is the process's lifetime peak and ``source`` says so. On
-    CPU the resident set includes what the process held before ``fit`` (the model, the data, the interpreter).
+    The first group's peak is read after the first update (backward and optimizer state included). With
+    ``reset_peak_memory=True`` (the default) both peaks are this fit's: at the start of training the report resets
+    CUDA's allocator peak (``torch.cuda.reset_peak_memory_stats``) and, on Linux, the process's peak resident memory
+    (``/proc/self/clear_refs``), so the second of two fits in one process reports its own peak. Those counters are the
+    process's: another memory monitor that reads them (Lightning's ``DeviceStatsMonitor``, a profiler, your own
+    ``torch.cuda.max_memory_allocated()``) sees them reset too, and the report says so once, on rank zero, when it
+    resets them. ``reset_peak_memory=False`` leaves them alone: the peaks are then the process's lifetime peaks, and
+    ``memory.source`` says so. Where the resident peak cannot be reset (macOS) it is the lifetime peak too. On CPU the
+    resident set includes what the process held before ``fit`` (the model, the data, the interpreter).
+
+    The file's path is checked when the fit starts (``setup``), on rank zero, before anything trains: a path that
+    cannot be written is an error then, not after the run.
 
     The console table shows memory in MiB and rates per second, and ends with the JSON file's path
     (also kept in :attr:`written_to`). When the Trainer stops before this callback's ``setup`` ran
@@ -131,6 +146,11 @@ class AccumulationReport(Callback):
         path: Folder for the JSON file (written as ``accumulation_report.json`` there), or a file name
             ending in ``.json``; by default the first logger's log directory, or the Trainer's
             ``default_root_dir`` without a logger.
+        reset_peak_memory: Reset the process's peak-memory counters at the start of training, so that the peaks are
+            this fit's (see above); ``False`` reports lifetime peaks and leaves the counters to other monitors.
+        table: Print the record as a table on the console (``True``), or as one line (status, updates, tokens, peak
+            memory, time, the file), e.g. for the later runs of a script that runs many; the file and TensorBoard get
+            the whole record either way.
 
     Example:
         >>> from lightning_accum import AccumulationReport
@@ -138,12 +158,17 @@ class AccumulationReport(Callback):
         ('runs', 'runs/first.json')
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, reset_peak_memory: bool = True, table: bool = True
+    ) -> None:
         self.path = os.fspath(path) if path is not None else None
+        self.reset_peak_memory = bool(reset_peak_memory)
+        self.table = bool(table)
         self.record: dict[str, Any] | None = None
         #: Where the latest record went (``None`` before one is written, and on ranks other than zero).
         self.written_to: str | None = None
         self._active = False  # setup ran on an accumulation strategy: the hooks after it have something to record
+        self._strategy: ExactAccumulation | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -156,31 +181,50 @@ class AccumulationReport(Callback):
         self._peak_reset = False  # whether this fit's peak was reset at its start (see `_reset_peak_memory`)
         self._written = False
 
-    @staticmethod
-    def _ledger(trainer: Trainer) -> AccumulationLedger:
-        return accumulation_strategy(trainer, "AccumulationReport").ledger
-
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._ledger(trainer)
-        self._trainer: Trainer | None = trainer
-        trainer.strategy.add_group_listener(self._on_group)  # type: ignore[attr-defined]  # once per group
+        strategy = accumulation_strategy(trainer, "AccumulationReport")
+        problem = _unwritable(self._target(trainer)) if trainer.is_global_zero else None
+        problem = strategy.broadcast(problem)  # every rank stops alike, none waits in a collective
+        if problem is not None:
+            raise ValueError(
+                f"AccumulationReport cannot write its record: {problem}. Pass `path=` a writable folder, or a file name"
+                " ending in `.json` in one (checked before training, so that the run does not end without its record)."
+            )
+        self._strategy = strategy
+        strategy.add_group_listener(self._on_group)  # once per group
         self._active = True
+
+    def _target(self, trainer: Trainer) -> str:
+        """Where the record is written (on rank zero)."""
+        target = self.path or _log_dir(trainer)
+        return target if target.endswith(".json") else os.path.join(target, REPORT_FILENAME)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if not self._active:  # setup raised or never ran: nothing was attached
             return
-        if isinstance(trainer.strategy, ExactAccumulation):
-            trainer.strategy.remove_group_listener(self._on_group)
-        self._trainer = None
+        if self._strategy is not None:
+            self._strategy.remove_group_listener(self._on_group)
+        self._strategy = None
         self._active = False
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._reset()
         self._start = time.perf_counter()
-        self._peak_reset = _reset_peak_memory(trainer.strategy.root_device)
+        if self.reset_peak_memory:
+            device = trainer.strategy.root_device
+            self._peak_reset = _reset_peak_memory(device)
+            if self._peak_reset and not _ANNOUNCED:
+                _ANNOUNCED.append(True)  # once per process: every fit resets them alike
+                what = "CUDA's allocator peak" if device.type == "cuda" else "the process's peak resident memory"
+                rank_zero_info(
+                    f"AccumulationReport: reset {what} at the start of training so that the report gives this fit's"
+                    " peak; other monitors of the process read the reset counters too. Pass"
+                    " `AccumulationReport(reset_peak_memory=False)` to leave them (the report then gives lifetime"
+                    " peaks)."
+                )
 
     def _on_group(self, group: GroupRecord, batch_samples: Sequence[int]) -> None:
         if batch_samples:
@@ -195,8 +239,8 @@ class AccumulationReport(Callback):
             return  # not an attempt: its examples are in the ledger's dropped counters
         self._samples_per_update.append(group.samples)
         self._tokens_per_update.append(group.tokens)
-        if self._first_group_peak is None and self._trainer is not None:
-            self._first_group_peak = _peak_memory(self._trainer.strategy.root_device, self._peak_reset)[0]
+        if self._first_group_peak is None and self._strategy is not None:
+            self._first_group_peak = _peak_memory(self._strategy.root_device, self._peak_reset)[0]
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -221,9 +265,9 @@ class AccumulationReport(Callback):
 
     def build(self, trainer: Trainer, status: str, error: str | None, gather: bool = True) -> dict[str, Any]:
         """The record as a JSON-ready dict (collective under DDP when ``gather``)."""
-        ledger = self._ledger(trainer)
-        engine = trainer.strategy.engine  # type: ignore[attr-defined]
-        device = trainer.strategy.root_device
+        strategy = accumulation_strategy(trainer, "AccumulationReport")
+        ledger = strategy.ledger
+        device = strategy.root_device
         run_peak, source = _peak_memory(device, self._peak_reset)
         # -1 marks "none" in the gathered integer tensor only; the record says None.
         first_peak = self._first_group_peak if self._first_group_peak is not None else -1
@@ -237,8 +281,7 @@ class AccumulationReport(Callback):
         m = getattr(loader, "batch_size", None)
         a = trainer.accumulate_grad_batches
         # D counts data-parallel replicas, not devices: the devices of one tensor-parallel group share one replica.
-        d = int(getattr(trainer.strategy, "data_parallel_replicas", 1))
-        tp = int(getattr(trainer.strategy, "tensor_parallel_size", 1))
+        d, tp = strategy.data_parallel_replicas, strategy.tensor_parallel_size
         tp_note = f"; tensor parallel {tp} (devices sharing one replica)" if tp > 1 else ""
         configured = m * a * d if m is not None else None
         wall = time.perf_counter() - self._start if self._start else 0.0
@@ -276,7 +319,7 @@ class AccumulationReport(Callback):
             "precision": str(trainer.precision),
             "normalization": ledger.normalization,
             "partial_group": {
-                "policy": engine.partial_group,
+                "policy": strategy.engine.partial_group,
                 "count": ledger.partial_groups,
                 "dropped_microbatches": ledger.dropped_microbatches,
                 "dropped_samples": ledger.dropped_samples,
@@ -298,16 +341,15 @@ class AccumulationReport(Callback):
                 "tokens_per_second": ledger.tokens / wall if wall > 0 else None,
                 "samples_per_second": ledger.samples / wall if wall > 0 else None,
             },
-            **self._slicing(trainer, gather),
+            **self._slicing(trainer, strategy, gather),
             "ledger": _finite_or_none(ledger.state_dict()),
         }
 
     @staticmethod
-    def _slicing(trainer: Trainer, gather: bool) -> dict[str, Any]:
+    def _slicing(trainer: Trainer, strategy: ExactAccumulation, gather: bool) -> dict[str, Any]:
         """``microbatch_size=``'s record of every rank (a collective under DDP when ``gather``)."""
-        strategy = trainer.strategy
-        log = getattr(strategy, "slicing", None)
-        if log is None or log.configured is None:
+        log = strategy.slicing
+        if log.configured is None:
             return {}
         mine = log.state_dict()
         mine["slice_sizes"] = {str(size): count for size, count in mine["slice_sizes"].items()}
@@ -330,20 +372,36 @@ class AccumulationReport(Callback):
         self.record = record
         if not trainer.is_global_zero:
             return
-        target = self.path or _log_dir(trainer)
-        if not target.endswith(".json"):
-            target = os.path.join(target, REPORT_FILENAME)
+        target = self._target(trainer)
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
         with open(target, "w") as f:
             json.dump(record, f, indent=2, allow_nan=False, default=str)
         self.written_to = target
         table = format_report(record)
-        print(f"{table}\n(written to {os.path.abspath(target)})")
+        where = os.path.abspath(target)
+        print(f"{table}\n(written to {where})" if self.table else f"{format_headline(record)} (written to {where})")
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 markdown = "\n".join("    " + line for line in table.splitlines())  # preformatted in TensorBoard
                 logger.experiment.add_text("accum/report", markdown, global_step=int(ledger_axis(record)))
                 logger.experiment.flush()
+
+
+def _unwritable(target: str) -> str | None:
+    """Why the file ``target`` cannot be written (``None``: it can), found without writing it."""
+    if os.path.isdir(target):
+        return f"{target!r} is a folder, not a file"
+    folder = os.path.abspath(os.path.dirname(target) or ".")
+    existing = folder
+    while not os.path.exists(existing):  # the nearest folder that exists: the rest is created when writing
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing!r} is a file, so the folder {folder!r} cannot be created"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"the folder {existing!r} is not writable"
+    if os.path.exists(target) and not os.access(target, os.W_OK):
+        return f"the file {target!r} exists and is not writable"
+    return None
 
 
 def _log_dir(trainer: Trainer) -> str:
@@ -392,6 +450,27 @@ def _fmt(value: Any, unit: str = "") -> str:
 
 def _mib(values: list[int | None]) -> str:
     return ", ".join("-" if v is None else f"{v / _MIB:,.1f} MiB" for v in values) or "-"
+
+
+def format_headline(record: dict[str, Any]) -> str:
+    """The record in one line, for a console that gets one per run.
+
+    Example:
+        >>> print(format_headline({"status": "completed", "updates": {"attempted": 40, "applied": 39,
+        ...     "skipped": {"overflow": 1}}, "tokens": {"total": 33789}, "memory": {"run_peak": [2**29]},
+        ...     "time": {"wall_seconds": 17.6}}))
+        run record: completed, 39/40 updates applied (overflow 1), 33,789 tokens, peak 512.0 MiB, 17.6 s
+    """
+    updates = record.get("updates", {})
+    skipped = {k: v for k, v in updates.get("skipped", {}).items() if v}
+    said = f" ({_fmt(skipped)})" if skipped else ""
+    peaks = [p for p in record.get("memory", {}).get("run_peak", []) if p is not None]
+    peak = f", peak {max(peaks) / _MIB:,.1f} MiB" if peaks else ""
+    return (
+        f"run record: {record.get('status')}, {updates.get('applied', 0)}/{updates.get('attempted', 0)} updates"
+        f" applied{said}, {_fmt(record.get('tokens', {}).get('total'))} tokens"
+        f"{peak}, {record.get('time', {}).get('wall_seconds', 0.0):.1f} s"
+    )
 
 
 def format_report(record: dict[str, Any]) -> str:

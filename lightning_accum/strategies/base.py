@@ -1,24 +1,34 @@
-"""The base every accumulation strategy shares: Lightning's hooks adapted to one :class:`AccumulationEngine`.
+"""The one package layer of every accumulation strategy: Lightning's hooks, each delegating to a composed part.
+
+Every public strategy is ``(ExactAccumulation, <Lightning's strategy>)``: this class overrides the Lightning hooks
+the package changes, all of them here, and its ``super()`` is the single-device, DDP or model-parallel strategy
+underneath. Each hook hands the work to one part:
+
+=========================================================== ===============================================
+part                                                         job
+=========================================================== ===============================================
+:class:`~lightning_accum.engine.AccumulationEngine`          the arithmetic: weights, ``c``, the close, the ledger
+:class:`~lightning_accum.strategies.closing.GroupClosing`    a group closed over an optimizer's gradients
+:class:`~lightning_accum.strategies.manual.ManualGroups`     the manual-optimization API
+:class:`~lightning_accum.strategies.slicing.BatchSlicer`     a loader batch run as slices (``microbatch_size=``)
+:class:`~lightning_accum.strategies.checkpoint.OpenGroupCheckpoint` the package's checkpoint entry and an open group
+:class:`~lightning_accum.strategies.evaluation.ExactEvaluation` ``accum/val_loss`` and ``accum/test_loss``
+:class:`~lightning_accum.strategies.adapter.EngineAdapter`   what differs between one device, DDP and FSDP2/TP
+=========================================================== ===============================================
 
 Lightning's own loop stays (zero_grad at a group's start, ``no_sync`` on non-final micro-batches, the optimizer
 evaluating the closure inside its ``step``, the precision plugin's unscale, clipping and step, Lightning's hook order
-and its own errors); three strategy hooks change:
+and its own errors); three hooks change what is computed:
 
-* ``training_step``: read the micro-batch's loss and unit count and prepare ``loss · w / c``;
+* ``training_step``: read the micro-batch once (its loss, counts, unit) and prepare ``loss · w / c``;
 * ``backward``: back-propagate that tensor instead of Lightning's ``loss / A``;
 * ``optimizer_step``: the closure handed to the optimizer runs Lightning's (the group's last micro-batch) and then
-  closes the group (:mod:`~lightning_accum.strategies.closing`): one reduction of its counters and the rescale of the
-  gradient by ``c · D / W``, before unscale and clipping; the update is applied, skipped or dropped. A
-  closure-re-evaluating optimizer (LBFGS) runs as in Lightning at ``A = 1`` and is an error at ``A > 1``.
+  closes the group: one reduction of its counters and the rescale of the gradient by ``c · D / W``, before unscale
+  and clipping; the update is applied, skipped or dropped. A closure-re-evaluating optimizer (LBFGS) runs as in
+  Lightning at ``A = 1`` and is an error at ``A > 1``.
 
 With ``automatic_optimization = False`` every hook passes through (Lightning's behaviour); a manual loop gets exact
-weighting through :meth:`ExactAccumulation.accumulate` and :meth:`ExactAccumulation.close_group`
-(:mod:`~lightning_accum.strategies.manual`). ``microbatch_size=`` runs a loader batch as slices
-(:mod:`~lightning_accum.strategies.slicing`). Checkpoints carry the ledger and an open group
-(:mod:`~lightning_accum.strategies.checkpoint`; the strategy's side is the base class
-:class:`~lightning_accum.strategies.checkpoint_hooks.CheckpointHooks`); evaluation steps are weighted like training
-micro-batches (:mod:`~lightning_accum.strategies.evaluation`, whose ``EvaluationHooks`` is the other base class).
-
+weighting through :meth:`ExactAccumulation.accumulate` and :meth:`ExactAccumulation.close_group`.
 ``trainer.global_step`` keeps Lightning's meaning (optimizer-step calls, a dropped partial group included); exact
 counts are in :attr:`ExactAccumulation.ledger`.
 
@@ -30,31 +40,42 @@ constructor validates them once into an ``AccumulationOptions`` and hands that o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum.decision import GroupOutcome
-from lightning_accum.engine import AccumulationEngine, GroupListener, Replicas
+from lightning_accum.decision import GroupListener, GroupOutcome
+from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import group_position
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
 from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
-from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, OpenGroupCheckpoint
-from lightning_accum.strategies.checkpoint_hooks import CheckpointHooks
+from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
+from lightning_accum.strategies.checkpoint import (
+    CHECKPOINT_KEY,
+    OpenGroupCheckpoint,
+    own_slicing,
+    save_without_peers,
+    slicing_state,
+)
 from lightning_accum.strategies.closing import GroupClosing, enabled_scaler
-from lightning_accum.strategies.evaluation import EvaluationHooks, ExactEvaluation
+from lightning_accum.strategies.entry import read_checkpoint
+from lightning_accum.strategies.evaluation import ExactEvaluation
 from lightning_accum.strategies.manual import ManualGroups
 from lightning_accum.strategies.slicing import BatchSlicer
 
@@ -62,6 +83,7 @@ __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 
 #: Optimizers known to evaluate the closure several times per update (a line search).
 _CLOSURE_EVALUATING: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
+_Path = str | Path  # what Lightning's checkpoint methods accept
 
 
 class _NoUpdate(Exception):  # control flow inside the optimizer step, never seen by users
@@ -96,46 +118,45 @@ def _reevaluation_message(name: str, accumulate: int) -> str:
     )
 
 
-class ExactAccumulation(CheckpointHooks, EvaluationHooks):
-    """The public base of the accumulation strategies: the hooks they share and the interface callbacks use.
+class ExactAccumulation(Strategy):
+    """The public base of the accumulation strategies: every hook they change, and the interface callbacks use.
 
-    Listed first in a strategy's bases so that its overrides wrap the Lightning strategy's own methods
-    (``super()`` is the single-device, DDP or model-parallel strategy in the method resolution order). Callbacks and
-    user code program against this class: ``isinstance(trainer.strategy, ExactAccumulation)``, then :attr:`ledger`,
-    :attr:`data_parallel_replicas`, :meth:`add_group_listener` / :meth:`remove_group_listener`,
-    :meth:`reduce_sum`, :attr:`gradient_scaler` and :meth:`use_engine`; manual-optimization loops use
-    :meth:`accumulate`, :meth:`close_group` and :meth:`no_backward_sync`.
-
-    Each engine adapter (one device, DDP, model parallel) overrides :attr:`data_parallel_replicas`,
-    :meth:`reduce_sum`, and where its engine needs it :meth:`agree_slice_count` and :meth:`before_forward_retry` (the
-    slicer's hooks).
+    Listed first in a strategy's bases so that its hooks wrap the Lightning strategy's own methods (``super()`` is the
+    single-device, DDP or model-parallel strategy). Callbacks and user code program against this class:
+    ``isinstance(trainer.strategy, ExactAccumulation)``, then :attr:`ledger`, :attr:`data_parallel_replicas`,
+    :attr:`tensor_parallel_size`, :attr:`slicing`, :meth:`add_group_listener` / :meth:`remove_group_listener`,
+    :meth:`reduce_sum`, :attr:`gradient_scaler`, :meth:`use_engine` and :meth:`one_batch_reference`; manual loops use
+    :meth:`accumulate`, :meth:`close_group` and :meth:`no_backward_sync`. What differs per engine is the strategy's
+    adapter, of the class it names in :attr:`adapter_type` (see :mod:`~lightning_accum.strategies.adapter`).
     """
 
-    _engine: AccumulationEngine
+    #: The class of this strategy's :class:`~lightning_accum.strategies.adapter.EngineAdapter`.
+    adapter_type: ClassVar[type[EngineAdapter]] = EngineAdapter
 
     def _init_accumulation(
         self,
         options: AccumulationOptions,
         microbatch_size: MicrobatchSize = None,
         split_batch: SplitBatch | None = None,
-        closing: GroupClosing | None = None,
     ) -> None:
-        """Set up the engine, the slicer and the group's close from the options the constructor validated."""
+        """Set up the parts from the options the constructor validated (before Lightning's ``__init__``)."""
         if microbatch_size is not None and options.normalize == "batches":
             raise ValueError(
                 f"`microbatch_size={microbatch_size!r}` cannot be combined with `normalize='batches'`: a loader batch"
                 " cut into slices must keep its weight, but 'batches' would weigh every slice 1. Use"
                 " `normalize='samples'` (a mean loss over samples), 'tokens' (report `num_tokens`), or 'auto'."
             )
+        self._adapter = self.adapter_type(self)
         self._slicer = BatchSlicer(microbatch_size, split_batch)
         self._engine = AccumulationEngine.from_options(options)
         self._engine.bind(info=rank_zero_info, warn=rank_zero_warn)
-        self._closing = closing if closing is not None else GroupClosing()
+        self._closing = GroupClosing(local=self._adapter.local_gradient)
         self._manual = ManualGroups()
         self._checkpoint = OpenGroupCheckpoint()
         self._evaluation = ExactEvaluation()
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
         self._step: _Step | None = None
+        self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
 
     # ------------------------------------------------------------------ the public interface
 
@@ -165,11 +186,16 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
     @property
     def data_parallel_replicas(self) -> int:
         """``D``: the number of replicas that see different data and whose gradients are averaged."""
-        return 1
+        return self._adapter.data_parallel_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The devices that share one model replica (1 without tensor parallelism)."""
+        return self._adapter.tensor_parallel_size
 
     def reduce_sum(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
-        return tensor
+        return self._adapter.reduce_sum(tensor)
 
     @property
     def gradient_scaler(self) -> torch.amp.GradScaler | None:
@@ -178,12 +204,12 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
 
     def add_group_listener(self, listener: GroupListener) -> None:
         """Call ``listener(record, batch_samples)`` after every closed group; see
-        :meth:`AccumulationEngine.add_listener`."""
-        self._engine.add_listener(listener)
+        :meth:`GroupDecisions.add_listener <lightning_accum.decision.GroupDecisions.add_listener>`."""
+        self._engine.decisions.add_listener(listener)
 
     def remove_group_listener(self, listener: GroupListener) -> None:
         """Stop calling ``listener``."""
-        self._engine.remove_listener(listener)
+        self._engine.decisions.remove_listener(listener)
 
     @contextmanager
     def use_engine(self, engine: AccumulationEngine, slicing: bool = True) -> Iterator[AccumulationEngine]:
@@ -191,22 +217,38 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
         the run's ledger, open group and pending resume are not touched. ``slicing=False``: a batch given to
         ``training_step`` in the block is run whole even with ``microbatch_size=`` (for a plain-autograd
         reference); with ``True`` it is cut as in the run (the slicing record is not touched either way)."""
-        real, checkpoint = self._engine, self._checkpoint
-        self._engine, self._checkpoint = engine, OpenGroupCheckpoint()
+        saved = self._engine, self._checkpoint, self._aside
+        self._engine, self._checkpoint, self._aside = engine, OpenGroupCheckpoint(), True
         with self._slicer.aside(enabled=slicing):
             try:
                 yield engine
             finally:
-                self._engine, self._checkpoint = real, checkpoint
+                self._engine, self._checkpoint, self._aside = saved
+
+    @contextmanager
+    def one_batch_reference(self) -> Iterator[AccumulationEngine]:
+        """Run the strategy's hooks inside the block as training *without* accumulation on this replica: on an
+        :meth:`AccumulationEngine.unweighted` engine (``training_step`` returns the loss as it is, ``backward``
+        back-propagates it), the batch not cut into slices, no gradient synchronisation over replicas, and
+        ``trainer.accumulate_grad_batches`` reading 1 (code that divides its loss by it sees what that run would see).
+        Everything is restored after the block; :class:`~lightning_accum.AccumulationCheck` computes its one-batch
+        gradient this way."""
+        trainer = self._trainer()
+        accumulate = trainer.accumulate_grad_batches
+        trainer.accumulate_grad_batches = 1
+        try:
+            with self.use_engine(AccumulationEngine.unweighted(), slicing=False) as engine, self.no_backward_sync():
+                yield engine
+        finally:
+            trainer.accumulate_grad_batches = accumulate
 
     def agree_slice_count(self, count: int, num_samples: int) -> int:
-        """The number of slices every rank cuts a loader batch of ``num_samples`` into (``microbatch_size=``), where
-        ranks must agree on it (collectives inside the forward); ``count`` (this rank's own) where they need not."""
-        return count
+        """The slicer's: see :meth:`EngineAdapter.agree_slice_count`."""
+        return self._adapter.agree_slice_count(count, num_samples)
 
     def before_forward_retry(self) -> None:
-        """Called before the strategy's forward path runs again on the same loader batch after an out-of-memory error
-        (DDP: the failed attempt already synchronised the module's buffers)."""
+        """The slicer's: see :meth:`EngineAdapter.before_forward_retry`."""
+        self._adapter.before_forward_retry()
 
     # ------------------------------------------------------------------ hooks of every micro-batch
 
@@ -227,10 +269,15 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
             self._checkpoint.warn_manual()
             return super().training_step(*args, **kwargs)  # Lightning's behaviour; see `accumulate`
         trainer = self._trainer()
+        if not self._aside:
+            self._adapter.before_microbatch(trainer)
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx  # the index Lightning's hooks of this batch receive
         accumulate = trainer.accumulate_grad_batches
         if self._checkpoint.resumed is not None:
-            self._reopen(batch_idx)
+            position = group_position(batch_idx, accumulate)  # the group's micro-batches Lightning ran already
+            self._checkpoint.reopen(
+                self._engine, self._configuration(), position, self._adapter.holds_group_sums(), self._parameters()
+            )
         if self._engine.microbatches_in_group and group_position(batch_idx, accumulate) == 0:
             # Lightning starts a group (and zeroes the gradient) while the previous one never reached an optimizer
             # step: the loader yielded fewer batches than its length announced, so Lightning's epoch ended early.
@@ -244,53 +291,45 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
         if self._slicer.enabled:
             return self._slicer.training_step(self, super().training_step, args, kwargs, batch_idx, accumulate)
         output = super().training_step(*args, **kwargs)
-        batch = args[0] if args else kwargs.get("batch")
-        # An output Lightning rejects (not a tensor, a mapping with "loss", or None) is recorded as "no loss" here;
-        # Lightning raises its own MisconfigurationException for it right after this hook.
+        # An output Lightning rejects (not a tensor, a mapping with "loss", or None) is read as "no loss"; Lightning
+        # raises its own MisconfigurationException for it right after this hook. The micro-batch is read once here.
         # A = 1 (the batch not cut into slices): the group's only micro-batch (c = w, no factor to apply).
-        self._engine.add_microbatch(output, batch, accumulate=accumulate, sole=accumulate == 1)
+        microbatch = self._engine.read(output, args[0] if args else kwargs.get("batch"))
+        self._engine.record(microbatch, accumulate=accumulate, sole=accumulate == 1)
         return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._checkpoint.carried is not None:
-            self._checkpoint.install(self._carried_part)
+            self._checkpoint.install(self._adapter.carried_part)
+        lightning_backward = super().backward
         if not self._automatic():
             # `manual_backward`: the tensor is back-propagated as given; if it is the one `accumulate` handed out,
             # the open group notes that its gradient now holds that micro-batch.
             ours = self._manual.is_handed_out(closure_loss)
             if ours:
                 self._engine.take_backward_tensor()
-            result = super().backward(closure_loss, optimizer, *args, **kwargs)
+            result = lightning_backward(closure_loss, optimizer, *args, **kwargs)
             if ours:
                 self._engine.backward_finished()
             return result
         tensor = self._engine.take_backward_tensor()
+        loss = tensor if tensor is not None else closure_loss
         if self._slicer.enabled:
             result = self._slicer.backward(
                 self,
-                tensor if tensor is not None else closure_loss,
+                loss,
                 optimizer,
-                lambda t: super(ExactAccumulation, self).backward(t, optimizer, *args, **kwargs),
-                synchronised=self._synchronises(),
+                lambda t: lightning_backward(t, optimizer, *args, **kwargs),
+                synchronised=self._adapter.synchronises(self._trainer()),
                 args=args,
                 kwargs=kwargs,
                 lightning_loss=closure_loss,
             )
         else:
-            result = super().backward(tensor if tensor is not None else closure_loss, optimizer, *args, **kwargs)
+            result = lightning_backward(loss, optimizer, *args, **kwargs)
         self._engine.backward_finished()
         return result
-
-    def _synchronises(self) -> bool:
-        """Whether the running backward synchronises gradients over replicas (a group's last batch, D > 1)."""
-        if self.data_parallel_replicas == 1:
-            return False
-        trainer = self._trainer()
-        epoch_loop = trainer.fit_loop.epoch_loop
-        return (epoch_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
-            epoch_loop.batch_progress.is_last_batch
-        )
 
     # ------------------------------------------------------------------ the update
 
@@ -302,6 +341,7 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
         model: LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        lightning_step = super().optimizer_step
         if not self._automatic():
             return self._manual.optimizer_step(
                 self._engine,
@@ -309,7 +349,7 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
                 optimizer,
                 closure,
                 self.gradient_scaler,
-                lambda: super(ExactAccumulation, self).optimizer_step(optimizer, closure, model, **kwargs),
+                lambda: lightning_step(optimizer, closure, model, **kwargs),
             )
         # Lightning calls this once per group, on its last micro-batch, and the optimizer evaluates the closure
         # (that micro-batch's training_step, zero_grad at a group's start, backward) inside its `step`, in
@@ -317,7 +357,7 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
         # and the update. A group that makes no update leaves the step through `_NoUpdate` from the closure.
         step = self._step = _Step(optimizer, closure, self._trainer())
         try:
-            output = super().optimizer_step(optimizer, self._closure_then_close, model, **kwargs)
+            output = lightning_step(optimizer, self._closure_then_close, model, **kwargs)
         except _NoUpdate as stop:
             self._closing.finish(self._engine, stop.outcome, applied=False)
             return stop.result
@@ -336,7 +376,7 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
             return self._reevaluate(step.optimizer, step.closure, trainer.accumulate_grad_batches, *args, **kw)
         result = step.closure(*args, **kw)
         if self._checkpoint.carried is not None:  # a resumed group whose remaining micro-batches had no backward
-            self._checkpoint.install(self._carried_part)
+            self._checkpoint.install(self._adapter.carried_part)
         if self._slicer.enabled:  # a last slice without a loss: Lightning ran no backward to put its batch back
             self._slicer.install_pending(self)
         scaler = self.gradient_scaler
@@ -408,7 +448,7 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
         counts = {"num_tokens": num_tokens, "num_samples": num_samples}
         return self._manual.accumulate(self._engine, loss, counts, batch, group_size, self.data_parallel_replicas)
 
-    def close_group(self, optimizer: Optimizer | LightningOptimizer) -> GroupRecord:
+    def close_group(self, optimizer: Optimizer | LightningOptimizer, group_size: int | None = None) -> GroupRecord:
         """Close the group reported with :meth:`accumulate`, before ``optimizer.step()`` (manual optimization).
 
         One all-reduce of the group's counts, the rescale of ``optimizer``'s gradients by ``c · D / W`` and the
@@ -416,11 +456,18 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
         (unless a GradScaler finds an overflow) or, for a group that makes no update, does nothing; either way the
         group is recorded in :attr:`ledger` and the listeners are called.
 
+        Args:
+            optimizer: The optimizer whose gradients the group accumulated.
+            group_size: The micro-batches per replica a group holds: a group closed with fewer (the end of the data)
+                is a partial group, rescaled with its real denominator or dropped (``partial_group=``), and counted
+                in ``ledger.partial_groups``. ``None``: every group is complete.
+
         Returns:
             The group's record; ``applied`` and ``skip_reason`` are final once ``optimizer.step()`` returned (the
             same object is completed then).
 
         Raises:
+            ValueError: ``group_size`` is not a positive int, or smaller than the micro-batches reported.
             RuntimeError: In automatic optimization, with no micro-batch reported since the last close, while the
                 previous group's ``optimizer.step()`` has not run, or while the tensor the last :meth:`accumulate`
                 returned was never back-propagated.
@@ -431,7 +478,8 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
                 " optimization the strategy closes every group itself."
             )
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return self._manual.close(self._engine, self._closing, inner, self.lightning_module, self.gradient_scaler)
+        module, scaler = self.lightning_module, self.gradient_scaler
+        return self._manual.close(self._engine, self._closing, inner, module, scaler, group_size)
 
     def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager[Any]:
         """A block whose backward passes do not synchronize gradients over replicas (DDP's ``no_sync``).
@@ -439,40 +487,200 @@ class ExactAccumulation(CheckpointHooks, EvaluationHooks):
         For manual loops: every micro-batch of a group but its last runs its forward and backward inside it, as
         Lightning does in automatic optimization; a no-op on one replica, or when ``enabled`` is False.
         """
-        block = getattr(self, "block_backward_sync", None)
+        block = getattr(self, "block_backward_sync", None)  # ParallelStrategy's; one device has none
         if not enabled or block is None or self.data_parallel_replicas == 1:
             return nullcontext()
         return block()  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ evaluation
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        self._evaluation.step(output, args, kwargs, self._engine)
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        self._evaluation.step(output, args, kwargs, self._engine)
+        return output
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._evaluation.start("validate", self.lightning_module, self._engine, self._adapter)
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._evaluation.start("test", self.lightning_module, self._engine, self._adapter)
+
+    @override
+    def on_validation_end(self) -> None:
+        self._evaluation.end()
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._evaluation.end()
+        super().on_test_end()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None) -> None:
+        adapter = self._adapter
+        if not adapter.may_write_checkpoint(filepath):
+            return
+        failed = adapter.collectives_failed(self._trainer_ref) if self.data_parallel_replicas > 1 else None
+        try:
+            state = self._package_entry(failed)
+        except Exception as error:
+            # A collective of the entry failed: a peer died since training last reached one (a SIGTERM checkpoint
+            # after another rank was killed, say). The survivors write what they hold, without the peers.
+            failed = adapter.peers_lost_in(error) if failed is None else None
+            if failed is None:
+                raise
+            state = self._package_entry(failed)
+        checkpoint[CHECKPOINT_KEY] = state
+        if failed is not None:
+            save_without_peers(self.checkpoint_io, checkpoint, filepath, adapter.rank, storage_options)
+            return
+        adapter.write_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
+
+    def _package_entry(self, failed: str | None) -> dict[str, Any]:
+        """The package's checkpoint entry (collectives with several replicas unless ``failed`` says why not)."""
+        trainer = self._attached_trainer()
+        # The micro-batch whose step is running, which Lightning runs again on resume (None between micro-batches).
+        running = None
+        if trainer is not None:
+            progress = trainer.fit_loop.epoch_loop.batch_progress.current
+            running = progress.ready if progress.ready > getattr(progress, "processed", progress.ready) else None
+        parameters = self._parameters()
+        state = self._checkpoint.entry(
+            self._engine,
+            self._configuration(),
+            running=running,
+            failed=failed,
+            carry=lambda: self._adapter.carry_gradients(parameters),
+            parameter_names=[name for name, _ in parameters],
+        )
+        if self._slicer.enabled:
+            world = int(getattr(self, "world_size", 1))
+            state["slicing"] = slicing_state(self._slicer.log.state_dict(), world, gather=failed is None)
+        return state
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:
+        # Lightning 2.5.0 has no `weights_only` (and never passes it): call its method as it is declared there.
+        load = super().load_checkpoint
+        checkpoint: dict[str, Any] = read_checkpoint(  # a file that cannot be read: named, with its cause
+            (lambda: load(checkpoint_path)) if weights_only is None else (lambda: load(checkpoint_path, weights_only)),
+            checkpoint_path,
+            self,
+        )
+        reader = self._adapter.distributed_reader(checkpoint_path, self._parameters)
+        state = self._checkpoint.load(self._engine, checkpoint, str(checkpoint_path), reader)
+        if state is not None and self._slicer.enabled and state.get("slicing") is not None:
+            # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.
+            self._slicer.log.load_state_dict(own_slicing(state["slicing"], self._adapter.rank))
+        return checkpoint
+
+    def _parameters(self) -> NamedParameters:
+        """The optimized parameters by name, in a fixed order (the same on every replica)."""
+        module = self.lightning_module
+        assert module is not None
+        return optimized_parameters(module, self.optimizers)
+
+    def _attached_trainer(self) -> Trainer | None:
+        """The Trainer running this strategy, or ``None`` (a module connected to the strategy without a Trainer, as
+        Lightning's own strategies allow for ``save_checkpoint``)."""
+        if self._trainer_ref is not None:
+            return self._trainer_ref
+        module = self.lightning_module
+        try:
+            return module.trainer if module is not None else None
+        except RuntimeError:  # "... is not attached to a `Trainer`"
+            return None
+
+    def _configuration(self) -> dict[str, Any]:
+        """What the checkpoint's groups depend on: ``A`` (where a Trainer says it), ``D``, the ``normalize=`` and
+        ``partial_group=`` options."""
+        trainer = self._attached_trainer()
+        config: dict[str, Any] = {} if trainer is None else {"accumulate": int(trainer.accumulate_grad_batches)}
+        config.update(
+            strategy=type(self).__name__,
+            replicas=int(self.data_parallel_replicas),
+            normalize=self._engine.normalize,
+            partial_group=self._engine.partial_group,
+        )
+        return config
 
     # ------------------------------------------------------------------ the run
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        self._adapter.setup(trainer)
         super().setup(trainer)
         self._trainer_ref = trainer
         self._manual.reset()
         self._slicer.reset()
-        self._engine.bind(self.root_device, Replicas(self.data_parallel_replicas, self.reduce_sum))
+        self._engine.bind(self.root_device, self._adapter.replicas())
+        self._closing.rank = self._adapter.shard_rank()
         bind_schedulers(self.lr_scheduler_configs, self._engine)  # AxisLR counts what each applied update consumed
         module = trainer.lightning_module
         if module.automatic_optimization:  # in manual optimization the user steps the schedulers
             self._closing.schedules = UpdateSchedules(module, self.lr_scheduler_configs)
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self._trainer()
+        _check_supported(self, trainer)
+        _warn_of_slashes_in_checkpoint_names(trainer)
+        self._adapter.on_train_start(trainer)
+        if trainer.lightning_module.automatic_optimization:
+            batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
+            self._engine.decisions.warn_short_epoch(batches, accumulate, self._engine.warn)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._adapter.on_exception(exception)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._adapter.peers_lost is not None:
+            return  # a replica is gone or unreachable: waiting for it would replace the user's error by a second one
+        super().barrier(*args, **kwargs)  # type: ignore[safe-super]  # the Lightning strategy underneath defines it
+
+    @override
     def teardown(self) -> None:
+        self._adapter.teardown()
+        self._evaluation.end()
         self._closing.reset()
         self._manual.reset()
         self._slicer.reset()
         self._trainer_ref = None
         super().teardown()
 
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        trainer = self._trainer()
-        _check_supported(self, trainer)
-        if trainer.lightning_module.automatic_optimization:
-            self._engine.warn_short_epoch(trainer.num_training_batches, trainer.accumulate_grad_batches)
+
+def _warn_of_slashes_in_checkpoint_names(trainer: Trainer) -> None:
+    """A ``ModelCheckpoint`` whose ``filename`` names a package key (``{accum/val_loss:.4f}``) with Lightning's default
+    ``auto_insert_metric_name=True`` writes ``accum/val_loss=...`` into the file name: a sub-folder per checkpoint,
+    left empty after top-k eviction, and no ``*.ckpt`` where a script looks for them. Said once, with the recipe."""
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint) or not callback.filename or not callback.auto_insert_metric_name:
+            continue
+        keys = re.findall(r"\{\s*(accum/[\w/]+)", callback.filename)
+        if keys:
+            rank_zero_warn(
+                f"ModelCheckpoint(filename={callback.filename!r}) inserts the metric's name `{keys[0]}` into each file"
+                f" name, and its `/` makes a sub-folder per checkpoint (left empty when top-k removes the file). Pass"
+                f" `auto_insert_metric_name=False` and name the value yourself, e.g."
+                f" `filename='epoch={{epoch}}-val_loss={{{keys[0]}:.4f}}'`, for flat `*.ckpt` files."
+            )
 
 
 def _check_supported(strategy: ExactAccumulation, trainer: Trainer) -> None:

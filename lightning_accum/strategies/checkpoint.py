@@ -17,8 +17,9 @@ the sum back in its own terms: one replica adds it (DDP's average at the group's
 never gathered whole. Entries written before format 2 by a run of several replicas do not say which they hold, and
 are refused when they carry a gradient.
 What cannot be carried (a backward in progress, replicas that cannot be reached) is said when writing and when
-resuming. The entry is checked before anything is installed: a damaged one is an error naming the key, a missing one
-is announced. See ``docs/reliability.md``.
+resuming. The entry is checked before anything is installed (:mod:`~lightning_accum.strategies.entry`, where the keys
+:data:`CHECKPOINT_KEY` and :data:`DISTRIBUTED_KEY` are defined): a damaged one is an error naming the key, a missing
+one is announced. See ``docs/reliability.md``.
 
 :class:`OpenGroupCheckpoint` is the lifecycle, owned by the strategy: :meth:`~OpenGroupCheckpoint.entry` when
 writing, :meth:`~OpenGroupCheckpoint.load` when Lightning restores (before ``setup``),
@@ -30,7 +31,6 @@ values and callables: the gradient to carry, whether this rank holds the group's
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -42,8 +42,19 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_accum.engine import AccumulationEngine
-from lightning_accum.group import CARRIED, COUNT_SPLIT, UNIT_CODES, group_position
-from lightning_accum.ledger import COUNTERS
+from lightning_accum.strategies.entry import (
+    CHECKPOINT_KEY,
+    DISTRIBUTED_KEY,
+    FORMAT,
+    checked_distributed_gradients,
+    checked_gradients,
+    distributed_gradients,
+    malformed,
+    own_slicing,
+    refuse_a_lost_group,
+    refuse_unknown_meaning,
+    validated_state,
+)
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -57,14 +68,6 @@ __all__ = [
     "slicing_state",
     "validated_state",
 ]
-
-#: Key of the strategy's state in checkpoints written through the strategy.
-CHECKPOINT_KEY = "lightning_accum"
-#: The entry's format: 2 since the carried gradient is the replicas' sum whatever the strategy (see the module).
-FORMAT = 2
-#: Key, in a distributed checkpoint's sharded state, of the open group's gradient (name -> shard); the entry then
-#: says ``open_group.gradients_stored == "distributed"`` and lists ``open_group.gradient_names``.
-DISTRIBUTED_KEY = "lightning_accum_open_group"
 
 NamedParameters = list[tuple[str, Tensor]]
 
@@ -148,7 +151,12 @@ class OpenGroupCheckpoint:
         else:
             group = engine.open_group_state()
             reason = "a micro-batch's backward had not completed"
-        group.update(replicas=config["replicas"], total_microbatches=total, rerun=rerun)
+        group.update(
+            replicas=config["replicas"],
+            total_microbatches=total,
+            carried_microbatches=engine.carried_microbatches,  # from an earlier checkpoint: total is checked
+            rerun=rerun,
+        )
         if "accumulate" in config:  # known where a Trainer runs the strategy
             group["accumulate"] = config["accumulate"]
         gradients = carry() if group["consistent"] else None
@@ -207,10 +215,10 @@ class OpenGroupCheckpoint:
         written_group = state.get("open_group")
         if written_group is not None:
             written_group = dict(written_group)
-            _refuse_unknown_meaning(state, written_group, path)
+            refuse_unknown_meaning(state, written_group, path)
             if written_group.get("gradients_stored") == "distributed":
-                written_group["gradients"] = _distributed_gradients(checkpoint, written_group, path, read_distributed)
-                _validate_gradients(written_group)
+                written_group["gradients"] = distributed_gradients(checkpoint, written_group, path, read_distributed)
+                checked_distributed_gradients(written_group)
             state["open_group"] = written_group
         written_unit = state["ledger"].get("normalization")
         engine.load_state_dict(state)
@@ -238,7 +246,7 @@ class OpenGroupCheckpoint:
         self,
         engine: AccumulationEngine,
         config: dict[str, Any],
-        batch_idx: int,
+        position: int,
         holds_sums: bool,
         parameters: NamedParameters,
     ) -> None:
@@ -248,7 +256,9 @@ class OpenGroupCheckpoint:
         Args:
             engine: The run's engine.
             config: The resumed run's configuration (as in :meth:`entry`).
-            batch_idx: The index of the resumed run's first micro-batch in its epoch.
+            position: The micro-batches of the group the resumed run does not run again (Lightning's grouping: the
+                first micro-batch's index in its epoch modulo ``A``; a Fabric loop resumes at the micro-batch after
+                the one it saved at: 0).
             holds_sums: Whether this rank carries the group's counters and gradient (one replica does; the close's
                 all-reduce and DDP's average add the others').
             parameters: The optimized parameters by name, to check the carried gradient against.
@@ -256,7 +266,6 @@ class OpenGroupCheckpoint:
         group, self.resumed = self.resumed, None
         if group is None:
             return
-        position = group_position(batch_idx, config["accumulate"])  # ran by Lightning already
         _announce_changes(group.get("config") or {}, config, position)
         per_replica = int(group["microbatches"])
         written_replicas = int(group.get("replicas", config["replicas"]))
@@ -272,7 +281,7 @@ class OpenGroupCheckpoint:
             return
         if total == 0:
             if position:
-                _refuse_a_lost_group(group.get("config") or {}, config, position)
+                refuse_a_lost_group(group.get("config") or {}, config, position)
                 engine.note_missing_microbatches(position)  # a shorter first group after a change of A
             return
         if "gradients" in group:
@@ -384,277 +393,8 @@ def _honour_normalize(engine: AccumulationEngine, written_unit: str | None, grou
             " change the unit."
         )
     engine.ledger.normalization = wanted
-    engine.scale_ref = None
+    engine.reference_weight = None
     rank_zero_info(
         f"lightning_accum: the checkpoint's run weighted micro-batches by {written_unit}; from now on they are"
         f" weighted by {wanted} (`normalize={wanted!r}` given to the strategy wins at an update boundary)."
     )
-
-
-# ---------------------------------------------------------------------- the entry, checked
-
-_UNITS = tuple(UNIT_CODES)  # the units a run can be weighted by
-_LARGEST_COUNT = 2**53  # counts are exact below it in the float64 sums
-
-
-def malformed(key: str, expected: str, found: Any) -> ValueError:
-    shown = repr(found)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return ValueError(
-        f"The checkpoint's {CHECKPOINT_KEY!r} entry is damaged: `{key}` should be {expected}, but it is {shown}."
-        f" Resume from another checkpoint, or remove the {CHECKPOINT_KEY!r} entry to start the ledger again at 0"
-        " (announced when loading)."
-    )
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check(state: Mapping[str, Any], key: str, prefix: str, test: Callable[[Any], bool], expected: str) -> None:
-    if key in state and not test(state[key]):
-        raise malformed(prefix + key, expected, state[key])
-
-
-def validated_state(state: Any) -> dict[str, Any]:
-    """The package's checkpoint entry after checking every field it reads: a ``ValueError`` naming the key, the
-    expected form and what was found, never a silent change."""
-    if not isinstance(state, Mapping):
-        raise malformed(CHECKPOINT_KEY, "a dict", state)
-    ledger = state.get("ledger")
-    if not isinstance(ledger, Mapping):
-        raise malformed("ledger", "a dict of the ledger's counters", ledger)
-    for name in COUNTERS:
-        _check(ledger, name, "ledger.", _is_count, "an int >= 0")
-    skipped = ledger.get("updates_skipped", {})
-    if not isinstance(skipped, Mapping) or not all(isinstance(k, str) and _is_count(v) for k, v in skipped.items()):
-        raise malformed("ledger.updates_skipped", "a dict of reason -> int >= 0", skipped)
-    attempted, applied = ledger.get("updates_attempted", 0), ledger.get("updates_applied", 0)
-    if applied + sum(skipped.values()) > attempted:
-        raise malformed(
-            "ledger.updates_attempted",
-            f"at least the applied and skipped updates ({applied} + {sum(skipped.values())})",
-            attempted,
-        )
-    _check(ledger, "normalization", "ledger.", lambda u: u is None or u in _UNITS, f"None or one of {_UNITS}")
-    last = ledger.get("last_group")
-    if last is not None:
-        fields = {"loss", "tokens", "samples", "microbatches", "applied"}
-        if not isinstance(last, Mapping) or not fields <= set(last):
-            raise malformed("ledger.last_group", f"None or a dict with {sorted(fields)}", last)
-    _check(state, "scale_ref", "", lambda v: v is None or (_is_number(v) and v > 0), "None or a number > 0")
-    _check(state, "consecutive_skips", "", _is_count, "an int >= 0")
-    _check(state, "open_group_microbatches", "", _is_count, "an int >= 0")
-    config = state.get("config")
-    if config is not None:
-        if not isinstance(config, Mapping):
-            raise malformed("config", "a dict", config)
-        _check(config, "strategy", "config.", lambda v: isinstance(v, str), "the name of the strategy's class")
-        _check(config, "accumulate", "config.", lambda v: _is_count(v) and v > 0, "an int >= 1")
-        _check(config, "replicas", "config.", lambda v: _is_count(v) and v > 0, "an int >= 1")
-        _check(config, "normalize", "config.", lambda v: v in ("auto", *_UNITS), f"one of {('auto', *_UNITS)}")
-        _check(config, "partial_group", "config.", lambda v: v in ("rescale", "drop"), "'rescale' or 'drop'")
-    _check(state, "format", "", lambda v: v == FORMAT, f"{FORMAT} (a later format is written by a later version)")
-    if (
-        _is_count(state.get("open_group_microbatches"))
-        and state["open_group_microbatches"]
-        and not state.get("open_group")
-    ):
-        raise malformed(
-            "open_group",
-            f"the group open at the checkpoint (`open_group_microbatches` is {state['open_group_microbatches']})",
-            state.get("open_group", "missing"),
-        )
-    group = state.get("open_group")
-    if group is not None:
-        _validate_group(group, state)
-    _validate_slicing(state.get("slicing"))
-    return dict(state)
-
-
-def _validate_slicing(slicing: Any) -> None:
-    if slicing is not None:
-        if not isinstance(slicing, Mapping):
-            raise malformed("slicing", "a dict", slicing)
-        _check(slicing, "size", "slicing.", lambda v: v is None or (_is_count(v) and v > 0), "None or an int >= 1")
-        sizes = slicing.get("slice_sizes", {})
-        if not isinstance(sizes, Mapping) or not all(_is_count(v) for v in sizes.values()):
-            raise malformed("slicing.slice_sizes", "a dict of size -> int >= 0", sizes)
-        _check(slicing, "retries", "slicing.", lambda v: isinstance(v, list), "a list")
-        _check(slicing, "per_rank", "slicing.", lambda v: isinstance(v, list), "a list of each rank's record")
-
-
-def _validate_group(group: Any, state: Mapping[str, Any]) -> None:
-    if not isinstance(group, Mapping):
-        raise malformed("open_group", "None or a dict", group)
-    microbatches = group.get("microbatches")
-    if not isinstance(microbatches, int) or not _is_count(microbatches):
-        raise malformed("open_group.microbatches", "an int >= 0", microbatches)
-    written = state.get("open_group_microbatches")
-    if _is_count(written) and written != microbatches:
-        raise malformed("open_group.microbatches", f"{written} (as `open_group_microbatches` says)", microbatches)
-    for key in ("replicas", "accumulate"):
-        _check(group, key, "open_group.", lambda v: _is_count(v) and v > 0, "an int >= 1")
-    _check(group, "total_microbatches", "open_group.", _is_count, "an int >= 0")
-    _check(group, "scale_ref", "open_group.", lambda v: v is None or (_is_number(v) and v > 0), "None or a number > 0")
-    stored = group.get("gradients_stored", "inline")
-    if stored not in ("inline", "distributed"):
-        raise malformed("open_group.gradients_stored", "'inline' or 'distributed'", stored)
-    if stored == "distributed":
-        names = group.get("gradient_names")
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise malformed("open_group.gradient_names", "a list of parameter names", names)
-    elif "gradients" not in group:
-        return
-    else:
-        _validate_gradients(group)
-    _check(
-        group,
-        "no_gradient",
-        "open_group.",
-        lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
-        "a list of parameter names",
-    )
-    _validate_carried_counts(group, microbatches, state["ledger"].get("normalization"))
-
-
-def _validate_carried_counts(group: Mapping[str, Any], microbatches: int, unit: str | None) -> None:
-    """A carried group's counters must be ones a run can write."""
-    replicas = int(group.get("replicas", 1))
-    total = group.get("total_microbatches", microbatches * replicas)
-    if total < max(1, microbatches * replicas):
-        raise malformed(
-            "open_group.total_microbatches",
-            f"at least {max(1, microbatches * replicas)} (the group carries a gradient of {microbatches}"
-            f" micro-batch(es) on each of {replicas} replica(s))",
-            total,
-        )
-    sums = group.get("sums")
-    names = [slot.name.lower() for slot in CARRIED]
-    if not isinstance(sums, Mapping) or set(sums) != set(names) or not all(_is_number(v) for v in sums.values()):
-        raise malformed("open_group.sums", f"a dict of finite numbers with keys {names}", sums)
-    for name in names:
-        if name != "weighted_loss" and not (float(sums[name]).is_integer() and 0 <= sums[name] < _LARGEST_COUNT):
-            raise malformed(f"open_group.sums.{name}", "a whole number in [0, 2**53) (a count)", sums[name])
-    for name in ("tokens_lo", "samples_lo"):
-        if sums[name] >= COUNT_SPLIT:
-            raise malformed(f"open_group.sums.{name}", f"below {COUNT_SPLIT} (the low part of a count)", sums[name])
-    if sums["negative"]:
-        raise malformed(
-            "open_group.sums.negative",
-            "0 (a micro-batch of the open group reported a negative count before the checkpoint; such a group stops at"
-            " its close and cannot be resumed)",
-            sums["negative"],
-        )
-    if unit in ("tokens", "samples"):
-        count = sums[f"{unit}_hi"] * COUNT_SPLIT + sums[f"{unit}_lo"]
-        if sums["units"] != count:
-            raise malformed(
-                "open_group.sums.units",
-                f"{count:g} (the group's {unit}: the run weighs micro-batches by them)",
-                sums["units"],
-            )
-
-
-def _validate_gradients(group: Mapping[str, Any]) -> None:
-    gradients = group.get("gradients")
-    if not isinstance(gradients, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, Tensor) for k, v in gradients.items()
-    ):
-        raise malformed("open_group.gradients", "a dict of parameter name -> tensor", gradients)
-    for name, gradient in gradients.items():
-        if not gradient.is_floating_point():
-            raise malformed(f"open_group.gradients[{name!r}]", "a floating-point tensor", gradient.dtype)
-
-
-def _refuse_unknown_meaning(state: Mapping[str, Any], group: Mapping[str, Any], path: str) -> None:
-    """An entry written before format 2 inside a group of several replicas carries either their gradients' sum
-    (DDP) or their average (FSDP2), without saying which: refused, with what to do."""
-    carries = "gradients" in group or group.get("gradients_stored") == "distributed"
-    replicas = int(group.get("replicas", 1))
-    if "format" in state or not carries or replicas == 1:
-        return
-    raise ValueError(
-        f"The checkpoint {path!r} was written inside an accumulation group on {replicas} replicas by an earlier"
-        f" version of lightning_accum, whose entry does not say whether the carried gradient is the replicas' sum"
-        f" (strategy 'accum_ddp') or their average ('accum_fsdp'): `{CHECKPOINT_KEY}.format` is missing. Resume from a"
-        " checkpoint written at an update boundary; or, knowing the strategy that wrote it, set"
-        f" `checkpoint[{CHECKPOINT_KEY!r}]['format'] = {FORMAT}` (after multiplying each tensor of"
-        f" `open_group.gradients` by {replicas} if it was 'accum_fsdp' or 'accum_model_parallel') and save it again."
-    )
-
-
-def _distributed_gradients(
-    checkpoint: Mapping[str, Any],
-    group: Mapping[str, Any],
-    path: str,
-    read: Callable[[list[str]], dict[str, Tensor]] | None,
-) -> dict[str, Tensor]:
-    """The open group's gradient stored in a distributed checkpoint's shards (or in one file it was consolidated into,
-    which holds it under :data:`DISTRIBUTED_KEY`)."""
-    if DISTRIBUTED_KEY in checkpoint:
-        return dict(checkpoint[DISTRIBUTED_KEY])
-    if read is None:
-        raise ValueError(
-            f"The checkpoint {path!r} was written inside an accumulation group by a sharded strategy: the group's"
-            f" gradient is stored shard by shard in its distributed checkpoint (under {DISTRIBUTED_KEY!r}), which this"
-            " strategy does not read. Resume it with strategy='accum_fsdp' or 'accum_model_parallel' (on any number"
-            " of devices), or resume from a checkpoint written at an update boundary."
-        )
-    return read(list(group["gradient_names"]))
-
-
-def _refuse_a_lost_group(written: Mapping[str, Any], now: Mapping[str, Any], position: int) -> None:
-    """The entry says no group was open, yet Lightning's loop state resumes inside one under the configuration the
-    checkpoint was written under: the group's first micro-batches would be silently missing from its update."""
-    if any(key not in written or written[key] != now[key] for key in ("accumulate", "replicas")):
-        return  # another A or D: the resumed run's first group is shorter (announced), nothing is lost
-    raise malformed(
-        "open_group",
-        f"the group open at the checkpoint (Lightning's loop state in the same checkpoint resumes the run at"
-        f" micro-batch {position + 1} of a group of {now['accumulate']}, the configuration it was written under)",
-        None,
-    )
-
-
-def own_slicing(state: Mapping[str, Any], rank: int) -> Mapping[str, Any]:
-    """This rank's slicing record in a checkpoint's entry (rank zero's, or the only one, otherwise)."""
-    rows = state.get("per_rank")
-    if isinstance(rows, list) and rank < len(rows) and isinstance(rows[rank], Mapping):
-        return rows[rank]  # type: ignore[no-any-return]
-    return state
-
-
-def checked_gradients(group: Mapping[str, Any], parameters: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
-    """The carried gradient, checked against the parameters it is added to (names, shapes, completeness; a group of
-    no weight carries no gradient)."""
-    gradients: dict[str, Tensor] = dict(group["gradients"])
-    if not group["sums"]["units"]:
-        for name, gradient in gradients.items():
-            if bool(gradient.ne(0).any()):
-                raise malformed(
-                    f"open_group.gradients[{name!r}]",
-                    "zero (`open_group.sums.units` is 0: no micro-batch of the group had a weight)",
-                    "a tensor with non-zero values",
-                )
-    shapes = {name: tuple(p.shape) for name, p in parameters}
-    for name, gradient in gradients.items():
-        if name not in shapes:
-            raise malformed(
-                f"open_group.gradients[{name!r}]", f"the gradient of one of the parameters {sorted(shapes)}", name
-            )
-        if tuple(gradient.shape) != shapes[name]:
-            raise malformed(f"open_group.gradients[{name!r}]", f"a tensor of shape {shapes[name]}", gradient.shape)
-    known = set(gradients) | set(group.get("no_gradient", []))  # every parameter is carried or listed as unused
-    for name in shapes:
-        if name not in known:
-            raise malformed(
-                f"open_group.gradients[{name!r}]",
-                "a tensor (the parameter is neither carried nor listed in `open_group.no_gradient`)",
-                "missing",
-            )
-    return gradients

@@ -139,5 +139,5 @@ class GroupClosing:
         record = engine.finish_group(outcome, applied=applied, skip_reason=skip_reason)
         schedules = self.schedules
         if schedules is not None and schedules.configs:
-            schedules.mark_due(lambda frequency: engine.schedule_due(record, frequency))
+            schedules.mark_due(lambda frequency: engine.decisions.schedule_due(record, frequency))
         return record

@@ -22,10 +22,20 @@ from typing_extensions import override
 from lightning_accum._worker_exit import close_process_group
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
+from lightning_accum.strategies.adapter import EngineAdapter, ends_group_by_position
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 
-__all__ = ["DDPAccumulationStrategy"]
+__all__ = ["DDP_STRINGS", "DDPAccumulationStrategy", "DDPAdapter"]
+
+#: The DDP strategy strings and their constructor arguments, in Lightning's registry and in Fabric's.
+DDP_STRINGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("accum_ddp", {"start_method": "popen"}),
+    ("accum_ddp_spawn", {"start_method": "spawn"}),
+    ("accum_ddp_fork", {"start_method": "fork"}),
+    ("accum_ddp_notebook", {"start_method": "fork"}),
+    ("accum_ddp_find_unused_parameters_true", {"start_method": "popen", "find_unused_parameters": True}),
+)
 
 
 class _LedgerReturningLauncher(_MultiProcessingLauncher):
@@ -34,13 +44,13 @@ class _LedgerReturningLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        strategy: DDPAccumulationStrategy = self._strategy  # type: ignore[assignment]
-        strategy._workers_failed = False
+        adapter: DDPAdapter = self._strategy._adapter  # type: ignore[attr-defined]  # the strategy is ours
+        adapter.workers_failed = False
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
             # This process's model is the one `fit` was given, untrained: the training state lived in the workers.
-            strategy._workers_failed = True
+            adapter.workers_failed = True
             raise
 
     @override
@@ -59,6 +69,169 @@ class _LedgerReturningLauncher(_MultiProcessingLauncher):
         super().update_main_process_results(trainer, extra)
         if CHECKPOINT_KEY in extra:
             trainer.strategy.engine.load_state_dict(extra[CHECKPOINT_KEY])  # type: ignore[attr-defined]
+
+
+class DDPAdapter(EngineAdapter):
+    """DDP's side of an accumulation strategy: ``D`` = the world size, the all-reduce, DDP's own synchronisation flag,
+    lost peers, and data that ends on some replicas only (see :class:`~lightning_accum.strategies.adapter.EngineAdapter`
+    for the interface)."""
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        #: ``check_data_ends=`` of the strategy (see :class:`DDPAccumulationStrategy`).
+        self.check_data_ends = True
+        #: Set in the main process of a spawn/fork launch whose workers failed (by the launcher).
+        self.workers_failed = False
+        self._peers_lost: str | None = None  # why the replicas cannot be reached, once a collective failed
+        self._checking_data_ends = False
+        self._flag_group: Any = None  # a CPU (gloo) group for the data-end flag when the backend is not gloo
+        self._trainer: Any = None
+
+    @property
+    @override
+    def rank(self) -> int:
+        return int(self.strategy.global_rank)
+
+    @property
+    @override
+    def data_parallel_size(self) -> int:
+        return int(self.strategy.num_nodes * self.strategy.num_processes)
+
+    @override
+    def reduce_sum(self, tensor: Tensor) -> Tensor:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+        return tensor
+
+    @override
+    def synchronises(self, trainer: Any) -> bool:
+        # DDP's own state at backward time (Lightning's `no_sync` sets it off on a group's non-final batches).
+        model = getattr(self.strategy, "model", None)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return bool(model.require_backward_grad_sync)
+        return super().synchronises(trainer)
+
+    @override
+    def before_forward_retry(self) -> None:
+        # DDP's wrapper broadcasts rank zero's buffers at the start of a forward that follows a synchronised one
+        # (`require_forward_param_sync`); the failed attempt already did, and a second broadcast on this rank alone
+        # would pair with another collective on the others. The attribute is DDP's own (listed in docs/internals.md).
+        model = self.strategy.model
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model.require_forward_param_sync = False
+
+    # ------------------------------------------------------------------ faults
+
+    @property
+    @override
+    def peers_lost(self) -> str | None:
+        return self._peers_lost
+
+    @override
+    def may_write_checkpoint(self, filepath: Any) -> bool:
+        if not self.workers_failed:
+            return True
+        # Lightning's exception checkpoint, called in the main process after a worker died (ProcessExitedException
+        # on top): this process's copy of the model was never trained. Lightning's own strategies write it; here a
+        # surviving worker's exception checkpoint, written before the launcher stopped it, is left as it is.
+        warnings.warn(
+            f"lightning_accum: no checkpoint written to {str(filepath)!r} from the main process of this"
+            f" {self.strategy._start_method} launch: a worker failed, and this process holds the model as it was before"
+            " `fit` (the training state lived in the workers). A surviving worker's exception checkpoint, if"
+            " one was written there, is the state to resume from.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return False
+
+    @override
+    def collectives_failed(self, trainer: Any) -> str | None:
+        if self._peers_lost is not None:
+            return self._peers_lost
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+            return None
+        # Inside Lightning's `on_exception` (OnExceptionCheckpoint): the exception being handled says whether the
+        # replicas can still be reached. No collective is tried to find out (it would wait for a dead peer).
+        return self.peers_lost_in(sys.exc_info()[1])
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self.peers_lost_in(exception)
+
+    @override
+    def peers_lost_in(self, error: BaseException | None) -> str | None:
+        failure = _collective_failure(error, self._failed_in_synchronising_batch())
+        if failure is None or self._peers_lost is not None:
+            return failure
+        self._peers_lost = failure
+        # Every rank, not rank zero only: the rank that ran out of data may be the only one left to say so.
+        warnings.warn(
+            f"lightning_accum: a collective failed ({failure}). Either a replica died (its own log shows why; an"
+            " OnExceptionCheckpoint on this rank wrote what it holds, without the open group's gradient), or the"
+            " replicas' collectives paired up wrongly: replicas that run different numbers of batches per epoch"
+            " (an unevenly sharded dataset) are detected with an error on every rank for iterable datasets, not for"
+            " a map-style dataset whose sampler or length differs between ranks. The wait is bounded by the"
+            " strategy's `timeout=`.",
+            UserWarning,
+            stacklevel=1,
+        )
+        return failure
+
+    def _failed_in_synchronising_batch(self) -> bool:
+        """Whether the micro-batch that was running when training failed synchronises gradients in its backward (by
+        Lightning's grouping: DDP's own flag is reset when Lightning's ``no_sync`` exits on the exception)."""
+        if self._trainer is None or self.data_parallel_size == 1:
+            return False
+        return ends_group_by_position(self._trainer)
+
+    # ------------------------------------------------------------------ the run
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        self._trainer = trainer
+
+    @override
+    def on_train_start(self, trainer: Any) -> None:
+        self._peers_lost = None
+        self._checking_data_ends = (
+            self.check_data_ends and _iterable_training_data(trainer) and self.data_parallel_size > 1
+        )
+        if self._checking_data_ends and torch.distributed.get_backend() != "gloo" and self._flag_group is None:
+            # The flag is a host value: summed on the CPU, it never waits for the device (every rank runs this).
+            self._flag_group = torch.distributed.new_group(backend="gloo")
+
+    @override
+    def teardown(self) -> None:
+        self._checking_data_ends = False
+        self._trainer = None
+
+    @override
+    def before_microbatch(self, trainer: Any) -> None:
+        """Under iterable training data, at every micro-batch that does not end a group in Lightning's grouping: one
+        all-reduce of "this replica's data ends here", so that data ending inside a group on some replicas only is an
+        error on every replica at once. (At a group's last micro-batch the group's own all-reduce carries the flag.)
+
+        Every replica runs it at the same batch indices, so these collectives pair up as long as the replicas are in
+        step, that is until the first batch where one replica's data ends: the one checked here."""
+        if not self._checking_data_ends:
+            return
+        epoch_loop = trainer.fit_loop.epoch_loop
+        batch_idx = epoch_loop.batch_idx
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            return
+        ends = bool(epoch_loop.batch_progress.is_last_batch)
+        flag = torch.tensor([1 if ends else 0], dtype=torch.int64)  # on the CPU: no device synchronisation
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.SUM, group=self._flag_group)
+        ended = int(flag.item())
+        replicas = self.data_parallel_size
+        if 0 < ended < replicas:
+            raise RuntimeError(
+                f"The training data of {ended} of {replicas} replicas ended at batch {batch_idx}"
+                f" of the epoch, inside an accumulation group of {trainer.accumulate_grad_batches} micro-batches,"
+                f" while the others have more batches (this replica's data {'ended' if ends else 'goes on'})."
+                " Replicas must see the same number of batches per epoch, or the others would wait in a collective"
+                " until the timeout: shard the iterable dataset evenly (drop the remainder)."
+            )
 
 
 class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
@@ -87,7 +260,9 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     ``trainer.global_step`` counts attempts, as in Lightning; applied updates are in :attr:`ledger`.
 
     ``D`` is the world size: every process is one data replica (tensor or pipeline parallelism is not
-    part of this strategy).
+    part of this strategy). What differs from one device is :class:`DDPAdapter`; besides the package's hooks (all
+    in :class:`~lightning_accum.strategies.base.ExactAccumulation`) this class overrides only DDPStrategy's own
+    ``_configure_launcher`` (the spawn/fork launcher that brings the ledger back to the main process).
 
     Example:
         >>> import lightning as L
@@ -99,6 +274,8 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     """
 
     strategy_name = "accum_ddp"
+    adapter_type = DDPAdapter
+    _adapter: DDPAdapter
 
     def __init__(
         self,
@@ -116,154 +293,16 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
         self._init_accumulation(options, microbatch_size, split_batch)
         super().__init__(**kwargs)
-        self._peers_lost: str | None = None  # why the replicas cannot be reached, once a collective failed
-        self._workers_failed = False  # in the main process of a spawn/fork launch whose workers failed
-        self.check_data_ends = bool(check_data_ends)
-        self._check_data_ends = False
-        self._flag_group: Any = None  # a CPU (gloo) group for the data-end flag when the backend is not gloo
-        self._run_engine = self._engine
+        self.check_data_ends = check_data_ends
 
     @property
-    @override
-    def data_parallel_replicas(self) -> int:
-        return self.num_nodes * self.num_processes
+    def check_data_ends(self) -> bool:
+        """See ``check_data_ends=`` above."""
+        return self._adapter.check_data_ends
 
-    @override
-    def reduce_sum(self, tensor: Tensor) -> Tensor:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-        return tensor
-
-    @override
-    def _synchronises(self) -> bool:
-        # DDP's own state at backward time (Lightning's `no_sync` sets it off on a group's non-final batches).
-        model = self.model
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return bool(model.require_backward_grad_sync)
-        return super()._synchronises()
-
-    @override
-    def before_forward_retry(self) -> None:
-        # DDP's wrapper broadcasts rank zero's buffers at the start of a forward that follows a synchronised one
-        # (`require_forward_param_sync`); the failed attempt already did, and a second broadcast on this rank alone
-        # would pair with another collective on the others. The attribute is DDP's own (listed in docs/internals.md).
-        model = self.model
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model.require_forward_param_sync = False
-
-    # ------------------------------------------------------------------ faults
-
-    @override
-    def _collectives_failed(self) -> str | None:
-        if self._peers_lost is not None:
-            return self._peers_lost
-        trainer = self._trainer_ref
-        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
-            return None
-        # Inside Lightning's `on_exception` (OnExceptionCheckpoint): the exception being handled says whether the
-        # replicas can still be reached. No collective is tried to find out (it would wait for a dead peer).
-        return self._peers_lost_in(sys.exc_info()[1])
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._workers_failed:
-            # Lightning's exception checkpoint, called in the main process after a worker died (ProcessExitedException
-            # on top): this process's copy of the model was never trained. Lightning's own strategies write it; here a
-            # surviving worker's exception checkpoint, written before the launcher stopped it, is left as it is.
-            warnings.warn(
-                f"lightning_accum: no checkpoint written to {str(filepath)!r} from the main process of this"
-                f" {self._start_method} launch: a worker failed, and this process holds the model as it was before"
-                " `fit` (the training state lived in the workers). A surviving worker's exception checkpoint, if"
-                " one was written there, is the state to resume from.",
-                UserWarning,
-                stacklevel=2,
-            )
-            return
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def _failed_in_synchronising_batch(self) -> bool:
-        """Whether the micro-batch that was running when training failed synchronises gradients in its backward (by
-        Lightning's grouping: DDP's own flag is reset when Lightning's ``no_sync`` exits on the exception)."""
-        if self._trainer_ref is None or self.data_parallel_replicas == 1:
-            return False
-        return ExactAccumulation._synchronises(self)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._peers_lost is not None:
-            return  # a replica is gone or unreachable: waiting for it would replace the user's error by a second one
-        super().barrier(*args, **kwargs)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self._peers_lost_in(exception)
-
-    @override
-    def _peers_lost_in(self, error: BaseException | None) -> str | None:
-        failure = _collective_failure(error, self._failed_in_synchronising_batch())
-        if failure is None or self._peers_lost is not None:
-            return failure
-        self._peers_lost = failure
-        # Every rank, not rank zero only: the rank that ran out of data may be the only one left to say so.
-        warnings.warn(
-            f"lightning_accum: a collective failed ({failure}). Either a replica died (its own log shows why; an"
-            " OnExceptionCheckpoint on this rank wrote what it holds, without the open group's gradient), or the"
-            " replicas' collectives paired up wrongly: replicas that run different numbers of batches per epoch"
-            " (an unevenly sharded dataset) are detected with an error on every rank for iterable datasets, not for"
-            " a map-style dataset whose sampler or length differs between ranks. The wait is bounded by the"
-            " strategy's `timeout=`.",
-            UserWarning,
-            stacklevel=1,
-        )
-        return failure
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self._peers_lost = None
-        self._check_data_ends = (
-            self.check_data_ends and _iterable_training_data(self._trainer()) and self.data_parallel_replicas > 1
-        )
-        if self._check_data_ends and torch.distributed.get_backend() != "gloo" and self._flag_group is None:
-            # The flag is a host value: summed on the CPU, it never waits for the device (every rank runs this).
-            self._flag_group = torch.distributed.new_group(backend="gloo")
-
-    @override
-    def teardown(self) -> None:
-        self._check_data_ends = False
-        super().teardown()
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._check_data_ends and self._engine is self._run_engine:  # not for AccumulationCheck's scratch steps
-            self._agree_data_goes_on()
-        return super().training_step(*args, **kwargs)
-
-    def _agree_data_goes_on(self) -> None:
-        """Under iterable training data, at every micro-batch that does not end a group in Lightning's grouping: one
-        all-reduce of "this replica's data ends here", so that data ending inside a group on some replicas only is an
-        error on every replica at once. (At a group's last micro-batch the group's own all-reduce carries the flag.)
-
-        Every replica runs it at the same batch indices, so these collectives pair up as long as the replicas are in
-        step, that is until the first batch where one replica's data ends: the one checked here."""
-        trainer = self._trainer()
-        epoch_loop = trainer.fit_loop.epoch_loop
-        batch_idx = epoch_loop.batch_idx
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            return
-        ends = bool(epoch_loop.batch_progress.is_last_batch)
-        flag = torch.tensor([1 if ends else 0], dtype=torch.int64)  # on the CPU: no device synchronisation
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.SUM, group=self._flag_group)
-        ended = int(flag.item())
-        if 0 < ended < self.data_parallel_replicas:
-            raise RuntimeError(
-                f"The training data of {ended} of {self.data_parallel_replicas} replicas ended at batch {batch_idx}"
-                f" of the epoch, inside an accumulation group of {trainer.accumulate_grad_batches} micro-batches,"
-                f" while the others have more batches (this replica's data {'ended' if ends else 'goes on'})."
-                " Replicas must see the same number of batches per epoch, or the others would wait in a collective"
-                " until the timeout: shard the iterable dataset evenly (drop the remainder)."
-            )
+    @check_data_ends.setter
+    def check_data_ends(self, value: bool) -> None:
+        self._adapter.check_data_ends = bool(value)
 
     @override
     def _configure_launcher(self) -> None:
@@ -274,13 +313,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, options in (
-            ("accum_ddp", {"start_method": "popen"}),
-            ("accum_ddp_spawn", {"start_method": "spawn"}),
-            ("accum_ddp_fork", {"start_method": "fork"}),
-            ("accum_ddp_notebook", {"start_method": "fork"}),
-            ("accum_ddp_find_unused_parameters_true", {"start_method": "popen", "find_unused_parameters": True}),
-        ):
+        for name, options in DDP_STRINGS:
             strategy_registry.register(
                 name, cls, description=f"Exact gradient accumulation with DDP ({options})", override=True, **options
             )

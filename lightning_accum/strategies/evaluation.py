@@ -16,51 +16,82 @@ key                               value
 ``accum/test_perplexity``
 ================================= ======================================================================
 
-With several evaluation loaders Lightning appends ``/dataloader_idx_{i}`` to each key, one value per loader. The
-unit ``w`` is the training run's (``normalize=``; under ``"auto"`` before any training, what the first evaluated
-batch reports). The keys go through Lightning's own ``self.log`` (so ``ModelCheckpoint(monitor="accum/val_loss")``,
-``EarlyStopping`` and every logger see them; :class:`~lightning_accum.AxisLogger` writes them on the run's axis), and
-anything the step logs itself keeps working beside them.
+With several evaluation loaders each key gets Lightning's ``/dataloader_idx_{i}``, one value per loader. The unit
+``w`` is the training run's (``normalize=``; under ``"auto"`` before any training, what the first evaluated batch
+reports). The keys go through Lightning's own ``self.log`` from the module's ``on_validation_epoch_end`` /
+``on_test_epoch_end`` (so ``ModelCheckpoint(monitor="accum/val_loss")``, ``EarlyStopping`` and every logger see
+them; :class:`~lightning_accum.AxisLogger` writes them on the run's axis), and anything the step logs itself keeps
+working beside them.
 
-Why a ``torchmetrics.Metric``: a weighted mean whose two states are *summed* across processes at the end of the
-evaluation is exactly its job, and Lightning computes, logs and resets a logged metric at the end of each evaluation
-loop (per dataloader) itself. The states are ``float64`` (the weighted sum) and ``int64`` (the units, exact at any
-size); an update adds to them on the device (no host read per batch); the metric syncs over the data-parallel group
-only (tensor-parallel ranks of one replica see the same batch and are counted once).
+**A drop-in.** Lightning ignores what an evaluation step returns, and so does the package for anything that is not
+the training contract: predictions, per-sample losses, a float, a dict without ``"loss"``, ``None``. The step runs as
+under Lightning's strategies, no exact value is logged, and one line says why (a warning only for a loss without the
+run's unit count, which is probably a mistake). A step that returns the contract for some batches and not for
+others gets no exact value either (the set would be incomplete), with one warning.
+
+**One reduction, every rank alike.** Each rank sums its batches on the device (no host read per batch). At the end
+of the loop every rank adds, in one all-reduce over the data-parallel replicas (tensor-parallel ranks of one replica
+see the same batches and are counted once), its sums and what it decided: how many batches it ran, whether they
+followed the contract, its unit. So a rank with no batch at all (an iterable set that is empty there) neither hangs
+nor costs the others their value: every rank logs the loss of the whole set; and replicas that decided differently
+stop with the same error on every rank. A set with no unit at all gives NaN, said in a warning. Lightning's
+``DistributedSampler`` pads a set whose size is not a multiple of ``D`` with repeated examples, which cannot be told
+apart from the others: a warning says how many are counted twice and what to do.
+
+Lightning skips the evaluation loop on a rank whose sized loaders are all empty when the module sets
+``allow_zero_length_dataloader_with_multiple_devices=True`` (it is an error otherwise); that rank would not join the
+reduction, so with that flag and several replicas no exact value is logged, and a warning says so. Lightning 2.5
+refuses keys with ``/dataloader_idx_`` logged from an epoch-end hook: there, with several evaluation loaders, no exact
+value is logged either (said in a warning); Lightning 2.6 accepts them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import lightning
 import torch
-from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torchmetrics import Metric
-from typing_extensions import override
+from torch.utils.data import DistributedSampler
 
 from lightning_accum.engine import AccumulationEngine
+from lightning_accum.group import UNIT_CODES
 from lightning_accum.microbatch import Count, as_count, choose_unit, parse_step_output
+from lightning_accum.strategies.adapter import EngineAdapter
 
-__all__ = ["EVALUATION_KEYS", "EvaluationHooks", "ExactEvaluation", "WeightedMean"]
+__all__ = ["EVALUATION_KEYS", "ExactEvaluation", "WeightedMean", "contract_of"]
 
 #: The keys logged per stage: (loss, perplexity). Part of the public contract.
 EVALUATION_KEYS = {
     "validate": ("accum/val_loss", "accum/val_perplexity"),
     "test": ("accum/test_loss", "accum/test_perplexity"),
 }
-#: The step each stage's outputs come from, for messages.
+#: The step each stage's outputs come from, for messages; the module hook the values are logged from.
 _STEP_NAMES = {"validate": "validation_step", "test": "test_step"}
+_EPOCH_END = {"validate": "on_validation_epoch_end", "test": "on_test_epoch_end"}
+#: Per loader in the reduced vector: batches that followed the contract, Σ w·loss, Σ w.
+_PER_LOADER = 3
+#: Before the loaders: ranks with a batch, ranks whose steps gave no exact value, ranks with an error, Σ unit code,
+#: Σ code².
+_HEADER = 5
 
 
-class WeightedMean(Metric):
-    """``Σ w·value / Σ w`` over every update on every process (the states are summed across processes).
+class WeightedMean:
+    """``Σ w·value / Σ w`` over the updates of one rank, kept on the device.
 
     ``exp=True`` gives ``exp`` of the mean (perplexity from a per-token cross-entropy). A value whose weight is 0
     adds nothing, even when it is NaN (the mean loss of a batch without units is 0/0). With no units at all the
-    result is NaN.
+    result is NaN. The sums are ``float64`` (``Σ w·value``) and ``int64`` (``Σ w``, exact at any size); an update adds
+    to them without reading the device. Across ranks they are added by :class:`ExactEvaluation` in its one reduction.
+
+    Why not torchmetrics' ``MeanMetric``, which keeps the same two sums: its own sync runs on the ranks that logged it,
+    so a rank without a batch leaves the others waiting; and in torchmetrics 1.9 its ``nan_strategy="disable"`` drops
+    the weights (``_cast_and_nan_check_input`` replaces them by ones: the seed's 512 × 3 and 1536 × 4 average to 3.5,
+    not 3.75), while every other ``nan_strategy`` reads the device on every update (``if nans.any()``).
+    ``tests/test_evaluation.py::test_torchmetrics_mean_metric_is_not_the_weighted_mean_here`` pins that.
 
     Example:
         >>> mean = WeightedMean()
@@ -70,20 +101,12 @@ class WeightedMean(Metric):
         3.75
     """
 
-    full_state_update = False
-    higher_is_better = False
-    is_differentiable = False
-
-    weighted: Tensor
-    units: Tensor
-
-    def __init__(self, exp: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, exp: bool = False, device: torch.device | str = "cpu") -> None:
         self.exp = exp
-        self.add_state("weighted", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("units", torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+        self.weighted = torch.zeros((), dtype=torch.float64, device=device)
+        self.units = torch.zeros((), dtype=torch.int64, device=device)
 
-    def update(self, value: Tensor, weight: Count) -> None:  # type: ignore[override]
+    def update(self, value: Tensor, weight: Count) -> None:
         value = value.detach().to(device=self.weighted.device, dtype=torch.float64)
         if isinstance(weight, Tensor):
             weight = weight.to(self.units.device)
@@ -97,98 +120,329 @@ class WeightedMean(Metric):
         return mean.exp() if self.exp else mean
 
 
-class _Run:
-    """One evaluation loop (a ``validate`` or ``test`` stage): its unit, whether it logs, its metrics by loader."""
+def contract_of(output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None) -> tuple[Any, str | None]:
+    """``((loss, tokens, samples), None)`` when an evaluation step's ``output`` is the training contract (a scalar loss
+    tensor, alone or under ``"loss"``), else ``(None, what it is)`` for the message: anything Lightning accepts from an
+    evaluation step is fine, it is only not weighted.
 
-    __slots__ = ("active", "metrics", "stage", "unit")
+    Example:
+        >>> contract_of(torch.zeros(4, 2), None, None)[1]
+        'a tensor of shape (4, 2) (predictions or per-sample values, not a mean loss)'
+        >>> contract_of({"preds": 1}, None, None)[1]
+        "a dict without 'loss' (keys: 'preds')"
+    """
+    if output is None:
+        return None, "nothing"
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if isinstance(output, Mapping) and loss is None:
+        keys = ", ".join(repr(k) for k in list(output)[:6]) or "none"
+        return None, f"a dict without 'loss' (keys: {keys})"
+    if not isinstance(loss, Tensor):
+        where = "'loss' as " if isinstance(output, Mapping) else ""
+        return None, f"{where}a {type(loss).__name__}, not a tensor"
+    if loss.numel() != 1:
+        return None, f"a tensor of shape {tuple(loss.shape)} (predictions or per-sample values, not a mean loss)"
+    return parse_step_output(output, batch, count_tokens), None
+
+
+class _Run:
+    """One evaluation loop (a ``validate`` or ``test`` stage) on this rank: what its steps reported and the sums."""
+
+    __slots__ = ("batches", "broken", "error", "loaders", "stage", "unit", "why")
 
     def __init__(self, stage: str) -> None:
         self.stage = stage
         self.unit: str | None = None
-        self.active: bool | None = None  # decided by the first batch
-        self.metrics: dict[int, tuple[WeightedMean, WeightedMean | None]] = {}
+        self.why: str | None = None  # why this rank's steps give no exact value (None: they do, or no batch yet)
+        self.broken = False  # a later batch did not follow the contract the first ones followed
+        self.error: str | None = None  # a later batch dropped the count the first ones reported: raised at the end
+        self.batches = 0
+        self.loaders: dict[int, WeightedMean] = {}
 
 
 class ExactEvaluation:
-    """The strategy's part for ``validation_step`` / ``test_step``: read each output, update the loader's metrics and
-    log them through the module; what the steps reported is kept for :class:`~lightning_accum.AccumulationCheck`.
+    """The strategy's part for ``validation_step`` / ``test_step``: each output read and summed on the device, and at
+    the loop's end one reduction over the replicas and the values logged through the module.
 
     ``findings`` maps a stage to why its exact loss was not logged (``None`` when it was); a stage not yet evaluated
-    is absent.
+    is absent. :class:`~lightning_accum.AccumulationCheck` reports them.
     """
 
     def __init__(self) -> None:
         self._run: _Run | None = None
         self.findings: dict[str, str | None] = {}
-        self._warned: set[str] = set()
+        self._said: set[str] = set()
+        self._gate: tuple[Any, str, bool] | None = None  # (module, hook, whether it had an instance attribute)
 
-    def start(self, stage: str) -> None:
-        """A new evaluation loop of ``stage`` (``"validate"`` or ``"test"``) begins: fresh sums and a fresh decision."""
-        self._run = _Run(stage)
+    # ------------------------------------------------------------------ the loop
 
-    def step(
-        self,
-        output: Any,
-        batch: Any,
-        dataloader_idx: int,
-        module: Any,
-        engine: AccumulationEngine,
-        sync_group: Any,
-        warn: Any,
-    ) -> None:
-        """Record one evaluation step's ``output`` and log the loader's metrics through ``module.log``; the unit is
+    def start(self, stage: str, module: Any, engine: AccumulationEngine, adapter: EngineAdapter) -> None:
+        """A new evaluation loop of ``stage`` (``"validate"`` or ``"test"``): fresh sums, and the module's epoch-end
+        hook gated so that every rank adds and logs them there (:meth:`end` removes the gate)."""
+        self.end()
+        self._run = run = _Run(stage)
+        if module.trainer.barebones:  # Lightning logs nothing then
+            self._run = None
+            return
+        hook = _EPOCH_END[stage]
+        original = getattr(module, hook)
+
+        def epoch_end(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            self._reduce_and_log(run, module, engine, adapter)
+            return result
+
+        self._gate = (module, hook, hook in vars(module))
+        # On the instance (not the class): Lightning looks the hook up with getattr; `is_overridden` reads the class.
+        object.__setattr__(module, hook, epoch_end)
+
+    def end(self) -> None:
+        """Remove the epoch-end gate (the strategy's ``on_validation_end`` / ``on_test_end`` and ``teardown``)."""
+        gate, self._gate = self._gate, None
+        if gate is None:
+            return
+        module, hook, had_instance_attribute = gate
+        if not had_instance_attribute:
+            vars(module).pop(hook, None)
+
+    def step(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], engine: AccumulationEngine) -> None:
+        """Add the ``output`` of an evaluation step called with ``args``/``kwargs`` to its loader's sums; the unit is
         ``engine``'s (its training's, or chosen by its ``normalize=`` option from the first batch)."""
         run = self._run
-        if run is None or run.active is False:
+        if run is None:
             return
-        loss, tokens, samples = _read(output, batch, engine.options.count_tokens, run.stage)
-        if run.active is None:
+        run.batches += 1
+        if run.why is not None or run.broken or run.error is not None:
+            return
+        # Lightning passes (batch, batch_idx[, dataloader_idx]) positionally; a direct call may name them.
+        batch = args[0] if args else kwargs.get("batch")
+        loader = int(kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0))
+        read, what = contract_of(output, batch, engine.options.count_tokens)
+        if read is None:
+            if run.unit is None:  # the first batch: this evaluation is not on the training's footing
+                run.why = _not_the_contract(run.stage, what)
+            else:
+                self._break(run, f"returns {what}")
+            return
+        loss, tokens, samples = read
+        if run.unit is None:
             reported = isinstance(output, Mapping) and output.get("num_samples") is not None
-            has_tokens = tokens is not None and not reported
-            normalize = engine.normalize
-            unit = engine.ledger.normalization or choose_unit(normalize, has_tokens, samples is not None)[0]
-            why = _inactive(loss, unit, tokens, samples, run.stage, normalize)
-            self.findings[run.stage] = why
-            run.active, run.unit = why is None, unit
-            if why is not None:
-                if loss is not None and run.stage not in self._warned:
-                    self._warned.add(run.stage)
-                    warn(f"lightning_accum: {why}")
+            unit = (
+                engine.ledger.normalization
+                or choose_unit(engine.normalize, tokens is not None and not reported, samples is not None)[0]
+            )
+            run.unit = unit
+            run.why = _missing_count(unit, tokens, samples, run.stage, engine.normalize)
+            if run.why is not None:
                 return
-        weight = _weight(run, loss, tokens, samples)
-        metrics = run.metrics.get(dataloader_idx)
-        if metrics is None:
-            device = loss.device if loss is not None else torch.device("cpu")  # type: ignore[union-attr]
-            mean = WeightedMean(process_group=sync_group).to(device)
-            perplexity = WeightedMean(exp=True, process_group=sync_group).to(device) if run.unit == "tokens" else None
-            metrics = run.metrics[dataloader_idx] = (mean, perplexity)
-        assert loss is not None
-        loss_key, perplexity_key = EVALUATION_KEYS[run.stage]
-        for key, metric in zip((loss_key, perplexity_key), metrics, strict=True):
-            if metric is not None:
-                metric.update(loss, weight)
-                module.log(key, metric, on_step=False, on_epoch=True, metric_attribute=f"_accum_{key}")
+        value = tokens if run.unit == "tokens" else samples if run.unit == "samples" else 1
+        if value is None:  # raised on every rank at the loop's end, so that no rank waits for one that stopped
+            run.error = (
+                f"`{_STEP_NAMES[run.stage]}` reported a loss and its {run.unit} for its first batch but not for batch"
+                f" {run.batches - 1}: every batch of one evaluation must return the same contract"
+                " (`{'loss': loss, 'num_tokens': n}`), or the weighted loss of the set would leave batches out."
+                " Return the count from every call."
+            )
+            return
+        metric = run.loaders.get(loader)
+        if metric is None:
+            metric = run.loaders[loader] = WeightedMean(device=loss.device)
+        metric.update(loss, as_count(f"num_{run.unit}", value, loss.device))
 
-
-def _read(output: Any, batch: Any, count_tokens: Any, stage: str) -> tuple[Tensor | None, object, object]:
-    try:
-        return parse_step_output(output, batch, count_tokens)
-    except (TypeError, ValueError) as error:  # the training contract's words, for the evaluation step
-        raise type(error)(str(error).replace("`training_step`", f"`{_STEP_NAMES[stage]}`")) from None
-
-
-def _inactive(
-    loss: Tensor | None, unit: str, tokens: object, samples: object, stage: str, normalize: str
-) -> str | None:
-    """Why this evaluation logs no exact loss (``None``: it does)."""
-    step = _STEP_NAMES[stage]
-    key = EVALUATION_KEYS[stage][0]
-    if loss is None:
-        return (
-            f"`{step}` returns no loss, so `{key}` is not logged (what `{step}` logs itself is Lightning's mean of"
-            f" batch means). Return `{{'loss': loss, 'num_tokens': n}}` from `{step}`, as from `training_step`, to get"
-            " the loss of the whole set weighted by its tokens over every replica."
+    def _break(self, run: _Run, what: str) -> None:
+        run.broken = True
+        step = _STEP_NAMES[run.stage]
+        self._say(
+            run.stage + ":broken",
+            rank_zero_warn,
+            f"lightning_accum: `{step}` returned the training contract for its first batches but {what} for batch"
+            f" {run.batches - 1} of this {run.stage} loop, so `{EVALUATION_KEYS[run.stage][0]}` is not logged (the"
+            " set's weighted loss would leave batches out). Return `{'loss': loss, 'num_tokens': n}` from every call.",
         )
+
+    # ------------------------------------------------------------------ the end of the loop
+
+    def _reduce_and_log(self, run: _Run, module: Any, engine: AccumulationEngine, adapter: EngineAdapter) -> None:
+        """Every rank: one all-reduce of what this rank ran and summed, then the same values logged on every rank."""
+        trainer = module.trainer
+        stage, loss_key = run.stage, EVALUATION_KEYS[run.stage][0]
+        replicas = adapter.data_parallel_size
+        if replicas > 1 and _may_skip_ranks(module, trainer):
+            self._finding(run, _SKIPPED_RANKS.format(key=loss_key))
+            return
+        loaders = max([*run.loaders, _loader_count(trainer, stage) - 1], default=0) + 1  # alike on every rank
+        device = next(iter(run.loaders.values())).weighted.device if run.loaders else adapter.strategy.root_device
+        values = adapter.reduce_sum(_local_vector(run, loaders, device)).tolist()  # the evaluation's one host read
+        with_batches, inactive, errors, codes, squares = values[:_HEADER]
+        if not with_batches:
+            return  # no rank ran a batch (`limit_val_batches=0`, an empty set): Lightning logs nothing either
+        if errors:
+            raise ValueError(run.error or f"{int(errors)} other replica(s) stopped this {stage} loop: see their error.")
+        if inactive:
+            active = with_batches - inactive
+            if active:  # some ranks' steps followed the contract and others' did not: a program that differs by rank
+                raise RuntimeError(_disagreement(stage, int(active), int(inactive), int(replicas)))
+            self._finding(run, run.why or _ELSEWHERE.format(key=loss_key), say=False)
+            return
+        unit_code = codes / with_batches
+        if squares / with_batches != unit_code * unit_code:  # replicas weighted by different units
+            raise RuntimeError(
+                f"Replicas weighted `{_STEP_NAMES[stage]}`'s batches by different units (this rank: {run.unit!r}), so"
+                f" `{loss_key}` has no single meaning. Report the same counts on every rank, or set `normalize=`"
+                " explicitly on the strategy."
+            )
+        unit = next((name for name, value in UNIT_CODES.items() if value == unit_code), None)
+        self.findings[stage] = None
+        if with_batches < replicas:
+            self._say(
+                stage + ":empty",
+                rank_zero_info,
+                (
+                    f"lightning_accum: {int(replicas - with_batches)} of {replicas} replicas ran no {stage} batch;"
+                    f" `{loss_key}` is the loss of the batches the others ran (every rank logs it)."
+                ),
+            )
+        self._say_repeats(run, trainer, replicas)
+        if loaders > 1 and not _EPOCH_END_LOADER_KEYS:
+            self._finding(run, _OLD_LIGHTNING.format(key=loss_key, version=lightning.__version__))
+            return
+        for index in range(loaders):
+            at = _HEADER + _PER_LOADER * index
+            batches, weighted, units = values[at : at + _PER_LOADER]
+            if not batches:
+                continue
+            self._log(module, run, unit, weighted, units, index if loaders > 1 else None, device)
+
+    def _log(
+        self,
+        module: Any,
+        run: _Run,
+        unit: str | None,
+        weighted: float,
+        units: float,
+        index: int | None,
+        device: torch.device,
+    ) -> None:
+        loss_key, perplexity_key = EVALUATION_KEYS[run.stage]
+        suffix = f"/dataloader_idx_{index}" if index is not None else ""
+        if units > 0:
+            loss = weighted / units
+        else:
+            loss = math.nan
+            self._say(run.stage + ":nan", rank_zero_warn, _nan_message(loss_key + suffix, run.stage, unit))
+        options = {"on_step": False, "on_epoch": True, "add_dataloader_idx": False, "batch_size": 1}
+        module.log(loss_key + suffix, torch.tensor(loss, dtype=torch.float64, device=device), **options)
+        if unit == "tokens":
+            perplexity = math.exp(loss) if loss < 709.0 else math.inf  # exp overflows float64 past ~709.78
+            module.log(perplexity_key + suffix, torch.tensor(perplexity, dtype=torch.float64, device=device), **options)
+
+    def _finding(self, run: _Run, why: str, say: bool = True) -> None:
+        self.findings[run.stage] = why
+        if say:
+            self._say(run.stage + ":finding", rank_zero_warn, f"lightning_accum: {why}")
+        elif run.why is not None and run.unit is None:  # not the contract at all: one line, not a warning
+            self._say(run.stage + ":finding", rank_zero_info, f"lightning_accum: {why}")
+        elif run.why is not None:  # a loss without the run's count: probably a mistake
+            self._say(run.stage + ":finding", rank_zero_warn, f"lightning_accum: {why}")
+
+    def _say_repeats(self, run: _Run, trainer: Any, replicas: int) -> None:
+        loaders = trainer.test_dataloaders if run.stage == "test" else trainer.val_dataloaders
+        for loader in loaders if isinstance(loaders, list | tuple) else [loaders]:
+            sampler = getattr(loader, "sampler", None)
+            if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+                continue
+            examples = len(sampler.dataset)  # type: ignore[arg-type]
+            if sampler.total_size > examples:
+                message = _repeats_message(EVALUATION_KEYS[run.stage][0], run.stage, sampler, examples, replicas)
+                self._say(run.stage + ":repeats", rank_zero_warn, message)
+
+    def _say(self, kind: str, say: Callable[[str], None], message: str) -> None:
+        if kind not in self._said:
+            self._said.add(kind)
+            say(message)
+
+
+_SKIPPED_RANKS = (
+    "`{key}` is not logged: the module sets `allow_zero_length_dataloader_with_multiple_devices=True`, so Lightning"
+    " skips the evaluation loop on a rank whose sized loaders are empty, and such a rank would not join the reduction"
+    " of the set's sums. Give every rank at least one batch and unset the flag, or evaluate on one device."
+)
+_OLD_LIGHTNING = (
+    "`{key}` is not logged per loader: the values are logged at the end of the loop, once every replica added its"
+    " sums, and Lightning {version} refuses a key with `/dataloader_idx_` logged there (Lightning 2.6 accepts it)."
+    " Upgrade Lightning to 2.6 for the exact loss of each evaluation loader, or evaluate one loader at a time."
+)
+#: Whether Lightning accepts `/dataloader_idx_{i}` keys logged from an epoch-end hook (`add_dataloader_idx=False`).
+_EPOCH_END_LOADER_KEYS = tuple(int(part) for part in lightning.__version__.split(".")[:2]) >= (2, 6)
+_ELSEWHERE = "`{key}` is not logged: the steps do not return the training contract (this rank ran no batch)."
+
+
+def _nan_message(key: str, stage: str, unit: str | None) -> str:
+    return (
+        f"lightning_accum: `{key}` is NaN: the {stage} set holds no {unit or 'unit'} at all (Σ num_{unit} = 0 over"
+        " every batch and replica), so its weighted loss is 0/0. Likely causes: every label of the set is the ignore"
+        " index, or the count is computed on the wrong tensor. `ModelCheckpoint` ranks a NaN as the worst value;"
+        " `EarlyStopping(check_finite=True)` stops on it."
+    )
+
+
+def _repeats_message(key: str, stage: str, sampler: DistributedSampler, examples: int, replicas: int) -> str:
+    repeats = sampler.total_size - examples
+    return (
+        f"lightning_accum: `{key}` counts {repeats} example(s) twice: Lightning's DistributedSampler pads the"
+        f" {examples} examples of the {stage} set to {sampler.total_size} so that each of the {replicas} replicas"
+        f" runs {sampler.num_samples}, repeating the first {repeats}, and the repeats cannot be told apart from the"
+        f" others. Give the set a size that is a multiple of {replicas} (or evaluate on one device) for the exact"
+        " loss of the set."
+    )
+
+
+def _local_vector(run: _Run, loaders: int, device: torch.device) -> Tensor:
+    """This rank's part of the evaluation's reduced vector: the header (``_HEADER``), then per loader its batches that
+    followed the contract, ``Σ w·loss`` and ``Σ w`` (all zero on a rank that ran no batch)."""
+    vector = torch.zeros(_HEADER + _PER_LOADER * loaders, dtype=torch.float64, device=device)
+    if run.batches:
+        code = UNIT_CODES.get(run.unit or "", 0.0)
+        inactive = run.why is not None or run.broken or run.error is not None
+        header = [1.0, float(inactive), float(run.error is not None), code, code * code]
+        vector[:_HEADER] = torch.tensor(header, dtype=torch.float64)
+        for index, metric in run.loaders.items():
+            at = _HEADER + _PER_LOADER * index
+            vector[at] = 1.0
+            vector[at + 1] = metric.weighted
+            vector[at + 2] = metric.units.to(torch.float64)
+    return vector
+
+
+def _loader_count(trainer: Any, stage: str) -> int:
+    """The number of loaders of the running evaluation loop (Lightning's batch limit per loader)."""
+    if stage == "test":
+        limits = trainer.num_test_batches
+    else:
+        limits = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+    return len(limits)
+
+
+def _may_skip_ranks(module: Any, trainer: Any) -> bool:
+    """Whether Lightning may skip the evaluation loop on some ranks only (see the module docstring)."""
+    datamodule = getattr(trainer, "datamodule", None)
+    flag = bool(getattr(module, "allow_zero_length_dataloader_with_multiple_devices", False))
+    return flag or bool(getattr(datamodule, "allow_zero_length_dataloader_with_multiple_devices", False))
+
+
+def _not_the_contract(stage: str, what: str | None) -> str:
+    step, key = _STEP_NAMES[stage], EVALUATION_KEYS[stage][0]
+    it = "returns no loss" if what == "nothing" else f"returns {what}, not a loss"
+    return (
+        f"`{step}` {it}, so `{key}` is not logged (the step runs as under Lightning, and what it logs itself is"
+        f" unchanged). Return `{{'loss': loss, 'num_tokens': n}}` from `{step}`, as from `training_step`, to get the"
+        " loss of the whole set weighted by its tokens over every replica."
+    )
+
+
+def _missing_count(unit: str, tokens: object, samples: object, stage: str, normalize: str) -> str | None:
+    """Why a step that returns a loss logs no exact loss (``None``: it does)."""
+    step, key = _STEP_NAMES[stage], EVALUATION_KEYS[stage][0]
     if unit == "tokens" and tokens is None:
         return (
             f"`{step}` returns a loss without a token count while the run weights by tokens"
@@ -204,64 +458,10 @@ def _inactive(
     return None
 
 
-def _weight(run: _Run, loss: Tensor | None, tokens: object, samples: object) -> Count:
-    """The batch's weight in the run's unit; an error when a later batch lacks the count the first one had."""
-    step = _STEP_NAMES[run.stage]
-    value = tokens if run.unit == "tokens" else samples if run.unit == "samples" else 1
-    if value is None or loss is None:
-        raise ValueError(
-            f"`{step}` reported a loss and its {run.unit} for its first batch but not for this one: every batch of one"
-            f" evaluation must return the same contract (`{{'loss': loss, 'num_tokens': n}}`), or the weighted loss of"
-            " the set would leave batches out. Return the count from every call."
-        )
-    return as_count(f"num_{run.unit}", value, loss.device)
-
-
-class EvaluationHooks(Strategy):
-    """The strategy's evaluation hooks: each ``validation_step`` / ``test_step`` output to :class:`ExactEvaluation`.
-
-    A base of :class:`~lightning_accum.strategies.base.ExactAccumulation` (never used alone), which sets up
-    ``_engine`` and ``_evaluation``; the model-parallel strategy overrides :meth:`_evaluation_group`.
-    """
-
-    _engine: AccumulationEngine
-    _evaluation: ExactEvaluation
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().validation_step(*args, **kwargs)
-        self._evaluate(output, args, kwargs)
-        return output
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().test_step(*args, **kwargs)
-        self._evaluate(output, args, kwargs)
-        return output
-
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._evaluation.start("validate")
-
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self._evaluation.start("test")
-
-    def _evaluate(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Weigh an evaluation step's output like a training micro-batch (this module)."""
-        module = self.lightning_module
-        assert module is not None
-        if module.trainer.barebones:  # Lightning logs nothing then
-            return
-        # Lightning passes (batch, batch_idx[, dataloader_idx]) positionally; a direct call may name them.
-        batch = args[0] if args else kwargs.get("batch")
-        loader = kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0)
-        self._evaluation.step(
-            output, batch, int(loader), module, self._engine, self._evaluation_group(), rank_zero_warn
-        )
-
-    def _evaluation_group(self) -> Any:
-        """The process group an evaluation's sums are added over (``None``: every process, or no process group)."""
-        return None
+def _disagreement(stage: str, active: int, inactive: int, replicas: int) -> str:
+    step, key = _STEP_NAMES[stage], EVALUATION_KEYS[stage][0]
+    return (
+        f"`{step}` returned the training contract on {active} of {replicas} replicas and something else on"
+        f" {inactive}: `{key}` cannot be formed from some replicas' batches only. Make `{step}` return the same"
+        " kind of output on every rank (the contract `{'loss': loss, 'num_tokens': n}`, or not at all)."
+    )

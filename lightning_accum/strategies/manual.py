@@ -104,16 +104,30 @@ class ManualGroups:
         optimizer: Optimizer,
         module: Module | None,
         scaler: torch.amp.GradScaler | None,
+        group_size: int | None = None,
     ) -> GroupRecord:
-        """Close the group reported with :meth:`accumulate` over ``optimizer``'s gradients."""
+        """Close the group reported with :meth:`accumulate` over ``optimizer``'s gradients; with ``group_size`` (the
+        micro-batches per replica a group should hold), a group that holds fewer is a partial one, and the strategy's
+        ``partial_group=`` policy applies (rescaled with its real denominator, or dropped)."""
         self._check_no_step_pending("close_group")
-        if engine.microbatches_in_group == 0:
+        held = engine.microbatches_in_group
+        if held == 0:
             raise RuntimeError(
                 "`strategy.close_group` found no micro-batch in the open group. Report each micro-batch with"
-                " `tensor = strategy.accumulate(loss, num_tokens=...)` and `self.manual_backward(tensor)` first."
+                " `tensor = strategy.accumulate(loss, num_tokens=...)` and back-propagate it first."
             )
         self._check_handed_out_used("close_group")
-        accumulate = engine.microbatches_in_group
+        if group_size is not None and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+        ):
+            raise ValueError(f"`group_size` must be a positive int or None, got {group_size!r}.")
+        if group_size is not None and held > group_size:
+            raise ValueError(
+                f"`strategy.close_group(..., group_size={group_size})`: the open group holds {held} micro-batches,"
+                f" more than a group of {group_size}. Close each group after its last micro-batch, or pass the"
+                " group size you run."
+            )
+        accumulate = group_size if group_size is not None else held
         outcome = closing.close(engine, optimizer, module, accumulate, ends_epoch=False, scaler=scaler)
         if outcome.action != "apply":
             optimizer.zero_grad(set_to_none=True)

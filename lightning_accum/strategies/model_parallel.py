@@ -25,7 +25,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed
-from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
@@ -36,12 +35,18 @@ from typing_extensions import override
 from lightning_accum.engine import Replicas
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
+from lightning_accum.strategies.adapter import (
+    EngineAdapter,
+    GradientReader,
+    NamedParameters,
+    Write,
+    optimized_parameters,
+)
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, DISTRIBUTED_KEY, malformed
-from lightning_accum.strategies.closing import GroupClosing
 from lightning_accum.strategies.mesh_clipping import clip_grad_norm_, clip_grad_value_
 
-__all__ = ["GRADIENT_SYNC_MODES", "ModelParallelAccumulationStrategy"]
+__all__ = ["GRADIENT_SYNC_MODES", "MeshAdapter", "ModelParallelAccumulationStrategy"]
 
 #: The values of ``gradient_sync``.
 GRADIENT_SYNC_MODES = ("every_microbatch", "last_microbatch")
@@ -53,6 +58,268 @@ def _local(tensor: Tensor) -> Tensor:
     """The rank's own part of a (DTensor) gradient, sharing its storage; a plain tensor as it is."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
+
+
+class MeshAdapter(EngineAdapter):
+    """FSDP2's and tensor parallelism's side of an accumulation strategy (see
+    :class:`~lightning_accum.strategies.adapter.EngineAdapter` for the interface): ``D`` = the data-parallel mesh size,
+    the counts summed over the data-parallel group, the local gradient shards (rescaled and checked, the check summed
+    over the whole mesh), the slice count agreed over the mesh, and a checkpoint's open group written and read shard by
+    shard."""
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self._slice_group: Any = None  # a gloo group for the slice count when the backend is not gloo
+        self._trainer: Any = None
+
+    def _mesh_size(self, dimension: str, given: Literal["auto"] | int) -> int:
+        try:
+            return int(self.strategy.device_mesh[dimension].size())
+        except RuntimeError:  # before the processes are set up: the size given, or 1 while "auto"
+            return given if isinstance(given, int) else 1
+
+    @property
+    @override
+    def rank(self) -> int:
+        return int(self.strategy.global_rank)
+
+    @property
+    @override
+    def data_parallel_size(self) -> int:
+        return self._mesh_size("data_parallel", self.strategy._data_parallel_size)
+
+    @property
+    @override
+    def tensor_parallel_size(self) -> int:
+        return self._mesh_size("tensor_parallel", self.strategy._tensor_parallel_size)
+
+    @override
+    def reduce_sum(self, tensor: Tensor) -> Tensor:
+        if self.data_parallel_size > 1:
+            group = self.strategy.device_mesh["data_parallel"].get_group()
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=group)
+        return tensor
+
+    @override
+    def replicas(self) -> Replicas:
+        # Each rank checks its own shard for NaN/Inf: the check is summed over the whole mesh (see the module).
+        return Replicas(self.data_parallel_size, self.reduce_sum, check_sum=self._sum_over_mesh)
+
+    def _sum_over_mesh(self, tensor: Tensor) -> Tensor:
+        """Sum over every rank of the mesh (the NaN/Inf check of each rank's own gradient shard)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.strategy.world_size > 1:
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+        return tensor
+
+    @override
+    def local_gradient(self, gradient: Tensor) -> Tensor:
+        return _local(gradient)
+
+    @override
+    def shard_rank(self) -> int | None:
+        return int(self.strategy.global_rank)
+
+    @override
+    def agree_slice_count(self, count: int, num_samples: int) -> int:
+        # FSDP2 all-gathers in every forward and tensor parallelism communicates inside every layer: every rank must
+        # run the same number of slices. One small all-reduce per loader batch, on the CPU (a gloo group when the
+        # backend is not gloo: no device synchronisation), and only with `microbatch_size=` set.
+        if self.strategy.world_size == 1 or not (
+            torch.distributed.is_available() and torch.distributed.is_initialized()
+        ):
+            return count
+        if self._slice_group is None and torch.distributed.get_backend() != "gloo":
+            self._slice_group = torch.distributed.new_group(backend="gloo")
+        values = torch.tensor([count, -num_samples], dtype=torch.int64)
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=self._slice_group)
+        agreed, fewest = int(values[0]), -int(values[1])
+        if fewest < agreed:
+            raise RuntimeError(
+                f"`microbatch_size={self.strategy.slicing.configured}`: a rank's loader batch holds {fewest} sample(s),"
+                f" fewer than the {agreed} slices another rank's batch needs, and every rank must run the same number"
+                " of slices (FSDP2 and tensor parallelism communicate inside each forward). Give every rank batches of"
+                " the same size (DistributedSampler with `drop_last=True`), or raise `microbatch_size`."
+            )
+        return agreed
+
+    # ------------------------------------------------------------------ the run
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self._check_sharded()
+        self._clip_over_the_mesh()
+
+    @override
+    def teardown(self) -> None:
+        plugin = self.strategy.precision_plugin
+        for name in _CLIPPING:
+            plugin.__dict__.pop(name, None)
+        self._trainer = None
+
+    def _clip_over_the_mesh(self) -> None:
+        """Route the precision plugin's clipping (``gradient_clip_val=``, ``self.clip_gradients``) through
+        :mod:`~lightning_accum.strategies.mesh_clipping`: torch's fails on models that mix DTensor and plain
+        parameters. Set on the plugin instance, for the run; a plugin class that clips its own way keeps it."""
+        plugin = self.strategy.precision_plugin
+
+        def by_norm(optimizer: Any, clip_val: float) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+        def by_value(optimizer: Any, clip_val: float) -> None:
+            clip_grad_value_(plugin.main_params(optimizer), clip_val)
+
+        for name, ours in zip(_CLIPPING, (by_norm, by_value), strict=True):
+            if getattr(type(plugin), name) is getattr(Precision, name):
+                setattr(plugin, name, ours)
+
+    def _check_sharded(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        strategy = self.strategy
+        model = strategy.model
+        if model is None or strategy.world_size <= 1:
+            return
+        sharded = any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+            isinstance(p, DTensor) for p in model.parameters()
+        )
+        if not sharded:
+            module = strategy.lightning_module
+            raise RuntimeError(
+                f"{type(strategy).__name__} runs on {strategy.world_size} devices, but after"
+                f" `{type(module).__name__}.configure_model()` no parameter is sharded (no `fully_shard` module, no"
+                " DTensor parameter): every device would train its own unsynchronized copy. In `configure_model`,"
+                " apply `fully_shard(module, mesh=self.device_mesh['data_parallel'])` (FSDP2) and/or"
+                " `parallelize_module(module, self.device_mesh['tensor_parallel'], plan)`; or use strategy='accum_ddp'"
+                " for a model that fits one device."
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def carry_gradients(self, parameters: NamedParameters) -> dict[str, Tensor] | None:
+        strategy = self.strategy
+        if strategy.gradient_sync == "last_microbatch":
+            # The group's gradient sits unreduced in FSDP2's own accumulators, not in `.grad`: nothing public to save.
+            open_microbatches = strategy.engine.microbatches_in_group
+            rank_zero_warn(
+                f"lightning_accum: this checkpoint is written inside an accumulation group ({open_microbatches}"
+                f" micro-batch(es) of {self._trainer.accumulate_grad_batches}); under gradient_sync='last_microbatch'"
+                " the group's gradient is held unreduced inside FSDP2 and cannot be carried, so a run resumed from it"
+                " updates that group without those micro-batches (normalized by what remains, and said again on"
+                " resume). Use gradient_sync='every_microbatch', or write checkpoints at update boundaries"
+                " (ModelCheckpoint's default), for an exact resume."
+            )
+            return None
+        # Every micro-batch was reduce-scattered: each rank's shard holds its part of the replicas' average so far.
+        # The checkpoint carries their sum (the one meaning of a carried gradient): the average times D. A distributed
+        # checkpoint writes it shard by shard (`_write_checkpoint`); one file holds it whole, gathered for rank zero.
+        replicas = self.data_parallel_size
+        sharded = bool(strategy._save_distributed_checkpoint)
+        keep = strategy.global_rank == 0
+        gradients: dict[str, Tensor] = {}
+        for name, p in parameters:
+            if p.grad is None:
+                continue
+            if sharded:
+                gradients[name] = p.grad.detach() * replicas
+                continue
+            if isinstance(p.grad, DTensor):
+                full = p.grad.full_tensor()  # a collective, in every rank's order; a new tensor, scaled in place
+                if keep:
+                    gradients[name] = full.mul_(replicas).to("cpu")
+            elif keep:
+                gradients[name] = (p.grad.detach() * replicas).to("cpu")
+        return gradients
+
+    @override
+    def write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any, write: Write) -> None:
+        group = checkpoint.get(CHECKPOINT_KEY, {}).get("open_group")
+        gradients = group.get("gradients") if isinstance(group, dict) else None
+        if gradients is None:
+            write(checkpoint, filepath, storage_options)
+            return
+        parameters = dict(optimized_parameters(self.strategy.lightning_module, self.strategy.optimizers))
+        group = dict(group)
+        checkpoint[CHECKPOINT_KEY] = {**checkpoint[CHECKPOINT_KEY], "open_group": group}
+        if not self.strategy._save_distributed_checkpoint:
+            # Whole tensors in one file (a group read from a distributed checkpoint and not yet reopened is gathered).
+            group["gradients"] = {
+                name: (g.full_tensor() if isinstance(g, DTensor) else g).to("cpu") for name, g in gradients.items()
+            }
+            write(checkpoint, filepath, storage_options)
+            return
+        shards = {name: _as_shard(g, parameters.get(name)) for name, g in gradients.items()}
+        del group["gradients"]
+        group.update(gradients_stored="distributed", gradient_names=sorted(shards))
+        self._save_distributed(checkpoint, filepath, storage_options, shards)
+
+    def _save_distributed(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None, shards: dict[str, Tensor]
+    ) -> None:
+        """Lightning's distributed save (``ModelParallelStrategy.save_checkpoint`` with
+        ``save_distributed_checkpoint=True``), with the open group's gradient as one more entry of the sharded state:
+        each rank writes its own shards, nothing is gathered."""
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from torch.distributed.checkpoint import save
+
+        if storage_options is not None:
+            name = type(self.strategy).__name__
+            raise TypeError(
+                f"`{name}.save_checkpoint(..., storage_options=...)` is not supported because `{name}` does not use"
+                " the `CheckpointIO`."
+            )
+        path = Path(self.strategy.broadcast(filepath))
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        state[DISTRIBUTED_KEY] = shards
+        save(state, checkpoint_id=path)
+        if self.strategy.global_rank == 0:
+            torch.save(checkpoint, path / _METADATA_FILENAME)
+
+    @override
+    def distributed_reader(self, path: Any, parameters: Callable[[], NamedParameters]) -> GradientReader | None:
+        folder = Path(path)
+        if not folder.is_dir():
+            return None
+
+        def read(names: list[str]) -> dict[str, Tensor]:
+            # Each rank reads its own shards, in the layout of this run (another D or mesh than the writer's too).
+            from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
+
+            stored = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+            by_name = dict(parameters())
+            templates: dict[str, Tensor] = {}
+            for name in names:
+                key = f"open_group.gradients[{name!r}]"
+                p = by_name.get(name)
+                if p is None:
+                    raise malformed(key, f"the gradient of one of the parameters {sorted(by_name)}", name)
+                meta = stored.get(f"{DISTRIBUTED_KEY}.{name}")
+                if not isinstance(meta, TensorStorageMetadata):
+                    raise malformed(key, f"a tensor in the distributed checkpoint under {DISTRIBUTED_KEY!r}", "missing")
+                if tuple(meta.size) != tuple(p.shape):
+                    raise malformed(key, f"a tensor of shape {tuple(p.shape)}", meta.size)
+                if not meta.properties.dtype.is_floating_point:
+                    raise malformed(key, "a floating-point tensor", meta.properties.dtype)
+                templates[name] = torch.zeros_like(p, dtype=meta.properties.dtype)
+            load({DISTRIBUTED_KEY: templates}, checkpoint_id=str(folder))
+            return templates
+
+        return read
+
+    @override
+    def holds_group_sums(self) -> bool:
+        return bool(self.strategy.device_mesh["data_parallel"].get_local_rank() == 0)
+
+    @override
+    def carried_part(self, parameter: Tensor, carried: Tensor) -> Tensor | None:
+        # Every rank adds its shard of the replicas' sum divided by this run's D: FSDP2's reduce-scatter averages the
+        # remaining micro-batches' gradients over the replicas, and the close multiplies by c · D / W.
+        return _as_shard(carried, parameter).to(dtype=parameter.dtype) / self.data_parallel_size
 
 
 class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy):
@@ -109,6 +376,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     """
 
     strategy_name = "accum_model_parallel"
+    adapter_type = MeshAdapter
 
     def __init__(
         self,
@@ -134,11 +402,9 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
                 raise ValueError(f"`{name}` must be 'auto' or an int ≥ 1, got {size!r}.")
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
-        # The gradient this rank rescales and checks is its DTensor's local shard (which shares its storage).
-        self._init_accumulation(options, microbatch_size, split_batch, closing=GroupClosing(local=_local))
+        self._init_accumulation(options, microbatch_size, split_batch)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.gradient_sync = gradient_sync
-        self._slice_group: Any = None  # a gloo group for the slice count when the backend is not gloo
         if microbatch_size == "auto":
             raise ValueError(
                 "`microbatch_size='auto'` is not available with sharded or tensor-parallel training: FSDP2 and tensor"
@@ -146,64 +412,6 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
                 " ran out of memory would pair its collectives with different ones on the other ranks. Pass a fixed"
                 " `microbatch_size=` (an int; every rank must cut its batch into the same number of slices), or None."
             )
-
-    # ------------------------------------------------------------------ the mesh
-
-    def _mesh_size(self, dimension: str, given: Literal["auto"] | int) -> int:
-        try:
-            return int(self.device_mesh[dimension].size())
-        except RuntimeError:  # before the processes are set up: the size given, or 1 while "auto"
-            return given if isinstance(given, int) else 1
-
-    @property
-    @override
-    def data_parallel_replicas(self) -> int:
-        return self._mesh_size("data_parallel", self._data_parallel_size)
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        """The devices that share one model replica (the mesh's ``tensor_parallel`` size; 1 before set-up while
-        ``"auto"``)."""
-        return self._mesh_size("tensor_parallel", self._tensor_parallel_size)
-
-    @override
-    def reduce_sum(self, tensor: Tensor) -> Tensor:
-        if self.data_parallel_replicas > 1:
-            group = self.device_mesh["data_parallel"].get_group()
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=group)
-        return tensor
-
-    @override
-    def _evaluation_group(self) -> Any:
-        # Tensor-parallel ranks of one replica evaluate the same batch: sum over the data-parallel group only.
-        return self.device_mesh["data_parallel"].get_group()
-
-    @override
-    def agree_slice_count(self, count: int, num_samples: int) -> int:
-        # FSDP2 all-gathers in every forward and tensor parallelism communicates inside every layer: every rank must
-        # run the same number of slices. One small all-reduce per loader batch, on the CPU (a gloo group when the
-        # backend is not gloo: no device synchronisation), and only with `microbatch_size=` set.
-        if self.world_size == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return count
-        if self._slice_group is None and torch.distributed.get_backend() != "gloo":
-            self._slice_group = torch.distributed.new_group(backend="gloo")
-        values = torch.tensor([count, -num_samples], dtype=torch.int64)
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=self._slice_group)
-        agreed, fewest = int(values[0]), -int(values[1])
-        if fewest < agreed:
-            raise RuntimeError(
-                f"`microbatch_size={self.slicing.configured}`: a rank's loader batch holds {fewest} sample(s), fewer"
-                f" than the {agreed} slices another rank's batch needs, and every rank must run the same number of"
-                " slices (FSDP2 and tensor parallelism communicate inside each forward). Give every rank batches of"
-                " the same size (DistributedSampler with `drop_last=True`), or raise `microbatch_size`."
-            )
-        return agreed
-
-    def _sum_over_mesh(self, tensor: Tensor) -> Tensor:
-        """Sum over every rank of the mesh (the NaN/Inf check of each rank's own gradient shard)."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-        return tensor
 
     @override
     def setup_environment(self) -> None:
@@ -230,62 +438,6 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             )
         super().setup_environment()
 
-    # ------------------------------------------------------------------ set-up
-
-    @override
-    def setup(self, trainer: Trainer) -> None:
-        self._check_sharded()
-        super().setup(trainer)
-        # Bind again with the mesh-wide sum for the NaN/Inf check of the local shards (base.setup binds D and the sum
-        # over the data-parallel group).
-        self._engine.bind(
-            self.root_device, Replicas(self.data_parallel_replicas, self.reduce_sum, check_sum=self._sum_over_mesh)
-        )
-        self._closing.rank = self.global_rank  # each rank checks its own shard: name it beside a non-finite gradient
-        self._clip_over_the_mesh()
-
-    @override
-    def teardown(self) -> None:
-        for name in _CLIPPING:
-            self.precision_plugin.__dict__.pop(name, None)
-        super().teardown()
-
-    def _clip_over_the_mesh(self) -> None:
-        """Route the precision plugin's clipping (``gradient_clip_val=``, ``self.clip_gradients``) through
-        :mod:`~lightning_accum.strategies.mesh_clipping`: torch's fails on models that mix DTensor and plain
-        parameters. Set on the plugin instance, for the run; a plugin class that clips its own way keeps it."""
-        plugin = self.precision_plugin
-
-        def by_norm(optimizer: Any, clip_val: float) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), clip_val)
-
-        def by_value(optimizer: Any, clip_val: float) -> None:
-            clip_grad_value_(plugin.main_params(optimizer), clip_val)
-
-        for name, ours in zip(_CLIPPING, (by_norm, by_value), strict=True):
-            if getattr(type(plugin), name) is getattr(Precision, name):
-                setattr(plugin, name, ours)
-
-    def _check_sharded(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        model = self.model
-        if model is None or self.world_size <= 1:
-            return
-        sharded = any(isinstance(m, FSDPModule) for m in model.modules()) or any(
-            isinstance(p, DTensor) for p in model.parameters()
-        )
-        if not sharded:
-            module = self.lightning_module
-            raise RuntimeError(
-                f"{type(self).__name__} runs on {self.world_size} devices, but after"
-                f" `{type(module).__name__}.configure_model()` no parameter is sharded (no `fully_shard` module, no"
-                " DTensor parameter): every device would train its own unsynchronized copy. In `configure_model`,"
-                " apply `fully_shard(module, mesh=self.device_mesh['data_parallel'])` (FSDP2) and/or"
-                " `parallelize_module(module, self.device_mesh['tensor_parallel'], plan)`; or use strategy='accum_ddp'"
-                " for a model that fits one device."
-            )
-
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -305,131 +457,6 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         finally:
             for m in modules:
                 m.set_requires_gradient_sync(True, recurse=False)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    @override
-    def _carry_gradients(self) -> dict[str, Tensor] | None:
-        if self.gradient_sync == "last_microbatch":
-            # The group's gradient sits unreduced in FSDP2's own accumulators, not in `.grad`: nothing public to save.
-            open_microbatches = self._engine.microbatches_in_group
-            rank_zero_warn(
-                f"lightning_accum: this checkpoint is written inside an accumulation group ({open_microbatches}"
-                f" micro-batch(es) of {self._trainer().accumulate_grad_batches}); under gradient_sync='last_microbatch'"
-                " the group's gradient is held unreduced inside FSDP2 and cannot be carried, so a run resumed from it"
-                " updates that group without those micro-batches (normalized by what remains, and said again on"
-                " resume). Use gradient_sync='every_microbatch', or write checkpoints at update boundaries"
-                " (ModelCheckpoint's default), for an exact resume."
-            )
-            return None
-        # Every micro-batch was reduce-scattered: each rank's shard holds its part of the replicas' average so far.
-        # The checkpoint carries their sum (the one meaning of a carried gradient): the average times D. A distributed
-        # checkpoint writes it shard by shard (`_write_checkpoint`); one file holds it whole, gathered for rank zero.
-        replicas = self.data_parallel_replicas
-        sharded = bool(self._save_distributed_checkpoint)
-        keep = self.global_rank == 0
-        gradients: dict[str, Tensor] = {}
-        for name, p in self._group_parameters():
-            if p.grad is None:
-                continue
-            if sharded:
-                gradients[name] = p.grad.detach() * replicas
-                continue
-            if isinstance(p.grad, DTensor):
-                full = p.grad.full_tensor()  # a collective, in every rank's order; a new tensor, scaled in place
-                if keep:
-                    gradients[name] = full.mul_(replicas).to("cpu")
-            elif keep:
-                gradients[name] = (p.grad.detach() * replicas).to("cpu")
-        return gradients
-
-    @override
-    def _write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None) -> None:
-        group = checkpoint.get(CHECKPOINT_KEY, {}).get("open_group")
-        gradients = group.get("gradients") if isinstance(group, dict) else None
-        if gradients is None:
-            super()._write_checkpoint(checkpoint, filepath, storage_options)
-            return
-        parameters = dict(self._group_parameters())
-        group = dict(group)
-        checkpoint[CHECKPOINT_KEY] = {**checkpoint[CHECKPOINT_KEY], "open_group": group}
-        if not self._save_distributed_checkpoint:
-            # Whole tensors in one file (a group read from a distributed checkpoint and not yet reopened is gathered).
-            group["gradients"] = {
-                name: (g.full_tensor() if isinstance(g, DTensor) else g).to("cpu") for name, g in gradients.items()
-            }
-            super()._write_checkpoint(checkpoint, filepath, storage_options)
-            return
-        shards = {name: _as_shard(g, parameters.get(name)) for name, g in gradients.items()}
-        del group["gradients"]
-        group.update(gradients_stored="distributed", gradient_names=sorted(shards))
-        self._save_distributed(checkpoint, filepath, storage_options, shards)
-
-    def _save_distributed(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None, shards: dict[str, Tensor]
-    ) -> None:
-        """Lightning's distributed save (``ModelParallelStrategy.save_checkpoint`` with
-        ``save_distributed_checkpoint=True``), with the open group's gradient as one more entry of the sharded state:
-        each rank writes its own shards, nothing is gathered."""
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
-        from torch.distributed.checkpoint import save
-
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
-                f" `{type(self).__name__}` does not use the `CheckpointIO`."
-            )
-        path = Path(self.broadcast(filepath))
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        state[DISTRIBUTED_KEY] = shards
-        save(state, checkpoint_id=path)
-        if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
-
-    @override
-    def _distributed_reader(self, path: Any) -> Callable[[list[str]], dict[str, Tensor]] | None:
-        folder = Path(path)
-        if not folder.is_dir():
-            return None
-
-        def read(names: list[str]) -> dict[str, Tensor]:
-            # Each rank reads its own shards, in the layout of this run (another D or mesh than the writer's too).
-            from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
-
-            stored = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-            parameters = dict(self._group_parameters())
-            templates: dict[str, Tensor] = {}
-            for name in names:
-                key = f"open_group.gradients[{name!r}]"
-                p = parameters.get(name)
-                if p is None:
-                    raise malformed(key, f"the gradient of one of the parameters {sorted(parameters)}", name)
-                meta = stored.get(f"{DISTRIBUTED_KEY}.{name}")
-                if not isinstance(meta, TensorStorageMetadata):
-                    raise malformed(key, f"a tensor in the distributed checkpoint under {DISTRIBUTED_KEY!r}", "missing")
-                if tuple(meta.size) != tuple(p.shape):
-                    raise malformed(key, f"a tensor of shape {tuple(p.shape)}", meta.size)
-                if not meta.properties.dtype.is_floating_point:
-                    raise malformed(key, "a floating-point tensor", meta.properties.dtype)
-                templates[name] = torch.zeros_like(p, dtype=meta.properties.dtype)
-            load({DISTRIBUTED_KEY: templates}, checkpoint_id=str(folder))
-            return templates
-
-        return read
-
-    @override
-    def _holds_group_sums(self) -> bool:
-        return bool(self.device_mesh["data_parallel"].get_local_rank() == 0)
-
-    @override
-    def _carried_part(self, parameter: Tensor, carried: Tensor) -> Tensor | None:
-        # Every rank adds its shard of the replicas' sum divided by this run's D: FSDP2's reduce-scatter averages the
-        # remaining micro-batches' gradients over the replicas, and the close multiplies by c · D / W.
-        return _as_shard(carried, parameter).to(dtype=parameter.dtype) / self.data_parallel_replicas
 
     @classmethod
     @override

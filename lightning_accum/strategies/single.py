@@ -13,7 +13,20 @@ from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.strategies.base import ExactAccumulation
 
-__all__ = ["AccumulationStrategy"]
+__all__ = ["AccumulationStrategy", "the_one_device"]
+
+
+def the_one_device(devices: list[torch.device] | None, chooser: str) -> torch.device | None:
+    """The device ``chooser`` (the Trainer, Fabric) selected for ``strategy="accum"``, or ``None`` when it selected
+    none; an error for several."""
+    if not devices:
+        return None
+    if len(devices) > 1:
+        raise ValueError(
+            f"strategy='accum' runs on one device, but {chooser} selected {len(devices)} devices. Use"
+            " strategy='accum_ddp' (or 'accum_ddp_spawn') for several devices, or pass `devices=1`."
+        )
+    return torch.device(devices[0])
 
 
 class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
@@ -73,15 +86,10 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        if not devices:
-            return
-        if len(devices) > 1:
-            raise ValueError(
-                f"strategy='accum' runs on one device, but the Trainer selected {len(devices)} devices. Use"
-                " strategy='accum_ddp' (or 'accum_ddp_spawn') for several devices, or pass `devices=1`."
-            )
-        self._root_device = torch.device(devices[0])
-        self._device_given = True
+        device = the_one_device(devices, "the Trainer")
+        if device is not None:
+            self._root_device = device  # SingleDeviceStrategy's own (see docs/internals.md)
+            self._device_given = True
 
     @classmethod
     @override

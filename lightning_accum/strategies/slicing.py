@@ -15,8 +15,9 @@ Lightning's automatic optimization calls ``training_step`` once per loader batch
 * ``on_before_backward`` / ``on_after_backward`` run once per loader batch, around the last slice's backward, as
   without slicing.
 
-Every slice is recorded in the open group with its own units (``AccumulationEngine.add_microbatch(continues=True)``),
-so the update is exact by construction; the ledger still counts loader batches as micro-batches.
+Every slice is read once (:meth:`AccumulationEngine.read`, its samples the slice's ``stop - start``) and recorded in
+the open group with its own units (:meth:`AccumulationEngine.record` with ``continues=True``), so the update is exact
+by construction; the ledger still counts loader batches as micro-batches.
 
 ``"auto"`` starts with the whole batch. On an out-of-memory error in a slice's forward or backward, what the failed
 attempt holds is released, the slice size is halved and the slice is run again; what the group accumulated before is
@@ -41,7 +42,7 @@ import torch
 from torch import Tensor
 
 from lightning_accum.group import group_position
-from lightning_accum.microbatch import Count, infer_num_samples
+from lightning_accum.microbatch import Count, Microbatch
 from lightning_accum.slicing import (
     MicrobatchSize,
     OutOfMemoryRetry,
@@ -228,8 +229,9 @@ class BatchSlicer:
                 retry_forward = True
                 continue
             output = outputs.pop()
-            engine.add_microbatch(self._for_engine(output, piece, stop - start), piece, accumulate, start > 0)
-            self._note_part(engine, output)
+            microbatch = engine.read(output, piece, num_samples=stop - start)
+            engine.record(microbatch, accumulate, continues=start > 0)
+            self._note_part(engine, microbatch)
             sizes.append(stop - start)
             self._final = _Final(batch, n, start, args, kwargs)
             break
@@ -267,25 +269,12 @@ class BatchSlicer:
             return self.split_batch(batch, start, stop)
         return slice_batch(batch, start, stop, n)
 
-    def _for_engine(self, output: Any, piece: Any, size: int) -> Any:
-        """The step's output, with the slice's samples filled in where neither the step reports them nor the slice's
-        tensors show them (a batch type cut by ``split_batch``): a slice is weighted by its own samples, never as a
-        whole "batch". Where they can be inferred the output is left as it is (the engine's hints stay as without
-        slicing)."""
-        if self.split_batch is None or infer_num_samples(piece) is not None:
-            return output
-        if isinstance(output, Tensor):
-            return {"loss": output, "num_samples": size}
-        if isinstance(output, Mapping) and output.get("num_samples") is None and "loss" in output:
-            return {**output, "num_samples": size}
-        return output
-
-    def _note_part(self, engine: Any, output: Any) -> None:
-        loss = output if isinstance(output, Tensor) else output.get("loss") if isinstance(output, Mapping) else None
-        tokens = output.get("num_tokens") if isinstance(output, Mapping) else None
-        samples = output.get("num_samples") if isinstance(output, Mapping) else None
-        detached = loss.detach() if isinstance(loss, Tensor) else None
-        self._parts.append(_Part(detached, engine.last_weight if detached is not None else 0, tokens, samples))
+    def _note_part(self, engine: AccumulationEngine, microbatch: Microbatch) -> None:
+        loss = microbatch.loss.detach() if microbatch.loss is not None else None
+        weight = engine.last_weight if loss is not None else 0
+        self._parts.append(
+            _Part(loss, weight, microbatch.tokens, microbatch.samples if microbatch.reports_samples else None)
+        )
 
     def _local_slice(
         self,
@@ -309,9 +298,11 @@ class BatchSlicer:
                 if self.auto and is_out_of_memory(error):
                     raise _OutOfMemory("forward") from error
                 raise
-            tensor = engine.add_microbatch(self._for_engine(output, piece, size), piece, accumulate, continues)
-            self._note_part(engine, output)
+            microbatch = engine.read(output, piece, num_samples=size)
             del output
+            tensor = engine.record(microbatch, accumulate, continues)
+            self._note_part(engine, microbatch)
+            del microbatch
             engine.take_backward_tensor()  # the group's gradient is incomplete until the last slice's backward
             if tensor is None:
                 return

@@ -1,0 +1,84 @@
+"""An accumulation group across a checkpoint: what a checkpoint written inside it carries, and the group reopened.
+
+A checkpoint written inside a group holds the group's additive sums (:data:`~lightning_accum.group.CARRIED`: units,
+``Σ w·loss``, the count parts, negative counts), summed over the replicas, and the group's ``c``
+(:attr:`CarriedGroup.group_scale`); the strategy saves the accumulated gradient next to them. A run resumed from it
+reopens the group with those sums on exactly one replica (the close's all-reduce adds them to the others'), so the
+group closes as if it had never been interrupted; the resumed run may use another ``A`` or another number of
+replicas, in which case the carried micro-batches count where Lightning's grouping puts the resumed run.
+
+Pure functions over plain values: the engine composes them (:meth:`AccumulationEngine.open_group_state
+<lightning_accum.engine.AccumulationEngine.open_group_state>`, :meth:`~lightning_accum.engine.AccumulationEngine.
+resume_open_group`); the checkpoint entry around them is :mod:`lightning_accum.strategies.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_accum.group import CARRIED, GroupSums, Slot
+
+__all__ = ["carried_state", "reopened_group"]
+
+GroupScale = float | Tensor
+
+
+def carried_state(
+    microbatches: int, reduced: Sequence[float], group_scale: GroupScale | None, consistent: bool
+) -> dict[str, Any]:
+    """The entry of an open group, from its vector summed over the replicas (``reduced``, read on the host).
+
+    Returns:
+        ``microbatches`` (per replica), ``sums`` (the carried slots by name, floats), ``scale_ref`` (the group's
+        ``c``, or ``None`` if no micro-batch reported a loss; the key keeps its written name), ``scale_ref_is_tensor``
+        (the run's first group forms ``w / c`` with ``c`` a float64 tensor: resumed, it must do the same) and
+        ``consistent`` (the gradient holds exactly the recorded micro-batches).
+
+    Example:
+        >>> from lightning_accum.group import VECTOR_SIZE
+        >>> state = carried_state(2, [5.0] + [0.0] * (VECTOR_SIZE - 1), 8.0, True)
+        >>> state["sums"]["units"], state["scale_ref"]
+        (5.0, 8.0)
+    """
+    return {
+        "microbatches": microbatches,
+        "sums": {slot.name.lower(): float(reduced[slot]) for slot in CARRIED},
+        "scale_ref": float(group_scale) if group_scale is not None else None,
+        "scale_ref_is_tensor": isinstance(group_scale, Tensor),
+        "consistent": consistent,
+    }
+
+
+def reopened_group(
+    state: Mapping[str, Any], holds_sums: bool, position: int | None, total: int
+) -> tuple[GroupSums, GroupScale | None]:
+    """The group a checkpoint was written in, reopened: its sums and its ``c``.
+
+    Args:
+        state: What :func:`carried_state` gave when the checkpoint was written.
+        holds_sums: Whether this replica adds the carried sums to the group (exactly one replica does).
+        position: ``None``: the run resumes where the group's micro-batches left off (the same grouping). Else the
+            places of the group that Lightning's grouping counts as done now (another ``A`` or ``D``): the carried
+            micro-batches then count as ``total``, wherever they fall.
+        total: The carried micro-batches over all replicas of the run that wrote the checkpoint.
+    """
+    group = GroupSums()
+    if holds_sums:
+        group.carried = {slot: float(state["sums"][slot.name.lower()]) for slot in CARRIED}
+    if position is None:
+        group.microbatches = int(state["microbatches"])
+    else:
+        group.missing = position
+        group.carried_microbatches = total
+        if holds_sums:
+            group.carried[Slot.MICROBATCHES] = float(total)
+    scale = state.get("scale_ref")
+    if scale is None:
+        return group, None
+    if state.get("scale_ref_is_tensor"):
+        return group, torch.tensor(float(scale), dtype=torch.float64)  # a 0-d CPU tensor works on any device
+    return group, float(scale)

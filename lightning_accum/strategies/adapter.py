@@ -1,0 +1,187 @@
+"""What differs between the engines an accumulation strategy runs on, declared once: :class:`EngineAdapter`.
+
+:class:`~lightning_accum.strategies.base.ExactAccumulation` holds every Lightning hook of the package and composes its
+parts (the engine, the close, the manual API, the slicer, the checkpoint, the evaluation). Where one device, DDP and
+FSDP2 / tensor parallelism differ — the replicas a group is summed over, whether a backward synchronises gradients,
+what a checkpoint written inside a group carries and where, lost peers — the strategy asks its adapter, an object of
+one of three classes:
+
+- :class:`EngineAdapter` (this module; every default is one device's): :class:`~lightning_accum.AccumulationStrategy`;
+- :class:`~lightning_accum.strategies.ddp.DDPAdapter`: :class:`~lightning_accum.DDPAccumulationStrategy`;
+- :class:`~lightning_accum.strategies.model_parallel.MeshAdapter`:
+  :class:`~lightning_accum.ModelParallelAccumulationStrategy`.
+
+The strategy names its adapter's class in ``adapter_type``; the adapter reads the Lightning strategy it serves
+(``self.strategy``: its model, mesh, ranks) and is handed everything else as arguments. Every method below is the
+whole interface: an adapter overrides some of them and adds nothing the strategy calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from lightning_accum.engine import Replicas
+from lightning_accum.gradients import summed_gradients
+
+__all__ = [
+    "EngineAdapter",
+    "GradientReader",
+    "NamedParameters",
+    "Write",
+    "ends_group_by_position",
+    "optimized_parameters",
+]
+
+#: The optimized parameters by name, in a fixed order (the same on every replica).
+NamedParameters = list[tuple[str, Tensor]]
+#: Reads the carried gradient of the named parameters from a distributed checkpoint's shards.
+GradientReader = Callable[[list[str]], dict[str, Tensor]]
+#: Lightning's ``Strategy.save_checkpoint`` of the strategy underneath.
+Write = Callable[[dict[str, Any], Any, Any], None]
+
+
+def optimized_parameters(module: Any, optimizers: list[Any]) -> NamedParameters:
+    """``module``'s parameters that ``optimizers`` optimize, by name, in the module's order (the same on every
+    replica)."""
+    optimized = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+    return [(name, p) for name, p in module.named_parameters() if id(p) in optimized]
+
+
+def ends_group_by_position(trainer: Any) -> bool:
+    """Whether the running micro-batch is its group's last in Lightning's grouping: its index in the epoch closes a
+    group of ``accumulate_grad_batches``, or it is the epoch's last batch (read from the fit loop's progress)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return (epoch_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
+        epoch_loop.batch_progress.is_last_batch
+    )
+
+
+class EngineAdapter:
+    """The engine-specific side of an accumulation strategy; each default is what one device does.
+
+    Args:
+        strategy: The Lightning strategy this adapter serves.
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    # ------------------------------------------------------------------ replicas
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank (from the cluster environment, also before ``setup``)."""
+        return 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """``D``: the replicas that see different data and whose gradients are averaged."""
+        return 1
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The devices that share one model replica."""
+        return 1
+
+    def reduce_sum(self, tensor: Tensor) -> Tensor:
+        """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
+        return tensor
+
+    def replicas(self) -> Replicas:
+        """What the engine sums a group over, bound at ``setup``."""
+        return Replicas(self.data_parallel_size, self.reduce_sum)
+
+    def local_gradient(self, gradient: Tensor) -> Tensor:
+        """The part of a gradient this rank rescales and checks (all of it unless gradients are sharded)."""
+        return gradient
+
+    def shard_rank(self) -> int | None:
+        """This rank, named beside a non-finite gradient where each rank checks its own shard (``None``: every rank
+        checks the whole gradient)."""
+        return None
+
+    # ------------------------------------------------------------------ the micro-batch
+
+    def synchronises(self, trainer: Any) -> bool:
+        """Whether the running backward synchronises gradients over the replicas (a group's last micro-batch, D > 1)."""
+        return self.data_parallel_size > 1 and ends_group_by_position(trainer)
+
+    def before_microbatch(self, trainer: Any) -> None:
+        """Called before each training micro-batch of the run (not the check's): agreements between replicas."""
+
+    def agree_slice_count(self, count: int, num_samples: int) -> int:
+        """The number of slices every rank cuts a loader batch of ``num_samples`` into (``microbatch_size=``);
+        ``count`` (this rank's own) where ranks need not agree."""
+        return count
+
+    def before_forward_retry(self) -> None:
+        """Called before the forward path runs again on the same loader batch after an out-of-memory error."""
+
+    # ------------------------------------------------------------------ a checkpoint written inside a group
+
+    def carry_gradients(self, parameters: NamedParameters) -> dict[str, Tensor] | None:
+        """The open group's gradient summed over replicas, by parameter name (a collective: every replica calls it);
+        ``None`` where this engine cannot carry it (it says why)."""
+        reduce = self.reduce_sum if self.data_parallel_size > 1 else None
+        return summed_gradients(parameters, reduce)
+
+    def holds_group_sums(self) -> bool:
+        """Whether this rank adds a carried group's counters (one rank per data-parallel group: the close's all-reduce
+        adds them to the others')."""
+        return bool(self.strategy.is_global_zero)
+
+    def carried_part(self, parameter: Tensor, carried: Tensor) -> Tensor | None:
+        """What this rank adds to ``parameter``'s gradient of a carried group's gradient (the replicas' sum): all of it
+        on the rank holding the group's sums, nothing elsewhere; DDP's average at the group's last backward and the
+        close's ``c · D / W`` then treat it as any replica's part."""
+        if not self.holds_group_sums():
+            return None
+        return carried.to(device=parameter.device, dtype=parameter.dtype, copy=True)
+
+    def write_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any, write: Write
+    ) -> None:
+        """Write ``checkpoint`` (with the package's entry): ``write`` is Lightning's own ``save_checkpoint``."""
+        write(checkpoint, filepath, storage_options)
+
+    def distributed_reader(self, path: str | Path, parameters: Callable[[], NamedParameters]) -> GradientReader | None:
+        """Reads a carried gradient from a distributed checkpoint's shards at ``path`` (``None``: single files only)."""
+        return None
+
+    # ------------------------------------------------------------------ faults
+
+    @property
+    def peers_lost(self) -> str | None:
+        """Why the replicas cannot be reached, once a collective failed (``None``: they can, or there is one)."""
+        return None
+
+    def collectives_failed(self, trainer: Any) -> str | None:
+        """Why the replicas cannot be reached for a collective now, found without trying one."""
+        return None
+
+    def peers_lost_in(self, error: BaseException | None) -> str | None:
+        """Why the replicas cannot be reached, when ``error`` is a failed collective (``None``: it is not one)."""
+        return None
+
+    def may_write_checkpoint(self, filepath: str | Path) -> bool:
+        """Whether this process writes a checkpoint Lightning asks for (the main process of a launch whose workers
+        failed holds no trained state)."""
+        return True
+
+    # ------------------------------------------------------------------ the run
+
+    def setup(self, trainer: Any) -> None:
+        """The strategy's ``setup``, after Lightning's (the model is wrapped and sharded)."""
+
+    def on_train_start(self, trainer: Any) -> None:
+        """The strategy's ``on_train_start``."""
+
+    def on_exception(self, exception: BaseException) -> None:
+        """The strategy's ``on_exception``: Lightning is handling ``exception``."""
+
+    def teardown(self) -> None:
+        """The strategy's ``teardown``, before Lightning's."""

@@ -1,0 +1,85 @@
+"""The private Lightning and torch names the package uses behave as it relies on (docs/internals.md lists each with the
+test that guards it; the last test here keeps that table honest)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import Strategy
+
+from lightning_accum import AccumulationStrategy, AxisLR, DDPAccumulationStrategy
+from lightning_accum.strategies.ddp import _LedgerReturningLauncher
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_device_the_trainer_selects_is_the_strategys_root_device() -> None:
+    # `parallel_devices`' setter writes SingleDeviceStrategy._root_device, which its `root_device` reads.
+    strategy = AccumulationStrategy()
+    strategy.parallel_devices = [torch.device("meta")]
+    assert strategy.root_device == torch.device("meta")
+
+
+def test_the_spawn_launcher_is_ours_and_serves_the_strategy() -> None:
+    # DDPStrategy._configure_launcher sets `_launcher` from `_start_method`; the launcher keeps its `_strategy`.
+    trainer = L.Trainer(
+        strategy="accum_ddp_spawn",
+        devices=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    strategy = trainer.strategy
+    assert isinstance(strategy, DDPAccumulationStrategy)
+    assert strategy._start_method == "spawn"
+    assert isinstance(strategy._launcher, _LedgerReturningLauncher)
+    assert strategy._launcher._strategy is strategy
+    assert callable(strategy._launcher._wrapping_function)
+
+
+def test_torch_schedulers_keep_their_step_counters_where_axis_lr_saves_them() -> None:
+    # AxisLR's state_dict saves LRScheduler._step_count and _last_lr (torch's own state_dict holds them too).
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    scheduler = AxisLR(optimizer, axis="tokens", lr_lambda=lambda tokens: 1.0)
+    assert scheduler._step_count == 1  # torch's constructor steps once
+    assert scheduler._last_lr == [0.5]
+    plain = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    assert {"_step_count", "_last_lr"} <= set(plain.state_dict())
+
+
+def _calls(source: str) -> list[str]:
+    """The calls of a method body in order, without their arguments."""
+    body = source.split('"""')[-1] if source.count('"""') >= 2 else source
+    return re.findall(r"(self(?:\.\w+)+)\(", body)
+
+
+def test_the_slicers_protected_backward_is_lightnings_strategy_backward() -> None:
+    # BatchSlicer.backward runs the body of Lightning's `Strategy.backward` with the backward itself protected
+    # (microbatch_size="auto"): the same calls in the same order, or the slicer's copy is out of date.
+    lightning = _calls(inspect.getsource(Strategy.backward))
+    assert lightning == [
+        "self.pre_backward",
+        "self.precision_plugin.pre_backward",
+        "self.precision_plugin.backward",
+        "self.precision_plugin.post_backward",
+        "self.post_backward",
+    ]
+    from lightning_accum.strategies.slicing import BatchSlicer
+
+    ours = re.findall(r"strategy((?:\.\w+)+)\(", inspect.getsource(BatchSlicer.backward))
+    copied = [f"self{name}" for name in ours if name.split(".")[-1] in {"pre_backward", "backward", "post_backward"}]
+    assert copied == lightning
+
+
+def test_every_guard_named_in_the_private_names_table_exists() -> None:
+    section = (ROOT / "docs" / "internals.md").read_text().split("## Private names the package relies on", 1)[1]
+    named = re.findall(r"`(tests/[\w/]+\.py|benchmarks/[\w/]+\.py)::(\w+)", section)
+    assert len(named) > 10
+    missing = [f"{path}::{test}" for path, test in named if f"def {test}(" not in (ROOT / path).read_text()]
+    assert not missing, missing
