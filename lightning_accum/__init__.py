@@ -3,7 +3,7 @@
 Importing the package registers the strategy strings ``"accum"``, ``"accum_ddp"``,
 ``"accum_ddp_spawn"``, ``"accum_ddp_fork"``, ``"accum_ddp_notebook"``,
 ``"accum_ddp_find_unused_parameters_true"``, ``"accum_fsdp"`` and ``"accum_model_parallel"`` with Lightning's
-strategy registry.
+strategy registry, and the same strings but the last two with Fabric's (``L.Fabric(strategy="accum")``).
 
 Layout (each module imports only the ones above it)::
 
@@ -13,6 +13,7 @@ Layout (each module imports only the ones above it)::
     schedules, axis_lr                   schedulers that follow applied updates; rates as a function of tokens
     strategies/                          Lightning's hooks adapted to the engine (base, single, ddp, model_parallel)
     callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon, the progress bars
+    fabric                               the same parts in Fabric loops (FabricExactAccumulation and its strategies)
 
 Example:
     >>> import lightning_accum
@@ -32,6 +33,13 @@ from lightning_accum.callbacks import (
     Horizon,
 )
 from lightning_accum.engine import AccumulationEngine
+from lightning_accum.fabric import (
+    FabricAccumulationStrategy,
+    FabricDDPAccumulationStrategy,
+    FabricExactAccumulation,
+    log_on_axis,
+)
+from lightning_accum.fabric import register as register_fabric
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.strategies import (
@@ -57,11 +65,15 @@ __all__ = [
     "AxisRichProgressBar",
     "DDPAccumulationStrategy",
     "ExactAccumulation",
+    "FabricAccumulationStrategy",
+    "FabricDDPAccumulationStrategy",
+    "FabricExactAccumulation",
     "GroupRecord",
     "Horizon",
     "ModelParallelAccumulationStrategy",
     "TokenWeightingWarning",
     "causal_lm_tokens",
+    "log_on_axis",
     "seq2seq_tokens",
     "supervised_tokens",
     "warmup_cosine",
@@ -71,3 +83,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 register()
+register_fabric()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The declared range is what is tested: a second venv (.venv-lowest) with the lowest Lightning pyproject.toml allows
 # (pins in requirements/lowest.txt: Lightning 2.5.0, the same torch, pure-Python installs) runs a declared subset of
-# the suite: the step hooks, schedules and manual optimization, mixed precision, resume, slicing, evaluation, and every
-# test docs/internals.md names as the guard of a private Lightning name. About two minutes on two cores once the venv
+# the suite: the step hooks, schedules and manual optimization, mixed precision, resume, slicing, evaluation, the Fabric
+# strategies, and every test docs/internals.md names as the guard of a private Lightning name. About two minutes on two cores once the venv
 # exists.
 #
 # Why not 2.4: Lightning 2.4 numbers the batches of an epoch resumed mid-way one lower than their position (a run
@@ -30,7 +30,7 @@ export PYTHONHASHSEED=0
   lightning_accum tests/test_strategies.py tests/test_schedules.py tests/test_manual.py tests/test_mixed_precision.py \
   tests/test_engine.py tests/test_ledger.py tests/test_checkpoints.py tests/test_check.py tests/test_axis_logger.py \
   tests/test_report.py tests/test_slicing.py tests/test_evaluation.py tests/test_progress.py \
-  tests/test_evaluation_edges.py tests/test_report_edges.py tests/test_private_names.py
+  tests/test_evaluation_edges.py tests/test_report_edges.py tests/test_private_names.py tests/test_fabric.py
 # One 2-process DDP run: the spawn launcher extended with a private Lightning class (docs/internals.md).
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
   "tests/test_ddp.py::test_accum_ddp_spawn_matches_single_process_reference"

@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
 
 from lightning_accum.callbacks.report import REPORT_FILENAME
 
@@ -66,3 +68,37 @@ def test_torchrun_recipe_on_two_processes(tmp_path: Path) -> None:
     # Every sequence counted once over both replicas: 64 sequences, two updates of 32.
     assert record["samples"]["total"] == 64 and record["updates"]["applied"] == 2
     assert record["tokens"]["total"] == RandomSequences(64).supervised_tokens()
+
+
+def _litgpt(args: list[str], out: Path) -> dict[str, Any]:
+    """The recipe as a user runs it (its own process: spawned workers import it as a script)."""
+    pytest.importorskip("litgpt")
+    command = [sys.executable, str(EXAMPLES / "litgpt_fabric.py"), *args, "--updates", "4", "--length", "16"]
+    command += ["--dtype", "float64", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=out.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "sequences per update, 4 updates" in done.stdout  # m, A, D and the effective batch, printed first
+    return json.loads((out / "result.json").read_text())  # type: ignore[no-any-return]
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_litgpt_recipe_is_exact_across_splits_and_processes_where_litgpts_own_lines_are_not(tmp_path: Path) -> None:
+    # The same 16 sequences per update as (m, A, D) = (4, 4, 1), (1, 16, 1) and (2, 4, 2): LitGPT's GPT, its own
+    # chunked_cross_entropy, AdamW, float64.
+    splits = {
+        "4x4": ["--micro-batch-size", "4", "--accumulate", "4"],
+        "1x16": ["--micro-batch-size", "1", "--accumulate", "16"],
+    }
+    exact = {name: _litgpt(args, tmp_path / name) for name, args in splits.items()}
+    exact["2x4x2"] = _litgpt(["--micro-batch-size", "2", "--accumulate", "4", "--devices", "2"], tmp_path / "ddp")
+    plain = {name: _litgpt([*args, "--plain"], tmp_path / f"plain-{name}") for name, args in splits.items()}
+    reference = torch.tensor(exact["4x4"]["parameters"], dtype=torch.float64)
+    for name in ("1x16", "2x4x2"):
+        other = torch.tensor(exact[name]["parameters"], dtype=torch.float64)
+        assert (other - reference).abs().max() < 1e-10, name  # AdamW on float64: rounding, amplified, stays below
+        assert exact[name]["val_loss"] == pytest.approx(exact["4x4"]["val_loss"], rel=1e-12)
+        assert exact[name]["losses"] == pytest.approx(exact["4x4"]["losses"], rel=1e-12)
+        assert exact[name]["tokens"] == exact["4x4"]["tokens"]
+    gap = torch.tensor(plain["1x16"]["parameters"]) - torch.tensor(plain["4x4"]["parameters"])
+    assert gap.abs().max() > 1e-3  # LitGPT's loss / A: another objective at every split

@@ -11,17 +11,18 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import Strategy
 
-from lightning_accum import AccumulationStrategy, AxisLR, DDPAccumulationStrategy
+from lightning_accum import AccumulationStrategy, AxisLR, DDPAccumulationStrategy, FabricAccumulationStrategy
 from lightning_accum.strategies.ddp import _LedgerReturningLauncher
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_device_the_trainer_selects_is_the_strategys_root_device() -> None:
-    # `parallel_devices`' setter writes SingleDeviceStrategy._root_device, which its `root_device` reads.
-    strategy = AccumulationStrategy()
-    strategy.parallel_devices = [torch.device("meta")]
-    assert strategy.root_device == torch.device("meta")
+    # `parallel_devices`' setter writes SingleDeviceStrategy._root_device, which its `root_device` reads (Lightning's
+    # strategy and Fabric's).
+    for strategy in (AccumulationStrategy(), FabricAccumulationStrategy()):
+        strategy.parallel_devices = [torch.device("meta")]
+        assert strategy.root_device == torch.device("meta")
 
 
 def test_the_spawn_launcher_is_ours_and_serves_the_strategy() -> None:
