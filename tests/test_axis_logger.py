@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import IGNORE, ListDataset, TinyLM, fit, make_examples, random_lengths, run_ddp
+from helpers import IGNORE, ListDataset, TinyLM, fit, make_examples, make_trainer, random_lengths, run_ddp
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -61,9 +61,8 @@ def run(
     loggers: list[Any] = [TensorBoardLogger(tmp_path, name=name, version=0)]
     if extra_loggers:
         loggers.append(CSVLogger(tmp_path, name=f"{name}-csv", version=0))
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=AccumulationStrategy(),
-        accelerator="cpu",
         accumulate_grad_batches=accumulate,
         max_epochs=epochs,
         logger=loggers,
@@ -71,10 +70,6 @@ def run(
         log_every_n_steps=1,
         val_check_interval=val_every,
         check_val_every_n_epoch=1 if val_every is None else None,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     loader = DataLoader(ListDataset(examples), batch_size=m)
     trainer.fit(model, loader, DataLoader(ListDataset(examples[:4]), batch_size=2), ckpt_path=ckpt_path)
@@ -226,18 +221,12 @@ def test_learning_rate_monitor_and_accum_lr_sit_at_the_same_x_for_the_same_updat
     # 6 updates (m = 2, A = 2) at log_every_n_steps=2: the monitor reads the rates before the micro-batches of
     # updates 2, 4 and 6 (Lightning's cadence), and AxisLogger writes a point after each of those updates.
     examples = make_examples(random_lengths(24, seed=4), seed=4)
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=AccumulationStrategy(),
-        accelerator="cpu",
         accumulate_grad_batches=2,
-        max_epochs=1,
         logger=TensorBoardLogger(tmp_path, name="lr", version=0),
         callbacks=[AxisLogger(axis="tokens"), LearningRateMonitor(logging_interval="step", log_momentum=True)],
         log_every_n_steps=2,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     # The reference, per update: the count after it, and the rate and momentum it used (the listeners run after the
     # update, before the schedule advances).
@@ -261,19 +250,14 @@ def test_learning_rate_monitor_and_accum_lr_sit_at_the_same_x_for_the_same_updat
 
 
 def test_requires_an_accumulation_strategy(tmp_path: Path) -> None:
-    trainer = L.Trainer(accelerator="cpu", callbacks=[AxisLogger()], logger=False, max_epochs=1)
+    trainer = make_trainer(strategy="auto", callbacks=[AxisLogger()])
     with pytest.raises(RuntimeError, match=r"AxisLogger needs an accumulation strategy.*strategy='accum'"):
         trainer.fit(TinyLM(), DataLoader(ListDataset(make_examples([2, 3])), batch_size=1))
 
 
 def test_tokens_axis_without_token_counts_is_a_clear_error(tmp_path: Path) -> None:
-    trainer = L.Trainer(
-        strategy="accum",
-        accelerator="cpu",
+    trainer = make_trainer(
         callbacks=[AxisLogger()],
-        logger=False,
-        max_epochs=1,
-        enable_progress_bar=False,
     )
     with (
         pytest.raises(RuntimeError, match=r"axis='tokens'\) needs token counts.*axis='samples'"),
@@ -296,15 +280,7 @@ class _ReadProgressBar(L.Callback):
 def test_progress_bar_shows_tokens_and_skipped_updates(tmp_path: Path) -> None:
     reader = _ReadProgressBar()
     examples = make_examples([4] * 8, seed=0)
-    trainer = L.Trainer(
-        strategy="accum",
-        accelerator="cpu",
-        accumulate_grad_batches=2,
-        max_epochs=1,
-        logger=False,
-        callbacks=[AxisLogger(), reader],
-        enable_checkpointing=False,
-    )
+    trainer = make_trainer(accumulate_grad_batches=2, callbacks=[AxisLogger(), reader], enable_progress_bar=True)
     trainer.fit(TinyLM(), DataLoader(ListDataset(examples), batch_size=2))
     # Text, not a number: Rich's bar formats every number with three decimals ("skipped: 0.000").
     assert reader.metrics["seen"] == "32 tok" and reader.metrics["skipped"] == "0"
@@ -343,18 +319,12 @@ def cadence_fit(
     """A fit at A = 2 logging every `every` updates on the tokens axis: the Trainer, every group record (from the
     strategy's listener), and the scalars written."""
     records: list[Any] = []
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=AccumulationStrategy(),
-        accelerator="cpu",
         accumulate_grad_batches=2,
-        max_epochs=1,
         logger=TensorBoardLogger(tmp_path, name=name, version=0),
         callbacks=[AxisLogger(axis="tokens")],
         log_every_n_steps=every,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.strategy.add_group_listener(lambda record, _: records.append(record))
     val = DataLoader(ListDataset(examples[:val_size]), batch_size=2)
@@ -424,18 +394,12 @@ def test_two_fits_with_one_axis_logger_continue_the_axis_and_leave_the_logger_cl
     axis = AxisLogger(axis="tokens")
     model = LoggingLM(lr=0.5)
     for _ in range(2):  # two training stages, a new Trainer each, one logger and one callback
-        trainer = L.Trainer(
+        trainer = make_trainer(
             strategy=AccumulationStrategy(),
-            accelerator="cpu",
             accumulate_grad_batches=2,
-            max_epochs=1,
             logger=logger,
             callbacks=[axis],
             log_every_n_steps=1,
-            num_sanity_val_steps=0,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(model, DataLoader(ListDataset(examples), batch_size=2), DataLoader(ListDataset(examples[:2])))
         assert "log_metrics" not in vars(logger)  # nothing left on the logger instance

@@ -12,11 +12,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 import wandb
-from helpers import ListDataset, TinyLM, make_examples, random_lengths
+from helpers import ListDataset, TinyLM, make_examples, make_trainer, random_lengths
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import Logger, MLFlowLogger, WandbLogger
 from mlflow.tracking import MlflowClient
@@ -50,19 +49,13 @@ def fit_with(logger: Logger) -> list[tuple[int, float]]:
     update, before the schedule advances).
     """
     examples = make_examples(random_lengths(16, seed=7), seed=7)
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=AccumulationStrategy(),
-        accelerator="cpu",
         accumulate_grad_batches=2,
-        max_epochs=1,
         logger=logger,
         callbacks=[AxisLogger(axis="tokens"), LearningRateMonitor(logging_interval="step")],
         log_every_n_steps=1,
         val_check_interval=4,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     used: list[tuple[int, float]] = []
     strategy = trainer.strategy

@@ -25,6 +25,7 @@ from helpers import (
     TinyLM,
     ddp_trainer,
     make_examples,
+    make_trainer,
     params_vector,
     random_lengths,
     run_ddp,
@@ -60,16 +61,12 @@ def test_resume_at_an_update_boundary_equals_the_uninterrupted_run(tmp_path: Pat
     examples = make_examples(random_lengths(14, seed=50), seed=50)  # 7 micro-batches: groups 3, 3, 1 (partial)
 
     def trainer(max_epochs: int, callbacks: list[L.Callback]) -> L.Trainer:
-        return L.Trainer(
+        return make_trainer(
             strategy=AccumulationStrategy(partial_group=policy),
-            accelerator="cpu",
             accumulate_grad_batches=3,
             max_epochs=max_epochs,
-            logger=False,
             callbacks=callbacks,
             enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
 
     def loader() -> ResumableLoader:
@@ -154,16 +151,12 @@ def _ignore_on_exception_checkpoint_notes() -> None:
 def _mid_group_trainer(policy: str, folder: Path | None) -> L.Trainer:
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
-    return L.Trainer(
+    return make_trainer(
         strategy=AccumulationStrategy(partial_group=policy),
-        accelerator="cpu",
         accumulate_grad_batches=3,
         max_epochs=2,
-        logger=False,
         callbacks=[OnExceptionCheckpoint(dirpath=folder, filename="interrupted")] if folder else [],
         enable_checkpointing=folder is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
 
 
@@ -407,15 +400,10 @@ def test_ddp_resume_with_drop_at_a_boundary_and_inside_a_group(tmp_path: Path) -
     group = torch.load(ckpt, weights_only=True)["lightning_accum"]["open_group"]
     assert (group["microbatches"], group["replicas"], group["total_microbatches"]) == (1, 2, 2)
     examples = make_examples(random_lengths(10, seed=61), seed=61)  # 5 micro-batches; the loader skips the first
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=AccumulationStrategy(partial_group="drop"),
-        accelerator="cpu",
         accumulate_grad_batches=2,
         max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's resume notes
@@ -653,16 +641,13 @@ def test_a_spawned_worker_killed_leaves_the_launchers_error_on_top_and_no_untrai
     from torch.multiprocessing import ProcessExitedException
 
     examples = make_examples(random_lengths(24, seed=70), seed=70)
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy="accum_ddp_spawn",
-        accelerator="cpu",
         devices=2,
         accumulate_grad_batches=3,
-        max_epochs=1,
-        logger=False,
         callbacks=[OnExceptionCheckpoint(dirpath=tmp_path, filename="spawn_killed")],
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
+        use_distributed_sampler=True,
     )
     with (
         warnings.catch_warnings(record=True) as caught,
@@ -729,16 +714,10 @@ def test_an_error_of_the_users_code_is_not_taken_for_a_lost_peer_by_its_words(tm
 
 
 def _plain_trainer(strategy: Any, accumulate: int, callbacks: list[L.Callback] | None = None) -> L.Trainer:
-    return L.Trainer(
+    return make_trainer(
         strategy=strategy,
-        accelerator="cpu",
         accumulate_grad_batches=accumulate,
-        max_epochs=1,
-        logger=False,
         callbacks=callbacks or [],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
 
 
@@ -1346,17 +1325,11 @@ class _SaveAt(L.Callback):
 def _sharded_fit(devices: int, model: L.LightningModule, callbacks: list[L.Callback], ckpt: Path | None) -> L.Trainer:
     from lightning_accum import ModelParallelAccumulationStrategy
 
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy=ModelParallelAccumulationStrategy(tensor_parallel_size=1),  # a sharded folder (Lightning's default)
-        accelerator="cpu",
         devices=devices,
         accumulate_grad_batches=2,
-        max_epochs=1,
-        logger=False,
         callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
     )
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import IGNORE, ListDataset, RankStridedSampler, TinyLM, make_examples, run_ddp
+from helpers import IGNORE, ListDataset, RankStridedSampler, TinyLM, make_examples, make_trainer, run_ddp
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
@@ -64,16 +64,11 @@ def reference_loss(model: TinyLM, examples: list[dict[str, Tensor]]) -> float:
 def _trainer(devices: int = 1, **kwargs: Any) -> L.Trainer:
     options: dict[str, Any] = {
         "strategy": "accum" if devices == 1 else "accum_ddp",
-        "accelerator": "cpu",
         "devices": devices,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
         "use_distributed_sampler": False,
+        "num_sanity_val_steps": 2,  # Lightning's sanity check: its steps are evaluated too
     }
-    options.update(kwargs)
-    return L.Trainer(**options)
+    return make_trainer(**{**options, **kwargs})
 
 
 def _loader(examples: list[dict[str, Tensor]], batch_size: int, distributed: bool = False) -> DataLoader:

@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import IGNORE, ListDataset, TinyLM, make_examples, run_ddp
+from helpers import IGNORE, ListDataset, TinyLM, make_examples, make_trainer, run_ddp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_evaluation import LENGTHS, reference_loss
 from torch import Tensor
@@ -51,17 +51,7 @@ class Returns(TinyLM):
 
 
 def _trainer(strategy: Any = "accum", **kwargs: Any) -> L.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "max_epochs": 1,
-    }
-    options.update(kwargs)
-    return L.Trainer(strategy=strategy, **options)
+    return make_trainer(**{"strategy": strategy, "num_sanity_val_steps": 2, **kwargs})  # Lightning's sanity check
 
 
 def _loader(examples: list[dict[str, Tensor]], batch_size: int = 4) -> DataLoader:

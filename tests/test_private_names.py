@@ -7,8 +7,8 @@ import inspect
 import re
 from pathlib import Path
 
-import lightning as L
 import torch
+from helpers import make_trainer
 from lightning.pytorch.strategies import Strategy
 
 from lightning_accum import AccumulationStrategy, AxisLR, DDPAccumulationStrategy, FabricAccumulationStrategy
@@ -27,14 +27,9 @@ def test_the_device_the_trainer_selects_is_the_strategys_root_device() -> None:
 
 def test_the_spawn_launcher_is_ours_and_serves_the_strategy() -> None:
     # DDPStrategy._configure_launcher sets `_launcher` from `_start_method`; the launcher keeps its `_strategy`.
-    trainer = L.Trainer(
+    trainer = make_trainer(
         strategy="accum_ddp_spawn",
         devices=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     strategy = trainer.strategy
     assert isinstance(strategy, DDPAccumulationStrategy)
