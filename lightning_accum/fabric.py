@@ -51,6 +51,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor
@@ -58,6 +59,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accum._worker_exit import close_process_group
 from lightning_accum.axis_lr import AxisLR
 from lightning_accum.decision import GroupListener
 from lightning_accum.engine import AccumulationEngine
@@ -382,6 +384,16 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
         )
 
 
+class _ClosingLauncher(_MultiProcessingLauncher):
+    """Fabric's spawn/fork launcher, closing the process group in each worker once the launched function has returned
+    (the end of a spawned worker with a live gloo group can abort it: see :mod:`lightning_accum._worker_exit`)."""
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        close_process_group(self._strategy)
+
+
 class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     """Exact accumulation in a Fabric loop across data-parallel replicas (``L.Fabric(strategy="accum_ddp")`` and
     ``"accum_ddp_spawn"``, ``"accum_ddp_fork"``, ``"accum_ddp_notebook"``, ``"accum_ddp_find_unused_parameters_true"``).
@@ -419,6 +431,12 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     ) -> None:
         self._init_accumulation(AccumulationOptions.pick(locals()))
         super().__init__(start_method=start_method, **kwargs)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher) and self._start_method != "popen":
+            self._launcher = _ClosingLauncher(self, start_method=self._start_method)
 
     @classmethod
     @override

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import gc
+import json
 import os
 import socket
 import subprocess
@@ -14,6 +16,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -158,6 +161,37 @@ class RankStridedSampler(Sampler[int]):
     def __len__(self) -> int:
         rank, world = self._layout()
         return len(range(rank, self.length, world))
+
+
+def native_threads() -> list[str]:
+    """Names of this process's native threads (Linux: `/proc/self/task`)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return names
+
+
+def record_threads_at_exit(path: str | Path) -> None:
+    """Write to `path`, at this process's interpreter exit (atexit runs before finalization), whether a process group
+    is still initialized and which native threads are alive then and now (the end of a spawned worker, issue 23)."""
+    now = native_threads()
+
+    def write() -> None:
+        state = {"initialized": dist.is_initialized(), "threads_at_exit": native_threads(), "threads_before": now}
+        Path(path).write_text(json.dumps(state))
+
+    atexit.register(write)
+
+
+def assert_group_closed_before_exit(path: str | Path) -> None:
+    """What `record_threads_at_exit` wrote: gloo's threads were alive before, and neither they nor the group at exit."""
+    state = json.loads(Path(path).read_text())
+    assert [n for n in state["threads_before"] if "gloo" in n], state  # the probe sees the group's threads
+    assert not state["initialized"], state
+    assert not [n for n in state["threads_at_exit"] if "gloo" in n or "tcpstore" in n], state
 
 
 def make_trainer(**overrides: Any) -> L.Trainer:

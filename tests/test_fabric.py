@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import inspect
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,16 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import IGNORE, VOCAB, make_examples, params_vector, random_lengths, sgd_reference
+from helpers import (
+    IGNORE,
+    VOCAB,
+    assert_group_closed_before_exit,
+    make_examples,
+    params_vector,
+    random_lengths,
+    record_threads_at_exit,
+    sgd_reference,
+)
 from lightning.fabric.loggers import CSVLogger
 from lightning.fabric.plugins.precision import MixedPrecision
 from torch import Tensor, nn
@@ -130,9 +140,12 @@ def test_the_seed_example_is_weighted_by_tokens_not_averaged() -> None:
     assert record.loss != pytest.approx((float(means[0]) + float(means[1])) / 2, rel=1e-3)
 
 
-def _ddp_worker(fabric: L.Fabric, examples: list[dict[str, Tensor]], m: int, accumulate: int) -> dict[str, Any]:
+def _ddp_worker(
+    fabric: L.Fabric, examples: list[dict[str, Tensor]], m: int, accumulate: int, folder: str
+) -> dict[str, Any]:
     # Each rank reads every other example of each group: together the replicas read the one-device groups.
     rank, world = fabric.global_rank, fabric.world_size
+    record_threads_at_exit(Path(folder) / f"exit-rank{rank}.json")
     mine = [e for group in _groups(examples, 8) for e in group[rank::world]]
     model, optimizer = fabric.setup(*_model_and_optimizer())
     train(fabric, model, optimizer, micro_batches(mine, m), accumulate)
@@ -142,15 +155,22 @@ def _ddp_worker(fabric: L.Fabric, examples: list[dict[str, Tensor]], m: int, acc
 
 @pytest.mark.ddp
 @pytest.mark.timeout(300)
-def test_two_processes_match_the_float64_reference_and_one_device() -> None:
+@pytest.mark.skipif(sys.platform != "linux", reason="reads thread names from /proc")
+def test_two_processes_match_the_float64_reference_and_one_device(tmp_path: Path) -> None:
     reference = sgd_reference(TinyNet(), _groups(EXAMPLES, 8), lr=LR)
     for m, accumulate in ((2, 2), (1, 4)):  # 2 replicas × m × A = 8 examples per update
         strategy = FabricDDPAccumulationStrategy(start_method="spawn")
         fabric = L.Fabric(strategy=strategy, devices=2, accelerator="cpu")
-        result = fabric.launch(_ddp_worker, EXAMPLES, m, accumulate)
+        folder = tmp_path / f"m{m}"
+        folder.mkdir()
+        result = fabric.launch(_ddp_worker, EXAMPLES, m, accumulate, str(folder))
         torch.testing.assert_close(torch.tensor(result["params"], dtype=torch.float64), reference, rtol=0, atol=1e-12)
         ledger = result["ledger"]
         assert (ledger["updates_applied"], ledger["samples"], ledger["microbatches"]) == (3, 24, 24 // m)
+        # Each worker closed its process group before its interpreter exited: a gloo group left to the interpreter's
+        # finalization can abort the worker after the loop ended (SIGABRT, issue 23), as it did here before.
+        for rank in range(2):
+            assert_group_closed_before_exit(folder / f"exit-rank{rank}.json")
 
 
 def test_the_string_builds_the_spawn_strategy() -> None:
