@@ -9,6 +9,7 @@ part                                                         job
 =========================================================== ===============================================
 :class:`~lightning_accum.engine.AccumulationEngine`          the arithmetic: weights, ``c``, the close, the ledger
 :class:`~lightning_accum.strategies.closing.GroupClosing`    a group closed over an optimizer's gradients
+:class:`~lightning_accum.strategies.automatic.AutomaticSteps` the optimizer step of automatic optimization
 :class:`~lightning_accum.strategies.manual.ManualGroups`     the manual-optimization API
 :class:`~lightning_accum.strategies.slicing.BatchSlicer`     a loader batch run as slices (``microbatch_size=``)
 :class:`~lightning_accum.strategies.checkpoint.OpenGroupCheckpoint` the package's checkpoint entry and an open group
@@ -57,7 +58,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum.decision import GroupListener, GroupOutcome
+from lightning_accum.decision import GroupListener
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import group_position
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
@@ -66,6 +67,7 @@ from lightning_accum.options import AccumulationOptions
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
 from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
 from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
+from lightning_accum.strategies.automatic import CLOSURE_EVALUATING, AutomaticSteps, reevaluation_message
 from lightning_accum.strategies.checkpoint import (
     CHECKPOINT_KEY,
     OpenGroupCheckpoint,
@@ -81,41 +83,7 @@ from lightning_accum.strategies.slicing import BatchSlicer
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 
-#: Optimizers known to evaluate the closure several times per update (a line search).
-_CLOSURE_EVALUATING: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
 _Path = str | Path  # what Lightning's checkpoint methods accept
-
-
-class _NoUpdate(Exception):  # control flow inside the optimizer step, never seen by users
-    """Raised from the closure, inside the optimizer's ``step``, when the closed group makes no update."""
-
-    def __init__(self, result: Any, outcome: GroupOutcome) -> None:
-        super().__init__()
-        self.result = result
-        self.outcome = outcome
-
-
-class _Step:
-    """One automatic optimizer step: what the group-closing closure needs, and the group it closed."""
-
-    __slots__ = ("closure", "optimizer", "outcome", "scale_before", "trainer")
-
-    def __init__(self, optimizer: Optimizer, closure: Callable[..., Any], trainer: Trainer) -> None:
-        self.optimizer = optimizer
-        self.closure = closure
-        self.trainer = trainer
-        self.outcome: GroupOutcome | None = None
-        self.scale_before: Tensor | None = None
-
-
-def _reevaluation_message(name: str, accumulate: int) -> str:
-    return (
-        f"`{name}` evaluates the training closure several times per update (a line search re-runs `training_step`"
-        f" and `backward` at new parameters), but `accumulate_grad_batches={accumulate}`: each re-evaluation would"
-        " cover only the group's last micro-batch, so no exact accumulated update exists. Use"
-        f" `accumulate_grad_batches=1` with {name} (the strategy then runs it as Lightning does), or a first-order"
-        " optimizer such as SGD or AdamW to accumulate."
-    )
 
 
 class ExactAccumulation(Strategy):
@@ -151,11 +119,11 @@ class ExactAccumulation(Strategy):
         self._engine = AccumulationEngine.from_options(options)
         self._engine.bind(info=rank_zero_info, warn=rank_zero_warn)
         self._closing = GroupClosing(local=self._adapter.local_gradient)
+        self._steps = AutomaticSteps(self._closing)
         self._manual = ManualGroups()
         self._checkpoint = OpenGroupCheckpoint()
         self._evaluation = ExactEvaluation()
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
-        self._step: _Step | None = None
         self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
 
     # ------------------------------------------------------------------ the public interface
@@ -351,60 +319,23 @@ class ExactAccumulation(Strategy):
                 self.gradient_scaler,
                 lambda: lightning_step(optimizer, closure, model, **kwargs),
             )
-        # Lightning calls this once per group, on its last micro-batch, and the optimizer evaluates the closure
-        # (that micro-batch's training_step, zero_grad at a group's start, backward) inside its `step`, in
-        # Lightning's order. The group closes right after the closure, inside the step: before unscale, clipping
-        # and the update. A group that makes no update leaves the step through `_NoUpdate` from the closure.
-        step = self._step = _Step(optimizer, closure, self._trainer())
-        try:
-            output = lightning_step(optimizer, self._closure_then_close, model, **kwargs)
-        except _NoUpdate as stop:
-            self._closing.finish(self._engine, stop.outcome, applied=False)
-            return stop.result
-        finally:
-            self._step = None
-        if step.outcome is not None:  # else the optimizer never evaluated the closure: Lightning raises its own error
-            self._closing.finish_after_step(self._engine, step.outcome, step.scale_before, self.gradient_scaler)
-        return output
-
-    def _closure_then_close(self, *args: Any, **kw: Any) -> Any:
-        """What the optimizer evaluates in automatic optimization: Lightning's closure, then the group's close."""
-        step = self._step
-        assert step is not None
-        trainer = step.trainer
-        if step.outcome is not None:  # the optimizer evaluates the closure again (LBFGS): same batch, new parameters
-            return self._reevaluate(step.optimizer, step.closure, trainer.accumulate_grad_batches, *args, **kw)
-        result = step.closure(*args, **kw)
-        if self._checkpoint.carried is not None:  # a resumed group whose remaining micro-batches had no backward
-            self._checkpoint.install(self._adapter.carried_part)
-        if self._slicer.enabled:  # a last slice without a loss: Lightning ran no backward to put its batch back
-            self._slicer.install_pending(self)
-        scaler = self.gradient_scaler
-        outcome = step.outcome = self._closing.close(
-            self._engine,
-            step.optimizer,
-            self.lightning_module,
-            trainer.accumulate_grad_batches,
-            bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
-            scaler,
+        # The group closes inside the optimizer's step, right after Lightning's closure (see `strategies/automatic`).
+        return self._steps.optimizer_step(
+            self,
+            optimizer,
+            closure,
+            self._trainer(),
+            self._before_close,
+            lambda closure_then_close: lightning_step(optimizer, closure_then_close, model, **kwargs),
         )
-        step.scale_before = self._closing.scale_now(scaler)
-        if outcome.action != "apply":
-            step.optimizer.zero_grad(set_to_none=True)
-            raise _NoUpdate(result, outcome)
-        return result
 
-    def _reevaluate(
-        self, optimizer: Optimizer, closure: Callable[..., Any], accumulate: int, *args: Any, **kw: Any
-    ) -> Any:
-        """A further evaluation of the closure inside one step: exact on a scratch engine, outside the ledger."""
-        if accumulate > 1:
-            raise RuntimeError(_reevaluation_message(type(optimizer).__name__, accumulate))
-        scratch = self._engine.scratch()
-        with self.use_engine(scratch):
-            result = closure(*args, **kw)
-            scratch.close_group(accumulate=1, gradients=self._closing.gradients_by_kind(optimizer))
-        return result
+    def _before_close(self) -> None:
+        """What a group's close needs first, after Lightning's closure: the gradient of a resumed group whose
+        remaining micro-batches had no backward, and a last slice's batch that Lightning did not put back."""
+        if self._checkpoint.carried is not None:
+            self._checkpoint.install(self._adapter.carried_part)
+        if self._slicer.enabled:
+            self._slicer.install_pending(self)
 
     # ------------------------------------------------------------------ manual optimization
 
@@ -702,5 +633,5 @@ def _check_supported(strategy: ExactAccumulation, trainer: Trainer) -> None:
     if not trainer.lightning_module.automatic_optimization or accumulate == 1:
         return
     for optimizer in trainer.optimizers:
-        if isinstance(optimizer, _CLOSURE_EVALUATING):
-            raise ValueError(_reevaluation_message(type(optimizer).__name__, accumulate))
+        if isinstance(optimizer, CLOSURE_EVALUATING):
+            raise ValueError(reevaluation_message(type(optimizer).__name__, accumulate))

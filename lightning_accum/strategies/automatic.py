@@ -1,0 +1,164 @@
+"""The optimizer step of automatic optimization: Lightning's closure, then the group's close, inside the optimizer.
+
+Lightning calls the strategy's ``optimizer_step`` once per group, on its last micro-batch, and the optimizer evaluates
+the closure (that micro-batch's ``training_step``, ``zero_grad`` at a group's start, ``backward``) inside its ``step``,
+in Lightning's order. The closure :class:`AutomaticSteps` hands to the optimizer runs Lightning's and then closes the
+group, right after the last backward and before unscale, clipping and the update. A group that makes no update (a
+skip or a dropped partial group) leaves the optimizer's ``step`` through an exception raised from the closure and
+caught here, so the optimizer never updates on it.
+
+An optimizer that evaluates the closure again within one step (LBFGS's line search) runs as under Lightning at
+``A = 1``: each further evaluation is weighted exactly on a scratch engine, outside the ledger. At ``A > 1`` it is an
+error (:func:`reevaluation_message`): a re-evaluation would cover only the group's last micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_accum.decision import GroupOutcome
+from lightning_accum.engine import AccumulationEngine
+from lightning_accum.strategies.closing import GroupClosing
+
+__all__ = ["CLOSURE_EVALUATING", "AutomaticSteps", "StepHost", "reevaluation_message"]
+
+#: Optimizers known to evaluate the closure several times per update (a line search).
+CLOSURE_EVALUATING: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
+
+
+def reevaluation_message(name: str, accumulate: int) -> str:
+    """Why an optimizer that re-evaluates the closure cannot accumulate, and what to do."""
+    return (
+        f"`{name}` evaluates the training closure several times per update (a line search re-runs `training_step`"
+        f" and `backward` at new parameters), but `accumulate_grad_batches={accumulate}`: each re-evaluation would"
+        " cover only the group's last micro-batch, so no exact accumulated update exists. Use"
+        f" `accumulate_grad_batches=1` with {name} (the strategy then runs it as Lightning does), or a first-order"
+        " optimizer such as SGD or AdamW to accumulate."
+    )
+
+
+class StepHost(Protocol):
+    """What :class:`AutomaticSteps` reads of the strategy it serves (:class:`~lightning_accum.ExactAccumulation`)."""
+
+    @property
+    def engine(self) -> AccumulationEngine: ...
+
+    @property
+    def gradient_scaler(self) -> torch.amp.GradScaler | None: ...
+
+    @property
+    def lightning_module(self) -> LightningModule | None: ...
+
+    def use_engine(
+        self, engine: AccumulationEngine, slicing: bool = True
+    ) -> AbstractContextManager[AccumulationEngine]: ...
+
+
+class _NoUpdate(Exception):  # control flow inside the optimizer step, never seen by users
+    """Raised from the closure, inside the optimizer's ``step``, when the closed group makes no update."""
+
+    def __init__(self, result: Any, outcome: GroupOutcome) -> None:
+        super().__init__()
+        self.result = result
+        self.outcome = outcome
+
+
+class _Step:
+    """One automatic optimizer step: what the group-closing closure needs, and the group it closed."""
+
+    __slots__ = ("closure", "host", "optimizer", "outcome", "prepare", "scale_before", "trainer")
+
+    def __init__(
+        self,
+        host: StepHost,
+        optimizer: Optimizer,
+        closure: Callable[..., Any],
+        trainer: Trainer,
+        prepare: Callable[[], None],
+    ) -> None:
+        self.host = host
+        self.optimizer = optimizer
+        self.closure = closure
+        self.trainer = trainer
+        self.prepare = prepare
+        self.outcome: GroupOutcome | None = None
+        self.scale_before: Tensor | None = None
+
+
+class AutomaticSteps:
+    """The optimizer steps of a run in automatic optimization, each closing its group inside the optimizer's step.
+
+    Args:
+        closing: The strategy's :class:`~lightning_accum.strategies.closing.GroupClosing`.
+    """
+
+    def __init__(self, closing: GroupClosing) -> None:
+        self._closing = closing
+        self._step: _Step | None = None
+
+    def optimizer_step(
+        self,
+        host: StepHost,
+        optimizer: Optimizer,
+        closure: Callable[..., Any],
+        trainer: Trainer,
+        prepare: Callable[[], None],
+        lightning_step: Callable[[Callable[..., Any]], Any],
+    ) -> Any:
+        """Run ``lightning_step`` (Lightning's ``optimizer_step`` given a closure) with a closure that runs
+        ``closure`` and then closes the group on ``host.engine``; ``prepare()`` runs between the two (what the
+        close needs first: a carried gradient or a sliced batch's, put back). Returns what Lightning's step returns,
+        or the closure's result when the group made no update."""
+        step = self._step = _Step(host, optimizer, closure, trainer, prepare)
+        try:
+            output = lightning_step(self._closure_then_close)
+        except _NoUpdate as stop:
+            self._closing.finish(host.engine, stop.outcome, applied=False)
+            return stop.result
+        finally:
+            self._step = None
+        if step.outcome is not None:  # else the optimizer never evaluated the closure: Lightning raises its own error
+            self._closing.finish_after_step(host.engine, step.outcome, step.scale_before, host.gradient_scaler)
+        return output
+
+    def _closure_then_close(self, *args: Any, **kw: Any) -> Any:
+        """What the optimizer evaluates: Lightning's closure, then the group's close."""
+        step = self._step
+        assert step is not None
+        trainer = step.trainer
+        if step.outcome is not None:  # the optimizer evaluates the closure again (LBFGS): same batch, new parameters
+            return self._reevaluate(step, trainer.accumulate_grad_batches, *args, **kw)
+        result = step.closure(*args, **kw)
+        step.prepare()
+        host = step.host
+        scaler = host.gradient_scaler
+        outcome = step.outcome = self._closing.close(
+            host.engine,
+            step.optimizer,
+            host.lightning_module,
+            trainer.accumulate_grad_batches,
+            bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
+            scaler,
+        )
+        step.scale_before = self._closing.scale_now(scaler)
+        if outcome.action != "apply":
+            step.optimizer.zero_grad(set_to_none=True)
+            raise _NoUpdate(result, outcome)
+        return result
+
+    def _reevaluate(self, step: _Step, accumulate: int, *args: Any, **kw: Any) -> Any:
+        """A further evaluation of the closure inside one step: exact on a scratch engine, outside the ledger."""
+        if accumulate > 1:
+            raise RuntimeError(reevaluation_message(type(step.optimizer).__name__, accumulate))
+        scratch = step.host.engine.scratch()
+        with step.host.use_engine(scratch):
+            result = step.closure(*args, **kw)
+            scratch.close_group(accumulate=1, gradients=self._closing.gradients_by_kind(step.optimizer))
+        return result
