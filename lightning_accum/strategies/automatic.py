@@ -73,17 +73,19 @@ class _NoUpdate(Exception):  # control flow inside the optimizer step, never see
 class _Step:
     """One automatic optimizer step: what the group-closing closure needs, and the group it closed."""
 
-    __slots__ = ("closure", "host", "optimizer", "outcome", "prepare", "scale_before", "trainer")
+    __slots__ = ("closing", "closure", "host", "optimizer", "outcome", "prepare", "scale_before", "trainer")
 
     def __init__(
         self,
         host: StepHost,
+        closing: GroupClosing,
         optimizer: Optimizer,
         closure: Callable[..., Any],
         trainer: Trainer,
         prepare: Callable[[], None],
     ) -> None:
         self.host = host
+        self.closing = closing
         self.optimizer = optimizer
         self.closure = closure
         self.trainer = trainer
@@ -93,19 +95,15 @@ class _Step:
 
 
 class AutomaticSteps:
-    """The optimizer steps of a run in automatic optimization, each closing its group inside the optimizer's step.
+    """The optimizer steps of a run in automatic optimization, each closing its group inside the optimizer's step."""
 
-    Args:
-        closing: The strategy's :class:`~lightning_accum.strategies.closing.GroupClosing`.
-    """
-
-    def __init__(self, closing: GroupClosing) -> None:
-        self._closing = closing
-        self._step: _Step | None = None
+    def __init__(self) -> None:
+        self._step: _Step | None = None  # the step running, while the optimizer may evaluate the closure
 
     def optimizer_step(
         self,
         host: StepHost,
+        closing: GroupClosing,
         optimizer: Optimizer,
         closure: Callable[..., Any],
         trainer: Trainer,
@@ -113,19 +111,19 @@ class AutomaticSteps:
         lightning_step: Callable[[Callable[..., Any]], Any],
     ) -> Any:
         """Run ``lightning_step`` (Lightning's ``optimizer_step`` given a closure) with a closure that runs
-        ``closure`` and then closes the group on ``host.engine``; ``prepare()`` runs between the two (what the
-        close needs first: a carried gradient or a sliced batch's, put back). Returns what Lightning's step returns,
-        or the closure's result when the group made no update."""
-        step = self._step = _Step(host, optimizer, closure, trainer, prepare)
+        ``closure`` and then closes the group with ``closing`` on ``host.engine``; ``prepare()`` runs between the two
+        (what the close needs first: a carried gradient or a sliced batch's, put back). Returns what Lightning's step
+        returns, or the closure's result when the group made no update."""
+        step = self._step = _Step(host, closing, optimizer, closure, trainer, prepare)
         try:
             output = lightning_step(self._closure_then_close)
         except _NoUpdate as stop:
-            self._closing.finish(host.engine, stop.outcome, applied=False)
+            closing.finish(host.engine, stop.outcome, applied=False)
             return stop.result
         finally:
             self._step = None
         if step.outcome is not None:  # else the optimizer never evaluated the closure: Lightning raises its own error
-            self._closing.finish_after_step(host.engine, step.outcome, step.scale_before, host.gradient_scaler)
+            closing.finish_after_step(host.engine, step.outcome, step.scale_before, host.gradient_scaler)
         return output
 
     def _closure_then_close(self, *args: Any, **kw: Any) -> Any:
@@ -139,7 +137,7 @@ class AutomaticSteps:
         step.prepare()
         host = step.host
         scaler = host.gradient_scaler
-        outcome = step.outcome = self._closing.close(
+        outcome = step.outcome = step.closing.close(
             host.engine,
             step.optimizer,
             host.lightning_module,
@@ -147,7 +145,7 @@ class AutomaticSteps:
             bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
             scaler,
         )
-        step.scale_before = self._closing.scale_now(scaler)
+        step.scale_before = step.closing.scale_now(scaler)
         if outcome.action != "apply":
             step.optimizer.zero_grad(set_to_none=True)
             raise _NoUpdate(result, outcome)
@@ -160,5 +158,5 @@ class AutomaticSteps:
         scratch = step.host.engine.scratch()
         with step.host.use_engine(scratch):
             result = step.closure(*args, **kw)
-            scratch.close_group(accumulate=1, gradients=self._closing.gradients_by_kind(step.optimizer))
+            scratch.close_group(accumulate=1, gradients=step.closing.gradients_by_kind(step.optimizer))
         return result

@@ -119,7 +119,7 @@ class ExactAccumulation(Strategy):
         self._engine = AccumulationEngine.from_options(options)
         self._engine.bind(info=rank_zero_info, warn=rank_zero_warn)
         self._closing = GroupClosing(local=self._adapter.local_gradient)
-        self._steps = AutomaticSteps(self._closing)
+        self._steps = AutomaticSteps()
         self._manual = ManualGroups()
         self._checkpoint = OpenGroupCheckpoint()
         self._evaluation = ExactEvaluation()
@@ -322,6 +322,7 @@ class ExactAccumulation(Strategy):
         # The group closes inside the optimizer's step, right after Lightning's closure (see `strategies/automatic`).
         return self._steps.optimizer_step(
             self,
+            self._closing,
             optimizer,
             closure,
             self._trainer(),
