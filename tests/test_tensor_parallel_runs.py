@@ -119,6 +119,40 @@ def test_a_llama_with_plain_and_dtensor_parameters_clips_under_tensor_parallelis
         print(f"\n{algorithm}: tensor parallel vs one device {error:.1e}; clipped vs unclipped {effect:.1e}")
 
 
+def _strided_norms(rank: int, folder: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from lightning_accum.strategies.mesh_clipping import total_norm
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    whole = torch.randn(4, 3)
+    local = whole.chunk(2)[rank]  # each rank holds its half, as FSDP2 leaves a parameter's gradient
+    norms = {}
+    # FSDP2 over a tensor-parallel shard (a 2-D mesh) places the data-parallel dimension as a strided shard.
+    for name, placement in (("shard", Shard(0)), ("strided", _StridedShard(0, split_factor=1))):
+        grad = DTensor.from_local(local, mesh, [placement], run_check=False)
+        norms[name] = total_norm([grad]).item()
+    norms["replicated"] = total_norm([DTensor.from_local(whole, mesh, [Replicate()], run_check=False)]).item()
+    norms["expected"] = torch.linalg.vector_norm(whole.double()).item()
+    with open(os.path.join(folder, f"norms-rank{rank}.json"), "w") as file:
+        json.dump(norms, file)
+
+
+@pytest.mark.ddp
+def test_the_norm_counts_a_strided_shard_of_every_rank(tmp_path: Path) -> None:
+    # Under dp × tp the norm missed the other data-parallel ranks' parts of every tensor-parallel parameter (torch
+    # 2.13's strided shard is no `Shard`): clipping under FSDP2 over tensor parallelism clipped by another factor than
+    # one device (the 4-process test of test_model_parallel: 2.9e-3 from the one-device run, 1e-5 allowed).
+    run_ddp(_strided_norms, str(tmp_path))
+    for rank in range(2):
+        norms = json.loads((tmp_path / f"norms-rank{rank}.json").read_text())
+        for name in ("shard", "strided", "replicated"):
+            assert norms[name] == pytest.approx(norms["expected"], rel=1e-6), (rank, name, norms)
+
+
 def test_mesh_clipping_equals_torch_on_plain_tensors() -> None:
     from lightning_accum.strategies.mesh_clipping import clip_grad_norm_, clip_grad_value_, total_norm
 

@@ -20,13 +20,26 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_", "total_norm"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "is_sharded", "total_norm"]
 
 
 def _local(grad: Tensor) -> Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def is_sharded(placement: Placement) -> bool:
+    """Whether a (non-partial) placement splits the tensor over its mesh dimension, so that the ranks along it hold
+    different parts. Every placement but ``Replicate`` does: ``Shard``, and the strided shard FSDP2 puts over a
+    tensor-parallel shard on a 2-D mesh, which since torch 2.13 is no ``Shard`` (its ``is_shard()`` is ``False``).
+
+    Example:
+        >>> from torch.distributed.tensor import Replicate, Shard
+        >>> is_sharded(Shard(0)), is_sharded(Replicate())
+        (True, False)
+    """
+    return not placement.is_replicate()
 
 
 def total_norm(grads: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
@@ -41,7 +54,7 @@ def total_norm(grads: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):  # not a layout backward leaves; reduce it first
                 grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
-            key = (grad.device_mesh, tuple(p.is_shard() for p in grad.placements))
+            key = (grad.device_mesh, tuple(is_sharded(p) for p in grad.placements))
             layouts.setdefault(key, []).append(grad.to_local())
         else:
             plain.append(grad)
