@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_accum.axis_lr import AxisLR
+from lightning_accum.patching import InstancePatch
 
 if TYPE_CHECKING:
     from lightning.pytorch.utilities.types import LRSchedulerConfig
@@ -72,14 +73,13 @@ class UpdateSchedules:
         #: The frequency each taken-over config was given (counted on updates by the strategy).
         self.frequencies = {id(c): int(c.frequency) for c in self.configs}
         self._due: set[int] = set()  # ids of schedulers whose next hook call from Lightning goes through
-        self._had_instance_hook = _HOOK in vars(module)
-        self._original: Callable[..., Any] = getattr(module, _HOOK)
+        self._gate: InstancePatch | None = None
         if not self.configs:
             return
         taken = {id(c.scheduler) for c in self.configs}
-        original, due = self._original, self._due
+        due = self._due
 
-        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
+        def lr_scheduler_step(original: Callable[..., Any], scheduler: Any, metric: Any = None) -> None:
             key = id(scheduler)
             if key not in taken:
                 original(scheduler, metric)  # an epoch-interval or plateau scheduler: Lightning's own call
@@ -89,8 +89,7 @@ class UpdateSchedules:
 
         for config in self.configs:
             config.frequency = 1  # Lightning asks after every group; the strategy counts the frequency on updates
-        # On the instance (not the class): Lightning looks the hook up with getattr, `is_overridden` reads the class.
-        object.__setattr__(module, _HOOK, lr_scheduler_step)
+        self._gate = InstancePatch(module, _HOOK, lr_scheduler_step)
 
     def mark_due(self, is_due: Callable[[int], bool]) -> None:
         """Let Lightning's next call of the hook through for every scheduler for which ``is_due(frequency)``."""
@@ -103,10 +102,9 @@ class UpdateSchedules:
         for config in self.configs:
             config.frequency = self.frequencies[id(config)]
         self._due.clear()
-        if self.configs and not self._had_instance_hook:
-            vars(self.module).pop(_HOOK, None)
-        elif self.configs:
-            object.__setattr__(self.module, _HOOK, self._original)
+        if self._gate is not None:
+            self._gate.release()
+            self._gate = None
         self.configs = []
 
 

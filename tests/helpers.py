@@ -101,6 +101,40 @@ class TinyLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class EvalLM(TinyLM):
+    """TinyLM whose `validation_step` / `test_step` return `evaluation` ("tokens": the training contract, "loss": a
+    plain tensor, "none": nothing) and log Lightning's own `val_loss` / `test_loss` beside it."""
+
+    def __init__(self, evaluation: str = "tokens", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.evaluation = evaluation
+
+    def _evaluate(self, batch: dict[str, Tensor], name: str) -> Any:
+        loss = self.mean_loss(batch)
+        self.log(name, loss, sync_dist=True)  # Lightning's own value, unchanged beside the package's
+        if self.evaluation == "tokens":
+            return {"loss": loss, "num_tokens": (batch["labels"] != IGNORE).sum()}
+        return loss if self.evaluation == "loss" else None
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Any:
+        return self._evaluate(batch, "val_loss")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
+        return self._evaluate(batch, "test_loss")
+
+
+def reference_loss(model: TinyLM, examples: list[dict[str, Tensor]]) -> float:
+    """float64: Σ token losses / supervised tokens over the whole set."""
+    ref = TinyLM()
+    ref.load_state_dict(model.state_dict())
+    ref = ref.double()
+    ids = torch.stack([e["input_ids"] for e in examples])
+    labels = torch.stack([e["labels"] for e in examples])
+    with torch.no_grad():
+        total = F.cross_entropy(ref(ids).flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return float(total / (labels != IGNORE).sum())
+
+
 def params_vector(module: nn.Module) -> Tensor:
     return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in module.parameters()])
 

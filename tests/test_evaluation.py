@@ -13,8 +13,16 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import IGNORE, ListDataset, RankStridedSampler, TinyLM, make_examples, make_trainer, run_ddp
+from helpers import (
+    IGNORE,
+    EvalLM,
+    ListDataset,
+    RankStridedSampler,
+    make_examples,
+    make_trainer,
+    reference_loss,
+    run_ddp,
+)
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
@@ -25,40 +33,6 @@ from lightning_accum.strategies.evaluation import EVALUATION_KEYS, WeightedMean
 
 # Lengths chosen so that batch means and token weighting disagree: long and short sequences in uneven batches.
 LENGTHS = [6, 1, 1, 5, 2, 6, 1, 4, 6, 1, 3, 6, 2, 1, 5, 6, 1, 2, 6, 4]
-
-
-class EvalLM(TinyLM):
-    """TinyLM whose `validation_step` / `test_step` return `evaluation` ("tokens": the training contract, "loss": a
-    plain tensor, "none": nothing) and log Lightning's own `val_loss` / `test_loss` beside it."""
-
-    def __init__(self, evaluation: str = "tokens", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.evaluation = evaluation
-
-    def _evaluate(self, batch: dict[str, Tensor], name: str) -> Any:
-        loss = self.mean_loss(batch)
-        self.log(name, loss, sync_dist=True)  # Lightning's own value, unchanged beside the package's
-        if self.evaluation == "tokens":
-            return {"loss": loss, "num_tokens": (batch["labels"] != IGNORE).sum()}
-        return loss if self.evaluation == "loss" else None
-
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Any:
-        return self._evaluate(batch, "val_loss")
-
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
-        return self._evaluate(batch, "test_loss")
-
-
-def reference_loss(model: TinyLM, examples: list[dict[str, Tensor]]) -> float:
-    """float64: Σ token losses / supervised tokens over the whole set."""
-    ref = TinyLM()
-    ref.load_state_dict(model.state_dict())
-    ref = ref.double()
-    ids = torch.stack([e["input_ids"] for e in examples])
-    labels = torch.stack([e["labels"] for e in examples])
-    with torch.no_grad():
-        total = F.cross_entropy(ref(ids).flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    return float(total / (labels != IGNORE).sum())
 
 
 def _trainer(devices: int = 1, **kwargs: Any) -> L.Trainer:

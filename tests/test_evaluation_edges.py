@@ -15,9 +15,9 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import IGNORE, ListDataset, TinyLM, make_examples, make_trainer, run_ddp
+from helpers import IGNORE, ListDataset, TinyLM, make_examples, make_trainer, reference_loss, run_ddp
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_evaluation import LENGTHS, reference_loss
+from test_evaluation import LENGTHS
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 

@@ -17,6 +17,7 @@ from lightning_accum.axis_lr import no_token_counts_error
 from lightning_accum.callbacks.common import accumulation_strategy, format_count
 from lightning_accum.ledger import AXES, AccumulationLedger, GroupRecord
 from lightning_accum.options import validate_choice
+from lightning_accum.patching import InstancePatch
 from lightning_accum.strategies import ExactAccumulation
 
 __all__ = ["AXES", "AxisLogger", "window_metrics"]
@@ -152,9 +153,9 @@ class AxisLogger(Callback):
     def __init__(self, axis: str = "tokens", prefix: str = "accum/") -> None:
         self.axis = validate_choice("axis", axis, AXES)
         self.prefix = prefix
-        # Per logger: the logger, its own `log_metrics`, and whether that method is given x as its `step` (not a
-        # W&B logger's: see the class docstring).
-        self._originals: dict[int, tuple[Logger, Callable[..., Any], bool]] = {}
+        # Per logger: the logger, the patch of its `log_metrics` (its `below` is the logger's own method), and whether
+        # that method is given x as its `step` (not a W&B logger's: see the class docstring).
+        self._originals: dict[int, tuple[Logger, InstancePatch, bool]] = {}
         self._last_x: dict[tuple[int, str], int] = {}
         self._high_x = -1  # the highest x written, over every fit of this callback
         self._offset = 0  # added to the ledger's count in this fit (see "Several fits" above)
@@ -167,7 +168,7 @@ class AxisLogger(Callback):
         self._run: tuple[AccumulationLedger, bool, list[dict[str, Any]], int] | None = None
         self._tokens_checked = False
         self._checked_unit = False
-        self._progress_original: Callable[..., Any] | None = None
+        self._progress_patch: InstancePatch | None = None
         self._trainer: Trainer | None = None
         self._state_key: str | None = None
 
@@ -199,6 +200,7 @@ class AxisLogger(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         strategy = accumulation_strategy(trainer, "AxisLogger")
+        self._release(trainer)  # what an earlier entry point left (none unless its end was never reached)
         self._trainer = trainer
         self._offset = 0
         self._window = []
@@ -214,17 +216,14 @@ class AxisLogger(Callback):
         # Called once per group, after the update and before the schedules advance: no hook on every micro-batch.
         strategy.add_group_listener(self._on_group)
         bar = trainer.progress_bar_callback
-        if bar is not None and self._progress_original is None:
-            self._progress_original = original = bar.get_metrics
+        if bar is not None:
 
-            def get_metrics(
-                trainer: Trainer, pl_module: LightningModule
-            ) -> dict[str, int | str | float | dict[str, float]]:
+            def get_metrics(original: Callable[..., Any], trainer: Trainer, pl_module: LightningModule) -> Any:
                 metrics = original(trainer, pl_module)
                 metrics.update(self._progress_fields(trainer))
-                return metrics  # type: ignore[no-any-return]
+                return metrics
 
-            bar.get_metrics = get_metrics  # type: ignore[method-assign]
+            self._progress_patch = InstancePatch(bar, "get_metrics", get_metrics)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -254,6 +253,14 @@ class AxisLogger(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._release(trainer)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._release(trainer)  # Lightning calls no callback's `teardown` after an exception
+
+    def _release(self, trainer: Trainer) -> None:
+        """Give back what the entry point borrowed: the listener, the loggers' and the progress bar's methods."""
         strategy = trainer.strategy
         if isinstance(strategy, ExactAccumulation):
             strategy.remove_group_listener(self._on_group)
@@ -261,24 +268,18 @@ class AxisLogger(Callback):
         self._run = None
         self._held_rates = {}
         self._rate_monitors = []
-        for logger, original, _ in self._originals.values():
-            if logger.__dict__.get("log_metrics") is not None:
-                del logger.__dict__["log_metrics"]  # the class's method again, nothing left on the instance
-            else:
-                logger.log_metrics = original  # type: ignore[method-assign]
+        for _, patch, _ in self._originals.values():
+            patch.release()
         self._originals.clear()
-        bar = trainer.progress_bar_callback
-        if bar is not None and self._progress_original is not None:
-            bar.__dict__.pop("get_metrics", None)
-        self._progress_original = None
+        if self._progress_patch is not None:
+            self._progress_patch.release()
+        self._progress_patch = None
 
     def _move_onto_axis(self, trainer: Trainer, logger: Logger) -> None:
         # `Logger.log_metrics(metrics, step)` is the public method every logger implements; Lightning passes its own
         # step to it. Wrapped on the instance (a proxy logger would break `isinstance` checks on `trainer.logger`).
         if id(logger) in self._originals:
             return
-        original = logger.log_metrics
-        self._originals[id(logger)] = (logger, original, not isinstance(logger, WandbLogger))
         if isinstance(logger, WandbLogger) and trainer.is_global_zero:
             self._define_wandb_axis(logger)
 
@@ -288,7 +289,8 @@ class AxisLogger(Callback):
             if metrics:
                 self._write(id(logger), metrics, self.axis_value(self._ledger(trainer)))
 
-        logger.log_metrics = log_metrics  # type: ignore[method-assign]
+        patch = InstancePatch(logger, "log_metrics", log_metrics, wraps=False)
+        self._originals[id(logger)] = (logger, patch, not isinstance(logger, WandbLogger))
 
     def _define_wandb_axis(self, logger: WandbLogger) -> None:
         # W&B plots a key against its `step_metric`; WandbLogger's own definition ("*" against trainer/global_step,
@@ -317,7 +319,7 @@ class AxisLogger(Callback):
 
     def _write(self, logger_id: int, metrics: Mapping[str, float], x: int) -> None:
         # At most one write per (tag, x), and x never goes back for a tag: the first value at an x is kept.
-        _, original, pass_step = self._originals[logger_id]
+        _, patch, pass_step = self._originals[logger_id]
         fresh: dict[str, float] = {}
         for tag, value in metrics.items():
             key = (logger_id, tag)
@@ -333,7 +335,7 @@ class AxisLogger(Callback):
                 self._last_x[axis] = x
                 fresh[self.axis_key] = x
             # A W&B logger gets no `step`: it would add it to the row as `trainer/global_step` (class docstring).
-            original(fresh, step=x if pass_step else None)
+            patch.below(fresh, step=x if pass_step else None)
 
     def _progress_fields(self, trainer: Trainer) -> dict[str, int | str]:
         ledger = self._ledger(trainer)

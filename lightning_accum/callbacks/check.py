@@ -32,6 +32,7 @@ from lightning_accum.callbacks.diagnoses import (
 )
 from lightning_accum.gradients import scale_gradients
 from lightning_accum.microbatch import infer_num_samples
+from lightning_accum.patching import InstancePatch, patched
 from lightning_accum.strategies import ExactAccumulation
 from lightning_accum.tokens import TokenWeightingWarning, find_labels, supervised_tokens
 
@@ -505,11 +506,12 @@ def _float32_compute(strategy: Any) -> Iterator[None]:
     if not isinstance(plugin, MixedPrecision):
         yield
         return
-    plugin.__dict__["autocast_context_manager"] = lambda: torch.autocast(plugin.device, enabled=False)
-    try:
+
+    def float32() -> torch.autocast:
+        return torch.autocast(plugin.device, enabled=False)
+
+    with patched(plugin, "autocast_context_manager", float32, wraps=False):
         yield
-    finally:
-        plugin.__dict__.pop("autocast_context_manager", None)
 
 
 @contextmanager
@@ -608,8 +610,8 @@ def _restored(module: LightningModule, optimizer: Optimizer) -> Iterator[None]:
     modes = [(m, m.training) for m in module.modules() if m is not module and not isinstance(m, _BATCHNORM)]
     probabilities = [(m, m.p) for m in module.modules() if isinstance(m, _DROPOUT)]
     fx_name = module._current_fx_name
-    module.__dict__["log"] = lambda *args, **kwargs: None  # the check's steps are not part of the run's metrics
-    module.__dict__["log_dict"] = lambda *args, **kwargs: None
+    # The check's steps are not part of the run's metrics; a user's own instance-level `log` is given back as it was.
+    muted = [InstancePatch(module, name, lambda *args, **kwargs: None, wraps=False) for name in ("log", "log_dict")]
     module._current_fx_name = "training_step"
     for m, _ in modes:
         m.training = False
@@ -622,8 +624,8 @@ def _restored(module: LightningModule, optimizer: Optimizer) -> Iterator[None]:
             m.training = training
         for m, p in probabilities:
             m.p = p
-        module.__dict__.pop("log", None)
-        module.__dict__.pop("log_dict", None)
+        for patch in reversed(muted):
+            patch.release()
         module._current_fx_name = fx_name
         optimizer.zero_grad(set_to_none=True)
         module.load_state_dict(weights)

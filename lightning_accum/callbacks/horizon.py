@@ -16,6 +16,7 @@ from lightning_accum.callbacks.common import accumulation_strategy, format_count
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AXES, AccumulationLedger
 from lightning_accum.options import validate_choice
+from lightning_accum.patching import InstancePatch
 
 __all__ = ["Horizon"]
 
@@ -129,9 +130,7 @@ class Horizon(Callback):
         self._validate_now = False
         self._checkpoint_after_validation = False
         self._trainer: Trainer | None = None
-        self._patched_loop: Any = None
-        self._progress_original: Callable[..., Any] | None = None
-        self._progress_wrapper: Callable[..., Any] | None = None
+        self._patches: list[InstancePatch] = []  # released when the fit ends (teardown, on_exception)
         self._state_key: tuple[str, str] | None = None  # (axis, key)
 
     @property
@@ -161,6 +160,7 @@ class Horizon(Callback):
         self._engine(trainer)
         if stage != "fit":
             return
+        self._release()  # what an earlier fit on this instance left (none unless its end was never reached)
         self._trainer = trainer
         self.next_validation = self.next_checkpoint = None  # set by `load_state_dict` or `on_train_start`
         self.checkpoints = []
@@ -168,17 +168,15 @@ class Horizon(Callback):
         if self.validate_every is not None:
             self._patch_validation_check(trainer)
         bar = trainer.progress_bar_callback
-        if self.stop_at is not None and bar is not None and self._progress_original is None:
-            self._progress_original = original = bar.get_metrics
+        if self.stop_at is not None and bar is not None:
 
-            def get_metrics(trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+            def get_metrics(original: Callable[..., Any], trainer: Trainer, pl_module: LightningModule) -> Any:
                 metrics = original(trainer, pl_module)
                 if self._trainer is not None:
                     metrics["budget"] = self._budget_text(trainer)
-                return metrics  # type: ignore[no-any-return]
+                return metrics
 
-            bar.get_metrics = get_metrics  # type: ignore[method-assign]
-            self._progress_wrapper = get_metrics
+            self._patches.append(InstancePatch(bar, "get_metrics", get_metrics))
 
     def _patch_validation_check(self, trainer: Trainer) -> None:
         loop = trainer.fit_loop.epoch_loop
@@ -192,27 +190,25 @@ class Horizon(Callback):
                 " Pin lightning to a tested version (2.6), or leave `validate_every` out and use `val_check_interval`."
             )
 
-        def should_check_val(*args: Any, **kwargs: Any) -> bool:
+        def should_check_val(original: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
             if self._validate_now and trainer.enable_validation:
                 return True
             return bool(original(*args, **kwargs))
 
-        loop._should_check_val_fx = should_check_val  # type: ignore[method-assign]
-        self._patched_loop = loop
+        self._patches.append(InstancePatch(loop, "_should_check_val_fx", should_check_val))
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._patched_loop is not None:
-            self._patched_loop.__dict__.pop("_should_check_val_fx", None)
-            self._patched_loop = None
-        bar = trainer.progress_bar_callback
-        if bar is not None and self._progress_original is not None:
-            if bar.__dict__.get("get_metrics") is self._progress_wrapper:  # not wrapped again by someone else
-                if getattr(self._progress_original, "__self__", None) is bar:
-                    del bar.__dict__["get_metrics"]  # the class's own method again
-                else:
-                    bar.get_metrics = self._progress_original  # type: ignore[method-assign]
-            self._progress_original = None
+        self._release()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._release()  # Lightning calls no callback's `teardown` after an exception
+
+    def _release(self) -> None:
+        for patch in reversed(self._patches):
+            patch.release()
+        self._patches = []
         self._trainer = None
 
     def _budget_text(self, trainer: Trainer) -> str:

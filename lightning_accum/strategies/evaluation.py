@@ -60,6 +60,7 @@ from torch.utils.data import DistributedSampler
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import UNIT_CODES
 from lightning_accum.microbatch import Count, as_count, choose_unit, parse_step_output
+from lightning_accum.patching import InstancePatch
 from lightning_accum.strategies.adapter import EngineAdapter
 
 __all__ = ["EVALUATION_KEYS", "ExactEvaluation", "WeightedMean", "contract_of"]
@@ -172,7 +173,7 @@ class ExactEvaluation:
         self._run: _Run | None = None
         self.findings: dict[str, str | None] = {}
         self._said: set[str] = set()
-        self._gate: tuple[Any, str, bool] | None = None  # (module, hook, whether it had an instance attribute)
+        self._gate: InstancePatch | None = None  # the module's epoch-end hook, gated for one loop
 
     # ------------------------------------------------------------------ the loop
 
@@ -184,26 +185,20 @@ class ExactEvaluation:
         if module.trainer.barebones:  # Lightning logs nothing then
             self._run = None
             return
-        hook = _EPOCH_END[stage]
-        original = getattr(module, hook)
 
-        def epoch_end(*args: Any, **kwargs: Any) -> Any:
+        def epoch_end(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
             self._reduce_and_log(run, module, engine, adapter)
             return result
 
-        self._gate = (module, hook, hook in vars(module))
-        # On the instance (not the class): Lightning looks the hook up with getattr; `is_overridden` reads the class.
-        object.__setattr__(module, hook, epoch_end)
+        # A user's own instance-level hook is kept and given back as it was (see `lightning_accum.patching`).
+        self._gate = InstancePatch(module, _EPOCH_END[stage], epoch_end)
 
     def end(self) -> None:
         """Remove the epoch-end gate (the strategy's ``on_validation_end`` / ``on_test_end`` and ``teardown``)."""
         gate, self._gate = self._gate, None
-        if gate is None:
-            return
-        module, hook, had_instance_attribute = gate
-        if not had_instance_attribute:
-            vars(module).pop(hook, None)
+        if gate is not None:
+            gate.release()
 
     def step(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], engine: AccumulationEngine) -> None:
         """Add the ``output`` of an evaluation step called with ``args``/``kwargs`` to its loader's sums; the unit is

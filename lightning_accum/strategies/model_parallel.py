@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_accum.engine import Replicas
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
+from lightning_accum.patching import InstancePatch
 from lightning_accum.strategies.adapter import (
     EngineAdapter,
     GradientReader,
@@ -71,6 +72,7 @@ class MeshAdapter(EngineAdapter):
         super().__init__(strategy)
         self._slice_group: Any = None  # a gloo group for the slice count when the backend is not gloo
         self._trainer: Any = None
+        self._clipping: list[InstancePatch] = []  # the precision plugin's clip methods, for the run
 
     def _mesh_size(self, dimension: str, given: Literal["auto"] | int) -> int:
         try:
@@ -152,9 +154,9 @@ class MeshAdapter(EngineAdapter):
 
     @override
     def teardown(self) -> None:
-        plugin = self.strategy.precision_plugin
-        for name in _CLIPPING:
-            plugin.__dict__.pop(name, None)
+        for patch in self._clipping:
+            patch.release()
+        self._clipping = []
         self._trainer = None
 
     def _clip_over_the_mesh(self) -> None:
@@ -170,8 +172,8 @@ class MeshAdapter(EngineAdapter):
             clip_grad_value_(plugin.main_params(optimizer), clip_val)
 
         for name, ours in zip(_CLIPPING, (by_norm, by_value), strict=True):
-            if getattr(type(plugin), name) is getattr(Precision, name):
-                setattr(plugin, name, ours)
+            if getattr(type(plugin), name) is getattr(Precision, name) and name not in vars(plugin):
+                self._clipping.append(InstancePatch(plugin, name, ours, wraps=False))
 
     def _check_sharded(self) -> None:
         from torch.distributed.fsdp import FSDPModule

@@ -1,0 +1,111 @@
+"""The one way the package puts its own callable on an object it does not own, and gives it back.
+
+The strategies and callbacks change what a few hooks do for the length of one loop: the module's
+``lr_scheduler_step`` and ``on_*_epoch_end``, a logger's ``log_metrics``, a progress bar's ``get_metrics``, the
+precision plugin's clip and autocast methods, the module's ``log`` during the pre-flight check. Each is set as an
+*instance attribute* (Lightning looks hooks up with ``getattr``; ``is_overridden`` reads the class, so the class is
+never touched) through :class:`InstancePatch`, which
+
+* remembers what the instance itself held under that name (a user's own instance-level hook, set in ``__init__``
+  or by a wrapper library), and reaches the callable in force when it was set (that hook, or the class's method);
+* on :meth:`~InstancePatch.release` puts back exactly what the instance held: the same object, or no attribute at
+  all, never a copy and never the class's method in its place;
+* removes only its own wrapper. Released while another :class:`InstancePatch` of the same attribute sits above it,
+  the one above is re-pointed to what this one wrapped; released under a wrapper set by someone else, it turns into
+  a plain pass-through (that code holds a reference to it and restores it later), so nothing is lost or run twice.
+
+A patch is released once; a second release does nothing. Callers hold their patches and release them when the loop
+that set them ends, an exception included (docs/internals.md lists every attribute patched this way).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["InstancePatch", "patched"]
+
+_MISSING: Any = object()
+# Every patch not yet released, to re-point one set above a patch released first (weak: a holder that is gone).
+_ACTIVE: weakref.WeakSet[InstancePatch] = weakref.WeakSet()
+
+
+class InstancePatch:
+    """``owner.name`` replaced, on the instance, by ``replacement`` until :meth:`release`.
+
+    Args:
+        owner: The object (a module, a logger, a progress bar, a plugin).
+        name: The attribute.
+        replacement: Called as ``replacement(below, *args, **kwargs)`` in place of ``owner.name(*args, **kwargs)``,
+            where ``below`` is the callable in force when the patch was set (pass ``None`` to replace without
+            wrapping: the call then is ``replacement(*args, **kwargs)``).
+
+    Example:
+        >>> class Bar:
+        ...     def get_metrics(self):
+        ...         return {"loss": 1.0}
+        >>> bar = Bar()
+        >>> patch = InstancePatch(bar, "get_metrics", lambda below: {**below(), "tokens": 64})
+        >>> bar.get_metrics()
+        {'loss': 1.0, 'tokens': 64}
+        >>> patch.release(); "get_metrics" in vars(bar)
+        False
+    """
+
+    def __init__(self, owner: Any, name: str, replacement: Callable[..., Any], wraps: bool = True) -> None:
+        self.owner = owner
+        self.name = name
+        self._held = vars(owner).get(name, _MISSING)  # what the instance itself held (not the class's method)
+        self.below: Callable[..., Any] = getattr(owner, name)
+        self._replacement = replacement
+        self._wraps = wraps
+        self._active = True
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not self._active:  # released under someone else's wrapper: a pass-through
+                return self.below(*args, **kwargs)
+            if self._wraps:
+                return self._replacement(self.below, *args, **kwargs)
+            return self._replacement(*args, **kwargs)
+
+        self.wrapper = wrapper
+        object.__setattr__(owner, name, wrapper)  # past `Module.__setattr__`, which has nothing to do with callables
+        _ACTIVE.add(self)
+
+    @property
+    def active(self) -> bool:
+        """Whether the patch is in force (not yet released)."""
+        return self._active
+
+    def release(self) -> None:
+        """Give the attribute back: what the instance held before, and nothing of this patch left in force."""
+        if not self._active:
+            return
+        self._active = False
+        _ACTIVE.discard(self)
+        current = vars(self.owner).get(self.name, _MISSING)
+        if current is self.wrapper:
+            if self._held is _MISSING:
+                vars(self.owner).pop(self.name, None)
+            else:
+                object.__setattr__(self.owner, self.name, self._held)
+            return
+        for above in list(_ACTIVE):
+            if above.owner is self.owner and above.name == self.name and above.below is self.wrapper:
+                above.below = self.below  # ours leaves the chain; the one above now wraps what ours wrapped
+                if above._held is self.wrapper:
+                    above._held = self._held
+                return
+        # Someone else's wrapper sits above ours and holds it: ours stays as a pass-through to what it wrapped.
+
+
+@contextmanager
+def patched(owner: Any, name: str, replacement: Callable[..., Any], wraps: bool = True) -> Iterator[InstancePatch]:
+    """:class:`InstancePatch` for the block, released when it ends (an exception included)."""
+    patch = InstancePatch(owner, name, replacement, wraps=wraps)
+    try:
+        yield patch
+    finally:
+        patch.release()
