@@ -122,7 +122,7 @@ class _SlowClosing(GroupClosing):
 class _SlowClose(AccumulationStrategy):
     def __init__(self) -> None:
         super().__init__()
-        self._closing = _SlowClosing()
+        self._core.closing = _SlowClosing()
 
 
 def test_package_timer_charges_the_group_close_inside_the_optimizer_step() -> None:

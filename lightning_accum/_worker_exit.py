@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-__all__ = ["close_process_group"]
+__all__ = ["ClosingWorkers", "close_process_group", "use_launcher"]
 
 
 def close_process_group(strategy: Any) -> bool:
@@ -52,3 +52,22 @@ def close_process_group(strategy: Any) -> bool:
     torch.distributed.destroy_process_group()
     gc.collect()
     return True
+
+
+class ClosingWorkers:
+    """The one base of the package's spawn/fork launchers, the Trainer's and Fabric's (listed first, before the
+    framework's ``_MultiProcessingLauncher``): each worker closes its process group once the launched function has
+    returned (:func:`close_process_group`)."""
+
+    _strategy: Any
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)  # type: ignore[misc]  # the framework's launcher, after this base
+        close_process_group(self._strategy)
+
+
+def use_launcher(strategy: Any, replaced: type, launcher: type) -> None:
+    """Put ``launcher`` in place of the framework's ``replaced`` spawn/fork launcher that ``strategy`` configured
+    (``_configure_launcher``; a ``popen`` launch re-runs the script and keeps the framework's)."""
+    if isinstance(strategy._launcher, replaced) and strategy._start_method != "popen":
+        strategy._launcher = launcher(strategy, start_method=strategy._start_method)

@@ -52,27 +52,23 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, SingleDeviceStrategy, Strategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum._worker_exit import close_process_group
+from lightning_accum._worker_exit import ClosingWorkers, use_launcher
 from lightning_accum.axis_lr import AxisLR
-from lightning_accum.decision import GroupListener
-from lightning_accum.engine import AccumulationEngine
-from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.ledger import GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
-from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters
-from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, OpenGroupCheckpoint
-from lightning_accum.strategies.closing import GroupClosing, enabled_scaler
-from lightning_accum.strategies.ddp import DDP_STRINGS, DDPAdapter
+from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
+from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
+from lightning_accum.strategies.closing import enabled_scaler
+from lightning_accum.strategies.core import AccumulationCore, one_device_property, seam
+from lightning_accum.strategies.ddp import DDPAdapter, register_ddp_strings
 from lightning_accum.strategies.entry import read_checkpoint
-from lightning_accum.strategies.manual import ManualGroups
-from lightning_accum.strategies.single import the_one_device
 
 __all__ = [
     "FabricAccumulationStrategy",
@@ -98,73 +94,26 @@ class FabricExactAccumulation(Strategy):
     adapter_type: ClassVar[type[EngineAdapter]] = EngineAdapter
 
     def _init_accumulation(self, options: AccumulationOptions) -> None:
-        """Set up the parts from the options the constructor validated (before Fabric's ``__init__``)."""
-        self._adapter = self.adapter_type(self)
-        self._engine = AccumulationEngine.from_options(options)
-        self._engine.bind(info=rank_zero_info, warn=rank_zero_warn)
-        self._closing = GroupClosing(local=self._adapter.local_gradient)
-        self._manual = ManualGroups()
-        self._checkpoint = OpenGroupCheckpoint()
+        """Set up the core from the options the constructor validated (before Fabric's ``__init__``)."""
+        self._core = AccumulationCore(self, self.adapter_type, options)
         self._modules: list[Module] = []  # what `fabric.setup` was given, unwrapped: the named parameters
         self._optimizers: list[Optimizer] = []
 
     # ------------------------------------------------------------------ the public interface
 
-    @property
-    def ledger(self) -> AccumulationLedger:
-        """Exact global counters of the loop (identical on every rank); see :class:`AccumulationLedger`."""
-        return self._engine.ledger
-
-    @property
-    def engine(self) -> AccumulationEngine:
-        """The object that does the arithmetic and holds the options given to the strategy."""
-        return self._engine
-
-    @property
-    def data_parallel_replicas(self) -> int:
-        """``D``: the number of replicas that see different data and whose gradients are averaged."""
-        return self._adapter.data_parallel_size
-
-    def reduce_sum(self, tensor: Tensor) -> Tensor:
-        """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
-        return self._adapter.reduce_sum(tensor)
+    ledger = seam("ledger")
+    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
+    data_parallel_replicas = seam("data_parallel_replicas")
+    reduce_sum = seam("reduce_sum")
+    add_group_listener = seam("add_group_listener")
+    remove_group_listener = seam("remove_group_listener")
 
     @property
     def gradient_scaler(self) -> torch.amp.GradScaler | None:
         """The enabled GradScaler of the precision plugin (``precision="16-mixed"``), or ``None``."""
         return enabled_scaler(self.precision)
 
-    def add_group_listener(self, listener: GroupListener) -> None:
-        """Call ``listener(record, batch_samples)`` after every closed group (applied, skipped or dropped)."""
-        self._engine.decisions.add_listener(listener)
-
-    def remove_group_listener(self, listener: GroupListener) -> None:
-        """Stop calling ``listener``."""
-        self._engine.decisions.remove_listener(listener)
-
-    def accumulate(
-        self,
-        loss: Tensor,
-        num_tokens: Count | None = None,
-        num_samples: Count | None = None,
-        batch: Any = None,
-        group_size: int | None = None,
-    ) -> Tensor:
-        """Record one micro-batch in the open group; return the tensor to pass to ``fabric.backward``.
-
-        The same call as the Trainer's :meth:`ExactAccumulation.accumulate <lightning_accum.ExactAccumulation.
-        accumulate>`: ``loss`` is the micro-batch's mean over its units, ``num_tokens`` its supervised tokens (an int
-        or a 0-d integer tensor; ``None``: the strategy's ``count_tokens`` reads ``batch``), ``num_samples`` its
-        samples (``None``: inferred from ``batch``), ``group_size`` the micro-batches per update you plan (it only
-        sets the magnitude of what is back-propagated, never the update).
-
-        Raises:
-            RuntimeError: While a closed group waits for its ``optimizer.step()``, or while the tensor the previous
-                call returned was never back-propagated.
-            TypeError: ``loss`` is not a tensor.
-        """
-        counts = {"num_tokens": num_tokens, "num_samples": num_samples}
-        return self._manual.accumulate(self._engine, loss, counts, batch, group_size, self.data_parallel_replicas)
+    accumulate = seam("accumulate")
 
     def close_group(self, optimizer: Optimizer, group_size: int | None = None) -> GroupRecord:
         """Close the group reported with :meth:`accumulate`, right before ``optimizer.step()``.
@@ -188,9 +137,8 @@ class FabricExactAccumulation(Strategy):
                 back-propagated.
         """
         inner = optimizer.optimizer if is_wrapped(optimizer) else optimizer  # type: ignore[attr-defined]
-        self._install_carried()
         module = self._modules[0] if self._modules else None
-        return self._manual.close(self._engine, self._closing, inner, module, self.gradient_scaler, group_size)
+        return self._core.close_group(inner, module, self.gradient_scaler, group_size)
 
     # ------------------------------------------------------------------ Fabric's hooks
 
@@ -198,20 +146,20 @@ class FabricExactAccumulation(Strategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         # The processes exist now (DDP's process group): the engine sums its groups over the adapter's replicas.
-        self._engine.bind(self.root_device, self._adapter.replicas())
+        self._core.engine.bind(self.root_device, self._core.adapter.replicas())
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], *scheduler: Any) -> Any:
         # `fabric.setup(..., scheduler=s)` hands the scheduler on (Fabric 2.6; Fabric 2.5 has no such argument).
         if scheduler and isinstance(scheduler[0], AxisLR):
-            scheduler[0].bind(self._engine)  # it counts what each applied update consumed
+            scheduler[0].bind(self._core.engine)  # it counts what each applied update consumed
         return super().setup_module_and_optimizers(module, optimizers, *scheduler)
 
     @override
     def setup_module(self, module: Module) -> Any:  # Module, or the engine's wrapper of it (DDP)
         self._modules.append(module)
         # Bound again: a one-device loop need not call `fabric.launch()`, which sets the environment up.
-        self._engine.bind(self.root_device, self._adapter.replicas())
+        self._core.engine.bind(self.root_device, self._core.adapter.replicas())
         return super().setup_module(module)
 
     @override
@@ -221,25 +169,16 @@ class FabricExactAccumulation(Strategy):
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        self._install_carried()
-        # The tensor `accumulate` handed out: the open group notes when its gradient holds that micro-batch.
-        ours = self._manual.is_handed_out(tensor)
-        if ours:
-            self._engine.take_backward_tensor()
-        super().backward(tensor, module, *args, **kwargs)
-        if ours:
-            self._engine.backward_finished()
+        self._core.backward(
+            tensor, lambda: super(FabricExactAccumulation, self).backward(tensor, module, *args, **kwargs)
+        )
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         closure: Callable[[], Any] = kwargs.get("closure") or (lambda: None)
-        return self._manual.optimizer_step(
-            self._engine,
-            self._closing,
-            optimizer,
-            closure,
-            self.gradient_scaler,
-            lambda: super(FabricExactAccumulation, self).optimizer_step(optimizer, **kwargs),
+        lightning_step = super().optimizer_step
+        return self._core.optimizer_step(
+            optimizer, closure, self.gradient_scaler, lambda: lightning_step(optimizer, **kwargs)
         )
 
     @override
@@ -255,15 +194,7 @@ class FabricExactAccumulation(Strategy):
                 f"`fabric.save(path, state)`: the state holds a key {CHECKPOINT_KEY!r}, which the accumulation strategy"
                 " writes itself (the ledger and an open group). Rename your entry."
             )
-        parameters = self._parameters()
-        entry = self._checkpoint.entry(
-            self._engine,
-            self._configuration(),
-            running=None,
-            failed=None,
-            carry=lambda: self._adapter.carry_gradients(parameters),
-            parameter_names=[name for name, _ in parameters],
-        )
+        entry = self._core.entry(self._configuration(), self._parameters(), running=None, failed=None)
         super().save_checkpoint(path, {**state, CHECKPOINT_KEY: entry}, storage_options, filter)
 
     @override
@@ -284,7 +215,7 @@ class FabricExactAccumulation(Strategy):
         remainder: dict[str, Any] = read_checkpoint(read, path)
         if not isinstance(state, Mapping) or not state:
             return remainder  # no loop state to restore: the checkpoint is returned as it is, the entry included
-        entry = self._checkpoint.load(self._engine, remainder, str(path))
+        entry = self._core.checkpoint.load(self._core.engine, remainder, str(path))
         remainder.pop(CHECKPOINT_KEY, None)
         # The loop resumes where it saved: the open group continues with the next micro-batch. Its places already
         # done, for the partial-group test of `close_group(group_size=)`, are the carried micro-batches per replica
@@ -292,42 +223,25 @@ class FabricExactAccumulation(Strategy):
         group = (entry or {}).get("open_group") or {}
         total = int(group.get("total_microbatches", int(group.get("microbatches", 0)) * int(group.get("replicas", 1))))
         position = total // max(1, self.data_parallel_replicas)
-        holds = self._adapter.holds_group_sums()
-        self._checkpoint.reopen(self._engine, self._configuration(), position, holds, self._parameters())
+        self._core.reopen(self._configuration(), position, self._parameters())
         return remainder
 
     @override
     def teardown(self) -> None:
-        self._adapter.teardown()
-        self._closing.reset()
-        self._manual.reset()
+        self._core.adapter.teardown()
+        self._core.end()
         self._modules, self._optimizers = [], []
         super().teardown()
 
     # ------------------------------------------------------------------ parts of the hooks
 
-    def _install_carried(self) -> None:
-        """A group resumed from a checkpoint: its gradient is added before the loop's first backward (or close)."""
-        if self._checkpoint.carried is not None:
-            self._checkpoint.install(self._adapter.carried_part)
-
     def _parameters(self) -> NamedParameters:
         """The optimized parameters by name (a second module's names prefixed by its place in ``fabric.setup``)."""
-        optimized = {id(p) for o in self._optimizers for group in o.param_groups for p in group["params"]}
-        named: NamedParameters = []
-        for index, module in enumerate(self._modules):
-            prefix = f"{index}." if len(self._modules) > 1 else ""
-            named += [(prefix + name, p) for name, p in module.named_parameters() if id(p) in optimized]
-        return named
+        return optimized_parameters(self._modules, self._optimizers)
 
     def _configuration(self) -> dict[str, Any]:
         """What the checkpoint's groups depend on (a Fabric loop has no ``A`` the strategy knows)."""
-        return {
-            "strategy": type(self).__name__,
-            "replicas": int(self.data_parallel_replicas),
-            "normalize": self._engine.normalize,
-            "partial_group": self._engine.partial_group,
-        }
+        return self._core.configuration(type(self).__name__, accumulate=None)
 
 
 class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
@@ -364,17 +278,7 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._device_given = device is not None
 
-    @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        """The device chosen by Fabric when none was given (read by Fabric's connector)."""
-        return [self.root_device] if self._device_given else None
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        device = the_one_device(devices, "Fabric")
-        if device is not None:
-            self._root_device = device  # SingleDeviceStrategy's own (see docs/internals.md)
-            self._device_given = True
+    parallel_devices = one_device_property("Fabric")
 
     @classmethod
     @override
@@ -384,14 +288,28 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
         )
 
 
-class _ClosingLauncher(_MultiProcessingLauncher):
-    """Fabric's spawn/fork launcher, closing the process group in each worker once the launched function has returned
-    (the end of a spawned worker with a live gloo group can abort it: see :mod:`lightning_accum._worker_exit`)."""
+class _LedgerReturningLauncher(ClosingWorkers, _MultiProcessingLauncher):
+    """Fabric's spawn/fork launcher that also brings rank zero's ledger back to the main process (``fabric.launch``
+    returns rank zero's value, and ``fabric.strategy.ledger`` in the main process then reads what the run counted, as
+    the Trainer's launcher does), and closes the process group in each worker (see
+    :mod:`lightning_accum._worker_exit`)."""
 
     @override
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
-        close_process_group(self._strategy)
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        result, ledger = super().launch(function, *args, **kwargs)
+        self._strategy.engine.load_state_dict(ledger)  # type: ignore[attr-defined]  # the strategy is ours
+        return result
+
+    @override
+    def _wrapping_function(
+        self, process_idx: int, function: Callable[..., Any], args: Any, kwargs: Any, *rest: Any
+    ) -> None:
+        engine = self._strategy.engine  # type: ignore[attr-defined]  # this worker's copy of the strategy
+
+        def with_ledger(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+            return function(*args, **kwargs), engine.state_dict()
+
+        super()._wrapping_function(process_idx, with_ledger, args, kwargs, *rest)
 
 
 class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
@@ -435,15 +353,12 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if isinstance(self._launcher, _MultiProcessingLauncher) and self._start_method != "popen":
-            self._launcher = _ClosingLauncher(self, start_method=self._start_method)
+        use_launcher(self, _MultiProcessingLauncher, _LedgerReturningLauncher)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, options in DDP_STRINGS:
-            description = f"Exact gradient accumulation in a Fabric loop with DDP ({options})"
-            strategy_registry.register(name, cls, description=description, override=True, **options)
+        register_ddp_strings(strategy_registry, cls, " in a Fabric loop")
 
 
 def log_on_axis(

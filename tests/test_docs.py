@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 PAGES = sorted(p for p in DOCS.glob("*.md") if BLOCK.search(p.read_text()))
 
@@ -99,6 +100,26 @@ def test_internals_lists_every_member_of_the_adapter_interface() -> None:
     members = {name for name in vars(EngineAdapter) if not name.startswith("_")} - {"strategy"}
     listed = set(re.findall(r"`(\w+)", text))
     assert members <= listed, sorted(members - listed)
+
+
+def test_every_member_of_the_seam_table_exists() -> None:
+    from lightning_accum import ExactAccumulation
+
+    text = (DOCS / "internals.md").read_text().split("## The public seam for callbacks and users", 1)[1]
+    table = text.split("| member | what it gives |", 1)[1].split("\n\n", 1)[0]
+    members = re.findall(r"^\| `(\w+)", table, flags=re.MULTILINE)
+    assert len(members) >= 10
+    assert [m for m in members if not hasattr(ExactAccumulation, m)] == []
+
+
+def test_the_readmes_layout_names_every_module() -> None:
+    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    package = ROOT / "lightning_accum"
+    modules = [p for p in package.rglob("*.py") if p.name != "__init__.py"]
+    missing = [str(p.relative_to(ROOT)) for p in modules if f"`{p.name}`" not in layout and f"/{p.name}`" not in layout]
+    examples = [p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_")]
+    missing += [str(p.relative_to(ROOT)) for p in examples if f"`examples/{p.name}`" not in layout]
+    assert missing == []
 
 
 def test_every_trainer_in_the_readme_says_when_it_stops() -> None:

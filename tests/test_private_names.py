@@ -27,19 +27,20 @@ def test_the_device_the_trainer_selects_is_the_strategys_root_device() -> None:
 
 def test_fabrics_spawn_launcher_is_ours_and_serves_the_strategy() -> None:
     # Fabric's DDPStrategy._configure_launcher sets `_launcher` from `_start_method`; the launcher keeps its `_strategy`
-    # and runs the launched function through `_wrapping_function`.
+    # and runs the launched function through `_wrapping_function(process_idx, function, args, kwargs, ...)`, whose
+    # `function` ours wraps to return rank zero's ledger beside its value.
     from lightning.fabric import Fabric
     from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-    from lightning_accum.fabric import FabricDDPAccumulationStrategy, _ClosingLauncher
+    from lightning_accum.fabric import FabricDDPAccumulationStrategy, _LedgerReturningLauncher
 
     strategy = Fabric(strategy="accum_ddp_spawn", devices=2, accelerator="cpu").strategy
     assert isinstance(strategy, FabricDDPAccumulationStrategy) and strategy._start_method == "spawn"
-    assert isinstance(strategy._launcher, _ClosingLauncher)
+    assert isinstance(strategy._launcher, _LedgerReturningLauncher)
     assert strategy._launcher._strategy is strategy
     assert "_wrapping_function" in vars(_MultiProcessingLauncher)
     wrapping = inspect.signature(_MultiProcessingLauncher._wrapping_function)
-    assert list(wrapping.parameters)[:2] == ["self", "process_idx"]
+    assert list(wrapping.parameters)[:5] == ["self", "process_idx", "function", "args", "kwargs"]
 
 
 def test_the_spawn_launcher_is_ours_and_serves_the_strategy() -> None:

@@ -18,7 +18,7 @@ whole interface: an adapter overrides some of them and adds nothing the strategy
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +44,16 @@ GradientReader = Callable[[list[str]], dict[str, Tensor]]
 Write = Callable[[dict[str, Any], Any, Any], None]
 
 
-def optimized_parameters(module: Any, optimizers: list[Any]) -> NamedParameters:
-    """``module``'s parameters that ``optimizers`` optimize, by name, in the module's order (the same on every
-    replica)."""
+def optimized_parameters(modules: Sequence[Any], optimizers: Sequence[Any]) -> NamedParameters:
+    """The parameters ``optimizers`` optimize, by name, in the modules' order (the same on every replica); with
+    several modules (Fabric's ``setup`` called more than once) a name is prefixed by its module's place. The one way
+    both doors name what a checkpoint's carried gradient belongs to."""
     optimized = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
-    return [(name, p) for name, p in module.named_parameters() if id(p) in optimized]
+    named: NamedParameters = []
+    for index, module in enumerate(modules):
+        prefix = f"{index}." if len(modules) > 1 else ""
+        named += [(prefix + name, p) for name, p in module.named_parameters() if id(p) in optimized]
+    return named
 
 
 def ends_group_by_position(trainer: Any) -> bool:

@@ -52,16 +52,16 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum.decision import GroupListener
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import group_position
-from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.ledger import GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
@@ -75,10 +75,10 @@ from lightning_accum.strategies.checkpoint import (
     save_without_peers,
     slicing_state,
 )
-from lightning_accum.strategies.closing import GroupClosing, enabled_scaler
+from lightning_accum.strategies.closing import enabled_scaler
+from lightning_accum.strategies.core import AccumulationCore, seam
 from lightning_accum.strategies.entry import read_checkpoint
 from lightning_accum.strategies.evaluation import ExactEvaluation
-from lightning_accum.strategies.manual import ManualGroups
 from lightning_accum.strategies.slicing import BatchSlicer
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
@@ -114,29 +114,23 @@ class ExactAccumulation(Strategy):
                 " cut into slices must keep its weight, but 'batches' would weigh every slice 1. Use"
                 " `normalize='samples'` (a mean loss over samples), 'tokens' (report `num_tokens`), or 'auto'."
             )
-        self._adapter = self.adapter_type(self)
+        self._core = AccumulationCore(self, self.adapter_type, options)
         self._slicer = BatchSlicer(microbatch_size, split_batch)
-        self._engine = AccumulationEngine.from_options(options)
-        self._engine.bind(info=rank_zero_info, warn=rank_zero_warn)
-        self._closing = GroupClosing(local=self._adapter.local_gradient)
         self._steps = AutomaticSteps()
-        self._manual = ManualGroups()
-        self._checkpoint = OpenGroupCheckpoint()
         self._evaluation = ExactEvaluation()
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
         self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
+        self._failed = False  # the entry point running raised (Lightning called `on_exception`)
 
     # ------------------------------------------------------------------ the public interface
 
-    @property
-    def ledger(self) -> AccumulationLedger:
-        """Exact global counters of the run (identical on every rank); see :class:`AccumulationLedger`."""
-        return self._engine.ledger
-
-    @property
-    def engine(self) -> AccumulationEngine:
-        """The object that does the arithmetic and holds the options given to the strategy."""
-        return self._engine
+    ledger = seam("ledger")
+    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
+    data_parallel_replicas = seam("data_parallel_replicas")
+    tensor_parallel_size = seam("tensor_parallel_size")
+    reduce_sum = seam("reduce_sum")
+    add_group_listener = seam("add_group_listener")
+    remove_group_listener = seam("remove_group_listener")
 
     @property
     def slicing(self) -> SlicingLog:
@@ -152,32 +146,9 @@ class ExactAccumulation(Strategy):
         return dict(self._evaluation.findings)
 
     @property
-    def data_parallel_replicas(self) -> int:
-        """``D``: the number of replicas that see different data and whose gradients are averaged."""
-        return self._adapter.data_parallel_size
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        """The devices that share one model replica (1 without tensor parallelism)."""
-        return self._adapter.tensor_parallel_size
-
-    def reduce_sum(self, tensor: Tensor) -> Tensor:
-        """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
-        return self._adapter.reduce_sum(tensor)
-
-    @property
     def gradient_scaler(self) -> torch.amp.GradScaler | None:
         """The enabled GradScaler of the precision plugin, or ``None``."""
         return enabled_scaler(self.precision_plugin)
-
-    def add_group_listener(self, listener: GroupListener) -> None:
-        """Call ``listener(record, batch_samples)`` after every closed group; see
-        :meth:`GroupDecisions.add_listener <lightning_accum.decision.GroupDecisions.add_listener>`."""
-        self._engine.decisions.add_listener(listener)
-
-    def remove_group_listener(self, listener: GroupListener) -> None:
-        """Stop calling ``listener``."""
-        self._engine.decisions.remove_listener(listener)
 
     @contextmanager
     def use_engine(self, engine: AccumulationEngine, slicing: bool = True) -> Iterator[AccumulationEngine]:
@@ -185,13 +156,14 @@ class ExactAccumulation(Strategy):
         the run's ledger, open group and pending resume are not touched. ``slicing=False``: a batch given to
         ``training_step`` in the block is run whole even with ``microbatch_size=`` (for a plain-autograd
         reference); with ``True`` it is cut as in the run (the slicing record is not touched either way)."""
-        saved = self._engine, self._checkpoint, self._aside
-        self._engine, self._checkpoint, self._aside = engine, OpenGroupCheckpoint(), True
+        core = self._core
+        saved = core.engine, core.checkpoint, self._aside
+        core.engine, core.checkpoint, self._aside = engine, OpenGroupCheckpoint(), True
         with self._slicer.aside(enabled=slicing):
             try:
                 yield engine
             finally:
-                self._engine, self._checkpoint, self._aside = saved
+                core.engine, core.checkpoint, self._aside = saved
 
     @contextmanager
     def one_batch_reference(self) -> Iterator[AccumulationEngine]:
@@ -212,11 +184,11 @@ class ExactAccumulation(Strategy):
 
     def agree_slice_count(self, count: int, num_samples: int) -> int:
         """The slicer's: see :meth:`EngineAdapter.agree_slice_count`."""
-        return self._adapter.agree_slice_count(count, num_samples)
+        return self._core.adapter.agree_slice_count(count, num_samples)
 
     def before_forward_retry(self) -> None:
         """The slicer's: see :meth:`EngineAdapter.before_forward_retry`."""
-        self._adapter.before_forward_retry()
+        self._core.adapter.before_forward_retry()
 
     # ------------------------------------------------------------------ hooks of every micro-batch
 
@@ -234,22 +206,20 @@ class ExactAccumulation(Strategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._automatic():
-            self._checkpoint.warn_manual()
+            self._core.checkpoint.warn_manual()
             return super().training_step(*args, **kwargs)  # Lightning's behaviour; see `accumulate`
         trainer = self._trainer()
         if not self._aside:
-            self._adapter.before_microbatch(trainer)
+            self._core.adapter.before_microbatch(trainer)
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx  # the index Lightning's hooks of this batch receive
         accumulate = trainer.accumulate_grad_batches
-        if self._checkpoint.resumed is not None:
+        if self._core.checkpoint.resumed is not None:
             position = group_position(batch_idx, accumulate)  # the group's micro-batches Lightning ran already
-            self._checkpoint.reopen(
-                self._engine, self._configuration(), position, self._adapter.holds_group_sums(), self._parameters()
-            )
-        if self._engine.microbatches_in_group and group_position(batch_idx, accumulate) == 0:
+            self._core.reopen(self._configuration(), position, self._parameters())
+        if self._core.engine.microbatches_in_group and group_position(batch_idx, accumulate) == 0:
             # Lightning starts a group (and zeroes the gradient) while the previous one never reached an optimizer
             # step: the loader yielded fewer batches than its length announced, so Lightning's epoch ended early.
-            lost = self._engine.discard_open_group()
+            lost = self._core.engine.discard_open_group()
             rank_zero_warn(
                 f"lightning_accum: {lost} micro-batch(es) at the end of the previous epoch never reached an optimizer"
                 " step: the training loader ended before the number of batches it announced (`len()`), and"
@@ -262,26 +232,20 @@ class ExactAccumulation(Strategy):
         # An output Lightning rejects (not a tensor, a mapping with "loss", or None) is read as "no loss"; Lightning
         # raises its own MisconfigurationException for it right after this hook. The micro-batch is read once here.
         # A = 1 (the batch not cut into slices): the group's only micro-batch (c = w, no factor to apply).
-        microbatch = self._engine.read(output, args[0] if args else kwargs.get("batch"))
-        self._engine.record(microbatch, accumulate=accumulate, sole=accumulate == 1)
+        microbatch = self._core.engine.read(output, args[0] if args else kwargs.get("batch"))
+        self._core.engine.record(microbatch, accumulate=accumulate, sole=accumulate == 1)
         return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._checkpoint.carried is not None:
-            self._checkpoint.install(self._adapter.carried_part)
+        self._core.install_carried()
         lightning_backward = super().backward
         if not self._automatic():
-            # `manual_backward`: the tensor is back-propagated as given; if it is the one `accumulate` handed out,
-            # the open group notes that its gradient now holds that micro-batch.
-            ours = self._manual.is_handed_out(closure_loss)
-            if ours:
-                self._engine.take_backward_tensor()
-            result = lightning_backward(closure_loss, optimizer, *args, **kwargs)
-            if ours:
-                self._engine.backward_finished()
-            return result
-        tensor = self._engine.take_backward_tensor()
+            # `manual_backward`: the tensor is back-propagated as given (the open group notes `accumulate`'s).
+            return self._core.backward(  # type: ignore[no-any-return]
+                closure_loss, lambda: lightning_backward(closure_loss, optimizer, *args, **kwargs)
+            )
+        tensor = self._core.engine.take_backward_tensor()
         loss = tensor if tensor is not None else closure_loss
         if self._slicer.enabled:
             result = self._slicer.backward(
@@ -289,14 +253,14 @@ class ExactAccumulation(Strategy):
                 loss,
                 optimizer,
                 lambda t: lightning_backward(t, optimizer, *args, **kwargs),
-                synchronised=self._adapter.synchronises(self._trainer()),
+                synchronised=self._core.adapter.synchronises(self._trainer()),
                 args=args,
                 kwargs=kwargs,
                 lightning_loss=closure_loss,
             )
         else:
             result = lightning_backward(loss, optimizer, *args, **kwargs)
-        self._engine.backward_finished()
+        self._core.engine.backward_finished()
         return result
 
     # ------------------------------------------------------------------ the update
@@ -311,18 +275,13 @@ class ExactAccumulation(Strategy):
     ) -> Any:
         lightning_step = super().optimizer_step
         if not self._automatic():
-            return self._manual.optimizer_step(
-                self._engine,
-                self._closing,
-                optimizer,
-                closure,
-                self.gradient_scaler,
-                lambda: lightning_step(optimizer, closure, model, **kwargs),
+            return self._core.optimizer_step(
+                optimizer, closure, self.gradient_scaler, lambda: lightning_step(optimizer, closure, model, **kwargs)
             )
         # The group closes inside the optimizer's step, right after Lightning's closure (see `strategies/automatic`).
         return self._steps.optimizer_step(
             self,
-            self._closing,
+            self._core.closing,
             optimizer,
             closure,
             self._trainer(),
@@ -333,8 +292,7 @@ class ExactAccumulation(Strategy):
     def _before_close(self) -> None:
         """What a group's close needs first, after Lightning's closure: the gradient of a resumed group whose
         remaining micro-batches had no backward, and a last slice's batch that Lightning did not put back."""
-        if self._checkpoint.carried is not None:
-            self._checkpoint.install(self._adapter.carried_part)
+        self._core.install_carried()
         if self._slicer.enabled:
             self._slicer.install_pending(self)
 
@@ -377,8 +335,7 @@ class ExactAccumulation(Strategy):
                 "`strategy.accumulate` is for manual optimization (`automatic_optimization = False`). In automatic"
                 " optimization return `{'loss': loss, 'num_tokens': n}` from `training_step`: the strategy weights it."
             )
-        counts = {"num_tokens": num_tokens, "num_samples": num_samples}
-        return self._manual.accumulate(self._engine, loss, counts, batch, group_size, self.data_parallel_replicas)
+        return self._core.accumulate(loss, num_tokens, num_samples, batch, group_size)
 
     def close_group(self, optimizer: Optimizer | LightningOptimizer, group_size: int | None = None) -> GroupRecord:
         """Close the group reported with :meth:`accumulate`, before ``optimizer.step()`` (manual optimization).
@@ -410,8 +367,7 @@ class ExactAccumulation(Strategy):
                 " optimization the strategy closes every group itself."
             )
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        module, scaler = self.lightning_module, self.gradient_scaler
-        return self._manual.close(self._engine, self._closing, inner, module, scaler, group_size)
+        return self._core.close_group(inner, self.lightning_module, self.gradient_scaler, group_size)
 
     def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager[Any]:
         """A block whose backward passes do not synchronize gradients over replicas (DDP's ``no_sync``).
@@ -429,24 +385,24 @@ class ExactAccumulation(Strategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().validation_step(*args, **kwargs)
-        self._evaluation.step(output, args, kwargs, self._engine)
+        self._evaluation.step(output, args, kwargs, self._core.engine)
         return output
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().test_step(*args, **kwargs)
-        self._evaluation.step(output, args, kwargs, self._engine)
+        self._evaluation.step(output, args, kwargs, self._core.engine)
         return output
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self._evaluation.start("validate", self.lightning_module, self._engine, self._adapter)
+        self._evaluation.start("validate", self.lightning_module, self._core.engine, self._core.adapter)
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        self._evaluation.start("test", self.lightning_module, self._engine, self._adapter)
+        self._evaluation.start("test", self.lightning_module, self._core.engine, self._core.adapter)
 
     @override
     def on_validation_end(self) -> None:
@@ -462,7 +418,7 @@ class ExactAccumulation(Strategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None) -> None:
-        adapter = self._adapter
+        adapter = self._core.adapter
         if not adapter.may_write_checkpoint(filepath):
             return
         failed = adapter.collectives_failed(self._trainer_ref) if self.data_parallel_replicas > 1 else None
@@ -489,15 +445,7 @@ class ExactAccumulation(Strategy):
         if trainer is not None:
             progress = trainer.fit_loop.epoch_loop.batch_progress.current
             running = progress.ready if progress.ready > getattr(progress, "processed", progress.ready) else None
-        parameters = self._parameters()
-        state = self._checkpoint.entry(
-            self._engine,
-            self._configuration(),
-            running=running,
-            failed=failed,
-            carry=lambda: self._adapter.carry_gradients(parameters),
-            parameter_names=[name for name, _ in parameters],
-        )
+        state = self._core.entry(self._configuration(), self._parameters(), running, failed)
         if self._slicer.enabled:
             world = int(getattr(self, "world_size", 1))
             state["slicing"] = slicing_state(self._slicer.log.state_dict(), world, gather=failed is None)
@@ -512,18 +460,27 @@ class ExactAccumulation(Strategy):
             checkpoint_path,
             self,
         )
-        reader = self._adapter.distributed_reader(checkpoint_path, self._parameters)
-        state = self._checkpoint.load(self._engine, checkpoint, str(checkpoint_path), reader)
+        if not self._fitting():
+            # `validate` / `test` / `predict(ckpt_path=...)`: Lightning restores the weights only, and so does the
+            # package (the ledger and an open group belong to a fit resuming from the checkpoint, never to a later one).
+            return checkpoint
+        reader = self._core.adapter.distributed_reader(checkpoint_path, self._parameters)
+        state = self._core.checkpoint.load(self._core.engine, checkpoint, str(checkpoint_path), reader)
         if state is not None and self._slicer.enabled and state.get("slicing") is not None:
             # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.
-            self._slicer.log.load_state_dict(own_slicing(state["slicing"], self._adapter.rank))
+            self._slicer.log.load_state_dict(own_slicing(state["slicing"], self._core.adapter.rank))
         return checkpoint
 
     def _parameters(self) -> NamedParameters:
         """The optimized parameters by name, in a fixed order (the same on every replica)."""
         module = self.lightning_module
         assert module is not None
-        return optimized_parameters(module, self.optimizers)
+        return optimized_parameters([module], self.optimizers)
+
+    def _fitting(self) -> bool:
+        """Whether the entry point running is ``fit`` (or no Trainer runs the strategy: a direct call)."""
+        trainer = self._attached_trainer()
+        return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
     def _attached_trainer(self) -> Trainer | None:
         """The Trainer running this strategy, or ``None`` (a module connected to the strategy without a Trainer, as
@@ -537,33 +494,27 @@ class ExactAccumulation(Strategy):
             return None
 
     def _configuration(self) -> dict[str, Any]:
-        """What the checkpoint's groups depend on: ``A`` (where a Trainer says it), ``D``, the ``normalize=`` and
-        ``partial_group=`` options."""
+        """What the checkpoint's groups depend on (``A`` where a Trainer says it): see
+        :meth:`AccumulationCore.configuration <lightning_accum.strategies.core.AccumulationCore.configuration>`."""
         trainer = self._attached_trainer()
-        config: dict[str, Any] = {} if trainer is None else {"accumulate": int(trainer.accumulate_grad_batches)}
-        config.update(
-            strategy=type(self).__name__,
-            replicas=int(self.data_parallel_replicas),
-            normalize=self._engine.normalize,
-            partial_group=self._engine.partial_group,
-        )
-        return config
+        accumulate = None if trainer is None else trainer.accumulate_grad_batches
+        return self._core.configuration(type(self).__name__, accumulate)
 
     # ------------------------------------------------------------------ the run
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        self._adapter.setup(trainer)
+        self._core.adapter.setup(trainer)
         super().setup(trainer)
         self._trainer_ref = trainer
-        self._manual.reset()
+        self._core.manual.reset()
         self._slicer.reset()
-        self._engine.bind(self.root_device, self._adapter.replicas())
-        self._closing.rank = self._adapter.shard_rank()
-        bind_schedulers(self.lr_scheduler_configs, self._engine)  # AxisLR counts what each applied update consumed
+        self._core.engine.bind(self.root_device, self._core.adapter.replicas())
+        self._core.closing.rank = self._core.adapter.shard_rank()
+        bind_schedulers(self.lr_scheduler_configs, self._core.engine)  # AxisLR counts what each applied update consumed
         module = trainer.lightning_module
         if module.automatic_optimization:  # in manual optimization the user steps the schedulers
-            self._closing.schedules = UpdateSchedules(module, self.lr_scheduler_configs)
+            self._core.closing.schedules = UpdateSchedules(module, self.lr_scheduler_configs)
 
     @override
     def on_train_start(self) -> None:
@@ -571,28 +522,41 @@ class ExactAccumulation(Strategy):
         trainer = self._trainer()
         _check_supported(self, trainer)
         _warn_of_slashes_in_checkpoint_names(trainer)
-        self._adapter.on_train_start(trainer)
+        self._core.adapter.on_train_start(trainer)
         if trainer.lightning_module.automatic_optimization:
             batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
-            self._engine.decisions.warn_short_epoch(batches, accumulate, self._engine.warn)
+            self._core.engine.decisions.warn_short_epoch(batches, accumulate, self._core.engine.warn)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
         super().on_exception(exception)
-        self._adapter.on_exception(exception)
+        self._core.adapter.on_exception(exception)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._adapter.peers_lost is not None:
+        if self._core.adapter.peers_lost is not None:
             return  # a replica is gone or unreachable: waiting for it would replace the user's error by a second one
         super().barrier(*args, **kwargs)  # type: ignore[safe-super]  # the Lightning strategy underneath defines it
 
     @override
     def teardown(self) -> None:
-        self._adapter.teardown()
+        # What one entry point made ends with it: a group the fit left open (it stopped inside it: an exception, a
+        # stop requested mid-group) and a checkpoint's group not yet reopened never reach a later fit.
+        lost = self._core.engine.discard_open_group()
+        if lost and not self._aside:
+            message = (
+                f"lightning_accum: the fit stopped inside an accumulation group: its {lost} micro-batch(es) on this"
+                " replica never reached an optimizer step. Their gradient is discarded and the ledger does not count"
+                " them; a checkpoint written before the stop (OnExceptionCheckpoint, a SIGTERM checkpoint) carries"
+                " them, and `trainer.fit(..., ckpt_path=...)` from it finishes the group exactly."
+            )
+            # After an exception the exception tells why (a warning turned into an error would replace it).
+            (rank_zero_info if self._failed else rank_zero_warn)(message)
+        self._failed = False
+        self._core.end()
+        self._core.adapter.teardown()
         self._evaluation.end()
-        self._closing.reset()
-        self._manual.reset()
         self._slicer.reset()
         self._trainer_ref = None
         super().teardown()

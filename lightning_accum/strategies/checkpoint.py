@@ -84,6 +84,12 @@ class OpenGroupCheckpoint:
         #: The checkpoint's entry of that group as it was read, written again by a checkpoint taken before the reopen.
         self._pending_entry: tuple[int, dict[str, Any] | None, dict[str, Any] | None] | None = None
 
+    def reset(self) -> None:
+        """Forget a checkpoint's group not yet reopened or installed: it belongs to the fit that loaded it."""
+        self.resumed = self.carried = None
+        self._targets = []
+        self._pending_entry = None
+
     # ------------------------------------------------------------------ writing
 
     def entry(
@@ -372,7 +378,7 @@ def _announce_changes(written: Mapping[str, Any], now: Mapping[str, Any], positi
         f" counts {position} place(s) of {now['accumulate']} as done: it closes after"
         f" {now['accumulate'] - position} more micro-batch(es) per replica and is updated with its real"
         " denominator (a full group, not a partial one)."
-        if position
+        if position and "accumulate" in now
         else ""
     )
     rank_zero_info(f"lightning_accum: resumed with {', '.join(changes)}; the new values apply from here on.{where}")

@@ -19,14 +19,14 @@ from torch import Tensor
 from torch.utils.data import IterableDataset
 from typing_extensions import override
 
-from lightning_accum._worker_exit import close_process_group
+from lightning_accum._worker_exit import ClosingWorkers, use_launcher
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.strategies.adapter import EngineAdapter, ends_group_by_position
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 
-__all__ = ["DDP_STRINGS", "DDPAccumulationStrategy", "DDPAdapter"]
+__all__ = ["DDP_STRINGS", "DDPAccumulationStrategy", "DDPAdapter", "register_ddp_strings"]
 
 #: The DDP strategy strings and their constructor arguments, in Lightning's registry and in Fabric's.
 DDP_STRINGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -38,13 +38,21 @@ DDP_STRINGS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
-class _LedgerReturningLauncher(_MultiProcessingLauncher):
+def register_ddp_strings(registry: Any, strategy: type, where: str) -> None:
+    """Register :data:`DDP_STRINGS` for ``strategy`` in ``registry`` (Lightning's or Fabric's; ``where``: " in a Fabric
+    loop" or "")."""
+    for name, options in DDP_STRINGS:
+        description = f"Exact gradient accumulation{where} with DDP ({options})"
+        registry.register(name, strategy, description=description, override=True, **options)
+
+
+class _LedgerReturningLauncher(ClosingWorkers, _MultiProcessingLauncher):
     """Spawn/fork launcher that also brings rank zero's ledger back to the main process, and closes the process
     group in each worker before it exits (see :mod:`lightning_accum._worker_exit`)."""
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        adapter: DDPAdapter = self._strategy._adapter  # type: ignore[attr-defined]  # the strategy is ours
+        adapter: DDPAdapter = self._strategy._core.adapter  # type: ignore[attr-defined]  # the strategy is ours
         adapter.workers_failed = False
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
@@ -52,11 +60,6 @@ class _LedgerReturningLauncher(_MultiProcessingLauncher):
             # This process's model is the one `fit` was given, untrained: the training state lived in the workers.
             adapter.workers_failed = True
             raise
-
-    @override
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
-        close_process_group(self._strategy)
 
     @override
     def get_extra_results(self, trainer: Trainer) -> dict[str, Any]:
@@ -298,25 +301,27 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     @property
     def check_data_ends(self) -> bool:
         """See ``check_data_ends=`` above."""
-        return self._adapter.check_data_ends
+        return self._ddp_adapter.check_data_ends
 
     @check_data_ends.setter
     def check_data_ends(self, value: bool) -> None:
-        self._adapter.check_data_ends = bool(value)
+        self._ddp_adapter.check_data_ends = bool(value)
+
+    @property
+    def _ddp_adapter(self) -> DDPAdapter:
+        adapter = self._core.adapter
+        assert isinstance(adapter, DDPAdapter)
+        return adapter
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if isinstance(self._launcher, _MultiProcessingLauncher) and self._start_method != "popen":
-            self._launcher = _LedgerReturningLauncher(self, start_method=self._start_method)
+        use_launcher(self, _MultiProcessingLauncher, _LedgerReturningLauncher)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, options in DDP_STRINGS:
-            strategy_registry.register(
-                name, cls, description=f"Exact gradient accumulation with DDP ({options})", override=True, **options
-            )
+        register_ddp_strings(strategy_registry, cls, "")
 
 
 #: Where a failed collective raises a plain ``RuntimeError`` (gloo's "Connection closed by peer" is one, not a

@@ -241,7 +241,7 @@ class MeshAdapter(EngineAdapter):
         if gradients is None:
             write(checkpoint, filepath, storage_options)
             return
-        parameters = dict(optimized_parameters(self.strategy.lightning_module, self.strategy.optimizers))
+        parameters = dict(optimized_parameters([self.strategy.lightning_module], self.strategy.optimizers))
         group = dict(group)
         checkpoint[CHECKPOINT_KEY] = {**checkpoint[CHECKPOINT_KEY], "open_group": group}
         if not self.strategy._save_distributed_checkpoint:

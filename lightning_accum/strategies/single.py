@@ -12,21 +12,9 @@ from typing_extensions import override
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.strategies.base import ExactAccumulation
+from lightning_accum.strategies.core import one_device_property
 
-__all__ = ["AccumulationStrategy", "the_one_device"]
-
-
-def the_one_device(devices: list[torch.device] | None, chooser: str) -> torch.device | None:
-    """The device ``chooser`` (the Trainer, Fabric) selected for ``strategy="accum"``, or ``None`` when it selected
-    none; an error for several."""
-    if not devices:
-        return None
-    if len(devices) > 1:
-        raise ValueError(
-            f"strategy='accum' runs on one device, but {chooser} selected {len(devices)} devices. Use"
-            " strategy='accum_ddp' (or 'accum_ddp_spawn') for several devices, or pass `devices=1`."
-        )
-    return torch.device(devices[0])
+__all__ = ["AccumulationStrategy"]
 
 
 class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
@@ -79,17 +67,7 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._device_given = device is not None
 
-    @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        """The device chosen by the Trainer when none was given (read by Lightning's accelerator connector)."""
-        return [self.root_device] if self._device_given else None
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        device = the_one_device(devices, "the Trainer")
-        if device is not None:
-            self._root_device = device  # SingleDeviceStrategy's own (see docs/internals.md)
-            self._device_given = True
+    parallel_devices = one_device_property("the Trainer")
 
     @classmethod
     @override

@@ -1,0 +1,231 @@
+"""One core behind both doors: what the Trainer's and Fabric's accumulation strategies share, composed once.
+
+A Trainer strategy (:class:`~lightning_accum.ExactAccumulation`) and a Fabric strategy
+(:class:`~lightning_accum.fabric.FabricExactAccumulation`) are two front doors onto the same thing. Each holds one
+:class:`AccumulationCore` and delegates to it; the front classes keep only what their framework's hooks need.
+
+================================ ===============================================================================
+what the core holds              for
+================================ ===============================================================================
+the public seam                  ``ledger``, ``engine``, ``data_parallel_replicas``, ``tensor_parallel_size``,
+                                 ``reduce_sum``, ``add_group_listener`` / ``remove_group_listener``
+                                 (:func:`seam` makes each a member of a front class in one line)
+the manual API                   :meth:`~AccumulationCore.accumulate`, :meth:`~AccumulationCore.close_group`, the
+                                 backward of a handed-out tensor (:meth:`~AccumulationCore.backward`)
+the run's configuration          :meth:`~AccumulationCore.configuration`: what a checkpoint's groups depend on
+the checkpoint entry             :meth:`~AccumulationCore.entry` (assembly), :meth:`~AccumulationCore.reopen`,
+                                 :meth:`~AccumulationCore.install_carried`, and the parameters by name
+                                 (:func:`~lightning_accum.strategies.adapter.optimized_parameters`)
+the chosen device (one device)   :func:`one_device_property`
+================================ ===============================================================================
+
+The spawn/fork launchers that close the process group are one base, :class:`~lightning_accum._worker_exit.
+ClosingWorkers`, under each framework's launcher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_accum.engine import AccumulationEngine
+from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.microbatch import Count
+from lightning_accum.options import AccumulationOptions
+from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters
+from lightning_accum.strategies.checkpoint import OpenGroupCheckpoint
+from lightning_accum.strategies.closing import GroupClosing
+from lightning_accum.strategies.manual import ManualGroups
+
+__all__ = ["AccumulationCore", "one_device_property", "seam"]
+
+
+class AccumulationCore:
+    """The parts of one accumulation strategy, whichever framework runs it.
+
+    Args:
+        strategy: The front strategy (the adapter reads its model, mesh and ranks).
+        adapter_type: The class of its :class:`~lightning_accum.strategies.adapter.EngineAdapter`.
+        options: The options its constructor validated.
+    """
+
+    def __init__(self, strategy: Any, adapter_type: type[EngineAdapter], options: AccumulationOptions) -> None:
+        self.adapter = adapter_type(strategy)
+        self.engine = AccumulationEngine.from_options(options)
+        self.engine.bind(info=rank_zero_info, warn=rank_zero_warn)
+        self.closing = GroupClosing(local=self.adapter.local_gradient)
+        self.manual = ManualGroups()
+        self.checkpoint = OpenGroupCheckpoint()
+
+    # ------------------------------------------------------------------ the public seam
+
+    @property
+    def ledger(self) -> AccumulationLedger:
+        """Exact global counters of the run (identical on every rank); see :class:`AccumulationLedger`."""
+        return self.engine.ledger
+
+    @property
+    def data_parallel_replicas(self) -> int:
+        """``D``: the number of replicas that see different data and whose gradients are averaged."""
+        return self.adapter.data_parallel_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The devices that share one model replica (1 without tensor parallelism)."""
+        return self.adapter.tensor_parallel_size
+
+    def reduce_sum(self, tensor: Tensor) -> Tensor:
+        """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
+        return self.adapter.reduce_sum(tensor)
+
+    def add_group_listener(self, listener: Callable[..., None]) -> None:
+        """Call ``listener(record, batch_samples)`` after every closed group (applied, skipped or dropped); see
+        :meth:`GroupDecisions.add_listener <lightning_accum.decision.GroupDecisions.add_listener>`."""
+        self.engine.decisions.add_listener(listener)
+
+    def remove_group_listener(self, listener: Callable[..., None]) -> None:
+        """Stop calling ``listener``."""
+        self.engine.decisions.remove_listener(listener)
+
+    # ------------------------------------------------------------------ the manual API
+
+    def accumulate(
+        self,
+        loss: Tensor,
+        num_tokens: Count | None = None,
+        num_samples: Count | None = None,
+        batch: Any = None,
+        group_size: int | None = None,
+    ) -> Tensor:
+        """Record one micro-batch in the open group; return the tensor to back-propagate (``fabric.backward`` in a
+        Fabric loop, ``self.manual_backward`` in a manual Trainer loop).
+
+        ``loss`` is the micro-batch's mean over its units, ``num_tokens`` its supervised tokens (an int or a 0-d
+        integer tensor; ``None``: the strategy's ``count_tokens`` reads ``batch``), ``num_samples`` its samples
+        (``None``: inferred from ``batch``), ``group_size`` the micro-batches per update you plan (it only sets the
+        magnitude of what is back-propagated, ``loss · w / c``, never the update). Back-propagate exactly the tensor
+        returned, once, before the next call.
+
+        Raises:
+            RuntimeError: While a closed group waits for its ``optimizer.step()``, or while the tensor the previous
+                call returned was never back-propagated.
+            TypeError: ``loss`` is not a tensor.
+        """
+        counts = {"num_tokens": num_tokens, "num_samples": num_samples}
+        return self.manual.accumulate(self.engine, loss, counts, batch, group_size, self.data_parallel_replicas)
+
+    def close_group(
+        self,
+        optimizer: Optimizer,
+        module: Module | None,
+        scaler: torch.amp.GradScaler | None,
+        group_size: int | None = None,
+    ) -> GroupRecord:
+        """Close the group over ``optimizer``'s gradients (see the front classes' ``close_group``)."""
+        self.install_carried()
+        return self.manual.close(self.engine, self.closing, optimizer, module, scaler, group_size)
+
+    def backward(self, tensor: Tensor, run: Callable[[], Any]) -> Any:
+        """A manual loop's backward of ``tensor`` through ``run()``: if ``tensor`` is the one :meth:`accumulate`
+        handed out, the open group notes when its gradient holds that micro-batch."""
+        self.install_carried()
+        ours = self.manual.is_handed_out(tensor)
+        if ours:
+            self.engine.take_backward_tensor()
+        result = run()
+        if ours:
+            self.engine.backward_finished()
+        return result
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], scaler: Any, lightning_step: Callable[[], Any]
+    ) -> Any:
+        """A manual loop's ``optimizer.step()`` (see :meth:`ManualGroups.optimizer_step
+        <lightning_accum.strategies.manual.ManualGroups.optimizer_step>`)."""
+        return self.manual.optimizer_step(self.engine, self.closing, optimizer, closure, scaler, lightning_step)
+
+    # ------------------------------------------------------------------ the checkpoint entry
+
+    def configuration(self, strategy_name: str, accumulate: int | None) -> dict[str, Any]:
+        """What a checkpoint's groups depend on: ``A`` (where the loop says it: a Trainer), ``D``, the strategy and
+        the ``normalize=`` and ``partial_group=`` options. One dictionary for both doors."""
+        config: dict[str, Any] = {} if accumulate is None else {"accumulate": int(accumulate)}
+        config.update(
+            strategy=strategy_name,
+            replicas=int(self.data_parallel_replicas),
+            normalize=self.engine.normalize,
+            partial_group=self.engine.partial_group,
+        )
+        return config
+
+    def entry(
+        self, config: dict[str, Any], parameters: NamedParameters, running: int | None, failed: str | None
+    ) -> dict[str, Any]:
+        """The package's checkpoint entry: the ledger, ``config`` and, inside a group, the group with its gradient
+        summed over the replicas (collectives, unless ``failed`` says why the replicas cannot be reached)."""
+        return self.checkpoint.entry(
+            self.engine,
+            config,
+            running=running,
+            failed=failed,
+            carry=lambda: self.adapter.carry_gradients(parameters),
+            parameter_names=[name for name, _ in parameters],
+        )
+
+    def reopen(self, config: dict[str, Any], position: int, parameters: NamedParameters) -> None:
+        """Finish, exactly, the group a checkpoint was written in, at ``position`` of the resumed loop's group."""
+        self.checkpoint.reopen(self.engine, config, position, self.adapter.holds_group_sums(), parameters)
+
+    def install_carried(self) -> None:
+        """A group resumed from a checkpoint: its gradient is added before the loop's first backward (or close)."""
+        if self.checkpoint.carried is not None:
+            self.checkpoint.install(self.adapter.carried_part)
+
+    def end(self) -> None:
+        """The entry point that ran the strategy ends: its manual state and a checkpoint's group not yet reopened
+        end with it (a group a fit left open is the front class's to discard: it says why)."""
+        self.closing.reset()
+        self.manual.reset()
+        self.checkpoint.reset()
+
+
+def seam(name: str, doc: str | None = None) -> Any:
+    """A front strategy's member ``name``: the core's, read through ``self._core`` (documented once, there; ``doc``
+    for a plain attribute of the core)."""
+    member = getattr(AccumulationCore, name, None)
+    if member is None or isinstance(member, property):
+        return property(lambda self: getattr(self._core, name), doc=doc or getattr(member, "__doc__", None))
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._core, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = member.__doc__
+    return method
+
+
+def one_device_property(chooser: str) -> Any:
+    """The ``parallel_devices`` of a one-device strategy (read and set by ``chooser``'s connector: "the Trainer",
+    "Fabric"): the device chosen when none was given to the constructor, one device only."""
+
+    def read(self: Any) -> list[torch.device] | None:
+        return [self.root_device] if self._device_given else None
+
+    def write(self: Any, devices: list[torch.device] | None) -> None:
+        if not devices:
+            return
+        if len(devices) > 1:
+            raise ValueError(
+                f"strategy='accum' runs on one device, but {chooser} selected {len(devices)} devices. Use"
+                " strategy='accum_ddp' (or 'accum_ddp_spawn') for several devices, or pass `devices=1`."
+            )
+        self._root_device = torch.device(devices[0])  # SingleDeviceStrategy's own (see docs/internals.md)
+        self._device_given = True
+
+    return property(read, write, doc=f"The device {chooser} chose when none was given (read by its connector).")

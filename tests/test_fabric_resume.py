@@ -1,0 +1,115 @@
+"""A mid-group `fabric.save` resumes exactly under another strategy class and another replica count, both ways
+(`accum` on one device -> `accum_ddp` on two processes, and back), against the float64 one-device run; and after
+`fabric.launch(fn)` under spawn the main process's ledger holds the run's counts."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import IGNORE, make_examples, params_vector, random_lengths, sgd_reference
+from test_fabric import LR, TinyNet, stack
+from torch import Tensor
+
+from lightning_accum import FabricDDPAccumulationStrategy
+from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
+
+EXAMPLES = make_examples(random_lengths(24, seed=21), seed=21)
+GROUP = 8  # examples per update, whatever the split
+TOKENS = sum(int((e["labels"] != IGNORE).sum()) for e in EXAMPLES)
+
+
+def _plan(rank: int, world: int, m: int, start: int, stop: int) -> list[list[dict[str, Tensor]]]:
+    """Per group of examples [start, stop): this rank's micro-batches of `m` (rank r reads every world-th example)."""
+    bounds = [start, *range((start // GROUP + 1) * GROUP, stop, GROUP), stop]  # the one-device groups' ends
+    groups = []
+    for first, end in itertools.pairwise(bounds):
+        mine = EXAMPLES[first:end][rank::world]
+        groups.append([stack(mine[i : i + m]) for i in range(0, len(mine), m)])
+    return groups
+
+
+def _setup(fabric: L.Fabric) -> tuple[Any, Any]:
+    model = TinyNet(seed=0).double()  # float64 under "32-true": the one-device reference's precision
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    return fabric.setup(model, optimizer)
+
+
+def _train(fabric: L.Fabric, model: Any, optimizer: Any, groups: list[list[dict[str, Tensor]]], save: Any) -> None:
+    """LitGPT's loop shape; `save = (group, after, path)`: save after that many micro-batches of that group, stop."""
+    for g, group in enumerate(groups):
+        for i, batch in enumerate(group):
+            last = i == len(group) - 1
+            with fabric.no_backward_sync(model, enabled=not last):
+                logits = model(batch["input_ids"])
+                loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+                tokens = (batch["labels"] != IGNORE).sum()
+                fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens, batch=batch))
+            if save is not None and (g, i + 1) == save[:2]:
+                fabric.save(save[2], {"model": model, "optimizer": optimizer})
+                return
+        fabric.strategy.close_group(optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _part(fabric: L.Fabric, m: int, start: int, stop: int, save: Any = None, load: str | None = None) -> dict[str, Any]:
+    model, optimizer = _setup(fabric)
+    if load is not None:
+        fabric.load(load, {"model": model, "optimizer": optimizer})
+    _train(fabric, model, optimizer, _plan(fabric.global_rank, fabric.world_size, m, start, stop), save)
+    return {"params": params_vector(model).tolist(), "ledger": fabric.strategy.ledger.state_dict()}
+
+
+def _two_processes(*args: Any) -> tuple[L.Fabric, dict[str, Any]]:
+    fabric = L.Fabric(strategy=FabricDDPAccumulationStrategy(start_method="spawn"), devices=2, accelerator="cpu")
+    return fabric, fabric.launch(_part, *args)
+
+
+def _one_device(*args: Any) -> dict[str, Any]:
+    return _part(L.Fabric(strategy="accum", accelerator="cpu"), *args)  # type: ignore[arg-type]
+
+
+def _check(result: dict[str, Any]) -> None:
+    reference = sgd_reference(TinyNet(seed=0), [EXAMPLES[i : i + GROUP] for i in range(0, 24, GROUP)], lr=LR)
+    params = torch.tensor(result["params"], dtype=torch.float64)
+    torch.testing.assert_close(params, reference, rtol=0, atol=1e-12)
+    ledger = result["ledger"]
+    assert (ledger["updates_applied"], ledger["samples"], ledger["tokens"]) == (3, 24, TOKENS)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_one_device_to_two_processes_resumes_a_group_exactly(tmp_path: Path) -> None:
+    path = str(tmp_path / "one.ckpt")
+    # One device, m = 2: group 1 (examples 8-15) saved after 2 of its micro-batches (examples 8-11).
+    _one_device(2, 0, 24, (1, 2, path))
+    entry = torch.load(path, weights_only=True)[CHECKPOINT_KEY]
+    assert entry["config"]["strategy"] == "FabricAccumulationStrategy" and entry["open_group"]["carried"] is True
+    # Two processes, m = 1, from example 12: the rest of group 1 on each rank (12, 14 / 13, 15), then group 2.
+    fabric, result = _two_processes(1, 12, 24, None, path)
+    _check(result)
+    # The spawned run's counts are back in the main process (Fabric's launcher returns only rank zero's value).
+    assert fabric.strategy.ledger.state_dict() == result["ledger"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_two_processes_to_one_device_resumes_a_group_exactly(tmp_path: Path) -> None:
+    path = str(tmp_path / "two.ckpt")
+    # Two processes, m = 1: group 1 saved after 2 micro-batches per rank (examples 8, 10 / 9, 11).
+    _two_processes(1, 0, 24, (1, 2, path))
+    entry = torch.load(path, weights_only=True)[CHECKPOINT_KEY]
+    assert entry["config"] == {
+        "strategy": "FabricDDPAccumulationStrategy",
+        "replicas": 2,
+        "normalize": "auto",
+        "partial_group": "rescale",
+    }
+    # Before: KeyError 'accumulate' (a second copy of the configuration, without that key). One device, m = 2.
+    _check(_one_device(2, 12, 24, None, path))
