@@ -70,8 +70,8 @@ from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, OpenGroupCheckpoint
 from lightning_accum.strategies.closing import GroupClosing, enabled_scaler
 from lightning_accum.strategies.ddp import DDP_STRINGS, DDPAdapter
-from lightning_accum.strategies.entry import read_checkpoint
 from lightning_accum.strategies.manual import ManualGroups
+from lightning_accum.strategies.reading import read_checkpoint
 from lightning_accum.strategies.single import the_one_device
 
 __all__ = [

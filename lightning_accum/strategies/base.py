@@ -76,9 +76,9 @@ from lightning_accum.strategies.checkpoint import (
     slicing_state,
 )
 from lightning_accum.strategies.closing import GroupClosing, enabled_scaler
-from lightning_accum.strategies.entry import read_checkpoint
 from lightning_accum.strategies.evaluation import ExactEvaluation
 from lightning_accum.strategies.manual import ManualGroups
+from lightning_accum.strategies.reading import read_checkpoint
 from lightning_accum.strategies.slicing import BatchSlicer
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
