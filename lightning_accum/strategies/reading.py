@@ -12,6 +12,7 @@ read is checked by :mod:`~lightning_accum.strategies.entry`. See ``docs/reliabil
 
 from __future__ import annotations
 
+import pickletools
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from torch import Tensor
+from torch.serialization import MAGIC_NUMBER
 
 from lightning_accum.strategies.entry import CHECKPOINT_KEY, DISTRIBUTED_KEY
 
@@ -220,8 +222,15 @@ def _file_fault(path: Path) -> str | None:
                 " Check that `ckpt_path` names a checkpoint written by `Trainer.save_checkpoint` or `ModelCheckpoint`."
             )
         return None
-    if head.startswith(b"\x80"):
-        return None  # a pickle: torch's format before zip archives, whose errors are torch's own
+    cut = _ends_inside_a_pickle(path, size) if head.startswith(b"\x80") else None  # torch's format before zip
+    if cut:
+        return (
+            f"the file is cut short: its {size} byte(s) end inside a pickle of PyTorch's checkpoint format before zip"
+            f" archives (a sequence of pickles, then the tensors' bytes), {_SHORT}. Resume from another checkpoint of"
+            " the run; if this one was copied, copy it again and compare its size with the source's."
+        )
+    if cut is not None:
+        return None  # its pickles are whole: torch's own error says the rest
     return (
         f"the file is not a PyTorch checkpoint: it is {size} byte(s) starting with {head!r}, where a checkpoint"
         " written by `torch.save` (`Trainer.save_checkpoint`, `ModelCheckpoint`) is a zip archive starting with"
@@ -229,6 +238,26 @@ def _file_fault(path: Path) -> str | None:
         " page) and resume from one; loading it with `weights_only=False`, as torch's error may advise, does not"
         " help: the file holds no checkpoint."
     )
+
+
+def _ends_inside_a_pickle(path: Path, size: int) -> bool | None:
+    """Whether the file ends inside one of the pickles of torch's format before zip archives; ``None`` where its bytes
+    are no pickle's.
+
+    Such a file is a sequence of pickles (torch's magic number, the protocol, facts of the system that wrote it, the
+    object, the keys of its storages), then the storages' bytes, which are not looked at: what they should hold is
+    known only by unpickling the object. Walking the pickles' opcodes (:func:`pickletools.genops`) runs nothing of
+    the file; a walk that needs more bytes than the file has meets its end inside a pickle.
+    """
+    with path.open("rb") as file:
+        for index in range(5):
+            try:
+                values = [arg for _, arg, _ in pickletools.genops(file)]
+            except ValueError:  # the walk's own: more bytes needed, or an opcode that does not exist
+                return True if file.tell() >= size else None
+            if index == 0 and MAGIC_NUMBER not in values:
+                return False  # one whole pickle, not torch's older format: torch's error says what it found
+    return False
 
 
 def _folder_fault(folder: Path) -> str | None:
@@ -284,4 +313,5 @@ def distributed_gradients(
             " strategy does not read. Resume it with strategy='accum_fsdp' or 'accum_model_parallel' (on any number"
             " of devices), or resume from a checkpoint written at an update boundary."
         )
-    return read(list(group["gradient_names"]))
+    names = list(group["gradient_names"])
+    return read_checkpoint(lambda: read(names), path)  # a shard cut short: named, as when Lightning reads the folder
