@@ -68,7 +68,7 @@ from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_accum.strategies.closing import enabled_scaler
 from lightning_accum.strategies.core import AccumulationCore, one_device_property, seam
 from lightning_accum.strategies.ddp import DDPAdapter, register_ddp_strings
-from lightning_accum.strategies.entry import read_checkpoint
+from lightning_accum.strategies.reading import read_checkpoint
 
 __all__ = [
     "FabricAccumulationStrategy",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import gc
 import json
@@ -408,3 +409,25 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.skip = int(state["consumed"])
+
+
+class HoldMemory(L.Callback):
+    """Holds `megabytes` of touched memory from the first batch to the end of training (memory the fit's peak holds)."""
+
+    def __init__(self, megabytes: int) -> None:
+        self.megabytes = megabytes
+        self.block: Tensor | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self.block is None:
+            self.block = torch.ones(self.megabytes * 2**20 // 4)  # float32, every page written
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.block = None
+
+
+def reset_resident_peak() -> None:
+    """Start this process's peak resident set (VmHWM) again at its resident set now, where Linux allows it, so that a
+    test measuring a peak against it does not depend on what earlier tests in the process held."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")

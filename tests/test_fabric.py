@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import inspect
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -237,10 +238,23 @@ def test_a_damaged_entry_is_refused_with_its_key(tmp_path: Path) -> None:
     model, optimizer = other.setup(*_model_and_optimizer())
     with pytest.raises(ValueError, match=r"`open_group.sums.units` should be"):
         other.load(path, {"model": model, "optimizer": optimizer})
-    empty = tmp_path / "empty.ckpt"
-    empty.write_bytes(b"")
-    with pytest.raises(ValueError, match=r"empty.ckpt.*cannot be read"):
-        other.load(empty, {"model": model})
+
+
+@pytest.mark.parametrize(
+    ("content", "cause"),
+    [
+        (b"", r"the file is empty \(0 bytes\)"),
+        (b"\x80", r"the file is cut short: its 1 byte\(s\) end inside a pickle"),  # before: a bare IndexError
+        (b"\x80\x02}", r"the file is cut short: its 3 byte\(s\) end inside a pickle"),  # before: a bare EOFError
+    ],
+)
+def test_a_checkpoint_file_that_cannot_be_read_is_named(tmp_path: Path, content: bytes, cause: str) -> None:
+    path = tmp_path / "short.ckpt"
+    path.write_bytes(content)
+    fabric = L.Fabric(strategy="accum", accelerator="cpu")
+    model, _ = fabric.setup(*_model_and_optimizer())
+    with pytest.raises(ValueError, match=re.escape(f"`ckpt_path={str(path)!r}` cannot be read: ") + cause):
+        fabric.load(path, {"model": model})
 
 
 def test_the_users_state_keeps_its_keys_and_the_package_key_is_refused(tmp_path: Path) -> None:

@@ -8,10 +8,20 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
-from helpers import IGNORE, ListDataset, TinyLM, fit, make_examples, make_trainer, random_lengths, run_ddp
+from helpers import (
+    IGNORE,
+    HoldMemory,
+    ListDataset,
+    TinyLM,
+    fit,
+    make_examples,
+    make_trainer,
+    random_lengths,
+    reset_resident_peak,
+    run_ddp,
+)
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader
@@ -68,6 +78,8 @@ def test_report_of_a_run_with_a_partial_group(tmp_path: Path, capsys: pytest.Cap
     memory = record["memory"]
     assert "VmHWM" in memory["source"] and memory["unit"] == "bytes"  # this fit's peak (Linux)
     assert 0 < memory["first_group_peak"][0] <= memory["run_peak"][0]
+    # A peak above the process's peak before the fit is the counter's; at or below it, a sample (a lower bound).
+    assert memory["peak_predates_fit"] == [memory["run_peak"][0] <= memory["peak_before_fit"][0]]
     assert record["time"]["wall_seconds"] > 0
     assert record["time"]["tokens_per_second"] == pytest.approx(sum(lengths) / record["time"]["wall_seconds"])
     assert record["ledger"]["tokens"] == ledger.tokens
@@ -245,28 +257,17 @@ def test_an_error_in_an_earlier_setup_stays_the_only_error(tmp_path: Path) -> No
     assert not (tmp_path / REPORT_FILENAME).exists() and report.written_to is None
 
 
-class _HoldMemory(L.Callback):
-    """Holds `megabytes` of touched memory from the first batch to the end of training (a large first fit)."""
-
-    def __init__(self, megabytes: int) -> None:
-        self.megabytes = megabytes
-        self.block: torch.Tensor | None = None
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        if self.block is None:
-            self.block = torch.ones(self.megabytes * 2**20 // 4)  # float32, every page written
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.block = None
-
-
 def test_the_second_fit_in_a_process_reports_its_own_peak_memory(tmp_path: Path) -> None:
     examples = make_examples(random_lengths(8, seed=3), seed=3)
-    peaks = []
-    for name, callbacks in (("first", [_HoldMemory(400)]), ("second", [])):
+    peaks, predates = [], []
+    reset_resident_peak()  # the first fit's 400 MB then raise the process's peak, whatever earlier tests held
+    for name, callbacks in (("first", [HoldMemory(400)]), ("second", [])):
         report = AccumulationReport(path=tmp_path / name)
         fit(TinyLM(), examples, batch_size=2, accumulate=2, callbacks=[*callbacks, report])
         record = json.loads((tmp_path / name / REPORT_FILENAME).read_text())
         peaks.append(record["memory"]["run_peak"][0])
-    # The first fit's 400 MB block is gone before the second starts; a lifetime peak would report it again.
+        predates.append(record["memory"]["peak_predates_fit"][0])
+    # The first fit's 400 MB block is gone before the second starts; a lifetime peak would report it again. The second
+    # fit's peak, below the process's peak (the first fit's), is the largest resident set seen during it.
     assert peaks[0] - peaks[1] > 300 * 2**20, [p / 2**20 for p in peaks]
+    assert predates == [False, True]

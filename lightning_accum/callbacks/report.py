@@ -21,19 +21,16 @@ from lightning_accum.callbacks.common import accumulation_strategy
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.strategies import ExactAccumulation
 
-__all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
+__all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport", "FitPeak"]
 
 REPORT_FILENAME = "accumulation_report.json"
 REPORT_SCHEMA = "lightning_accum.report/1"
 
 
-_PEAK_SINCE_RESET = "VmHWM (peak RSS since the fit started: reset through /proc/self/clear_refs)"
-
-
 def _reset_peak_memory(device: torch.device) -> bool:
-    """Start the peak of this fit: CUDA's allocator peak, or on Linux the process's peak resident set (writing ``5`` to
-    ``/proc/self/clear_refs`` resets it, Linux 4.0 and later). ``False`` where the peak cannot be reset (macOS, a
-    ``/proc`` that refuses the write): the report then gives the process's lifetime peak and says so."""
+    """Start the process's peak counter again (``reset_peak_memory=True``): CUDA's allocator peak, or on Linux the
+    process's peak resident set (writing ``5`` to ``/proc/self/clear_refs`` resets it, Linux 4.0 and later).
+    ``False`` where the peak cannot be reset (macOS, a ``/proc`` that refuses the write)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return True
@@ -45,22 +42,112 @@ def _reset_peak_memory(device: torch.device) -> bool:
     return True
 
 
-def _peak_memory(device: torch.device, since_reset: bool) -> tuple[int, str]:
-    """Peak memory in bytes on ``device`` and where the number comes from."""
+def _peak_counter(device: torch.device) -> int:
+    """The process's own peak counter, in bytes: CUDA's allocator peak, the peak resident set ``VmHWM`` on Linux, the
+    lifetime peak ``ru_maxrss`` elsewhere."""
     if device.type == "cuda":
-        since = "this fit" if since_reset else "the process started (or its last reset; reset_peak_memory=False)"
-        return int(
-            torch.cuda.max_memory_allocated(device)
-        ), f"torch.cuda.max_memory_allocated (CUDA allocator peak since {since})"
-    if since_reset:
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
         with open("/proc/self/status") as status:
             for line in status:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024, _PEAK_SINCE_RESET
-    # ru_maxrss is in kilobytes on Linux and bytes on macOS; it is the process's lifetime peak.
-    scale = 1 if sys.platform == "darwin" else 1024
-    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
-    return peak, "getrusage ru_maxrss (process lifetime peak RSS, earlier fits included)"
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    # ru_maxrss is in kilobytes on Linux and bytes on macOS.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _in_use(device: torch.device) -> int | None:
+    """Memory in use now, in bytes, read without a device synchronisation: CUDA's allocated memory, the resident set on
+    Linux (``/proc/self/statm``, about 12 µs), ``None`` where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except OSError:
+        return None
+
+
+class FitPeak:
+    """The memory peak of one fit, measured without resetting the process's counters unless asked to.
+
+    A process has one peak counter (CUDA's allocator peak, the resident set's ``VmHWM``): resetting it is what other
+    monitors of the process see too, so by default it is only read, at the fit's start (:attr:`before`) and when a peak
+    is asked for. Where it rose during the fit it is the fit's own peak, exactly (a peak above :attr:`before` is
+    reached after the start). Where it did not, the process's peak predates the fit and the fit's peak is not
+    measurable without a reset: :meth:`peak` gives the largest memory in use seen at the fit's start, at
+    :meth:`sample` (updates' closes, at most every :attr:`INTERVAL` seconds) and at each call, a lower bound.
+    ``reset=True`` resets the counter at the start instead, so that it is this fit's.
+
+    Example:
+        >>> watch = FitPeak(torch.device("cpu"), reset=False)  # the process's peak counter read, not reset
+        >>> watch.sample()  # at an update's close
+        >>> peak, predates = watch.peak()
+        >>> predates or peak > watch.before  # a peak above the one before the fit is the counter's, exact
+        True
+    """
+
+    #: Seconds between two samples at updates' closes: a read of the resident set costs about 12 µs
+    #: (``/proc/self/statm``), 6 % of the benchmark's smallest update (0.19 ms), and it moves little between updates.
+    INTERVAL = 0.1
+
+    def __init__(self, device: torch.device, reset: bool) -> None:
+        self.device = device
+        #: The process's peak counter when the fit started (before a reset).
+        self.before = _peak_counter(device)
+        #: Whether the counter was reset at the start (asked for, and possible here).
+        self.reset = bool(reset) and _reset_peak_memory(device)
+        self._largest = _in_use(device)
+        self._due = time.perf_counter() + self.INTERVAL  # when the next sample at an update's close is taken
+
+    def sample(self, force: bool = False) -> None:
+        """Note the memory in use now (at an update's close) if :attr:`INTERVAL` passed since the last sample, or
+        ``force``."""
+        clock = time.perf_counter()
+        if clock < self._due and not force:
+            return
+        self._due = clock + self.INTERVAL
+        now = _in_use(self.device)
+        if now is not None and (self._largest is None or now > self._largest):
+            self._largest = now
+
+    def peak(self) -> tuple[int | None, bool]:
+        """The fit's peak so far in bytes, and whether the process's peak predates the fit (the peak is then the
+        largest sample, a lower bound; ``None`` where memory in use cannot be read)."""
+        counter = _peak_counter(self.device)
+        if self.reset or counter > self.before:
+            return counter, False
+        self.sample(force=True)
+        return self._largest, True
+
+    @property
+    def source(self) -> str:
+        """Where :meth:`peak`'s numbers come from, for the record."""
+        if self.device.type == "cuda":
+            if self.reset:
+                return "torch.cuda.max_memory_allocated (CUDA allocator peak since this fit: reset at its start)"
+            return (
+                "torch.cuda.max_memory_allocated where it rose above peak_before_fit during the fit, else the largest"
+                " torch.cuda.memory_allocated at the fit's start, its updates' closes (every 0.1 s) and its end (a"
+                " lower bound); the allocator's peak is not reset"
+            )
+        if self.reset:
+            return "VmHWM (peak RSS since the fit started: reset through /proc/self/clear_refs)"
+        if self._largest is not None:
+            return (
+                "VmHWM (peak RSS) where it rose above peak_before_fit during the fit, else the largest resident set"
+                " (/proc/self/statm) at the fit's start, its updates' closes (every 0.1 s) and its end (a lower"
+                " bound); the process's peak is not reset"
+            )
+        return (
+            "getrusage ru_maxrss (the process's lifetime peak RSS) where it rose above peak_before_fit during the"
+            " fit, else unknown: the resident set cannot be read here"
+        )
 
 
 #: Whether the reset of the process's peak counters was announced (once per process).
@@ -112,8 +199,10 @@ class AccumulationReport(Callback):
     ``normalization``                    the unit micro-batches were weighted by
     ``partial_group``                    ``policy``, ``count``, ``dropped_microbatches/samples/tokens``
     ``updates``                          ``attempted``, ``applied``, ``skipped`` (reason → count)
-    ``memory``                           ``source``, ``unit`` (bytes), ``first_group_peak`` and
-                                         ``run_peak`` per rank
+    ``memory``                           ``source``, ``unit`` (bytes), and per rank ``first_group_peak``,
+                                         ``run_peak``, ``peak_before_fit`` (the process's peak counter at
+                                         the fit's start) and ``peak_predates_fit`` (``run_peak`` is then a
+                                         lower bound; see below)
     ``time``                             ``wall_seconds``, ``tokens_per_second``, ``samples_per_second``
     ``microbatch_slicing``               with ``microbatch_size=`` on the strategy (absent otherwise):
                                          ``configured`` (an int or ``"auto"``) and ``per_rank``: the
@@ -124,15 +213,21 @@ class AccumulationReport(Callback):
     ``ledger``                           the ledger's state
     ==================================== ===============================================================
 
-    The first group's peak is read after the first update (backward and optimizer state included). With
-    ``reset_peak_memory=True`` (the default) both peaks are this fit's: at the start of training the report resets
-    CUDA's allocator peak (``torch.cuda.reset_peak_memory_stats``) and, on Linux, the process's peak resident memory
-    (``/proc/self/clear_refs``), so the second of two fits in one process reports its own peak. Those counters are the
-    process's: another memory monitor that reads them (Lightning's ``DeviceStatsMonitor``, a profiler, your own
-    ``torch.cuda.max_memory_allocated()``) sees them reset too, and the report says so once, on rank zero, when it
-    resets them. ``reset_peak_memory=False`` leaves them alone: the peaks are then the process's lifetime peaks, and
-    ``memory.source`` says so. Where the resident peak cannot be reset (macOS) it is the lifetime peak too. On CPU the
-    resident set includes what the process held before ``fit`` (the model, the data, the interpreter).
+    Both peaks are this fit's, measured without touching the process's peak counters (CUDA's allocator peak, on CPU
+    the peak resident set ``VmHWM``), which other monitors read too (Lightning's ``DeviceStatsMonitor``, a profiler,
+    your own ``torch.cuda.max_memory_allocated()``): the counter is read at the start of training
+    (``peak_before_fit``) and again for each peak (:class:`FitPeak`). Where it rose during the fit, the peak is the
+    counter's, exactly; where it did not, the process's peak predates the fit (an earlier fit in the same process, a
+    large tensor freed before ``fit``), ``peak_predates_fit`` is true and the peak is the largest memory in use seen at
+    the start, after the first update, at updates' closes every 0.1 s and at the end (``torch.cuda.memory_allocated``,
+    the resident set): a lower bound of the fit's peak, which can be higher inside a backward. So a peak above
+    ``peak_before_fit`` is exact, one at or below it a sample. The first group's peak is read after the first update
+    (backward and optimizer state included). ``reset_peak_memory=True`` resets the counter at the start of training
+    instead (``torch.cuda.reset_peak_memory_stats``; on Linux ``/proc/self/clear_refs``), so that both peaks are the
+    counter's, exactly, for every fit; other monitors then see it reset too, as the report says once, on rank zero.
+    Where the resident peak cannot be reset or the resident set read (macOS), a peak that predates the fit is unknown
+    (``null``). ``memory.source`` says which of these the numbers are. On CPU the resident set includes what the
+    process held before ``fit`` (the model, the data, the interpreter).
 
     The file's path is checked when the fit starts (``setup``), on rank zero, before anything trains: a path that
     cannot be written is an error then, not after the run.
@@ -147,7 +242,8 @@ class AccumulationReport(Callback):
             ending in ``.json``; by default the first logger's log directory, or the Trainer's
             ``default_root_dir`` without a logger.
         reset_peak_memory: Reset the process's peak-memory counters at the start of training, so that the peaks are
-            this fit's (see above); ``False`` reports lifetime peaks and leaves the counters to other monitors.
+            exactly this fit's also where the process's peak predates it (see above); other monitors of the process
+            see the reset too. ``False`` (the default) leaves the counters as they are.
         table: Print the record as a table on the console (``True``), or as one line (status, updates, tokens, peak
             memory, time, the file), e.g. for the later runs of a script that runs many; the file and TensorBoard get
             the whole record either way.
@@ -159,7 +255,7 @@ class AccumulationReport(Callback):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str] | None = None, reset_peak_memory: bool = True, table: bool = True
+        self, path: str | os.PathLike[str] | None = None, reset_peak_memory: bool = False, table: bool = True
     ) -> None:
         self.path = os.fspath(path) if path is not None else None
         self.reset_peak_memory = bool(reset_peak_memory)
@@ -178,7 +274,7 @@ class AccumulationReport(Callback):
         self._microbatch_min: int | None = None
         self._microbatch_max: int | None = None
         self._first_group_peak: int | None = None
-        self._peak_reset = False  # whether this fit's peak was reset at its start (see `_reset_peak_memory`)
+        self._memory: FitPeak | None = None  # from the start of training
         self._written = False
 
     @override
@@ -213,20 +309,21 @@ class AccumulationReport(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._reset()
         self._start = time.perf_counter()
-        if self.reset_peak_memory:
-            device = trainer.strategy.root_device
-            self._peak_reset = _reset_peak_memory(device)
-            if self._peak_reset and not _ANNOUNCED:
-                _ANNOUNCED.append(True)  # once per process: every fit resets them alike
-                what = "CUDA's allocator peak" if device.type == "cuda" else "the process's peak resident memory"
-                rank_zero_info(
-                    f"AccumulationReport: reset {what} at the start of training so that the report gives this fit's"
-                    " peak; other monitors of the process read the reset counters too. Pass"
-                    " `AccumulationReport(reset_peak_memory=False)` to leave them (the report then gives lifetime"
-                    " peaks)."
-                )
+        device = trainer.strategy.root_device
+        self._memory = FitPeak(device, reset=self.reset_peak_memory)
+        if self._memory.reset and not _ANNOUNCED:
+            _ANNOUNCED.append(True)  # once per process: every fit resets them alike
+            what = "CUDA's allocator peak" if device.type == "cuda" else "the process's peak resident memory"
+            rank_zero_info(
+                f"AccumulationReport: reset {what} at the start of training (reset_peak_memory=True), so that the"
+                " report gives this fit's peak exactly; other monitors of the process read the reset counters too."
+                " Without it (the default) the counters are left as they are and a peak that predates the fit is"
+                " reported as the largest memory in use seen during the fit."
+            )
 
     def _on_group(self, group: GroupRecord, batch_samples: Sequence[int]) -> None:
+        if self._memory is not None:
+            self._memory.sample()  # the fit's peak where the process's predates it: the largest memory in use seen
         if batch_samples:
             low = high = batch_samples[0]
             if len(batch_samples) > 1:
@@ -239,8 +336,8 @@ class AccumulationReport(Callback):
             return  # not an attempt: its examples are in the ledger's dropped counters
         self._samples_per_update.append(group.samples)
         self._tokens_per_update.append(group.tokens)
-        if self._first_group_peak is None and self._strategy is not None:
-            self._first_group_peak = _peak_memory(self._strategy.root_device, self._peak_reset)[0]
+        if self._first_group_peak is None and self._memory is not None:
+            self._first_group_peak = self._memory.peak()[0]
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -267,15 +364,13 @@ class AccumulationReport(Callback):
         """The record as a JSON-ready dict (collective under DDP when ``gather``)."""
         strategy = accumulation_strategy(trainer, "AccumulationReport")
         ledger = strategy.ledger
-        device = strategy.root_device
-        run_peak, source = _peak_memory(device, self._peak_reset)
+        memory = self._memory or FitPeak(strategy.root_device, reset=False)  # stopped before training started
+        run_peak, predates = memory.peak()
+        mine = [self._first_group_peak, run_peak, self._microbatch_min, self._microbatch_max, memory.before, predates]
         # -1 marks "none" in the gathered integer tensor only; the record says None.
-        first_peak = self._first_group_peak if self._first_group_peak is not None else -1
-        low = self._microbatch_min if self._microbatch_min is not None else -1
-        high = self._microbatch_max if self._microbatch_max is not None else -1
         per_rank = [
             [v if v >= 0 else None for v in row]
-            for row in self._gather(trainer, [first_peak, run_peak, low, high], gather)
+            for row in self._gather(trainer, [-1 if v is None else int(v) for v in mine], gather)
         ]
         loader = trainer.train_dataloader
         m = getattr(loader, "batch_size", None)
@@ -331,10 +426,13 @@ class AccumulationReport(Callback):
                 "skipped": dict(ledger.updates_skipped),
             },
             "memory": {
-                "source": source,
+                "source": memory.source,
                 "unit": "bytes",
                 "first_group_peak": [row[0] for row in per_rank],
                 "run_peak": [row[1] for row in per_rank],
+                # Added keys (the ones above keep their meaning): what tells a measured peak from a lower bound.
+                "peak_before_fit": [row[4] for row in per_rank],
+                "peak_predates_fit": [bool(row[5]) for row in per_rank],
             },
             "time": {
                 "wall_seconds": wall,
@@ -494,7 +592,8 @@ def format_report(record: dict[str, Any]) -> str:
             if key == "memory" and sub == "unit":
                 continue  # the console shows MiB
             if key == "memory" and isinstance(inner, list):
-                rows.append((name + " (per rank)", _mib(inner)))
+                shown = _fmt(inner) if sub == "peak_predates_fit" else _mib(inner)
+                rows.append((name + " (per rank)", shown))
             elif sub == "per_rank" and isinstance(inner, list):
                 rows.append((name, "; ".join(_fmt(r) for r in inner)))
             else:

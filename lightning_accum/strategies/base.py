@@ -77,8 +77,8 @@ from lightning_accum.strategies.checkpoint import (
 )
 from lightning_accum.strategies.closing import enabled_scaler
 from lightning_accum.strategies.core import AccumulationCore, seam
-from lightning_accum.strategies.entry import read_checkpoint
 from lightning_accum.strategies.evaluation import ExactEvaluation
+from lightning_accum.strategies.reading import read_checkpoint
 from lightning_accum.strategies.slicing import BatchSlicer
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]

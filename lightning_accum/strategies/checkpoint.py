@@ -48,13 +48,12 @@ from lightning_accum.strategies.entry import (
     FORMAT,
     checked_distributed_gradients,
     checked_gradients,
-    distributed_gradients,
     malformed,
-    own_slicing,
     refuse_a_lost_group,
     refuse_unknown_meaning,
     validated_state,
 )
+from lightning_accum.strategies.reading import distributed_gradients
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -343,6 +342,14 @@ def slicing_state(mine: dict[str, Any], world: int, gather: bool) -> dict[str, A
         rows = [None] * world
         torch.distributed.all_gather_object(rows, mine)
     return {**mine, "per_rank": rows}
+
+
+def own_slicing(state: Mapping[str, Any], rank: int) -> Mapping[str, Any]:
+    """This rank's slicing record in a checkpoint's entry (rank zero's, or the only one, otherwise)."""
+    rows = state.get("per_rank")
+    if isinstance(rows, list) and rank < len(rows) and isinstance(rows[rank], Mapping):
+        return rows[rank]  # type: ignore[no-any-return]
+    return state
 
 
 def save_without_peers(
