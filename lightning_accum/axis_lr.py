@@ -194,7 +194,7 @@ class AxisLR(LRScheduler):
         >>> scheduler.step()
         Traceback (most recent call last):
         ...
-        RuntimeError: AxisLR needs an accumulation strategy to count what each update consumed, but it was stepped without one. Set `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn') on several.
+        RuntimeError: AxisLR needs an accumulation strategy to count what each update consumed, but it was stepped without one. In a Trainer: `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn') on several. In a Fabric loop: `L.Fabric(strategy='accum')` (or 'accum_ddp'), then `fabric.setup(model, optimizer, scheduler=axis_lr)` or `axis_lr.bind(fabric.strategy.engine)`.
     """  # noqa: E501
 
     def __init__(
@@ -243,8 +243,9 @@ class AxisLR(LRScheduler):
         if self._engine is None and getattr(self, "_step_count", 0) > 0:
             raise RuntimeError(
                 "AxisLR needs an accumulation strategy to count what each update consumed, but it was stepped without"
-                " one. Set `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn')"
-                " on several."
+                " one. In a Trainer: `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or"
+                " 'accum_ddp_spawn') on several. In a Fabric loop: `L.Fabric(strategy='accum')` (or 'accum_ddp'), then"
+                " `fabric.setup(model, optimizer, scheduler=axis_lr)` or `axis_lr.bind(fabric.strategy.engine)`."
             )
         super().step(epoch)
 

@@ -213,8 +213,12 @@ class FabricExactAccumulation(Strategy):
             else (lambda: load(path, state, strict, weights_only))
         )
         remainder: dict[str, Any] = read_checkpoint(read, path)
-        if not isinstance(state, Mapping) or not state:
-            return remainder  # no loop state to restore: the checkpoint is returned as it is, the entry included
+        if isinstance(state, (Module, Optimizer)):
+            return remainder  # a module's or an optimizer's weights alone: no loop state to restore
+        if not state and CHECKPOINT_KEY not in remainder:
+            return remainder  # `fabric.load(path)` of a file the package did not write (weights, say): as Fabric does
+        # `fabric.load(path, state)`, and `ckpt = fabric.load(path)` too: the loop resumes, the ledger and an open group
+        # with it (the package's entry is not part of what is returned).
         entry = self._core.checkpoint.load(self._core.engine, remainder, str(path))
         remainder.pop(CHECKPOINT_KEY, None)
         # The loop resumes where it saved: the open group continues with the next micro-batch. Its places already
@@ -225,6 +229,16 @@ class FabricExactAccumulation(Strategy):
         position = total // max(1, self.data_parallel_replicas)
         self._core.reopen(self._configuration(), position, self._parameters())
         return remainder
+
+    @override
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        self._refuse_clipping_inside_a_group("fabric.clip_gradients(model, optimizer, max_norm=...)")
+        return super().clip_gradients_norm(module, optimizer, *args, **kwargs)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
+        self._refuse_clipping_inside_a_group("fabric.clip_gradients(model, optimizer, clip_val=...)")
+        super().clip_gradients_value(module, optimizer, *args, **kwargs)
 
     @override
     def teardown(self) -> None:
@@ -238,6 +252,18 @@ class FabricExactAccumulation(Strategy):
     def _parameters(self) -> NamedParameters:
         """The optimized parameters by name (a second module's names prefixed by its place in ``fabric.setup``)."""
         return optimized_parameters(self._modules, self._optimizers)
+
+    def _refuse_clipping_inside_a_group(self, call: str) -> None:
+        """Clipping needs the group's exact gradient, which exists once ``close_group`` rescaled it by ``c · D / W``:
+        before, the gradient is ``Σ (w / c) · ∇loss``, and a norm of it clips by another factor (silently wrong)."""
+        held = self._core.engine.microbatches_in_group
+        if held:
+            raise RuntimeError(
+                f"`{call}` was called inside an open accumulation group ({held} micro-batch(es) reported): its"
+                " gradient is not yet the group's mean, so the norm and the clip would be of another gradient. Call"
+                " `fabric.strategy.close_group(optimizer)` first (it rescales the gradient to the exact weighted mean),"
+                " then clip, then `optimizer.step()`."
+            )
 
     def _configuration(self) -> dict[str, Any]:
         """What the checkpoint's groups depend on (a Fabric loop has no ``A`` the strategy knows)."""

@@ -136,6 +136,15 @@ class AccumulationCore:
         handed out, the open group notes when its gradient holds that micro-batch."""
         self.install_carried()
         ours = self.manual.is_handed_out(tensor)
+        held = self.engine.microbatches_in_group
+        if not ours and held and tensor.requires_grad:
+            raise RuntimeError(
+                f"A backward of a tensor that `strategy.accumulate` did not hand out, while the open group holds {held}"
+                " micro-batch(es) reported with `accumulate`: its gradient would join the group's and be rescaled by"
+                " c · D / W as if it were a weighted micro-batch (or, for the tensor `accumulate` returned, counted"
+                " twice). Back-propagate exactly what `accumulate` returns, once each, until `close_group`; for a"
+                " second loss of the same micro-batch, add it to the loss you pass to `accumulate`."
+            )
         if ours:
             self.engine.take_backward_tensor()
         result = run()

@@ -112,9 +112,17 @@ class ManualGroups:
         self._check_no_step_pending("close_group")
         held = engine.microbatches_in_group
         if held == 0:
+            last = engine.ledger.last_group
+            after = (
+                f" The last group ({last.microbatches} micro-batch(es)) was closed already: a group is closed once,"
+                " over one optimizer's parameters; with several optimizers over one loss, give them one optimizer"
+                " (parameter groups) or accumulate each one's loss separately."
+                if last is not None
+                else ""
+            )
             raise RuntimeError(
                 "`strategy.close_group` found no micro-batch in the open group. Report each micro-batch with"
-                " `tensor = strategy.accumulate(loss, num_tokens=...)` and back-propagate it first."
+                f" `tensor = strategy.accumulate(loss, num_tokens=...)` and back-propagate it first.{after}"
             )
         self._check_handed_out_used("close_group")
         if group_size is not None and (
