@@ -34,6 +34,7 @@ from lightning_accum.gradients import scale_gradients
 from lightning_accum.microbatch import infer_num_samples
 from lightning_accum.patching import InstancePatch, patched
 from lightning_accum.strategies import ExactAccumulation
+from lightning_accum.strategies.evaluation import plain_evaluation
 from lightning_accum.tokens import TokenWeightingWarning, find_labels, supervised_tokens
 
 __all__ = ["AccumulationCheck", "AccumulationCheckError", "CheckResult", "concat_microbatches"]
@@ -297,10 +298,11 @@ class AccumulationCheck(Callback):
         warnings.extend(scheduler_findings(trainer, accumulate))
         if replicas > 1:
             warnings.extend(replica_findings(trainer, batches))
-        warnings.extend(self._evaluation_findings(strategy))
-        return CheckResult(
-            rel, ratio, len(batches), errors, warnings, passed_notes(len(batches), replicas, strategy, optimizer)
-        )
+        notes = passed_notes(len(batches), replicas, strategy, optimizer)
+        for finding in self._evaluation_findings(strategy):
+            # A step that returns predictions or nothing is ordinary Lightning code: information, not a warning.
+            (notes if plain_evaluation(finding) else warnings).append(finding)
+        return CheckResult(rel, ratio, len(batches), errors, warnings, notes)
 
     def _seed_noise(self, run: _Pass, batches: list[Any], reference: Tensor) -> float:
         """How much the one-batch gradient moves under another seed, relative to ``reference`` (0 when the step
@@ -325,10 +327,13 @@ class AccumulationCheck(Callback):
         # Without a sanity check, the first validation of the fit says what `validation_step` returns.
         if self.result is None or trainer.sanity_checking:
             return
-        findings = self._evaluation_findings(accumulation_strategy(trainer, "AccumulationCheck"))
-        self.result.warnings.extend(findings)
-        for message in findings:
-            rank_zero_warn(f"AccumulationCheck: {message}")
+        for message in self._evaluation_findings(accumulation_strategy(trainer, "AccumulationCheck")):
+            if plain_evaluation(message):
+                self.result.notes.append(message)
+                rank_zero_info(f"AccumulationCheck: {message}")
+            else:
+                self.result.warnings.append(message)
+                rank_zero_warn(f"AccumulationCheck: {message}")
 
     def _alternative_weightings(self, run: _Pass, batches: list[Any], reference: Tensor) -> dict[str, float]:
         """Relative error against ``reference`` of the group gradient weighted by other counts.

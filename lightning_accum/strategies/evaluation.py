@@ -425,12 +425,22 @@ def _may_skip_ranks(module: Any, trainer: Any) -> bool:
     return flag or bool(getattr(datamodule, "allow_zero_length_dataloader_with_multiple_devices", False))
 
 
+#: The words of a finding about a step that returns predictions, nothing, or another object: ordinary Lightning code.
+_PLAIN = "the step runs as under Lightning, and what it logs itself is unchanged"
+
+
+def plain_evaluation(finding: str) -> bool:
+    """Whether ``finding`` (of :attr:`ExactEvaluation.findings`) is about a step outside the contract (predictions,
+    ``None``): ordinary Lightning code, information rather than a warning."""
+    return _PLAIN in finding
+
+
 def _not_the_contract(stage: str, what: str | None) -> str:
     step, key = _STEP_NAMES[stage], EVALUATION_KEYS[stage][0]
     it = "returns no loss" if what == "nothing" else f"returns {what}, not a loss"
     return (
-        f"`{step}` {it}, so `{key}` is not logged (the step runs as under Lightning, and what it logs itself is"
-        f" unchanged). Return `{{'loss': loss, 'num_tokens': n}}` from `{step}`, as from `training_step`, to get the"
+        f"`{step}` {it}, so `{key}` is not logged ({_PLAIN}). Return `{{'loss': loss, 'num_tokens': n}}` from"
+        f" `{step}`, as from `training_step`, to get the"
         " loss of the whole set weighted by its tokens over every replica."
     )
 
