@@ -134,6 +134,14 @@ class AccumulationCore:
     def backward(self, tensor: Tensor, run: Callable[[], Any]) -> Any:
         """A manual loop's backward of ``tensor`` through ``run()``: if ``tensor`` is the one :meth:`accumulate`
         handed out, the open group notes when its gradient holds that micro-batch."""
+        ours = self.begin_backward(tensor)
+        result = run()
+        self.end_backward(ours)
+        return result
+
+    def begin_backward(self, tensor: Tensor) -> bool:
+        """Before a manual loop's backward of ``tensor``: the carried gradient of a resumed group goes in first; a
+        tensor the open group did not hand out is an error. Returns whether ``tensor`` is the handed-out one."""
         self.install_carried()
         ours = self.manual.is_handed_out(tensor)
         held = self.engine.microbatches_in_group
@@ -147,10 +155,12 @@ class AccumulationCore:
             )
         if ours:
             self.engine.take_backward_tensor()
-        result = run()
+        return ours
+
+    def end_backward(self, ours: bool) -> None:
+        """After that backward: the handed-out micro-batch's gradient is in the group."""
         if ours:
             self.engine.backward_finished()
-        return result
 
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], scaler: Any, lightning_step: Callable[[], Any]
