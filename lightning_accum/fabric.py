@@ -16,12 +16,10 @@ accumulation strategy it reports each micro-batch and closes each group, and eve
             optimizer.step()                                   # applied, or skipped (the GradScaler, a NaN, no token)
             optimizer.zero_grad()
 
-The arithmetic is the Trainer's, composed of the same parts: one :class:`~lightning_accum.engine.AccumulationEngine`,
-:class:`~lightning_accum.strategies.closing.GroupClosing`, :class:`~lightning_accum.strategies.manual.ManualGroups`,
-:class:`~lightning_accum.strategies.checkpoint.OpenGroupCheckpoint`, and the engine adapters of
-:mod:`~lightning_accum.strategies.adapter` (one device) and :class:`~lightning_accum.strategies.ddp.DDPAdapter`.
-:class:`FabricExactAccumulation` is the one package layer between each public Fabric strategy and Fabric's class,
-as :class:`~lightning_accum.ExactAccumulation` is for the Trainer's.
+The arithmetic is the Trainer's, behind the same door: each Fabric strategy holds one
+:class:`~lightning_accum.strategies.core.AccumulationCore` (the engine, the close, the manual API, the checkpoint
+entry, the engine adapter), as the Trainer's strategies do; :class:`FabricExactAccumulation` is the one package layer
+between each public Fabric strategy and Fabric's class and holds only what Fabric's hooks need.
 
 * ``fabric.strategy.accumulate(loss, num_tokens=..., num_samples=..., batch=..., group_size=...)`` records a
   micro-batch and returns ``loss · w / c`` for ``fabric.backward`` (exactly that tensor, before the next call);
@@ -29,9 +27,12 @@ as :class:`~lightning_accum.ExactAccumulation` is for the Trainer's.
   :class:`~lightning_accum.GroupRecord` is final once the step ran (``applied``, ``skip_reason``, ``grad_scale``);
 * ``fabric.strategy.ledger``: the exact, global counters;
 * ``fabric.save(path, state)`` writes the ledger and, inside a group, the group (its counters and its gradient, summed
-  over the replicas) under ``"lightning_accum"`` beside the user's state; ``fabric.load(path, state)`` restores them,
-  so that a loop resumed mid-group (at the micro-batch after the one it saved at) closes the group exactly. A damaged
-  entry is refused as in the Trainer.
+  over the replicas) under ``"lightning_accum"`` beside the user's state; ``fabric.load(path, state)`` (or
+  ``checkpoint = fabric.load(path)``) restores them, so that a loop resumed mid-group (at the micro-batch after the one
+  it saved at) closes the group exactly, also under another strategy class or number of processes. A damaged entry is
+  refused as in the Trainer;
+* after ``fabric.launch(fn)`` of a spawned run, the main process's :attr:`~FabricExactAccumulation.ledger` holds the
+  run's counts (rank zero's ledger comes back with ``fn``'s value).
 
 Schedules follow applied updates when they are stepped after an applied update only (``if record.applied:
 scheduler.step()``), or when they are :class:`~lightning_accum.AxisLR`: passed to ``fabric.setup(..., scheduler=s)``
