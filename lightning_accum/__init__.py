@@ -80,7 +80,7 @@ __all__ = [
     "warmup_linear",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written: pyproject.toml reads it (setuptools `attr:`)
 
 register()
 register_fabric()
