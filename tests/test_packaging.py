@@ -1,5 +1,6 @@
-"""What the distribution declares: one version, and a Lightning range that admits the releases the package supports
-and never the two compromised ones."""
+"""What the distribution declares and ships: one version, a Lightning range that admits the releases the package
+supports and never the two compromised ones, and the check of the built archives (scripts/package_contents.py) that
+scripts/check-package.sh runs."""
 
 from __future__ import annotations
 
@@ -69,3 +70,61 @@ def test_the_version_is_written_once() -> None:
     project = _project()
     assert "version" not in project and "version" in project["dynamic"]
     assert importlib.metadata.version("lightning-accum") == lightning_accum.__version__
+
+
+def _contents_checker() -> Any:
+    """scripts/package_contents.py, the check scripts/check-package.sh runs on the built archives."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("package_contents", ROOT / "scripts" / "package_contents.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _wheel(path: Path, names: dict[str, bytes]) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in names.items():
+            archive.writestr(name, data)
+    return path
+
+
+def test_the_wheel_check_names_a_missing_license_stray_tests_and_a_compromised_range(tmp_path: Path) -> None:
+    contents = _contents_checker()
+    info = "lightning_accum-0.1.0.dist-info"
+    metadata = "Metadata-Version: 2.4\nName: lightning-accum\nLicense-Expression: Apache-2.0\n"
+    good = {
+        "lightning_accum/__init__.py": b"",
+        "lightning_accum/py.typed": b"",
+        f"{info}/licenses/LICENSE": (ROOT / "LICENSE").read_bytes(),
+        f"{info}/METADATA": (metadata + "Requires-Dist: lightning!=2.6.2,!=2.6.3,<3,>=2.5\n").encode(),
+    }
+    assert contents.check_wheel(_wheel(tmp_path / "good.whl", good)) == []
+    bad = {k: v for k, v in good.items() if not k.endswith("LICENSE")}
+    bad |= {"tests/test_engine.py": b"", f"{info}/METADATA": (metadata + "Requires-Dist: lightning<3,>=2.5\n").encode()}
+    assert contents.check_wheel(_wheel(tmp_path / "bad.whl", bad)) == [
+        f"the wheel has no {info}/licenses/LICENSE",
+        "the wheel holds more than the package: ['tests']",
+        "the wheel requires lightning<3,>=2.5, which admits the compromised 2.6.2/2.6.3",
+    ]
+
+
+def test_the_sdist_check_names_each_file_its_tests_need_that_it_lacks(tmp_path: Path) -> None:
+    import tarfile
+
+    contents = _contents_checker()
+    top = tmp_path / "lightning_accum-0.1.0"
+    wanted = [
+        *contents.SDIST_FILES,
+        *(f for d in (*contents.SDIST_FOLDERS, "benchmarks") for f in contents.source_files(d)),
+    ]
+    for name in set(wanted) - {"examples/cli.yaml", "benchmarks/run.py"}:  # two left out
+        (top / name).parent.mkdir(parents=True, exist_ok=True)
+        (top / name).write_bytes(b"")
+    sdist = tmp_path / "lightning_accum-0.1.0.tar.gz"
+    with tarfile.open(sdist, "w:gz") as archive:
+        archive.add(top, arcname=top.name)
+    assert contents.check_sdist(sdist) == ["the sdist lacks examples/cli.yaml", "the sdist lacks benchmarks/run.py"]
