@@ -133,6 +133,8 @@ class GlobalStepWandbLogger(WandbLogger):
     @property
     @override
     def experiment(self) -> Any:
+        # The run made as Lightning 2.6's property makes it (from the logger's `_wandb_init`, kept in `_experiment`),
+        # with 2.7's definitions of the charts' x.
         if self._experiment is None:
             self._experiment = wandb.init(**self._wandb_init)
             self._experiment.define_metric("global_step")
