@@ -211,7 +211,7 @@ class AccumulationEngine:
     ) -> None:
         """Set the device the group's vector lives on, the replicas it is summed over, and where messages go."""
         self.device = torch.device(device)
-        require_float64(self.device)  # the group's vector is float64 there: refused now, not at the first close
+        require_float64(self.device)  # the group's sums are float64 there: refused now, not mid-run
         if replicas is not None:
             self.replicas = replicas
         if info is not None:

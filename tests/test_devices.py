@@ -27,7 +27,7 @@ def test_devices_with_float64_pass_without_being_allocated_on(device: torch.devi
 
 def test_the_engine_refuses_the_device_when_it_is_bound_before_any_micro_batch() -> None:
     # The strategies bind the engine in their set-up (Trainer: `setup`; Fabric: `setup_environment`, `setup_module`):
-    # the error comes there, not at the first group's close.
+    # the error comes there, not once training has started.
     engine = AccumulationEngine(normalize="tokens")
     with pytest.raises(RuntimeError, match=MESSAGE):
         engine.bind(torch.device("mps"))
