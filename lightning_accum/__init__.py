@@ -7,7 +7,7 @@ strategy registry, and the same strings but the last two with Fabric's (``L.Fabr
 
 Layout (each module imports only the ones above it)::
 
-    options, microbatch, ledger          what the user chose; reading a micro-batch; the counters
+    options, devices, microbatch, ledger what the user chose; the float64 device check; a micro-batch; the counters
     group, gradients, decision           a group's sums; the kernels; what to do with a closed group
     engine                               the arithmetic of a run, composed of the above (no Lightning)
     schedules, axis_lr                   schedulers that follow applied updates; rates as a function of tokens
@@ -80,7 +80,7 @@ __all__ = [
     "warmup_linear",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written: pyproject.toml reads it (setuptools `attr:`)
 
 register()
 register_fabric()

@@ -79,6 +79,7 @@ from lightning_accum.decision import (
     GroupOutcome,
     raised_reference,
 )
+from lightning_accum.devices import require_float64
 from lightning_accum.gradients import GradientsByKind, rescale_gradients
 from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
@@ -210,6 +211,7 @@ class AccumulationEngine:
     ) -> None:
         """Set the device the group's vector lives on, the replicas it is summed over, and where messages go."""
         self.device = torch.device(device)
+        require_float64(self.device)  # the group's sums are float64 there: refused now, not mid-run
         if replicas is not None:
             self.replicas = replicas
         if info is not None:

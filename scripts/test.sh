@@ -4,12 +4,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONHASHSEED=0
-.venv/bin/ruff format --check lightning_accum tests examples benchmarks
-.venv/bin/ruff check lightning_accum tests examples benchmarks
+.venv/bin/ruff format --check lightning_accum tests examples benchmarks scripts
+.venv/bin/ruff check lightning_accum tests examples benchmarks scripts
 .venv/bin/mypy
 .venv/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 .venv/bin/python -m pytest "$@"
-# The lowest Lightning the package declares, with the same torch: a declared subset (see the script).
+# With no arguments (CI): the lowest Lightning the package declares, with the same torch, runs a declared subset (see
+# the script); then the package as a user installs it: the wheel alone in a fresh venv, and each extra (see the script).
 if [ "$#" -eq 0 ]; then
   bash scripts/test-lowest.sh
+  bash scripts/check-package.sh
 fi

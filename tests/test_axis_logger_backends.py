@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import Logger, MLFlowLogger, WandbLogger
 from mlflow.tracking import MlflowClient
 from torch.utils.data import DataLoader
+from typing_extensions import override
 from wandb.proto import wandb_internal_pb2
 
 from lightning_accum import AccumulationStrategy, AxisLogger
@@ -123,18 +125,48 @@ def wandb_records(run_dir: Path) -> list[Any]:
     return records
 
 
+class GlobalStepWandbLogger(WandbLogger):
+    """Lightning's ``WandbLogger`` as Lightning 2.7 changes it (Lightning-AI/pytorch-lightning#21782, PR #21785): its
+    step key is ``global_step`` (``log_key_prefix`` left at its default), the charts' x it defines when it creates the
+    run and the key it adds to a row when given a step. The rest is Lightning 2.6's class."""
+
+    @property
+    @override
+    def experiment(self) -> Any:
+        # The run made as Lightning 2.6's property makes it (from the logger's `_wandb_init`, kept in `_experiment`),
+        # with 2.7's definitions of the charts' x.
+        if self._experiment is None:
+            self._experiment = wandb.init(**self._wandb_init)
+            self._experiment.define_metric("global_step")
+            self._experiment.define_metric("*", step_metric="global_step", step_sync=True)
+        return self._experiment
+
+    @override
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self.experiment.log(dict(metrics, **({"global_step": step} if step is not None else {})))
+
+
+#: The key each logger puts its step under (and defines as its charts' x): Lightning 2.6's and 2.7's.
+STEP_KEYS: dict[type[WandbLogger], str] = {WandbLogger: "trainer/global_step", GlobalStepWandbLogger: "global_step"}
+
+
+@pytest.mark.parametrize("logger_type", list(STEP_KEYS), ids=list(STEP_KEYS.values()))
 def test_wandb_charts_use_the_axis_metric_as_x_and_rows_carry_no_global_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    logger_type: type[WandbLogger], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    step_key = STEP_KEYS[logger_type]
     monkeypatch.setenv("WANDB_MODE", "offline")
     for variable in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(variable, str(tmp_path))  # nothing written outside the test's folder
-    logger = WandbLogger(project="axis", save_dir=str(tmp_path))
+    logger = logger_type(project="axis", save_dir=str(tmp_path))
     try:
         used = fit_with(logger)
         # A row logged straight to the run, without the axis metric: W&B itself adds the latest x to it when "*" is
         # defined against the axis metric with step_sync (the definition is in force, not only recorded).
         logger.experiment.log({"direct": 1.0})
+        # After the fit the logger is its own again (AxisLogger gave its `log_metrics` back): given a step, it puts it
+        # in the row under its step key, which is what the callback keeps out of the fit's rows.
+        logger.log_metrics({"after_fit": 1.0}, step=7)
         run_dir = Path(logger.experiment.dir).parent  # <save_dir>/wandb/offline-run-<time>-<id>/files
     finally:
         logger.experiment.finish()  # ends the run (Lightning's finalize does not)
@@ -144,11 +176,11 @@ def test_wandb_charts_use_the_axis_metric_as_x_and_rows_carry_no_global_step(
     xs = [x for x, _ in used]
     records = wandb_records(run_dir)
 
-    # The x of every chart: the last definition of the glob "*" (WandbLogger's own, against trainer/global_step,
-    # comes first), and the axis metric itself defined.
+    # The x of every chart: the last definition of the glob "*" (the logger's own, against its step key, comes
+    # first), and the axis metric itself defined.
     metrics = [r.metric for r in records if r.WhichOneof("record_type") == "metric"]
     globs = [m for m in metrics if m.glob_name == "*"]
-    assert globs[0].step_metric == "trainer/global_step" and globs[-1].step_metric == "accum/tokens"
+    assert globs[0].step_metric == step_key and globs[-1].step_metric == "accum/tokens"
     assert any(m.name == "accum/tokens" for m in metrics)
 
     # A history item names its key in `key` or as a path in `nested_key` (one element for a flat key like ours).
@@ -157,7 +189,9 @@ def test_wandb_charts_use_the_axis_metric_as_x_and_rows_carry_no_global_step(
         for r in records
         if r.WhichOneof("record_type") == "history"
     ]
-    assert rows and not any("trainer/global_step" in row for row in rows)
+    *rows, after_fit = rows
+    assert after_fit["after_fit"] == 1 and after_fit[step_key] == 7
+    assert rows and not any(key in row for row in rows for key in STEP_KEYS.values())
     assert rows[-1]["direct"] == 1 and rows[-1]["accum/tokens"] == xs[-1]
     assert all(isinstance(row.get("accum/tokens"), int) for row in rows), rows  # every row holds its x, an exact int
 

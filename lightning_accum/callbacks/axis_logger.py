@@ -83,12 +83,14 @@ class AxisLogger(Callback):
     - W&B (``WandbLogger``): when the run starts (``setup``), on global rank zero, the callback calls
       ``define_metric("accum/tokens")`` and ``define_metric("*", step_metric="accum/tokens", step_sync=True)`` on
       the logger's run, so every chart's x is the count (``step_sync``: a row logged straight to the run, without
-      the axis metric, gets the latest x). Lightning's ``WandbLogger.log_metrics`` adds
-      ``trainer/global_step`` = its ``step`` argument to every row; here that would be the count under the name
-      of Lightning's step, so the callback calls a W&B logger's ``log_metrics`` without a ``step``: the rows hold
-      no ``trainer/global_step``, W&B's own ``_step`` numbers the rows, and x is ``accum/tokens``. A
-      ``WandbLogger(prefix=...)`` is not supported: its rows name the axis metric ``<prefix>-accum/tokens``, so the
-      charts' definition finds no x in them.
+      the axis metric, gets the latest x). Lightning's ``WandbLogger.log_metrics`` adds its ``step`` argument to
+      every row under its step key, which it also defines as the charts' x when it creates the run:
+      ``trainer/global_step`` up to Lightning 2.6, ``global_step`` from 2.7 (with its new ``log_key_prefix`` in
+      front; Lightning-AI/pytorch-lightning#21782). Here that would be the count under the name of Lightning's step,
+      so the callback calls a W&B logger's ``log_metrics`` without a ``step`` and replaces the charts' definition
+      whatever the step key: the rows hold no step key, W&B's own ``_step`` numbers the rows, and x is
+      ``accum/tokens`` (tested under both names). A ``WandbLogger(prefix=...)`` is not supported: its rows name the
+      axis metric ``<prefix>-accum/tokens``, so the charts' definition finds no x in them.
 
     Learning rates are plotted at the count *after* the update that used them: ``accum/lr`` is the rate of the
     point's last update, written with that update's loss at the x it reached. ``LearningRateMonitor`` reads the
@@ -293,8 +295,9 @@ class AxisLogger(Callback):
         self._originals[id(logger)] = (logger, patch, not isinstance(logger, WandbLogger))
 
     def _define_wandb_axis(self, logger: WandbLogger) -> None:
-        # W&B plots a key against its `step_metric`; WandbLogger's own definition ("*" against trainer/global_step,
-        # made when it creates the run) is replaced by the axis metric, which every row this callback writes holds
+        # W&B plots a key against its `step_metric`; WandbLogger's own definition ("*" against its step key,
+        # `trainer/global_step` or, from Lightning 2.7, `global_step`, made when it creates the run) is replaced by the
+        # axis metric, whatever that key, which every row this callback writes holds
         # (`step_sync`: W&B adds the latest x to a row logged straight to the run without it).
         run = logger.experiment  # creates the W&B run now if Lightning has not yet
         run.define_metric(self.axis_key)
@@ -334,7 +337,7 @@ class AxisLogger(Callback):
             if isinstance(self._originals[logger_id][0], CSVLogger) or self._last_x.get(axis, -1) < x:
                 self._last_x[axis] = x
                 fresh[self.axis_key] = x
-            # A W&B logger gets no `step`: it would add it to the row as `trainer/global_step` (class docstring).
+            # A W&B logger gets no `step`: it would add it to the row under its step key (class docstring).
             patch.below(fresh, step=x if pass_step else None)
 
     def _progress_fields(self, trainer: Trainer) -> dict[str, int | str]:

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The package as a user gets it, run by scripts/test.sh (with no arguments) after the test suite; standalone too.
+#  1. build the sdist and, from it, the wheel (python -m build, in an isolated build environment);
+#  2. check what they hold (scripts/package_contents.py): the wheel the package, py.typed and LICENSE and nothing else,
+#     the sdist what its tests read;
+#  3. run the test files that read the tree (layout, docs' tables, the declared ranges) from the unpacked sdist;
+#  4. install the wheel alone in a fresh venv (no editable install, no dev extras), torch 2.13.0 first as the README
+#     says so that the CPU build is kept, and run scripts/package_smoke.py there: a Trainer fit with strategy="accum",
+#     AxisLogger and AccumulationReport and a Fabric loop, each compared with a float64 reference;
+#  5. every extra alone: a venv per extra, cloned by hard links from the one of step 4 (the wheel and torch installed
+#     once, so each extra costs only its own packages), the extra installed into it, then what it is for is used
+#     (`litgpt --help` for [litgpt]) and `pip check` says the set is consistent.
+# Everything is pinned by requirements/ci.txt (the versions CI knows to be good) and pip's cache is reused. It works in
+# build/package-check (ignored by git), laid anew on each run; the venvs are removed when it passes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON="${PYTHON:-python3}"
+WORK=build/package-check
+CONSTRAINTS="$ROOT/requirements/ci.txt"
+EXTRAS=(hf loggers rich litgpt demo)  # [docs] and [dev] are what scripts/setup.sh installs into .venv
+start=$SECONDS
+step() { printf '[package] %s (%d s)\n' "$*" "$((SECONDS - start))"; }
+quiet() {  # run a command, showing its output only when it fails
+  local log
+  log=$(mktemp)
+  if ! "$@" >"$log" 2>&1; then
+    cat "$log"
+    rm -f "$log"
+    return 1
+  fi
+  rm -f "$log"
+}
+
+rm -rf "$WORK"
+mkdir -p "$WORK"
+step "a venv with the build tool"
+"$PYTHON" -m venv "$WORK/tools"
+quiet "$WORK/tools/bin/python" -m pip install -c "$CONSTRAINTS" build
+step "building the sdist, then the wheel from the sdist"
+quiet "$WORK/tools/bin/python" -m build --outdir "$WORK/dist" .
+rm -rf lightning_accum.egg-info  # left in the tree by the sdist's build
+wheel=$(echo "$ROOT/$WORK"/dist/*.whl)
+sdist=$(echo "$ROOT/$WORK"/dist/*.tar.gz)
+"$WORK/tools/bin/python" scripts/package_contents.py "$wheel" "$sdist"
+
+if [ -x .venv/bin/python ]; then
+  step "the tests that read the tree, run from the unpacked sdist"
+  mkdir -p "$WORK/sdist"
+  tar -xzf "$sdist" -C "$WORK/sdist"
+  (cd "$WORK"/sdist/* && PYTHONPATH=$PWD "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/test_layout.py tests/test_packaging.py)
+fi
+
+step "a fresh venv with the wheel alone: torch 2.13.0 (CPU) first, then the wheel"
+"$PYTHON" -m venv "$WORK/venv"
+quiet "$WORK/venv/bin/python" -m pip install --upgrade -c "$CONSTRAINTS" pip
+quiet "$WORK/venv/bin/python" -m pip install -c "$CONSTRAINTS" torch==2.13.0
+quiet "$WORK/venv/bin/python" -m pip install -c "$CONSTRAINTS" "$wheel"
+quiet "$WORK/venv/bin/python" -m pip check
+(cd "$WORK" && env -u PYTHONPATH venv/bin/python -I "$ROOT/scripts/package_smoke.py" core)
+
+for extra in "${EXTRAS[@]}"; do
+  step "[$extra] alone, beside the wheel"
+  venv="$WORK/venv-$extra"
+  cp -al "$WORK/venv" "$venv"
+  quiet "$venv/bin/python" -m pip install -c "$CONSTRAINTS" "$wheel[$extra]"
+  quiet "$venv/bin/python" -m pip check
+  (cd "$WORK" && env -u PYTHONPATH "venv-$extra/bin/python" -I "$ROOT/scripts/package_smoke.py" "$extra")
+  if [ "$extra" = litgpt ]; then
+    env -u PYTHONPATH "$venv/bin/litgpt" --help >/dev/null
+    echo "[smoke] litgpt: the litgpt command runs (litgpt --help)"
+  fi
+  torch_version=$("$venv/bin/python" -I -c "import torch; print(torch.__version__)")
+  if [ "$torch_version" != 2.13.0+cpu ]; then
+    echo "[package] installing [$extra] replaced the CPU torch 2.13.0 with torch $torch_version" >&2
+    exit 1
+  fi
+done
+rm -rf "$WORK"/venv* "$WORK/tools" "$WORK/sdist"  # 2 GB of venvs; the archives stay in $WORK/dist
+step "done: the wheel and each extra work on their own, torch 2.13.0+cpu kept"
