@@ -383,6 +383,18 @@ def ddp_trainer(
     )
 
 
+class CheckpointAt(L.Callback):
+    """Writes `path` from `on_train_batch_end` of micro-batch `at` (between micro-batches; inside a group when `at`
+    does not end one) and lets the fit train on."""
+
+    def __init__(self, path: Path, at: int) -> None:
+        self.path, self.at = path, at
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.fit_loop.epoch_loop.batch_idx == self.at:
+            trainer.save_checkpoint(self.path)
+
+
 class ResumableLoader(DataLoader):
     """A DataLoader that Lightning can checkpoint mid-epoch (it has `state_dict`/`load_state_dict`): on restore it
     skips the batches the interrupted epoch already consumed. Plain DataLoaders restart the epoch's data from its

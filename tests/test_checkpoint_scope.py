@@ -10,7 +10,16 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import EvalLM, ListDataset, ResumableLoader, make_examples, make_trainer, params_vector, random_lengths
+from helpers import (
+    CheckpointAt,
+    EvalLM,
+    ListDataset,
+    ResumableLoader,
+    make_examples,
+    make_trainer,
+    params_vector,
+    random_lengths,
+)
 from torch.utils.data import DataLoader
 
 from lightning_accum.ledger import COUNTERS
@@ -31,18 +40,6 @@ class _Evaluates(EvalLM):
         return self(batch["input_ids"])
 
 
-class _WritesAt(EvalLM):
-    """Writes `folder/at.ckpt` after micro-batch `at` (inside the group 3, 4, 5 for `at=4`) and trains on."""
-
-    def __init__(self, folder: Path, at: int) -> None:
-        super().__init__()
-        self.folder, self.at = folder, at
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx == self.at:
-            self.trainer.save_checkpoint(self.folder / "at.ckpt")
-
-
 def _counters(trainer: Any) -> dict[str, Any]:
     ledger = trainer.strategy.ledger
     return {name: getattr(ledger, name) for name in COUNTERS}
@@ -50,8 +47,8 @@ def _counters(trainer: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("entry", ["validate", "test", "predict"])
 def test_an_evaluation_from_a_mid_group_checkpoint_leaves_the_next_fit_fresh(tmp_path: Path, entry: str) -> None:
-    make_trainer(accumulate_grad_batches=A).fit(_WritesAt(tmp_path, at=4), _loader())
-    checkpoint = tmp_path / "at.ckpt"
+    checkpoint = tmp_path / "at.ckpt"  # written after micro-batch 4, inside the group 3, 4, 5
+    make_trainer(accumulate_grad_batches=A, callbacks=[CheckpointAt(checkpoint, at=4)]).fit(EvalLM(), _loader())
     assert torch.load(checkpoint, weights_only=True)["lightning_accum"]["open_group"]["microbatches"] == 2
 
     model = _Evaluates(seed=1)

@@ -20,6 +20,7 @@ import lightning as L
 import pytest
 import torch
 from helpers import (
+    CheckpointAt,
     ListDataset,
     ResumableLoader,
     TinyLM,
@@ -729,30 +730,22 @@ def _loader() -> ResumableLoader:
 
 
 def _resume(
-    ckpt: Path, strategy: Any, accumulate: int, model: L.LightningModule | None = None
+    ckpt: Path,
+    strategy: Any,
+    accumulate: int,
+    model: L.LightningModule | None = None,
+    callbacks: list[L.Callback] | None = None,
 ) -> tuple[L.Trainer, L.LightningModule, list[str]]:
     model = model if model is not None else TinyLM()
-    trainer = _plain_trainer(strategy, accumulate)
+    trainer = _plain_trainer(strategy, accumulate, callbacks)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, _loader(), ckpt_path=ckpt)
     return trainer, model, [str(w.message) for w in caught if "callbacks used to create" not in str(w.message)]
 
 
-class _WritesAt(TinyLM):
-    """Writes `folder/at.ckpt` from on_train_batch_end of micro-batch `at` (between micro-batches) and trains on."""
-
-    def __init__(self, folder: Path, at: int) -> None:
-        super().__init__()
-        self.folder, self.at = folder, at
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx == self.at:
-            self.trainer.save_checkpoint(self.folder / "at.ckpt")
-
-
 def _written_at(folder: Path, at: int, strategy: Any = "accum", accumulate: int = 3) -> Path:
-    _plain_trainer(strategy, accumulate).fit(_WritesAt(folder, at), _loader())
+    _plain_trainer(strategy, accumulate, [CheckpointAt(folder / "at.ckpt", at)]).fit(TinyLM(), _loader())
     return folder / "at.ckpt"
 
 
@@ -1074,8 +1067,8 @@ def test_a_group_carried_through_two_checkpoints_records_what_it_carried_and_res
     whole.fit(whole_model, _loader())
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
-    _plain_trainer("accum", 4).fit(_WritesAt(first, 4), _loader())
-    _resume(first / "at.ckpt", "accum", 4, model=_WritesAt(second, 5))
+    _written_at(first, 4, accumulate=4)
+    _resume(first / "at.ckpt", "accum", 4, callbacks=[CheckpointAt(second / "at.ckpt", 5)])
     state = torch.load(second / "at.ckpt", weights_only=True)
     group = state["lightning_accum"]["open_group"]
     assert (group["microbatches"], group["carried_microbatches"], group["total_microbatches"]) == (1, 1, 2)
