@@ -241,6 +241,11 @@ class AccumulationEngine:
         """Micro-batches of the open group on this replica."""
         return self._sums.microbatches
 
+    @property
+    def holds_sole_microbatch(self) -> bool:
+        """Whether the open group holds a micro-batch recorded as its group's only one (``sole=True``)."""
+        return self._sums.sole
+
     def read(self, output: Any, batch: Any, num_samples: int | None = None) -> Microbatch:
         """Read a step's ``output`` for ``batch`` once (:func:`~lightning_accum.microbatch.read_microbatch`, with
         this engine's ``count_tokens``): what :meth:`record` takes."""

@@ -97,3 +97,39 @@ def test_axis_lr_without_a_strategy_says_the_fabric_way() -> None:
     optimizer.step()
     with pytest.raises(RuntimeError, match=r"In a Fabric loop: `L.Fabric\(strategy='accum'\)`"):
         scheduler.step()
+
+
+def _a_loop_at_one_micro_batch_per_update(strategy: str, group_size: int | None) -> torch.Tensor:
+    """Six AdamW updates of a float32 model, one micro-batch each: with `"accum"` through `accumulate` and
+    `close_group`, else the plain loop (`fabric.backward(loss)`)."""
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu")
+    model = TinyNet().to(torch.float32)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for batch in micro_batches(EXAMPLES, 4):
+        loss, tokens = _loss(model, batch)
+        if strategy == "accum":
+            fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens, group_size=group_size))
+            fabric.strategy.close_group(optimizer)
+        else:
+            fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return params_vector(model)
+
+
+def test_group_size_one_is_the_plain_loop_bit_for_bit() -> None:
+    plain = _a_loop_at_one_micro_batch_per_update("auto", None)
+    # `group_size=1` declares the group's only micro-batch: c = w, the loss back-propagated as it is, the close's
+    # factor exactly 1 (before: 2.4e-7 from the plain loop after six float32 updates, as without `group_size`).
+    assert torch.equal(_a_loop_at_one_micro_batch_per_update("accum", 1), plain)
+
+
+def test_a_second_micro_batch_in_a_group_declared_of_one_is_an_error() -> None:
+    fabric = _fabric()
+    model, _ = fabric.setup(*_model_and_optimizer())
+    first, second = micro_batches(EXAMPLES, 2)[:2]
+    loss, tokens = _loss(model, first)
+    fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens, group_size=1))
+    loss, tokens = _loss(model, second)
+    with pytest.raises(RuntimeError, match=r"reported with `group_size=1`.*Call `close_group\(optimizer\)`"):
+        fabric.strategy.accumulate(loss, num_tokens=tokens, group_size=1)

@@ -109,7 +109,8 @@ class AccumulationCore:
         ``loss`` is the micro-batch's mean over its units, ``num_tokens`` its supervised tokens (an int or a 0-d
         integer tensor; ``None``: the strategy's ``count_tokens`` reads ``batch``), ``num_samples`` its samples
         (``None``: inferred from ``batch``), ``group_size`` the micro-batches per update you plan (it only sets the
-        magnitude of what is back-propagated, ``loss · w / c``, never the update). Back-propagate exactly the tensor
+        magnitude of what is back-propagated, ``loss · w / c``, never the update; ``1`` declares the group's only
+        micro-batch, back-propagated as it is on one replica). Back-propagate exactly the tensor
         returned, once, before the next call.
 
         Raises:

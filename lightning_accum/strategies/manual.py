@@ -78,13 +78,23 @@ class ManualGroups:
                 f"`strategy.accumulate(loss=...)` takes the micro-batch's mean loss as a tensor, got"
                 f" {type(loss).__name__}."
             )
+        # `group_size=1` declares the group's only micro-batch: on one replica it is back-propagated as it is (c = w,
+        # the close's factor exactly 1), as the Trainer's `A = 1` is, so the update is the plain loop's bit for bit.
+        sole = group_size == 1 and not isinstance(group_size, bool)
         if group_size is None:
             last = engine.ledger.last_group
             group_size = max(1, last.microbatches // replicas) if last is not None else 1
         elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"`group_size` must be a positive int or None, got {group_size!r}.")
+        if engine.holds_sole_microbatch:
+            raise RuntimeError(
+                "`strategy.accumulate`: the open group already holds a micro-batch reported with `group_size=1` (its"
+                " group's only one, back-propagated as it is), so no other micro-batch can join it. Call"
+                " `close_group(optimizer)` after each micro-batch reported with `group_size=1`, or pass the group's"
+                " real size (or None) to `accumulate`."
+            )
         output = {"loss": loss, **{key: value for key, value in counts.items() if value is not None}}
-        tensor = engine.add_microbatch(output, batch, accumulate=group_size)
+        tensor = engine.add_microbatch(output, batch, accumulate=group_size, sole=sole)
         assert tensor is not None  # a tensor loss always gives one
         self.handed_out = tensor
         return tensor
