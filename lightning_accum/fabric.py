@@ -293,13 +293,14 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
 
     def __init__(
         self,
+        device: str | torch.device | None = None,
+        *,
         normalize: str = "auto",
         count_tokens: Callable[[Any], Count] | None = None,
         partial_group: str = "rescale",
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
-        device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
         self._init_accumulation(AccumulationOptions.pick(locals()))
@@ -366,6 +367,7 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
 
     def __init__(
         self,
+        *,
         normalize: str = "auto",
         count_tokens: Callable[[Any], Count] | None = None,
         partial_group: str = "rescale",

@@ -133,3 +133,19 @@ def test_a_second_micro_batch_in_a_group_declared_of_one_is_an_error() -> None:
     loss, tokens = _loss(model, second)
     with pytest.raises(RuntimeError, match=r"reported with `group_size=1`.*Call `close_group\(optimizer\)`"):
         fabric.strategy.accumulate(loss, num_tokens=tokens, group_size=1)
+
+
+def test_the_one_device_strategies_take_the_device_first_as_lightnings_do() -> None:
+    from lightning.fabric.accelerators import CPUAccelerator
+
+    from lightning_accum import AccumulationStrategy, DDPAccumulationStrategy, FabricAccumulationStrategy
+
+    # Before: a device passed positionally was taken as `normalize`, and a strategy given an accelerator instance was
+    # refused by Fabric's connector ("accelerator set through both strategy class and accelerator flag").
+    strategy = FabricAccumulationStrategy(torch.device("cpu"), accelerator=CPUAccelerator())
+    fabric = L.Fabric(strategy=strategy, devices=2)  # as Fabric's SingleDeviceStrategy: the given device is kept
+    assert fabric.strategy is strategy and fabric.strategy.root_device == torch.device("cpu")
+    assert strategy.engine.normalize == "auto"
+    assert AccumulationStrategy("cpu").root_device == torch.device("cpu")
+    with pytest.raises(TypeError, match="positional argument"):  # the options are by name: never taken silently
+        DDPAccumulationStrategy("tokens")  # type: ignore[misc]

@@ -231,14 +231,19 @@ def seam(name: str, doc: str | None = None) -> Any:
 
 
 def one_device_property(chooser: str) -> Any:
-    """The ``parallel_devices`` of a one-device strategy (read and set by ``chooser``'s connector: "the Trainer",
-    "Fabric"): the device chosen when none was given to the constructor, one device only."""
+    """The ``parallel_devices`` of a one-device strategy (set by ``chooser``'s connector: "the Trainer", "Fabric"):
+    the device chosen when none was given to the constructor, one device only.
+
+    It reads ``None``, so the connector's checks of a strategy's own devices against its accelerator flag are skipped
+    as for Lightning's ``SingleDeviceStrategy`` (which has no such attribute): a strategy given a device and an
+    accelerator instance is accepted as Lightning's is. A device given to the constructor is kept, whatever the
+    connector selects, as Lightning's strategy keeps it."""
 
     def read(self: Any) -> list[torch.device] | None:
-        return [self.root_device] if self._device_given else None
+        return None
 
     def write(self: Any, devices: list[torch.device] | None) -> None:
-        if not devices:
+        if not devices or self._device_given:
             return
         if len(devices) > 1:
             raise ValueError(

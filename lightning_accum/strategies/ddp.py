@@ -282,6 +282,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
 
     def __init__(
         self,
+        *,
         normalize: str = "auto",
         count_tokens: Callable[[Any], Count] | None = None,
         partial_group: str = "rescale",

@@ -382,6 +382,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
 
     def __init__(
         self,
+        *,
         normalize: str = "auto",
         count_tokens: Callable[[Any], Count] | None = None,
         partial_group: str = "rescale",

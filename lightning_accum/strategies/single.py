@@ -51,13 +51,14 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
 
     def __init__(
         self,
+        device: str | torch.device | None = None,
+        *,
         normalize: str = "auto",
         count_tokens: Callable[[Any], Count] | None = None,
         partial_group: str = "rescale",
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
-        device: str | torch.device | None = None,
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
         **kwargs: Any,
