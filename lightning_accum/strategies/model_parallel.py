@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn import Module
 from typing_extensions import override
 
 from lightning_accum.engine import Replicas
@@ -41,13 +42,19 @@ from lightning_accum.strategies.adapter import (
     GradientReader,
     NamedParameters,
     Write,
-    optimized_parameters,
 )
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, DISTRIBUTED_KEY, malformed
 from lightning_accum.strategies.mesh_clipping import clip_grad_norm_, clip_grad_value_
 
-__all__ = ["GRADIENT_SYNC_MODES", "MeshAdapter", "ModelParallelAccumulationStrategy"]
+__all__ = [
+    "GRADIENT_SYNC_MODES",
+    "MeshAdapter",
+    "ModelParallelAccumulationStrategy",
+    "check_mesh_sizes",
+    "derive_mesh_sizes",
+    "refuse_unsharded",
+]
 
 #: The values of ``gradient_sync``.
 GRADIENT_SYNC_MODES = ("every_microbatch", "last_microbatch")
@@ -61,6 +68,59 @@ def _local(tensor: Tensor) -> Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def check_mesh_sizes(data_parallel_size: Any, tensor_parallel_size: Any) -> None:
+    """Refuse a mesh size that is neither ``"auto"`` nor an int ≥ 1 (both doors' constructors)."""
+    for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+        if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"`{name}` must be 'auto' or an int ≥ 1, got {size!r}.")
+
+
+def derive_mesh_sizes(strategy: Any, devices: str) -> None:
+    """Before the mesh is built (``setup_environment``): one size given as an int and the other ``"auto"`` makes the
+    other the world size divided by it; a product that is not the world size is named. ``strategy`` is Lightning's or
+    Fabric's ``ModelParallelStrategy`` (its ``_data_parallel_size`` and ``_tensor_parallel_size`` are written);
+    ``devices`` names where the user sets the world size (``"the Trainer's `devices=` / `num_nodes=`"``)."""
+    world = strategy.num_nodes * strategy.num_processes
+    dp, tp = strategy._data_parallel_size, strategy._tensor_parallel_size
+    where = f"{world} = {strategy.num_nodes} node(s) × {strategy.num_processes} device(s)"
+    for given, other, name in ((dp, tp, "tensor_parallel_size"), (tp, dp, "data_parallel_size")):
+        if isinstance(given, int) and other == "auto" and world % given:
+            raise ValueError(
+                f"The world size ({where}) is not a multiple of"
+                f" {'data_parallel_size' if given is dp else 'tensor_parallel_size'}={given}, so `{name}` cannot be"
+                " derived. Choose sizes whose product is the number of devices."
+            )
+    if isinstance(dp, int) and tp == "auto":
+        strategy._tensor_parallel_size = world // dp
+    elif isinstance(tp, int) and dp == "auto":
+        strategy._data_parallel_size = world // tp
+    dp, tp = strategy._data_parallel_size, strategy._tensor_parallel_size
+    if isinstance(dp, int) and isinstance(tp, int) and dp * tp != world:
+        raise ValueError(
+            f"`data_parallel_size={dp}` × `tensor_parallel_size={tp}` = {dp * tp}, but the world size is {world}"
+            f" ({strategy.num_nodes} node(s) × {strategy.num_processes} device(s)). Their product must equal the world"
+            f" size: change one of them, or {devices}."
+        )
+
+
+def refuse_unsharded(model: Module | None, strategy: Any, sharded_by: str, how: str) -> None:
+    """Refuse, on several devices, a model that ``sharded_by`` left with no FSDP2 module and no DTensor parameter:
+    every device would train its own unsynchronized copy. ``how`` says how to shard it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if model is None or strategy.world_size <= 1:
+        return
+    if any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    ):
+        return
+    raise RuntimeError(
+        f"{type(strategy).__name__} runs on {strategy.world_size} devices, but after {sharded_by} no parameter is"
+        " sharded (no `fully_shard` module, no DTensor parameter): every device would train its own unsynchronized"
+        f" copy. {how}; or use strategy='accum_ddp' for a model that fits one device."
+    )
+
+
 class MeshAdapter(EngineAdapter):
     """FSDP2's and tensor parallelism's side of an accumulation strategy (see
     :class:`~lightning_accum.strategies.adapter.EngineAdapter` for the interface): ``D`` = the data-parallel mesh size,
@@ -71,7 +131,6 @@ class MeshAdapter(EngineAdapter):
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         self._slice_group: Any = None  # a gloo group for the slice count when the backend is not gloo
-        self._trainer: Any = None
         self._clipping: list[InstancePatch] = []  # the precision plugin's clip methods, for the run
 
     def _mesh_size(self, dimension: str, given: Literal["auto"] | int) -> int:
@@ -148,8 +207,14 @@ class MeshAdapter(EngineAdapter):
 
     @override
     def setup(self, trainer: Any) -> None:
-        self._trainer = trainer
-        self._check_sharded()
+        strategy = self.strategy
+        refuse_unsharded(
+            strategy.model,
+            strategy,
+            f"`{type(strategy.lightning_module).__name__}.configure_model()`",
+            "In `configure_model`, apply `fully_shard(module, mesh=self.device_mesh['data_parallel'])` (FSDP2) and/or"
+            " `parallelize_module(module, self.device_mesh['tensor_parallel'], plan)`",
+        )
         self._clip_over_the_mesh()
 
     @override
@@ -157,7 +222,6 @@ class MeshAdapter(EngineAdapter):
         for patch in self._clipping:
             patch.release()
         self._clipping = []
-        self._trainer = None
 
     def _clip_over_the_mesh(self) -> None:
         """Route the precision plugin's clipping (``gradient_clip_val=``, ``self.clip_gradients``) through
@@ -175,42 +239,21 @@ class MeshAdapter(EngineAdapter):
             if getattr(type(plugin), name) is getattr(Precision, name) and name not in vars(plugin):
                 self._clipping.append(InstancePatch(plugin, name, ours, wraps=False))
 
-    def _check_sharded(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        strategy = self.strategy
-        model = strategy.model
-        if model is None or strategy.world_size <= 1:
-            return
-        sharded = any(isinstance(m, FSDPModule) for m in model.modules()) or any(
-            isinstance(p, DTensor) for p in model.parameters()
-        )
-        if not sharded:
-            module = strategy.lightning_module
-            raise RuntimeError(
-                f"{type(strategy).__name__} runs on {strategy.world_size} devices, but after"
-                f" `{type(module).__name__}.configure_model()` no parameter is sharded (no `fully_shard` module, no"
-                " DTensor parameter): every device would train its own unsynchronized copy. In `configure_model`,"
-                " apply `fully_shard(module, mesh=self.device_mesh['data_parallel'])` (FSDP2) and/or"
-                " `parallelize_module(module, self.device_mesh['tensor_parallel'], plan)`; or use strategy='accum_ddp'"
-                " for a model that fits one device."
-            )
-
     # ------------------------------------------------------------------ checkpoints
 
     @override
     def carry_gradients(self, parameters: NamedParameters) -> dict[str, Tensor] | None:
         strategy = self.strategy
-        if strategy.gradient_sync == "last_microbatch":
+        unreduced = strategy._unreduced_gradient()
+        if unreduced is not None:
             # The group's gradient sits unreduced in FSDP2's own accumulators, not in `.grad`: nothing public to save.
-            open_microbatches = strategy.engine.microbatches_in_group
+            why, fix = unreduced
             rank_zero_warn(
-                f"lightning_accum: this checkpoint is written inside an accumulation group ({open_microbatches}"
-                f" micro-batch(es) of {self._trainer.accumulate_grad_batches}); under gradient_sync='last_microbatch'"
-                " the group's gradient is held unreduced inside FSDP2 and cannot be carried, so a run resumed from it"
-                " updates that group without those micro-batches (normalized by what remains, and said again on"
-                " resume). Use gradient_sync='every_microbatch', or write checkpoints at update boundaries"
-                " (ModelCheckpoint's default), for an exact resume."
+                f"lightning_accum: this checkpoint is written inside an accumulation group"
+                f" ({strategy.engine.microbatches_in_group} micro-batch(es) so far); {why} the group's gradient is held"
+                " unreduced inside FSDP2 and cannot be carried, so a run resumed from it updates that group without"
+                f" those micro-batches (normalized by what remains, and said again on resume). {fix}, for an exact"
+                " resume."
             )
             return None
         # Every micro-batch was reduce-scattered: each rank's shard holds its part of the replicas' average so far.
@@ -241,7 +284,7 @@ class MeshAdapter(EngineAdapter):
         if gradients is None:
             write(checkpoint, filepath, storage_options)
             return
-        parameters = dict(optimized_parameters([self.strategy.lightning_module], self.strategy.optimizers))
+        parameters = dict(self.strategy._parameters())
         group = dict(group)
         checkpoint[CHECKPOINT_KEY] = {**checkpoint[CHECKPOINT_KEY], "open_group": group}
         if not self.strategy._save_distributed_checkpoint:
@@ -260,8 +303,9 @@ class MeshAdapter(EngineAdapter):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None, shards: dict[str, Tensor]
     ) -> None:
         """Lightning's distributed save (``ModelParallelStrategy.save_checkpoint`` with
-        ``save_distributed_checkpoint=True``), with the open group's gradient as one more entry of the sharded state:
-        each rank writes its own shards, nothing is gathered."""
+        ``save_distributed_checkpoint=True``, the Trainer's or Fabric's), with the open group's gradient as one more
+        entry of the sharded state: each rank writes its own shards, nothing is gathered. The strategy splits
+        ``checkpoint`` into what its framework writes sharded and the rest (``_sharded_state``)."""
         from lightning.fabric.utilities.load import _METADATA_FILENAME
         from torch.distributed.checkpoint import save
 
@@ -275,12 +319,11 @@ class MeshAdapter(EngineAdapter):
         if path.is_file():
             path.unlink()
         path.mkdir(parents=True, exist_ok=True)
-        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        state, metadata = self.strategy._sharded_state(checkpoint)
         state[DISTRIBUTED_KEY] = shards
         save(state, checkpoint_id=path)
         if self.strategy.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
+            torch.save(metadata, path / _METADATA_FILENAME)
 
     @override
     def distributed_reader(self, path: Any, parameters: Callable[[], NamedParameters]) -> GradientReader | None:
@@ -401,9 +444,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
                 f"`gradient_sync` must be one of {', '.join(map(repr, GRADIENT_SYNC_MODES))}, got {gradient_sync!r}."
                 " Use 'every_microbatch' (least memory) or 'last_microbatch' (fewest collectives)."
             )
-        for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
-            if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-                raise ValueError(f"`{name}` must be 'auto' or an int ≥ 1, got {size!r}.")
+        check_mesh_sizes(data_parallel_size, tensor_parallel_size)
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
         self._init_accumulation(options, microbatch_size, split_batch)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
@@ -418,28 +459,26 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
 
     @override
     def setup_environment(self) -> None:
-        world = self.num_nodes * self.num_processes
-        dp, tp = self._data_parallel_size, self._tensor_parallel_size
-        for given, other, name in ((dp, tp, "tensor_parallel_size"), (tp, dp, "data_parallel_size")):
-            if isinstance(given, int) and other == "auto":
-                if world % given:
-                    raise ValueError(
-                        f"The world size ({world} = {self.num_nodes} node(s) × {self.num_processes} device(s)) is not"
-                        f" a multiple of {'data_parallel_size' if given is dp else 'tensor_parallel_size'}={given}, so"
-                        f" `{name}` cannot be derived. Choose sizes whose product is the number of devices."
-                    )
-        if isinstance(dp, int) and tp == "auto":
-            self._tensor_parallel_size = world // dp
-        elif isinstance(tp, int) and dp == "auto":
-            self._data_parallel_size = world // tp
-        dp, tp = self._data_parallel_size, self._tensor_parallel_size
-        if isinstance(dp, int) and isinstance(tp, int) and dp * tp != world:
-            raise ValueError(
-                f"`data_parallel_size={dp}` × `tensor_parallel_size={tp}` = {dp * tp}, but the world size is {world}"
-                f" ({self.num_nodes} node(s) × {self.num_processes} device(s)). Their product must equal the world"
-                " size: change one of them, or the Trainer's `devices=` / `num_nodes=`."
-            )
+        derive_mesh_sizes(self, "the Trainer's `devices=` / `num_nodes=`")
         super().setup_environment()
+
+    def _unreduced_gradient(self) -> tuple[str, str] | None:
+        """Why the open group's gradient is held unreduced inside FSDP2 (not in ``.grad``) and what to do instead, or
+        ``None`` (read by :class:`MeshAdapter` when a checkpoint is written inside a group)."""
+        if self.gradient_sync != "last_microbatch":
+            return None
+        return (
+            "under gradient_sync='last_microbatch'",
+            "Use gradient_sync='every_microbatch', or write checkpoints at update boundaries (ModelCheckpoint's"
+            " default)",
+        )
+
+    def _sharded_state(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Lightning's checkpoint split into what its distributed save writes sharded (the module's and the optimizers'
+        state, taken out) and the rest, which goes into the metadata file."""
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        return state, checkpoint
 
     @contextmanager
     @override
