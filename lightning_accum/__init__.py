@@ -3,7 +3,8 @@
 Importing the package registers the strategy strings ``"accum"``, ``"accum_ddp"``,
 ``"accum_ddp_spawn"``, ``"accum_ddp_fork"``, ``"accum_ddp_notebook"``,
 ``"accum_ddp_find_unused_parameters_true"``, ``"accum_fsdp"`` and ``"accum_model_parallel"`` with Lightning's
-strategy registry, and the same strings but the last two with Fabric's (``L.Fabric(strategy="accum")``).
+strategy registry, and the same strings but the last one with Fabric's (``L.Fabric(strategy="accum")``; Fabric's
+``"accum_fsdp"`` shards each block of every ``ModuleList`` and the root).
 
 Layout (each module imports only the ones above it)::
 
@@ -13,7 +14,7 @@ Layout (each module imports only the ones above it)::
     schedules, axis_lr                   schedulers that follow applied updates; rates as a function of tokens
     strategies/                          Lightning's hooks adapted to the engine (base, single, ddp, model_parallel)
     callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon, the progress bars
-    fabric                               the same parts in Fabric loops (FabricExactAccumulation and its strategies)
+    fabric_model_parallel, fabric        the same parts in Fabric loops (FabricExactAccumulation and its strategies)
 
 Example:
     >>> import lightning_accum
@@ -37,6 +38,7 @@ from lightning_accum.fabric import (
     FabricAccumulationStrategy,
     FabricDDPAccumulationStrategy,
     FabricExactAccumulation,
+    FabricModelParallelAccumulationStrategy,
     log_on_axis,
 )
 from lightning_accum.fabric import register as register_fabric
@@ -68,6 +70,7 @@ __all__ = [
     "FabricAccumulationStrategy",
     "FabricDDPAccumulationStrategy",
     "FabricExactAccumulation",
+    "FabricModelParallelAccumulationStrategy",
     "GroupRecord",
     "Horizon",
     "ModelParallelAccumulationStrategy",

@@ -1,5 +1,5 @@
 """Exact accumulation in Lightning Fabric loops: the strategy strings ``"accum"``, ``"accum_ddp"`` and its launch
-variants in Fabric's registry, with the Trainer's manual API under the same names.
+variants, and ``"accum_fsdp"`` in Fabric's registry, with the Trainer's manual API under the same names.
 
 A Fabric loop writes its own accumulation (LitGPT's ``finetune`` and ``pretrain`` scripts are such loops). With an
 accumulation strategy it reports each micro-batch and closes each group, and everything else stays Fabric's::
@@ -39,8 +39,9 @@ scheduler.step()``), or when they are :class:`~lightning_accum.AxisLR`: passed t
 (or bound with ``s.bind(fabric.strategy.engine)``) it counts what each applied update consumed, and may be stepped
 after every ``optimizer.step()``. :func:`log_on_axis` logs on the run's axis.
 
-Fabric's ``ModelParallelStrategy`` has no strategy string (it needs a ``parallelize_fn``): FSDP2 and tensor-parallel
-accumulation are the Trainer's (``"accum_fsdp"``, ``"accum_model_parallel"``).
+A model too large for DDP trains under :class:`FabricModelParallelAccumulationStrategy` (Fabric's
+``ModelParallelStrategy``: FSDP2 and tensor parallelism through a ``parallelize_fn``), or ``"accum_fsdp"``: FSDP2 on
+each block of every ``ModuleList`` and on the root (:func:`~lightning_accum.fabric_model_parallel.shard_module_lists`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,13 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.fabric.strategies import (
+    STRATEGY_REGISTRY,
+    DDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor
@@ -61,6 +68,7 @@ from typing_extensions import override
 
 from lightning_accum._worker_exit import ClosingWorkers, use_launcher
 from lightning_accum.axis_lr import AxisLR
+from lightning_accum.fabric_model_parallel import BackwardSyncNotes, shard_module_lists, sharded_state
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
@@ -69,12 +77,20 @@ from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_accum.strategies.closing import enabled_scaler
 from lightning_accum.strategies.core import AccumulationCore, one_device_property, seam
 from lightning_accum.strategies.ddp import DDPAdapter, register_ddp_strings
+from lightning_accum.strategies.mesh_clipping import clip_grad_norm_, clip_grad_value_
+from lightning_accum.strategies.model_parallel import (
+    MeshAdapter,
+    check_mesh_sizes,
+    derive_mesh_sizes,
+    refuse_unsharded,
+)
 from lightning_accum.strategies.reading import read_checkpoint
 
 __all__ = [
     "FabricAccumulationStrategy",
     "FabricDDPAccumulationStrategy",
     "FabricExactAccumulation",
+    "FabricModelParallelAccumulationStrategy",
     "log_on_axis",
     "register",
 ]
@@ -105,6 +121,7 @@ class FabricExactAccumulation(Strategy):
     ledger = seam("ledger")
     engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
     data_parallel_replicas = seam("data_parallel_replicas")
+    tensor_parallel_size = seam("tensor_parallel_size")
     reduce_sum = seam("reduce_sum")
     add_group_listener = seam("add_group_listener")
     remove_group_listener = seam("remove_group_listener")
@@ -148,6 +165,7 @@ class FabricExactAccumulation(Strategy):
         super().setup_environment()
         # The processes exist now (DDP's process group): the engine sums its groups over the adapter's replicas.
         self._core.engine.bind(self.root_device, self._core.adapter.replicas())
+        self._core.closing.rank = self._core.adapter.shard_rank()  # named beside a NaN in this rank's own shard
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], *scheduler: Any) -> Any:
@@ -197,7 +215,10 @@ class FabricExactAccumulation(Strategy):
                 " writes itself (the ledger and an open group). Rename your entry."
             )
         entry = self._core.entry(self._configuration(), self._parameters(), running=None, failed=None)
-        super().save_checkpoint(path, {**state, CHECKPOINT_KEY: entry}, storage_options, filter)
+        fabric_save = super().save_checkpoint
+        self._core.adapter.write_checkpoint(
+            {**state, CHECKPOINT_KEY: entry}, path, storage_options, lambda s, p, o: fabric_save(p, s, o, filter)
+        )
 
     @override
     def load_checkpoint(
@@ -221,7 +242,8 @@ class FabricExactAccumulation(Strategy):
             return remainder  # `fabric.load(path)` of a file the package did not write (weights, say): as Fabric does
         # `fabric.load(path, state)`, and `ckpt = fabric.load(path)` too: the loop resumes, the ledger and an open group
         # with it (the package's entry is not part of what is returned).
-        entry = self._core.checkpoint.load(self._core.engine, remainder, str(path))
+        reader = self._core.adapter.distributed_reader(path, self._parameters)  # a group's gradient in shards
+        entry = self._core.checkpoint.load(self._core.engine, remainder, str(path), reader)
         remainder.pop(CHECKPOINT_KEY, None)
         # The loop resumes where it saved: the open group continues with the next micro-batch. Its places already
         # done, for the partial-group test of `close_group(group_size=)`, are the carried micro-batches per replica
@@ -391,6 +413,191 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
         register_ddp_strings(strategy_registry, cls, " in a Fabric loop")
 
 
+class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelParallelStrategy):
+    """Exact accumulation in a Fabric loop with FSDP2 and tensor parallelism: Fabric's ``ModelParallelStrategy``
+    (``L.Fabric(strategy="accum_fsdp")``, or this class with your own ``parallelize_fn``).
+
+    ``fabric.setup_module(model)`` shards the model with ``parallelize_fn(model, device_mesh)``, as Fabric's strategy
+    does; the optimizer is built from the sharded parameters afterwards (``fabric.setup_optimizers``), since sharding
+    replaces them. As in the Trainer's :class:`~lightning_accum.ModelParallelAccumulationStrategy`, ``D`` is the
+    size of the mesh's ``data_parallel`` dimension (the ranks of one tensor-parallel group read the same batch and
+    report the same counts, counted once), the close all-reduces the group's counts over the data-parallel group,
+    rescales each rank's gradient shard by ``c · D / W`` and sums the NaN/Inf check over the whole mesh.
+
+    * ``fabric.no_backward_sync(model, enabled=not last)`` on a group's non-final micro-batches: FSDP2 accumulates
+      their unsharded gradient locally (``set_requires_gradient_sync(False)``) and the group's last backward
+      reduce-scatters it once; without it every backward reduce-scatters (least memory). Both are exact. A group
+      whose last backward ran inside it is an error at ``close_group`` (no rank's shard holds the group's gradient).
+    * ``fabric.clip_gradients(model, optimizer, max_norm=...)`` (or ``clip_val=``) after ``close_group``: the norm
+      of the group's exact gradient over the whole mesh, each parameter counted once, DTensor and plain parameters
+      mixed (:mod:`~lightning_accum.strategies.mesh_clipping`); inside an open group it is an error.
+    * ``fabric.save(path, state)`` inside a group carries the group (its counters and its gradient): shard by shard
+      in the folder's distributed checkpoint (``save_distributed_checkpoint=True``, the default), or gathered whole
+      into the one file (``False``); ``fabric.load(path, state)`` resumes it exactly, also under another
+      data-parallel size. A group with backwards run inside ``no_backward_sync`` holds its gradient inside FSDP2:
+      it is not carried (a warning says so, and the resumed run which micro-batches its update misses).
+
+    Fabric refuses ``precision="64-true"`` with this strategy: to check exactness against a float64 run, build the
+    model in float64 (``model.double()`` before ``fabric.setup_module``) under the default ``"32-true"``.
+
+    Args:
+        parallelize_fn: ``(model, device_mesh) -> model``: applies ``fully_shard`` over
+            ``device_mesh["data_parallel"]`` and/or ``parallelize_module`` over ``device_mesh["tensor_parallel"]``;
+            ``"accum_fsdp"`` passes :func:`~lightning_accum.fabric_model_parallel.shard_module_lists`.
+        data_parallel_size: ``D``, or ``"auto"``.
+        tensor_parallel_size: The devices sharing one model replica, or ``"auto"``. With both ``"auto"``, Fabric's
+            sizes (``D`` = number of nodes); with one of them an int, the other is the world size divided by it
+            (``"accum_fsdp"``: ``tensor_parallel_size=1``, FSDP2 over every device).
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: See
+            :class:`FabricAccumulationStrategy`.
+        **kwargs: Passed to Fabric's ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
+            ``process_group_backend``, ``timeout``).
+
+    Example:
+        >>> import lightning as L
+        >>> import lightning_accum
+        >>> fabric = L.Fabric(strategy="accum_fsdp", devices=2, accelerator="cpu")
+        >>> from lightning.fabric.strategies import ModelParallelStrategy
+        >>> type(fabric.strategy).__name__, isinstance(fabric.strategy, ModelParallelStrategy)
+        ('FabricModelParallelAccumulationStrategy', True)
+    """
+
+    adapter_type = MeshAdapter
+
+    def __init__(
+        self,
+        parallelize_fn: Callable[[Any, Any], Any],
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        *,
+        normalize: str = "auto",
+        count_tokens: Callable[[Any], Count] | None = None,
+        partial_group: str = "rescale",
+        schedule_on: str = "applied",
+        on_nonfinite: str = "skip",
+        max_consecutive_skips: int | None = 100,
+        **kwargs: Any,
+    ) -> None:
+        check_mesh_sizes(data_parallel_size, tensor_parallel_size)
+        self._init_accumulation(AccumulationOptions.pick(locals()))
+        super().__init__(parallelize_fn, data_parallel_size, tensor_parallel_size, **kwargs)
+        # Fabric's control of `no_backward_sync`, noting when it blocks synchronisation (see docs/internals.md).
+        self._sync = BackwardSyncNotes(self._backward_sync_control)  # type: ignore[arg-type]  # set by Fabric's
+        self._backward_sync_control = self._sync
+        self._unreduced = False  # a backward of the open group left its gradient unreduced inside FSDP2
+        self._last_unreduced = False  # ... the latest backward did
+
+    @override
+    def setup_environment(self) -> None:
+        derive_mesh_sizes(self, "Fabric's `devices=` / `num_nodes=`")
+        super().setup_environment()
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        sharded = super().setup_module(module)
+        self._modules[-1] = sharded  # the `parallelize_fn`'s module: the optimizer's parameters are its own
+        how = (
+            "In it, apply `fully_shard(module, mesh=device_mesh['data_parallel'])` (FSDP2) and/or"
+            " `parallelize_module(module, device_mesh['tensor_parallel'], plan)`, or pass strategy='accum_fsdp'"
+        )
+        refuse_unsharded(sharded, self, "the `parallelize_fn`", how)
+        return sharded  # type: ignore[no-any-return]
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        mine = {id(p) for module in self._modules for p in module.parameters()}
+        if mine and not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(
+                f"The optimizer ({type(optimizer).__name__}) holds none of the parameters of the model"
+                " `fabric.setup_module` sharded (sharding replaces them), so its steps would not train it. Build the"
+                " optimizer after `model = fabric.setup_module(model)`, from `model.parameters()`, then call"
+                " `optimizer = fabric.setup_optimizers(optimizer)` (not `fabric.setup(model, optimizer)`)."
+            )
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        self._last_unreduced = self._sync.blocking
+        self._unreduced = self._unreduced or self._last_unreduced
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def close_group(self, optimizer: Optimizer, group_size: int | None = None) -> GroupRecord:
+        if self._last_unreduced and self._core.engine.microbatches_in_group:
+            raise RuntimeError(
+                "`close_group`: the group's last backward ran inside `fabric.no_backward_sync(model, enabled=True)`,"
+                " so FSDP2 still holds the group's gradient unreduced (no rank's shard holds it) and the update would"
+                " miss it. Run a group's last micro-batch with synchronisation: `enabled=not last`."
+            )
+        record = super().close_group(optimizer, group_size)
+        self._unreduced = False
+        return record
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        self._refuse_clipping_inside_a_group("fabric.clip_gradients(model, optimizer, max_norm=...)")
+        self.precision.unscale_gradients(optimizer)
+        parameters = self.precision.main_params(optimizer)
+        return clip_grad_norm_(parameters, float(max_norm), float(norm_type), error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self._refuse_clipping_inside_a_group("fabric.clip_gradients(model, optimizer, clip_val=...)")
+        self.precision.unscale_gradients(optimizer)
+        clip_grad_value_(self.precision.main_params(optimizer), float(clip_val))
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _Path,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        if filter is not None and self._save_distributed_checkpoint:
+            # Fabric's own refusal, before the entry's collectives (a group's shards are written beside Fabric's).
+            raise NotImplementedError(
+                f"{type(self).__name__} doesn't support loading distributed filtered checkpoints, so saving them is"
+                " disabled."
+            )
+        super().save_checkpoint(path, state, storage_options, filter)
+
+    def _unreduced_gradient(self) -> tuple[str, str] | None:
+        """Why the open group's gradient is held unreduced inside FSDP2, and what to do instead, or ``None`` (read by
+        :class:`~lightning_accum.strategies.model_parallel.MeshAdapter` when a checkpoint is written in a group)."""
+        if not self._unreduced:
+            return None
+        return (
+            "after backwards inside `fabric.no_backward_sync(model, enabled=True)`",
+            "Save after a group's `optimizer.step()`, or run the micro-batches of a group you save inside without"
+            " `no_backward_sync` (each backward then reduce-scatters its gradient)",
+        )
+
+    def _sharded_state(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The state split as Fabric's distributed save splits it (see :func:`sharded_state`)."""
+        return sharded_state(state)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "accum_fsdp",
+            cls,
+            description="Exact gradient accumulation in a Fabric loop with FSDP2 over every device (fully_shard on"
+            " each child of every ModuleList and on the root)",
+            override=True,
+            parallelize_fn=shard_module_lists,
+            tensor_parallel_size=1,
+        )
+
+
 def log_on_axis(
     fabric: Fabric, metrics: Mapping[str, Any], axis: Literal["tokens", "samples", "updates"] = "tokens"
 ) -> int:
@@ -427,3 +634,4 @@ def register() -> None:
     """Register the strategy strings with Fabric's registry (done on ``import lightning_accum``)."""
     FabricAccumulationStrategy.register_strategies(STRATEGY_REGISTRY)
     FabricDDPAccumulationStrategy.register_strategies(STRATEGY_REGISTRY)
+    FabricModelParallelAccumulationStrategy.register_strategies(STRATEGY_REGISTRY)

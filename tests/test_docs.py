@@ -93,6 +93,22 @@ def test_internals_shows_each_strategys_method_resolution_order() -> None:
         assert ours == [strategy, la.ExactAccumulation]
 
 
+def test_internals_shows_each_fabric_strategys_method_resolution_order() -> None:
+    import lightning_accum as la
+
+    text = (DOCS / "internals.md").read_text()
+    shown = re.search(r"```text\n(FabricAccumulationStrategy → .*?)```", text, re.DOTALL)
+    assert shown is not None
+    strategies = (
+        la.FabricAccumulationStrategy,
+        la.FabricDDPAccumulationStrategy,
+        la.FabricModelParallelAccumulationStrategy,
+    )
+    base = la.FabricExactAccumulation.__mro__[1]  # Fabric's Strategy
+    expected = [" → ".join(c.__name__ for c in s.__mro__[: s.__mro__.index(base) + 1]) for s in strategies]
+    assert shown.group(1).strip().splitlines() == expected
+
+
 def test_internals_lists_every_member_of_the_adapter_interface() -> None:
     from lightning_accum.strategies.adapter import EngineAdapter
 

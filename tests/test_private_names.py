@@ -57,6 +57,25 @@ def test_the_spawn_launcher_is_ours_and_serves_the_strategy() -> None:
     assert callable(strategy._launcher._wrapping_function)
 
 
+def test_fabrics_no_backward_sync_enters_the_strategys_sync_control() -> None:
+    # `fabric.no_backward_sync(model, enabled)` enters `strategy._backward_sync_control.no_backward_sync(module,
+    # enabled)`; the model-parallel strategy's control is `BackwardSyncNotes` around Fabric's own (FSDP2's sync flag).
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
+    from lightning_accum.fabric_model_parallel import BackwardSyncNotes
+
+    assert "self._strategy._backward_sync_control.no_backward_sync(" in inspect.getsource(Fabric.no_backward_sync)
+    strategy = Fabric(strategy="accum_fsdp", devices=2, accelerator="cpu").strategy
+    control = strategy._backward_sync_control
+    assert isinstance(control, BackwardSyncNotes) and isinstance(control, _BackwardSyncControl)
+    assert isinstance(control.control, _ParallelBackwardSyncControl)
+    with control.no_backward_sync(torch.nn.Linear(1, 1), enabled=True):  # no FSDP2 module in it: Fabric's no-op
+        assert control.blocking
+    assert not control.blocking
+
+
 def test_torch_schedulers_keep_their_step_counters_where_axis_lr_saves_them() -> None:
     # AxisLR's state_dict saves LRScheduler._step_count and _last_lr (torch's own state_dict holds them too).
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)

@@ -84,13 +84,22 @@ def _norm(tensor: Tensor, norm_type: float) -> Tensor:
     return torch.linalg.vector_norm(tensor, norm_type, dtype=dtype)
 
 
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> Tensor:
     """Scale the gradients of ``parameters`` so that their total norm is at most ``max_norm``; return the norm
-    before clipping. Equal to ``torch.nn.utils.clip_grad_norm_`` on the same model on one device."""
+    before clipping. Equal to ``torch.nn.utils.clip_grad_norm_`` on the same model on one device, also in
+    ``error_if_nonfinite`` (a NaN or infinite norm is an error before any gradient changes; one host read)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = total_norm(grads, float(norm_type))
     if not grads:
         return norm
+    if error_if_nonfinite and not bool(torch.isfinite(norm)):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it cannot"
+            " be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set"
+            " `error_if_nonfinite=False`"
+        )
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for grad in grads:
         local = _local(grad)
