@@ -215,8 +215,10 @@ class FabricExactAccumulation(Strategy):
             else (lambda: load(path, state, strict, weights_only))
         )
         remainder: dict[str, Any] = read_checkpoint(read, path)
-        if isinstance(state, (Module, Optimizer)):
-            return remainder  # a module's or an optimizer's weights alone: no loop state to restore
+        if isinstance(state, (Module, Optimizer)) or not isinstance(remainder, Mapping):
+            # A module's or an optimizer's weights alone, or what a custom CheckpointIO returned that is not a
+            # mapping: no loop state to restore, returned as Fabric returns it.
+            return remainder
         if not state and CHECKPOINT_KEY not in remainder:
             return remainder  # `fabric.load(path)` of a file the package did not write (weights, say): as Fabric does
         # `fabric.load(path, state)`, and `ckpt = fabric.load(path)` too: the loop resumes, the ledger and an open group
