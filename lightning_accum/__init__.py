@@ -11,6 +11,7 @@ Layout (each module imports only the ones above it)::
     options, devices, microbatch, ledger what the user chose; the float64 device check; a micro-batch; the counters
     group, gradients, decision           a group's sums; the kernels; what to do with a closed group
     engine                               the arithmetic of a run, composed of the above (no Lightning)
+    evaluation_loss                      a set's loss weighted by its units over every replica (both doors)
     schedules, axis_lr                   schedulers that follow applied updates; rates as a function of tokens
     strategies/                          Lightning's hooks adapted to the engine (base, single, ddp, model_parallel)
     callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon, the progress bars
@@ -34,6 +35,7 @@ from lightning_accum.callbacks import (
     Horizon,
 )
 from lightning_accum.engine import AccumulationEngine
+from lightning_accum.evaluation_loss import EvaluationLoss, EvaluationRecord
 from lightning_accum.fabric import (
     FabricAccumulationStrategy,
     FabricDDPAccumulationStrategy,
@@ -66,6 +68,8 @@ __all__ = [
     "AxisProgressBar",
     "AxisRichProgressBar",
     "DDPAccumulationStrategy",
+    "EvaluationLoss",
+    "EvaluationRecord",
     "ExactAccumulation",
     "FabricAccumulationStrategy",
     "FabricDDPAccumulationStrategy",

@@ -204,14 +204,16 @@ class AccumulationEngine:
 
     def bind(
         self,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         replicas: Replicas | None = None,
         info: Callable[[str], None] | None = None,
         warn: Callable[..., None] | None = None,
     ) -> None:
-        """Set the device the group's vector lives on, the replicas it is summed over, and where messages go."""
-        self.device = torch.device(device)
-        require_float64(self.device)  # the group's sums are float64 there: refused now, not mid-run
+        """Set the device the group's vector lives on, the replicas it is summed over, and where messages go (each
+        only when given)."""
+        if device is not None:
+            self.device = torch.device(device)
+            require_float64(self.device)  # the group's sums are float64 there: refused now, not mid-run
         if replicas is not None:
             self.replicas = replicas
         if info is not None:

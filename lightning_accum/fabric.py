@@ -26,6 +26,9 @@ between each public Fabric strategy and Fabric's class and holds only what Fabri
 * ``fabric.strategy.close_group(optimizer)`` closes the group right before ``optimizer.step()``; its
   :class:`~lightning_accum.GroupRecord` is final once the step ran (``applied``, ``skip_reason``, ``grad_scale``);
 * ``fabric.strategy.ledger``: the exact, global counters;
+* ``fabric.strategy.evaluation()``: an :class:`~lightning_accum.EvaluationLoss` for a validation set, ``add(loss,
+  num_tokens=...)`` per batch and ``compute()`` on every rank: the set's loss weighted by its units over every replica
+  (one all-reduce), where LitGPT's ``validate()`` averages batch means;
 * ``fabric.save(path, state)`` writes the ledger and, inside a group, the group (its counters and its gradient, summed
   over the replicas) under ``"lightning_accum"`` beside the user's state; ``fabric.load(path, state)`` (or
   ``checkpoint = fabric.load(path)``) restores them, so that a loop resumed mid-group (at the micro-batch after the one
@@ -102,7 +105,7 @@ class FabricExactAccumulation(Strategy):
     """The public base of the Fabric accumulation strategies: the Fabric hooks they change, and the manual API.
 
     Listed first in a strategy's bases, so that ``super()`` is Fabric's single-device or DDP strategy. Loops program
-    against it: :meth:`accumulate`, :meth:`close_group`, :attr:`ledger`, :attr:`engine`,
+    against it: :meth:`accumulate`, :meth:`close_group`, :meth:`evaluation`, :attr:`ledger`, :attr:`engine`,
     :attr:`data_parallel_replicas`, :meth:`add_group_listener`; what differs per engine is the adapter of the class
     named in :attr:`adapter_type`, as in the Trainer's strategies.
     """
@@ -132,6 +135,7 @@ class FabricExactAccumulation(Strategy):
         return enabled_scaler(self.precision)
 
     accumulate = seam("accumulate")
+    evaluation = seam("evaluation")
 
     def close_group(self, optimizer: Optimizer, group_size: int | None = None) -> GroupRecord:
         """Close the group reported with :meth:`accumulate`, right before ``optimizer.step()``.
@@ -236,8 +240,10 @@ class FabricExactAccumulation(Strategy):
             else (lambda: load(path, state, strict, weights_only))
         )
         remainder: dict[str, Any] = read_checkpoint(read, path)
-        if isinstance(state, (Module, Optimizer)):
-            return remainder  # a module's or an optimizer's weights alone: no loop state to restore
+        if isinstance(state, (Module, Optimizer)) or not isinstance(remainder, Mapping):
+            # A module's or an optimizer's weights alone, or what a custom CheckpointIO returned that is not a
+            # mapping: no loop state to restore, returned as Fabric returns it.
+            return remainder
         if not state and CHECKPOINT_KEY not in remainder:
             return remainder  # `fabric.load(path)` of a file the package did not write (weights, say): as Fabric does
         # `fabric.load(path, state)`, and `ckpt = fabric.load(path)` too: the loop resumes, the ledger and an open group

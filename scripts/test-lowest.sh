@@ -30,7 +30,8 @@ export PYTHONHASHSEED=0
   lightning_accum tests/test_strategies.py tests/test_schedules.py tests/test_manual.py tests/test_mixed_precision.py \
   tests/test_engine.py tests/test_ledger.py tests/test_checkpoints.py tests/test_check.py tests/test_axis_logger.py \
   tests/test_report.py tests/test_slicing.py tests/test_evaluation.py tests/test_progress.py \
-  tests/test_evaluation_edges.py tests/test_report_edges.py tests/test_private_names.py tests/test_fabric.py
+  tests/test_evaluation_edges.py tests/test_report_edges.py tests/test_private_names.py tests/test_fabric.py \
+  tests/test_fabric_evaluation.py
 # One 2-process DDP run: the spawn launcher extended with a private Lightning class (docs/internals.md).
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
   "tests/test_ddp.py::test_accum_ddp_spawn_matches_single_process_reference"

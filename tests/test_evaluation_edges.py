@@ -44,6 +44,7 @@ class Returns(TinyLM):
             "no_counts": {"loss": loss, "logits": logits},
             "none": None,
             "tokens": {"loss": loss, "num_tokens": (batch["labels"] != IGNORE).sum()},
+            "negative": {"loss": loss, "num_tokens": -(batch["labels"] != IGNORE).sum()},
         }[self.kind]
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
@@ -101,6 +102,13 @@ def test_a_set_without_supervised_tokens_says_so_and_is_nan() -> None:
     with pytest.warns(UserWarning, match=r"`accum/val_loss` is NaN: the validate set holds no tokens at all"):
         (result,) = _trainer().validate(Returns("tokens"), _loader(examples))
     assert math.isnan(result["accum/val_loss"])
+    assert math.isnan(result["accum/val_perplexity"])  # exp(NaN), not the overflow guard's inf
+
+
+def test_a_negative_count_given_as_a_tensor_is_an_error_at_the_end_of_the_loop() -> None:
+    # An int below zero is refused at its step; a tensor's sign is read with the loop's one reduction.
+    with pytest.raises(ValueError, match=r"negative `num_tokens` or `num_samples` was reported by `validation_step`"):
+        _trainer().validate(Returns("negative"), _loader(make_examples(LENGTHS[:8], seed=4)))
 
 
 # ---------------------------------------------------------------------- several processes

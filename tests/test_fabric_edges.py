@@ -149,3 +149,18 @@ def test_the_one_device_strategies_take_the_device_first_as_lightnings_do() -> N
     assert AccumulationStrategy("cpu").root_device == torch.device("cpu")
     with pytest.raises(TypeError, match="positional argument"):  # the options are by name: never taken silently
         DDPAccumulationStrategy("tokens")  # type: ignore[misc]
+
+
+def test_a_checkpoint_io_that_returns_no_mapping_is_returned_as_fabric_returns_it(tmp_path: Path) -> None:
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    class Records(TorchCheckpointIO):
+        """A user's CheckpointIO whose files hold a list of records, not a state mapping."""
+
+        def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
+            return [("step", 3), ("loss", 0.5)]
+
+    fabric = L.Fabric(strategy="accum", accelerator="cpu", plugins=[Records()])
+    # Before: `TypeError: argument of type 'list' is not iterable`-like failures from looking for the package's entry.
+    assert fabric.load(tmp_path / "records.bin") == [("step", 3), ("loss", 0.5)]
+    assert fabric.strategy.ledger.updates_applied == 0

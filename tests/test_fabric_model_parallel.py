@@ -302,9 +302,16 @@ def _tensor_parallel_worker(rank: int, folder: str) -> None:
     model, optimizer = _setup(fabric)
     dp_rank = fabric.strategy.device_mesh["data_parallel"].get_local_rank()  # type: ignore[attr-defined]
     _train(fabric, model, optimizer, _plan(dp_rank, 2, 2, 0), clip=CLIP)
-    strategy = fabric.strategy
-    sizes = (strategy.data_parallel_replicas, strategy.tensor_parallel_size)  # type: ignore[attr-defined]
-    _save(folder, "dp-tp", _result(fabric, model, sizes=sizes))
+    strategy: Any = fabric.strategy
+    evaluation = strategy.evaluation()  # the trained model's loss over the whole set, every replica
+    with torch.no_grad():
+        for batch in itertools.chain(*_plan(dp_rank, 2, 2, 0)):
+            logits = model(batch["input_ids"])
+            loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+            evaluation.add(loss, num_tokens=(batch["labels"] != IGNORE).sum())
+    evaluated = evaluation.compute()
+    sizes = (strategy.data_parallel_replicas, strategy.tensor_parallel_size)
+    _save(folder, "dp-tp", _result(fabric, model, sizes=sizes, evaluated=(evaluated.loss, evaluated.units)))
 
 
 @pytest.mark.ddp
@@ -312,10 +319,17 @@ def _tensor_parallel_worker(rank: int, folder: str) -> None:
 def test_fsdp2_over_tensor_parallelism_on_four_processes_matches_the_reference(tmp_path: Path) -> None:
     run_ddp(_tensor_parallel_worker, str(tmp_path), world_size=4)
     run = _load(tmp_path, "dp-tp")
-    _assert_params(run, reference(_whole_groups(), clip=CLIP))  # clipped over DTensors of two meshes
+    expected = reference(_whole_groups(), clip=CLIP)
+    _assert_params(run, expected)  # clipped over DTensors of two meshes
     # D = 2: the two tensor-parallel ranks of a replica read the same micro-batches, counted once.
     assert run["sizes"] == (2, 2)
     assert (run["ledger"]["microbatches"], run["ledger"]["samples"], run["ledger"]["tokens"]) == (12, 24, TOKENS)
+    # `fabric.strategy.evaluation()` (the core's) sums over the data-parallel group too: the trained model's loss.
+    trained = Blocks().double()
+    trained.load_state_dict(expected)
+    with torch.no_grad():
+        loss = float(_sum_loss(trained, EXAMPLES) / TOKENS)
+    assert run["evaluated"][1] == TOKENS and run["evaluated"][0] == pytest.approx(loss, rel=0, abs=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------- mid-group save / load

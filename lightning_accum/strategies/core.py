@@ -12,6 +12,8 @@ the public seam                  ``ledger``, ``engine``, ``data_parallel_replica
                                  (:func:`seam` makes each a member of a front class in one line)
 the manual API                   :meth:`~AccumulationCore.accumulate`, :meth:`~AccumulationCore.close_group`, the
                                  backward of a handed-out tensor (:meth:`~AccumulationCore.backward`)
+a loop's exact evaluation        :meth:`~AccumulationCore.evaluation`: a set's weighted loss over the data-parallel
+                                 replicas (:class:`~lightning_accum.evaluation_loss.EvaluationLoss`)
 the run's configuration          :meth:`~AccumulationCore.configuration`: what a checkpoint's groups depend on
 the checkpoint entry             :meth:`~AccumulationCore.entry` (assembly), :meth:`~AccumulationCore.reopen`,
                                  :meth:`~AccumulationCore.install_carried`, and the parameters by name
@@ -35,6 +37,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_accum.engine import AccumulationEngine
+from lightning_accum.evaluation_loss import EvaluationLoss
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
@@ -169,6 +172,16 @@ class AccumulationCore:
         """A manual loop's ``optimizer.step()`` (see :meth:`ManualGroups.optimizer_step
         <lightning_accum.strategies.manual.ManualGroups.optimizer_step>`)."""
         return self.manual.optimizer_step(self.engine, self.closing, optimizer, closure, scaler, lightning_step)
+
+    # ------------------------------------------------------------------ a loop's evaluation
+
+    def evaluation(self) -> EvaluationLoss:
+        """A new, empty :class:`~lightning_accum.evaluation_loss.EvaluationLoss`: ``add(loss, num_tokens=...)`` each
+        batch (no host read), then ``compute()`` on every rank for the set's loss weighted by its units over every
+        data-parallel replica (one all-reduce in float64; the same record on every rank; NaN with a warning for a set
+        without any unit); ``reset()`` empties it for the next evaluation. The unit is the run's, as for
+        ``accumulate`` (the first batch's before any training)."""
+        return EvaluationLoss(self.engine, self.adapter.reduce_sum, lambda: self.adapter.strategy.root_device)
 
     # ------------------------------------------------------------------ the checkpoint entry
 

@@ -34,7 +34,9 @@ of the loop every rank adds, in one all-reduce over the data-parallel replicas (
 see the same batches and are counted once), its sums and what it decided: how many batches it ran, whether they
 followed the contract, its unit. So a rank with no batch at all (an iterable set that is empty there) neither hangs
 nor costs the others their value: every rank logs the loss of the whole set; and replicas that decided differently
-stop with the same error on every rank. A set with no unit at all gives NaN, said in a warning. Lightning's
+stop with the same error on every rank, as do counts reported below zero as tensors (an int below zero is refused at
+its step). A set with no unit at all gives NaN, said in a warning. The sums and these rules are
+:mod:`lightning_accum.evaluation_loss`'s, which a Fabric loop's ``fabric.strategy.evaluation()`` uses too. Lightning's
 ``DistributedSampler`` pads a set whose size is not a multiple of ``D`` with repeated examples, which cannot be told
 apart from the others: a warning says how many are counted twice and what to do.
 
@@ -47,7 +49,6 @@ value is logged either (said in a warning); Lightning 2.6 accepts them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -58,8 +59,16 @@ from torch import Tensor
 from torch.utils.data import DistributedSampler
 
 from lightning_accum.engine import AccumulationEngine
+from lightning_accum.evaluation_loss import (
+    WeightedMean,
+    evaluation_unit,
+    mean_or_nan,
+    negative_message,
+    no_unit_message,
+    perplexity_of,
+)
 from lightning_accum.group import UNIT_CODES
-from lightning_accum.microbatch import Count, as_count, choose_unit, parse_step_output
+from lightning_accum.microbatch import as_count, parse_step_output
 from lightning_accum.patching import InstancePatch
 from lightning_accum.strategies.adapter import EngineAdapter
 
@@ -73,52 +82,12 @@ EVALUATION_KEYS = {
 #: The step each stage's outputs come from, for messages; the module hook the values are logged from.
 _STEP_NAMES = {"validate": "validation_step", "test": "test_step"}
 _EPOCH_END = {"validate": "on_validation_epoch_end", "test": "on_test_epoch_end"}
-#: Per loader in the reduced vector: batches that followed the contract, Σ w·loss, Σ w.
-_PER_LOADER = 3
+#: Per loader in the reduced vector: batches that followed the contract, then `WeightedMean.parts` (Σ w·loss, Σ w,
+#: counts below zero).
+_PER_LOADER = 4
 #: Before the loaders: ranks with a batch, ranks whose steps gave no exact value, ranks with an error, Σ unit code,
 #: Σ code².
 _HEADER = 5
-
-
-class WeightedMean:
-    """``Σ w·value / Σ w`` over the updates of one rank, kept on the device.
-
-    ``exp=True`` gives ``exp`` of the mean (perplexity from a per-token cross-entropy). A value whose weight is 0
-    adds nothing, even when it is NaN (the mean loss of a batch without units is 0/0). With no units at all the
-    result is NaN. The sums are ``float64`` (``Σ w·value``) and ``int64`` (``Σ w``, exact at any size); an update adds
-    to them without reading the device. Across ranks they are added by :class:`ExactEvaluation` in its one reduction.
-
-    Why not torchmetrics' ``MeanMetric``, which keeps the same two sums: its own sync runs on the ranks that logged it,
-    so a rank without a batch leaves the others waiting; and in torchmetrics 1.9 its ``nan_strategy="disable"`` drops
-    the weights (``_cast_and_nan_check_input`` replaces them by ones: the seed's 512 × 3 and 1536 × 4 average to 3.5,
-    not 3.75), while every other ``nan_strategy`` reads the device on every update (``if nans.any()``).
-    ``tests/test_evaluation.py::test_torchmetrics_mean_metric_is_not_the_weighted_mean_here`` pins that.
-
-    Example:
-        >>> mean = WeightedMean()
-        >>> mean.update(torch.tensor(3.0), 512)
-        >>> mean.update(torch.tensor(4.0), 1536)
-        >>> float(mean.compute())
-        3.75
-    """
-
-    def __init__(self, exp: bool = False, device: torch.device | str = "cpu") -> None:
-        self.exp = exp
-        self.weighted = torch.zeros((), dtype=torch.float64, device=device)
-        self.units = torch.zeros((), dtype=torch.int64, device=device)
-
-    def update(self, value: Tensor, weight: Count) -> None:
-        value = value.detach().to(device=self.weighted.device, dtype=torch.float64)
-        if isinstance(weight, Tensor):
-            weight = weight.to(self.units.device)
-            self.weighted += torch.where(weight > 0, value * weight, 0.0)
-        elif weight > 0:
-            self.weighted += value * weight
-        self.units += weight
-
-    def compute(self) -> Tensor:
-        mean = self.weighted / self.units
-        return mean.exp() if self.exp else mean
 
 
 def contract_of(output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None) -> tuple[Any, str | None]:
@@ -222,10 +191,7 @@ class ExactEvaluation:
         loss, tokens, samples = read
         if run.unit is None:
             reported = isinstance(output, Mapping) and output.get("num_samples") is not None
-            unit = (
-                engine.ledger.normalization
-                or choose_unit(engine.normalize, tokens is not None and not reported, samples is not None)[0]
-            )
+            unit = evaluation_unit(engine, tokens is not None, samples is not None, reported)
             run.unit = unit
             run.why = _missing_count(unit, tokens, samples, run.stage, engine.normalize)
             if run.why is not None:
@@ -273,6 +239,9 @@ class ExactEvaluation:
             return  # no rank ran a batch (`limit_val_batches=0`, an empty set): Lightning logs nothing either
         if errors:
             raise ValueError(run.error or f"{int(errors)} other replica(s) stopped this {stage} loop: see their error.")
+        negative = sum(values[_HEADER + _PER_LOADER * index + 3] for index in range(loaders))
+        if negative:
+            raise ValueError(negative_message(round(negative), f"by `{_STEP_NAMES[stage]}` in this {stage} loop"))
         if inactive:
             active = with_batches - inactive
             if active:  # some ranks' steps followed the contract and others' did not: a program that differs by rank
@@ -303,7 +272,7 @@ class ExactEvaluation:
             return
         for index in range(loaders):
             at = _HEADER + _PER_LOADER * index
-            batches, weighted, units = values[at : at + _PER_LOADER]
+            batches, weighted, units, _ = values[at : at + _PER_LOADER]
             if not batches:
                 continue
             self._log(module, run, unit, weighted, units, index if loaders > 1 else None, device)
@@ -320,16 +289,14 @@ class ExactEvaluation:
     ) -> None:
         loss_key, perplexity_key = EVALUATION_KEYS[run.stage]
         suffix = f"/dataloader_idx_{index}" if index is not None else ""
-        if units > 0:
-            loss = weighted / units
-        else:
-            loss = math.nan
+        loss = mean_or_nan(weighted, units)
+        if not units:
             self._say(run.stage + ":nan", rank_zero_warn, _nan_message(loss_key + suffix, run.stage, unit))
         options = {"on_step": False, "on_epoch": True, "add_dataloader_idx": False, "batch_size": 1}
         module.log(loss_key + suffix, torch.tensor(loss, dtype=torch.float64, device=device), **options)
         if unit == "tokens":
-            perplexity = math.exp(loss) if loss < 709.0 else math.inf  # exp overflows float64 past ~709.78
-            module.log(perplexity_key + suffix, torch.tensor(perplexity, dtype=torch.float64, device=device), **options)
+            perplexity = torch.tensor(perplexity_of(loss), dtype=torch.float64, device=device)
+            module.log(perplexity_key + suffix, perplexity, **options)
 
     def _finding(self, run: _Run, why: str, say: bool = True) -> None:
         self.findings[run.stage] = why
@@ -374,9 +341,7 @@ _ELSEWHERE = "`{key}` is not logged: the steps do not return the training contra
 
 def _nan_message(key: str, stage: str, unit: str | None) -> str:
     return (
-        f"lightning_accum: `{key}` is NaN: the {stage} set holds no {unit or 'unit'} at all (Σ num_{unit} = 0 over"
-        " every batch and replica), so its weighted loss is 0/0. Likely causes: every label of the set is the ignore"
-        " index, or the count is computed on the wrong tensor. `ModelCheckpoint` ranks a NaN as the worst value;"
+        f"{no_unit_message(f'`{key}`', f'the {stage} set', unit)} `ModelCheckpoint` ranks a NaN as the worst value;"
         " `EarlyStopping(check_finite=True)` stops on it."
     )
 
@@ -404,8 +369,7 @@ def _local_vector(run: _Run, loaders: int, device: torch.device) -> Tensor:
         for index, metric in run.loaders.items():
             at = _HEADER + _PER_LOADER * index
             vector[at] = 1.0
-            vector[at + 1] = metric.weighted
-            vector[at + 2] = metric.units.to(torch.float64)
+            vector[at + 1 : at + _PER_LOADER] = metric.parts()
     return vector
 
 

@@ -1,0 +1,321 @@
+"""The loss of an evaluation set weighted by its units over every replica: the one arithmetic behind both doors.
+
+The set's loss is ``Σ w·loss / Σ w`` over every batch of the set on every data-parallel replica, where ``loss`` is a
+batch's mean over its units and ``w`` their count (supervised tokens, samples, or 1 per batch): the training's
+objective applied to the whole set. A mean of batch means (LitGPT's ``validate()``: ``losses.mean()``; Lightning's
+``self.log(..., sync_dist=True)``) weights a batch of 3 tokens like one of 3,000, and each replica's mean alike.
+
+* :class:`WeightedMean` keeps one rank's sums on the device (``Σ w·loss`` in float64, ``Σ w`` and the count of
+  negative tensor counts in int64); the Trainer's ``accum/val_loss``
+  (:class:`~lightning_accum.strategies.evaluation.ExactEvaluation`) keeps one per loader and adds them over the
+  replicas in its own reduction at the end of the loop.
+* :class:`EvaluationLoss` is what ``fabric.strategy.evaluation()`` returns in a Fabric loop: :meth:`~EvaluationLoss.add`
+  each batch (no host read), :meth:`~EvaluationLoss.compute` once on every rank (one all-reduce of a 7-element
+  float64 vector, one host read) for an :class:`EvaluationRecord`, the same on every rank.
+* :func:`evaluation_unit`, :func:`mean_or_nan`, :func:`perplexity_of` and :func:`no_unit_message`: the rules both
+  doors follow (the unit, the empty set, the perplexity).
+
+Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_accum.engine import AccumulationEngine
+from lightning_accum.group import UNIT_CODES
+from lightning_accum.microbatch import Count, choose_unit
+
+__all__ = [
+    "EvaluationLoss",
+    "EvaluationRecord",
+    "WeightedMean",
+    "evaluation_unit",
+    "mean_or_nan",
+    "negative_message",
+    "no_unit_message",
+    "perplexity_of",
+]
+
+
+class WeightedMean:
+    """``Σ w·value / Σ w`` over the updates of one rank, kept on the device.
+
+    ``exp=True`` gives ``exp`` of the mean (perplexity from a per-token cross-entropy). A value whose weight is 0
+    adds nothing, even when it is NaN (the mean loss of a batch without units is 0/0). With no units at all the
+    result is NaN. The sums are ``float64`` (``Σ w·value``) and ``int64`` (``Σ w``, exact at any size; ``negative``,
+    the weights given as tensors below zero, which only a host read could tell at the update); an update adds to them
+    without reading the device. Across ranks they are added in the one reduction of their owner
+    (:class:`EvaluationLoss`, or the Trainer's :class:`~lightning_accum.strategies.evaluation.ExactEvaluation`).
+
+    Why not torchmetrics' ``MeanMetric``, which keeps the same two sums: its own sync runs on the ranks that logged it,
+    so a rank without a batch leaves the others waiting; and in torchmetrics 1.9 its ``nan_strategy="disable"`` drops
+    the weights (``_cast_and_nan_check_input`` replaces them by ones: the seed's 512 × 3 and 1536 × 4 average to 3.5,
+    not 3.75), while every other ``nan_strategy`` reads the device on every update (``if nans.any()``).
+    ``tests/test_evaluation.py::test_torchmetrics_mean_metric_is_not_the_weighted_mean_here`` pins that.
+
+    Example:
+        >>> mean = WeightedMean()
+        >>> mean.update(torch.tensor(3.0), 512)
+        >>> mean.update(torch.tensor(4.0), 1536)
+        >>> float(mean.compute())
+        3.75
+    """
+
+    def __init__(self, exp: bool = False, device: torch.device | str = "cpu") -> None:
+        self.exp = exp
+        self.weighted = torch.zeros((), dtype=torch.float64, device=device)
+        self.units = torch.zeros((), dtype=torch.int64, device=device)
+        self.negative = torch.zeros((), dtype=torch.int64, device=device)
+
+    def update(self, value: Tensor, weight: Count) -> None:
+        value = value.detach().to(device=self.weighted.device, dtype=torch.float64)
+        if isinstance(weight, Tensor):
+            weight = weight.to(self.units.device)
+            self.weighted += torch.where(weight > 0, value * weight, 0.0)
+            self.negative += weight < 0
+        elif weight > 0:
+            self.weighted += value * weight
+        self.units += weight
+
+    def compute(self) -> Tensor:
+        mean = self.weighted / self.units
+        return mean.exp() if self.exp else mean
+
+    def parts(self) -> Tensor:
+        """``(Σ w·value, Σ w, negative weights)`` as one float64 vector on the device, for a reduction."""
+        return torch.stack((self.weighted, self.units.to(torch.float64), self.negative.to(torch.float64)))
+
+
+def evaluation_unit(engine: AccumulationEngine, has_tokens: bool, has_samples: bool, reports_samples: bool) -> str:
+    """The unit an evaluation weights its batches by: the run's (``engine``'s, once its training decided it), else
+    the one ``normalize=`` chooses from the first batch (under ``"auto"``: tokens when reported, unless the batch
+    reports its samples itself; else samples; else one per batch).
+
+    Example:
+        >>> evaluation_unit(AccumulationEngine(), has_tokens=True, has_samples=True, reports_samples=False)
+        'tokens'
+    """
+    return (
+        engine.ledger.normalization or choose_unit(engine.normalize, has_tokens and not reports_samples, has_samples)[0]
+    )
+
+
+def mean_or_nan(weighted: float, units: float) -> float:
+    """``weighted / units``, or NaN for a set without any unit (0/0: the rule of both doors, said in a warning)."""
+    return weighted / units if units > 0 else math.nan
+
+
+def perplexity_of(loss: float) -> float:
+    """``exp(loss)`` of a per-token cross-entropy: ``inf`` past float64's range (~709.78), NaN for a NaN loss."""
+    if math.isnan(loss):
+        return math.nan
+    return math.exp(loss) if loss < 709.0 else math.inf
+
+
+def no_unit_message(subject: str, holder: str, unit: str | None) -> str:
+    """Why ``subject`` is NaN: ``holder`` (e.g. "the validate set") holds no ``unit`` at all."""
+    return (
+        f"lightning_accum: {subject} is NaN: {holder} holds no {unit or 'unit'} at all (Σ num_{unit} = 0 over every"
+        " batch and replica), so its weighted loss is 0/0. Likely causes: every label of the set is the ignore index,"
+        " or the count is computed on the wrong tensor."
+    )
+
+
+def negative_message(negative: int, where: str) -> str:
+    """The error of counts given as tensors below zero (an int below zero is refused where it is given)."""
+    return (
+        f"A negative `num_tokens` or `num_samples` was reported {where} ({negative} batch counts below zero over all"
+        " replicas). Counts must be >= 0: return the number of supervised units, e.g. `(labels != -100).sum()`."
+    )
+
+
+@dataclass(frozen=True)
+class EvaluationRecord:
+    """What :meth:`EvaluationLoss.compute` returns: the set's loss over every replica, the same on every rank.
+
+    Attributes:
+        loss: ``Σ w·loss / Σ w`` over every batch added on every replica (a float computed in float64); NaN for a set
+            without any unit (no batch at all, or every count 0), said in a warning.
+        unit: What ``w`` counts: ``"tokens"``, ``"samples"`` or ``"batches"``; ``None`` when no batch was added.
+        units: ``Σ w``, the set's units over every replica (exact).
+        batches: The batches added over every replica.
+
+    Example:
+        >>> record = EvaluationRecord(loss=math.log(7.0), unit="tokens", units=2048, batches=2)
+        >>> record.tokens, record.samples, round(record.perplexity, 12)
+        (2048, None, 7.0)
+    """
+
+    loss: float
+    unit: str | None
+    units: int
+    batches: int
+
+    @property
+    def tokens(self) -> int | None:
+        """The set's supervised tokens where the unit is tokens, else ``None``."""
+        return self.units if self.unit == "tokens" else None
+
+    @property
+    def samples(self) -> int | None:
+        """The set's samples where the unit is samples, else ``None``."""
+        return self.units if self.unit == "samples" else None
+
+    @property
+    def perplexity(self) -> float | None:
+        """``exp(loss)`` where the unit is tokens (a per-token cross-entropy in nats), else ``None``."""
+        return perplexity_of(self.loss) if self.unit == "tokens" else None
+
+
+#: The reduced vector of :class:`EvaluationLoss`: host values first (ranks with a batch, batches, Σ unit code,
+#: Σ code²), then the device sums (:meth:`WeightedMean.parts`).
+_HOST = 4
+
+
+class EvaluationLoss:
+    """The loss of one evaluation set over every replica, weighted by its units: ``fabric.strategy.evaluation()``.
+
+    Every rank adds each of its batches, then every rank calls :meth:`compute`::
+
+        evaluation = fabric.strategy.evaluation()
+        with torch.no_grad():
+            for batch in val_loader:
+                loss = F.cross_entropy(...)  # the batch's mean over its supervised tokens
+                evaluation.add(loss, num_tokens=supervised_tokens(batch["labels"]))
+        result = evaluation.compute()  # one all-reduce: the same EvaluationRecord on every rank
+        evaluation.reset()  # before the next evaluation (or take a new object from `fabric.strategy.evaluation()`)
+
+    As a torchmetrics metric, :meth:`compute` keeps the sums (a second call gives the same record) and :meth:`reset`
+    empties them. Ranks may add different numbers of batches, none included: every rank's sums join the one
+    all-reduce of :meth:`compute`, which every rank must call.
+
+    Args:
+        engine: The strategy's engine: the run's unit (once its training decided it), its ``normalize=`` and
+            ``count_tokens=``, and where warnings go.
+        reduce_sum: Sums a tensor in place over the data-parallel replicas (the strategy's; nothing on one replica).
+        device: Gives the device the sums live on (the strategy's root device), read at the first :meth:`add` or
+            :meth:`compute`.
+
+    Example:
+        One device: 512 supervised tokens with mean loss 2, 1,536 with mean loss 4 (the mean of means is 3.0):
+
+        >>> evaluation = EvaluationLoss(AccumulationEngine(), lambda t: t, lambda: torch.device("cpu"))
+        >>> evaluation.add(torch.tensor(2.0), num_tokens=512)
+        >>> evaluation.add(torch.tensor(4.0), num_tokens=torch.tensor(1536))
+        >>> evaluation.compute()
+        EvaluationRecord(loss=3.5, unit='tokens', units=2048, batches=2)
+    """
+
+    def __init__(
+        self,
+        engine: AccumulationEngine,
+        reduce_sum: Callable[[Tensor], Tensor],
+        device: Callable[[], torch.device],
+    ) -> None:
+        self._engine, self._reduce_sum, self._device = engine, reduce_sum, device
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the sums and free the unit: the next :meth:`add` starts a new evaluation."""
+        self._sums: WeightedMean | None = None
+        self._unit: str | None = None
+        self._batches = 0
+
+    def add(
+        self, loss: Tensor, num_tokens: Count | None = None, num_samples: Count | None = None, batch: Any = None
+    ) -> None:
+        """Add one batch of this rank: ``loss``, its mean over its units, and their count, as for ``accumulate``.
+
+        ``num_tokens`` (its supervised tokens; ``None``: the strategy's ``count_tokens`` reads ``batch``) and
+        ``num_samples`` (``None``: inferred from ``batch``'s shapes) are checked as ``accumulate`` checks them (an int
+        or a 0-d integer tensor, >= 0; a tensor stays on the device and its sign is checked by :meth:`compute`). The
+        unit is the run's (its training's), else the first batch's under ``normalize=`` (``"auto"``: tokens if
+        reported, else samples, else each batch counts 1); every later batch must report the same count. Nothing is
+        read on the host: the loss is detached and summed in float64 on the strategy's device (a loss on another
+        device is copied there).
+
+        Raises:
+            TypeError: ``loss`` is not a tensor, or a count is not an integer (the messages of ``accumulate``).
+            ValueError: ``loss`` holds more than one value, an int count is negative, or the batch lacks the count of
+                the evaluation's unit (e.g. ``num_samples=`` only where the first batch gave ``num_tokens=``).
+        """
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"`evaluation.add(loss=...)` takes the batch's mean loss as a tensor, got {type(loss).__name__}."
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"`evaluation.add(loss=...)` takes the batch's mean loss, one value, got a tensor of shape"
+                f" {tuple(loss.shape)}. Reduce it over the batch's units (e.g. `F.cross_entropy(...,"
+                " ignore_index=-100)`) and pass their count."
+            )
+        counts = {"num_tokens": num_tokens, "num_samples": num_samples}
+        read = self._engine.read({"loss": loss, **{k: v for k, v in counts.items() if v is not None}}, batch)
+        unit = self._unit or evaluation_unit(
+            self._engine, read.tokens is not None, read.samples is not None, read.reports_samples
+        )
+        weight = read.tokens if unit == "tokens" else read.samples if unit == "samples" else 1
+        if weight is None:
+            raise ValueError(self._missing_count(unit))
+        self._unit = unit
+        if self._sums is None:
+            self._sums = WeightedMean(device=self._device())
+        self._sums.update(read.loss, weight)  # type: ignore[arg-type]  # a tensor loss is read as one
+        self._batches += 1
+
+    def compute(self) -> EvaluationRecord:
+        """The set's loss over every replica: one all-reduce of every rank's sums and one host read. Call it on
+        every rank (also on one that added no batch), once the set is added; the sums are kept (see :meth:`reset`).
+
+        Raises:
+            ValueError: A count given as a tensor was negative (on every rank alike).
+            RuntimeError: Ranks weighted their batches by different units (on every rank alike).
+        """
+        sums = self._sums
+        device = sums.weighted.device if sums is not None else self._device()
+        code = UNIT_CODES.get(self._unit or "", 0.0)
+        host = torch.tensor([float(self._batches > 0), float(self._batches), code, code * code], dtype=torch.float64)
+        parts = sums.parts() if sums is not None else torch.zeros(3, dtype=torch.float64, device=device)
+        vector = self._reduce_sum(torch.cat((host.to(device, non_blocking=True), parts)))
+        ranks, batches, codes, squares, weighted, units, negative = vector.tolist()  # the one host read
+        if negative:
+            raise ValueError(negative_message(round(negative), "to `evaluation.add` in this evaluation"))
+        if squares * ranks != codes * codes:  # the ranks' unit codes differ (their variance is not 0)
+            raise RuntimeError(
+                f"Ranks weighted their evaluation batches by different units (this rank: {self._unit!r}), so the set's"
+                " loss has no single meaning. Pass the same count (e.g. `num_tokens=`) to `add` on every rank, or set"
+                " `normalize=` on the strategy."
+            )
+        unit = next((name for name, value in UNIT_CODES.items() if ranks and value * ranks == codes), None)
+        loss = mean_or_nan(weighted, units)
+        if not batches:
+            self._engine.warn(
+                "lightning_accum: `evaluation.compute()` is NaN: no batch was added on any replica (an empty set, or"
+                " `add` never called), so the set's loss is 0/0. Add the set's batches with `evaluation.add(loss,"
+                " num_tokens=...)` before `compute()`."
+            )
+        elif not units:
+            self._engine.warn(no_unit_message("`evaluation.compute()`", "the set", unit))
+        return EvaluationRecord(loss=loss, unit=unit, units=round(units), batches=round(batches))
+
+    def _missing_count(self, unit: str) -> str:
+        name = f"num_{unit}"
+        if self._engine.ledger.normalization is not None:
+            why = "the run's unit, chosen by its training"
+        elif self._unit is not None:
+            why = "fixed by this evaluation's first batch"
+        else:
+            why = f"`normalize={self._engine.normalize!r}`"
+        return (
+            f"`evaluation.add`: this evaluation weights its batches by {unit} ({why}), but this batch reports no"
+            f" `{name}`. Pass `{name}=` to every `add` of one evaluation (a set weighted partly by one count and partly"
+            " by another has no single meaning); for tokens e.g."
+            " `num_tokens=lightning_accum.supervised_tokens(labels)`, or `batch=` with the strategy's `count_tokens=`."
+        )
