@@ -116,6 +116,9 @@ class FabricExactAccumulation(Strategy):
     def _init_accumulation(self, options: AccumulationOptions) -> None:
         """Set up the core from the options the constructor validated (before Fabric's ``__init__``)."""
         self._core = AccumulationCore(self, self.adapter_type, options)
+        self._sync: BackwardSyncNotes | None = None  # Fabric's no_backward_sync control, noted (DDP, FSDP2)
+        self._unsynced = False  # a backward of the open group ran inside `no_backward_sync`
+        self._last_unsynced = False  # ... the latest backward did
         self._modules: list[Module] = []  # what `fabric.setup` was given, unwrapped: the named parameters
         self._optimizers: list[Optimizer] = []
 
@@ -140,6 +143,10 @@ class FabricExactAccumulation(Strategy):
     def close_group(self, optimizer: Optimizer, group_size: int | None = None) -> GroupRecord:
         """Close the group reported with :meth:`accumulate`, right before ``optimizer.step()``.
 
+        A group's last backward must run with synchronisation (``fabric.no_backward_sync(model, enabled=not last)``)
+        where it has an effect (several DDP replicas, FSDP2): inside it the replicas' gradients are not combined, so
+        the close is refused instead of updating each replica with its own gradient.
+
         One all-reduce of the group's counts, the rescale of ``optimizer``'s gradients by ``c · D / W`` and the
         decision. Then ``optimizer.step()`` updates (unless a GradScaler finds an overflow) or, for a group that makes
         no update (a NaN/Inf gradient without a scaler, no unit at all), does nothing; either way the group is in
@@ -158,9 +165,18 @@ class FabricExactAccumulation(Strategy):
                 ``optimizer.step()`` has not run, or while the tensor the last :meth:`accumulate` returned was never
                 back-propagated.
         """
+        if self._last_unsynced and self._core.engine.microbatches_in_group and self._sync_matters():
+            raise RuntimeError(
+                "`close_group`: the group's last backward ran inside `fabric.no_backward_sync(model, enabled=True)`,"
+                " so the replicas' gradients were never combined (DDP: each replica holds its own; FSDP2: no rank's"
+                " shard holds the group's gradient) and the update would differ per replica or miss the group. Run a"
+                " group's last micro-batch with synchronisation: `enabled=not last`."
+            )
         inner = optimizer.optimizer if is_wrapped(optimizer) else optimizer  # type: ignore[attr-defined]
         module = self._modules[0] if self._modules else None
-        return self._core.close_group(inner, module, self.gradient_scaler, group_size)
+        record = self._core.close_group(inner, module, self.gradient_scaler, group_size)
+        self._unsynced = False
+        return record
 
     # ------------------------------------------------------------------ Fabric's hooks
 
@@ -195,6 +211,9 @@ class FabricExactAccumulation(Strategy):
         # Overridden (so Fabric asks for `fabric.backward(loss)` over a plain `loss.backward()`, as for DeepSpeed):
         # the open group notes the backward of the tensor `accumulate` handed out and refuses any other inside it.
         fabric_backward = super().backward
+        if self._sync is not None:
+            self._last_unsynced = self._sync.blocking
+            self._unsynced = self._unsynced or self._last_unsynced
         self._core.backward(tensor, lambda: fabric_backward(tensor, module, *args, **kwargs))
 
     @override
@@ -278,6 +297,16 @@ class FabricExactAccumulation(Strategy):
         super().teardown()
 
     # ------------------------------------------------------------------ parts of the hooks
+
+    def _note_backward_sync(self) -> None:
+        """Note when Fabric's ``no_backward_sync`` blocks synchronisation (after Fabric's ``__init__`` set its
+        control; see :class:`~lightning_accum.fabric_model_parallel.BackwardSyncNotes`)."""
+        self._sync = BackwardSyncNotes(self._backward_sync_control)  # type: ignore[attr-defined,arg-type]
+        self._backward_sync_control = self._sync
+
+    def _sync_matters(self) -> bool:
+        """Whether a backward inside ``no_backward_sync`` leaves the replicas' gradients uncombined."""
+        return self.data_parallel_replicas > 1
 
     def _parameters(self) -> NamedParameters:
         """The optimized parameters by name (a second module's names prefixed by its place in ``fabric.setup``)."""
@@ -407,6 +436,7 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     ) -> None:
         self._init_accumulation(AccumulationOptions.pick(locals()))
         super().__init__(start_method=start_method, **kwargs)
+        self._note_backward_sync()
 
     @override
     def _configure_launcher(self) -> None:
@@ -487,11 +517,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         check_mesh_sizes(data_parallel_size, tensor_parallel_size)
         self._init_accumulation(AccumulationOptions.pick(locals()))
         super().__init__(parallelize_fn, data_parallel_size, tensor_parallel_size, **kwargs)
-        # Fabric's control of `no_backward_sync`, noting when it blocks synchronisation (see docs/internals.md).
-        self._sync = BackwardSyncNotes(self._backward_sync_control)  # type: ignore[arg-type]  # set by Fabric's
-        self._backward_sync_control = self._sync
-        self._unreduced = False  # a backward of the open group left its gradient unreduced inside FSDP2
-        self._last_unreduced = False  # ... the latest backward did
+        self._note_backward_sync()  # Fabric's control of `no_backward_sync`, noted (see docs/internals.md)
 
     @override
     def setup_environment(self) -> None:
@@ -522,22 +548,8 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         return super().setup_optimizer(optimizer)
 
     @override
-    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        self._last_unreduced = self._sync.blocking
-        self._unreduced = self._unreduced or self._last_unreduced
-        super().backward(tensor, module, *args, **kwargs)
-
-    @override
-    def close_group(self, optimizer: Optimizer, group_size: int | None = None) -> GroupRecord:
-        if self._last_unreduced and self._core.engine.microbatches_in_group:
-            raise RuntimeError(
-                "`close_group`: the group's last backward ran inside `fabric.no_backward_sync(model, enabled=True)`,"
-                " so FSDP2 still holds the group's gradient unreduced (no rank's shard holds it) and the update would"
-                " miss it. Run a group's last micro-batch with synchronisation: `enabled=not last`."
-            )
-        record = super().close_group(optimizer, group_size)
-        self._unreduced = False
-        return record
+    def _sync_matters(self) -> bool:
+        return True  # FSDP2 holds the gradient unreduced inside it, on one replica too
 
     @override
     def clip_gradients_norm(
@@ -578,7 +590,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
     def _unreduced_gradient(self) -> tuple[str, str] | None:
         """Why the open group's gradient is held unreduced inside FSDP2, and what to do instead, or ``None`` (read by
         :class:`~lightning_accum.strategies.model_parallel.MeshAdapter` when a checkpoint is written in a group)."""
-        if not self._unreduced:
+        if not self._unsynced:
             return None
         return (
             "after backwards inside `fabric.no_backward_sync(model, enabled=True)`",

@@ -3,9 +3,10 @@
 other Fabric strategies):
 
 * :func:`shard_module_lists`, the ``parallelize_fn`` of ``L.Fabric(strategy="accum_fsdp")``;
-* :class:`BackwardSyncNotes`, Fabric's control of ``fabric.no_backward_sync`` (FSDP2's
+* :class:`BackwardSyncNotes`, Fabric's control of ``fabric.no_backward_sync`` (DDP's ``no_sync``, FSDP2's
   ``set_requires_gradient_sync``) noting while it blocks synchronisation: a backward run then leaves its gradient
-  unreduced inside FSDP2, where a mid-group ``fabric.save`` cannot reach it and the close would miss it;
+  uncombined over the replicas (unreduced inside FSDP2, where a mid-group ``fabric.save`` cannot reach it), and a
+  close after such a last backward would miss it (used by the Fabric DDP strategy too);
 * :func:`sharded_state`, a ``fabric.save`` state split as Fabric's distributed save splits it (the model's and the
   optimizers' sharded state, the rest for the metadata file), so that the open group's gradient shards join the same
   distributed checkpoint (:class:`~lightning_accum.strategies.model_parallel.MeshAdapter` writes it).

@@ -164,3 +164,30 @@ def test_a_checkpoint_io_that_returns_no_mapping_is_returned_as_fabric_returns_i
     # Before: `TypeError: argument of type 'list' is not iterable`-like failures from looking for the package's entry.
     assert fabric.load(tmp_path / "records.bin") == [("step", 3), ("loss", 0.5)]
     assert fabric.strategy.ledger.updates_applied == 0
+
+
+def _last_backward_unsynced(fabric: L.Fabric) -> str:
+    """Both micro-batches of a group inside `no_backward_sync` (the group's last one included): what `close_group`
+    says on this rank."""
+    model, optimizer = fabric.setup(*_model_and_optimizer())
+    for batch in micro_batches(EXAMPLES[fabric.global_rank :: 2][:4], 2):
+        with fabric.no_backward_sync(model, enabled=True):  # the mistake: `enabled=not last` intended
+            loss, tokens = _loss(model, batch)
+            fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens, batch=batch))
+    try:
+        fabric.strategy.close_group(optimizer)
+    except RuntimeError as error:
+        return str(error)
+    return "closed"
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_a_group_whose_last_backward_skipped_ddps_sync_is_refused_on_every_replica() -> None:
+    from lightning_accum import FabricDDPAccumulationStrategy
+
+    fabric = L.Fabric(strategy=FabricDDPAccumulationStrategy(start_method="spawn"), devices=2, accelerator="cpu")
+    # Before: the close rescaled each replica's own, never all-reduced gradient, and the replicas' parameters parted.
+    message = fabric.launch(_last_backward_unsynced)
+    assert "last backward ran inside `fabric.no_backward_sync(model, enabled=True)`" in message
+    assert "`enabled=not last`" in message
