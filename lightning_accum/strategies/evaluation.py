@@ -4,8 +4,9 @@ Lightning's ``self.log("val_loss", loss, sync_dist=True)`` averages per-batch me
 the replicas' means: the same model on the same set reads differently on one process and on two, and a set whose
 batches hold different numbers of supervised tokens is weighted wrongly. When ``validation_step`` (or ``test_step``)
 returns the training contract, ``{"loss": mean, "num_tokens": n}`` (or a loss whose counts come from the strategy's
-``count_tokens``, or a loss weighted by samples), the strategy keeps ``Σ w·loss`` and ``Σ w`` over the whole
-evaluation and logs their ratio once at its end:
+``count_tokens``, a loss weighted by samples, or :func:`~lightning_accum.document_mean_loss`'s mean over documents
+with its ``num_documents``), the strategy keeps ``Σ w·loss`` and ``Σ w`` over the whole evaluation and logs their ratio
+once at its end:
 
 ================================= ======================================================================
 key                               value
@@ -59,7 +60,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import UNIT_CODES
-from lightning_accum.microbatch import Count, as_count, choose_unit, parse_step_output
+from lightning_accum.microbatch import Count, as_count, choose_unit, parse_step_output, reported_documents
 from lightning_accum.patching import InstancePatch
 from lightning_accum.strategies.adapter import EngineAdapter
 
@@ -220,17 +221,19 @@ class ExactEvaluation:
                 self._break(run, f"returns {what}")
             return
         loss, tokens, samples = read
+        counts = {"tokens": tokens, "samples": samples, "documents": reported_documents(output)}
         if run.unit is None:
             reported = isinstance(output, Mapping) and output.get("num_samples") is not None
+            has_tokens, has_documents = tokens is not None and not reported, counts["documents"] is not None
             unit = (
                 engine.ledger.normalization
-                or choose_unit(engine.normalize, tokens is not None and not reported, samples is not None)[0]
+                or choose_unit(engine.normalize, has_tokens, samples is not None, has_documents)[0]
             )
             run.unit = unit
-            run.why = _missing_count(unit, tokens, samples, run.stage, engine.normalize)
+            run.why = _missing_count(unit, counts, run.stage, engine.normalize)
             if run.why is not None:
                 return
-        value = tokens if run.unit == "tokens" else samples if run.unit == "samples" else 1
+        value = counts.get(run.unit, 1)
         if value is None:  # raised on every rank at the loop's end, so that no rank waits for one that stopped
             run.error = (
                 f"`{_STEP_NAMES[run.stage]}` reported a loss and its {run.unit} for its first batch but not for batch"
@@ -445,17 +448,24 @@ def _not_the_contract(stage: str, what: str | None) -> str:
     )
 
 
-def _missing_count(unit: str, tokens: object, samples: object, stage: str, normalize: str) -> str | None:
-    """Why a step that returns a loss logs no exact loss (``None``: it does)."""
+def _missing_count(unit: str, counts: Mapping[str, object], stage: str, normalize: str) -> str | None:
+    """Why a step that returns a loss logs no exact loss (``None``: it does); ``counts``: what it reported by unit."""
     step, key = _STEP_NAMES[stage], EVALUATION_KEYS[stage][0]
-    if unit == "tokens" and tokens is None:
+    if unit == "tokens" and counts["tokens"] is None:
         return (
             f"`{step}` returns a loss without a token count while the run weights by tokens"
             f" (`normalize={normalize!r}`), so `{key}` is not logged. Return `{{'loss': loss, 'num_tokens': n}}`"
             f" from `{step}` (e.g. `n = lightning_accum.supervised_tokens(labels)`), or pass `count_tokens=` to the"
             " strategy."
         )
-    if unit == "samples" and samples is None:
+    if unit == "documents" and counts["documents"] is None:
+        return (
+            f"`{step}` returns a loss without a document count while the run weights by documents"
+            f" (`normalize={normalize!r}`), so `{key}` is not logged. Return"
+            f" `lightning_accum.document_mean_loss(logits, labels, position_ids=...)` from `{step}`, as from"
+            " `training_step`."
+        )
+    if unit == "samples" and counts["samples"] is None:
         return (
             f"`{step}` returns a loss but the number of samples of its batch cannot be inferred, so `{key}` is not"
             f" logged. Return `{{'loss': loss, 'num_samples': n}}` from `{step}`."
