@@ -432,7 +432,7 @@ def test_the_ledger_logger_horizon_schedule_report_and_bar_count_documents(
     ]
     trainer = make_trainer(
         accumulate_grad_batches=2,
-        max_epochs=-1,
+        max_epochs=3,  # the budget ends it in the first epoch
         logger=logger,
         log_every_n_steps=1,
         callbacks=callbacks,
