@@ -249,6 +249,17 @@ def test_bad_input_says_what_was_expected_and_what_was_given() -> None:
         engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": 3}, None, accumulate=1)
 
 
+@pytest.mark.parametrize("sole", [True, False], ids=["one micro-batch (c = w)", "the general close"])
+def test_a_group_without_any_document_is_skipped_as_empty(sole: bool) -> None:
+    engine, said = lightning_accum.AccumulationEngine(), []
+    engine.bind(warn=lambda message, category=UserWarning: said.append(message))
+    out = document_mean_loss(torch.randn(2, 4, VOCAB, requires_grad=True), torch.full((2, 4), IGNORE))
+    engine.add_microbatch(out, batch=None, accumulate=1, sole=sole)
+    outcome = engine.close_group(accumulate=1)
+    assert (outcome.action, outcome.record.skip_reason, outcome.record.documents) == ("skip", "empty", 0)
+    assert engine.unit == "documents" and "its group holds no documents at all" in said[0]
+
+
 # ---------------------------------------------------------------------------- Trainer runs
 
 
@@ -293,21 +304,25 @@ class ManualPackedLM(PackedLM):
 
 
 class ParamsAfterUpdates(L.Callback):
-    """Saves each rank's parameters after every attempted update, and its ledger, to `folder/{name}-rank{r}.pt`."""
+    """Saves each rank's parameters after every attempted update, its ledger, and the documents Lightning saw in the
+    steps' outputs, to `folder/{name}-rank{r}.pt`."""
 
     def __init__(self, folder: Path, name: str) -> None:
         self.folder, self.name = str(folder), name
         self.after: list[Tensor] = []
-        self.seen = 0
+        self.seen = self.reported = 0
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         ledger = trainer.strategy.ledger  # type: ignore[attr-defined]
         if ledger.updates_attempted != self.seen:
             self.seen = ledger.updates_attempted
             self.after.append(params_vector(pl_module))
+        if isinstance(outputs, dict) and "num_documents" in outputs:
+            self.reported += int(outputs["num_documents"])
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        state = {"after": torch.stack(self.after), "ledger": trainer.strategy.ledger.state_dict()}  # type: ignore[attr-defined]
+        ledger = trainer.strategy.ledger  # type: ignore[attr-defined]
+        state = {"after": torch.stack(self.after), "ledger": ledger.state_dict(), "reported": self.reported}
         torch.save(state, os.path.join(self.folder, f"{self.name}-rank{trainer.global_rank}.pt"))
 
     def load(self, rank: int = 0) -> dict[str, Any]:
@@ -338,6 +353,8 @@ def test_every_update_is_the_mean_over_the_groups_documents(tmp_path: Path, m: i
     assert max(errors) < 1e-12
     ledger = run["ledger"]
     assert ledger["normalization"] == "documents" and ledger["documents"] == documents_in(ROWS)
+    # What Lightning sees of each step's output (a sliced batch's: the sum over its slices).
+    assert run["reported"] == (0 if how == "manual" else documents_in(ROWS))
     assert ledger["tokens"] == sum(int(supervised_tokens(row["labels"])) for row in ROWS)
     assert ledger["last_group"]["documents"] == documents_in(chunks(ROWS, m * accumulate)[-1])
 
