@@ -513,18 +513,18 @@ def test_a_fabric_loop_accumulates_documents_and_logs_on_their_axis(tmp_path: Pa
 
 
 def test_the_validation_loss_is_the_mean_over_the_sets_documents() -> None:
-    model, rows = EvaluatedLM(), ROWS[:7]  # batches of 3, 3 and 1 rows
+    model, rows = EvaluatedLM(), ROWS[:7]  # batches of 5 and 2 rows
     with torch.no_grad():
         reference = copy.deepcopy(model).double()
         expected = float(reference_loss(reference, rows))
-        batches = [(len(chunk), float(reference_loss(reference, chunk))) for chunk in chunks(rows, 3)]
-    loader = DataLoader(ListDataset(rows), batch_size=3)
+        batches = [(len(chunk), float(reference_loss(reference, chunk))) for chunk in chunks(rows, 5)]
+    loader = DataLoader(ListDataset(rows), batch_size=5)
     (metrics,) = make_trainer(precision="64-true").validate(model, loader, verbose=False)
     assert metrics["accum/val_loss"] == pytest.approx(expected, rel=1e-12, abs=0)
     assert "accum/val_perplexity" not in metrics  # a mean over documents is no per-token cross-entropy
     # Lightning's `self.log(..., batch_size=rows)` of each batch's loss: a mean of the batches' means.
     lightning = sum(size * loss for size, loss in batches) / len(rows)
-    assert abs(lightning - expected) > 1e-3 * expected
+    assert abs(lightning - expected) > 3e-3 * expected  # 6.8e-3 here
 
 
 def test_a_checkpoint_written_before_documents_were_counted_resumes_exactly(tmp_path: Path) -> None:
