@@ -8,7 +8,8 @@ strategy registry, and the same strings but the last one with Fabric's (``L.Fabr
 
 Layout (each module imports only the ones above it)::
 
-    options, devices, microbatch, ledger what the user chose; the float64 device check; a micro-batch; the counters
+    options, devices, microbatch         what the user chose; the float64 device check; a micro-batch
+    tokens, documents, ledger            supervised tokens; the mean over packed documents; the counters
     group, gradients, decision           a group's sums; the kernels; what to do with a closed group
     engine                               the arithmetic of a run, composed of the above (no Lightning)
     evaluation_loss                      a set's loss weighted by its units over every replica (both doors)
@@ -34,6 +35,7 @@ from lightning_accum.callbacks import (
     AxisRichProgressBar,
     Horizon,
 )
+from lightning_accum.documents import document_mean_loss
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.evaluation_loss import EvaluationLoss, EvaluationRecord
 from lightning_accum.fabric import (
@@ -80,6 +82,7 @@ __all__ = [
     "ModelParallelAccumulationStrategy",
     "TokenWeightingWarning",
     "causal_lm_tokens",
+    "document_mean_loss",
     "log_on_axis",
     "seq2seq_tokens",
     "supervised_tokens",

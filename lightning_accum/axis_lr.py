@@ -1,10 +1,10 @@
-"""A learning-rate schedule defined on tokens, samples or applied updates, not on Lightning's batch index.
+"""A learning-rate schedule defined on tokens, samples, documents or applied updates, not on Lightning's batch index.
 
-The rate of update ``g`` is ``base_lr × lr_lambda(n_g)``, where ``n_g`` is the count (supervised tokens, samples or
-applied updates) that the *applied* updates before ``g`` consumed, summed over all replicas. Counts come from the
-records of closed groups (:class:`~lightning_accum.ledger.GroupRecord`), which are global and identical on every
-rank, so every rank sets the same rate. A skipped update consumed data but changed no parameter: it does not advance
-the schedule (the ledger's ``tokens`` counts it; the schedule does not).
+The rate of update ``g`` is ``base_lr × lr_lambda(n_g)``, where ``n_g`` is the count (supervised tokens, samples,
+documents or applied updates) that the *applied* updates before ``g`` consumed, summed over all replicas. Counts come
+from the records of closed groups (:class:`~lightning_accum.ledger.GroupRecord`), which are global and identical on
+every rank, so every rank sets the same rate. A skipped update consumed data but changed no parameter: it does not
+advance the schedule (the ledger's ``tokens`` counts it; the schedule does not).
 
 Two runs whose updates hold different numbers of tokens (other ``m``, ``A`` or ``D``) then follow the same curve of
 rate against tokens: the schedule is a property of the data seen, not of how it was split.
@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from lightning_accum.ledger import AXES, GroupRecord
+from lightning_accum.ledger import AXES, AccumulationLedger, GroupRecord
 from lightning_accum.options import validate_choice
 
 if TYPE_CHECKING:
     from lightning_accum.engine import AccumulationEngine
 
 __all__ = [
+    "REPORTED_AXES",
     "AxisLR",
     "WarmupCosine",
     "WarmupLinear",
@@ -37,22 +38,19 @@ __all__ = [
     "warmup_linear",
 ]
 
-#: The axes a schedule or horizon can run on, and the ledger counter each one reads.
+#: The axes whose counts a step must report (the others every run has).
+REPORTED_AXES = ("tokens", "documents")
 
 
 def group_count(record: GroupRecord, axis: str) -> int:
-    """What one closed group adds to ``axis``: its tokens, its samples, or 1 (an update).
+    """What one closed group adds to ``axis``: its tokens, its samples, its documents, or 1 (an update).
 
     Example:
-        >>> record = GroupRecord(loss=1.0, tokens=40, samples=8, microbatches=4, applied=True)
-        >>> [group_count(record, axis) for axis in ("tokens", "samples", "updates")]
-        [40, 8, 1]
+        >>> record = GroupRecord(loss=1.0, tokens=40, samples=8, microbatches=4, applied=True, documents=5)
+        >>> [group_count(record, axis) for axis in ("tokens", "samples", "updates", "documents")]
+        [40, 8, 1, 5]
     """
-    if axis == "tokens":
-        return int(record.tokens)
-    if axis == "samples":
-        return int(record.samples)
-    return 1
+    return 1 if axis == "updates" else int(getattr(record, axis))
 
 
 def no_token_counts_error(who: str) -> RuntimeError:
@@ -63,6 +61,28 @@ def no_token_counts_error(who: str) -> RuntimeError:
         " when the labels are already aligned with the logits), pass `count_tokens=` to the strategy (e.g."
         f" `lightning_accum.causal_lm_tokens`), or use `{who}(axis='samples')`."
     )
+
+
+def no_counts_error(who: str, axis: str) -> RuntimeError:
+    """The error for an axis of :data:`REPORTED_AXES` in a run whose ``training_step`` reports none of its counts."""
+    if axis == "tokens":
+        return no_token_counts_error(who)
+    return RuntimeError(
+        f"{who}(axis='documents') needs document counts, but the run reports none. Return"
+        " `lightning_accum.document_mean_loss(logits, labels, position_ids=...)` from `training_step` (it reports"
+        f" `num_documents`), or use `{who}(axis='tokens')` or `{who}(axis='samples')`."
+    )
+
+
+def check_counts_reported(who: str, axis: str, ledger: AccumulationLedger) -> bool:
+    """Raise :func:`no_counts_error` when ``axis`` needs reported counts and, after an update, the ledger holds none
+    of them while the run weighs by something else; return whether the run weighs by ``axis`` (then every later update
+    reports its counts, and the check is done)."""
+    if axis not in REPORTED_AXES:
+        return True
+    if getattr(ledger, axis) == 0 and ledger.normalization != axis:
+        raise no_counts_error(who, axis)
+    return ledger.normalization == axis
 
 
 def _check_shape(warmup: int, total: int, min_ratio: float) -> None:
@@ -157,7 +177,8 @@ def warmup_linear(warmup: int, total: int, min_ratio: float = 0.0) -> WarmupLine
 
 
 class AxisLR(LRScheduler):
-    """Learning rate ``base_lr × lr_lambda(count consumed before the update)`` on a tokens, samples or updates axis.
+    """Learning rate ``base_lr × lr_lambda(count consumed before the update)`` on a tokens, samples, documents or
+    updates axis.
 
     The count is what the *applied* updates so far consumed, summed over replicas (see the module's notes); a skipped
     update does not advance it, a dropped partial group neither. Use it as a normal scheduler from
@@ -174,7 +195,8 @@ class AxisLR(LRScheduler):
 
     Args:
         optimizer: The optimizer; each parameter group's ``lr`` at construction is its ``base_lr``.
-        axis: ``"tokens"`` (supervised tokens), ``"samples"`` or ``"updates"`` (applied updates).
+        axis: ``"tokens"`` (supervised tokens), ``"samples"``, ``"documents"`` (documents with a supervised token,
+            as :func:`~lightning_accum.document_mean_loss` reports them) or ``"updates"`` (applied updates).
         lr_lambda: ``count -> factor``, e.g. :func:`warmup_cosine` or :func:`warmup_linear`; a picklable object or
             module-level function when the run spawns processes.
         last_epoch: As for every torch scheduler; leave at ``-1``.
@@ -183,7 +205,7 @@ class AxisLR(LRScheduler):
         ValueError: For an unknown ``axis``.
         TypeError: For an ``lr_lambda`` that is not callable.
         RuntimeError: When stepped without an accumulation strategy (nothing binds it), or for ``axis="tokens"`` in
-            a run that reports no token counts.
+            a run that reports no token counts (``axis="documents"``: no document counts).
 
     Example:
         >>> import torch
@@ -228,10 +250,8 @@ class AxisLR(LRScheduler):
         if record.dropped or not record.applied:
             return
         engine = self._engine
-        if self.axis == "tokens" and record.tokens == 0 and engine is not None:
-            ledger = engine.ledger
-            if ledger.tokens == 0 and ledger.normalization != "tokens":
-                raise no_token_counts_error("AxisLR")
+        if engine is not None and group_count(record, self.axis) == 0:
+            check_counts_reported("AxisLR", self.axis, engine.ledger)
         self.consumed += group_count(record, self.axis)
 
     def get_lr(self) -> list[float]:  # type: ignore[override]

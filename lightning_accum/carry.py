@@ -67,8 +67,8 @@ def reopened_group(
         total: The carried micro-batches over all replicas of the run that wrote the checkpoint.
     """
     group = GroupSums()
-    if holds_sums:
-        group.carried = {slot: float(state["sums"][slot.name.lower()]) for slot in CARRIED}
+    if holds_sums:  # an entry written before documents were counted has no documents' sums: 0
+        group.carried = {slot: float(state["sums"].get(slot.name.lower(), 0.0)) for slot in CARRIED}
     if position is None:
         group.microbatches = int(state["microbatches"])
     else:

@@ -103,8 +103,9 @@ def check_agreement(
         )
     if reduced.negative > 0:
         raise ValueError(
-            f"A negative `num_tokens` or `num_samples` was reported in this group ({reduced.negative} micro-batch"
-            " counts below zero over all replicas). Counts must be >= 0: return the number of supervised units,"
+            f"A negative `num_tokens`, `num_samples` or `num_documents` was reported in this group"
+            f" ({reduced.negative} micro-batch counts below zero over all replicas). Counts must be >= 0: return the"
+            " number of supervised units,"
             " e.g. `(labels != -100).sum()`."
         )
 
@@ -118,6 +119,7 @@ def group_record(reduced: ReducedGroup) -> GroupRecord:
         samples=reduced.samples,
         microbatches=reduced.microbatches,
         applied=False,
+        documents=reduced.documents,
     )
 
 

@@ -10,7 +10,7 @@ of the group::
 
     L_g = Σ_{r,i} w_{r,i} · loss_{r,i} / W,        W = Σ_{r,i} w_{r,i}
 
-where ``loss`` is the micro-batch's mean loss and ``w`` its count of units (supervised tokens, samples
+where ``loss`` is the micro-batch's mean loss and ``w`` its count of units (supervised tokens, documents, samples
 or 1). ``W`` is only known when the group closes, and streaming data allows no look-ahead, so each
 micro-batch back-propagates ``loss · w / c`` for a constant ``c`` and the group's gradient is
 multiplied once by ``c · D / W`` when it closes (``D`` because DDP *averages* the replicas'
@@ -296,11 +296,14 @@ class AccumulationEngine:
         if loss is None:
             sums.add(microbatch, continues)
             return None
-        tokens, samples = microbatch.tokens, microbatch.samples
+        tokens, samples, documents = microbatch.tokens, microbatch.samples, microbatch.documents
         unit = self.ledger.normalization or self._decide_unit(
-            tokens is not None, samples is not None, None if microbatch.reports_samples else microbatch.batch
+            tokens is not None,
+            samples is not None,
+            None if microbatch.reports_samples else microbatch.batch,
+            documents is not None,
         )
-        weight = unit_weight(unit, self.options.normalize, tokens, samples)
+        weight = unit_weight(unit, self.options.normalize, tokens, samples, documents)
         self.last_weight = weight
         sums.add(microbatch, continues)
         if sole and not continues and sums.microbatches == 1 and self._one_replica() and sums.carried_nothing:
@@ -350,8 +353,8 @@ class AccumulationEngine:
         """
         return self._pending_backward is None and not self._backward_running
 
-    def _decide_unit(self, has_tokens: bool, has_samples: bool, batch: Any = None) -> str:
-        unit, reason = choose_unit(self.options.normalize, has_tokens, has_samples)
+    def _decide_unit(self, has_tokens: bool, has_samples: bool, batch: Any = None, has_documents: bool = False) -> str:
+        unit, reason = choose_unit(self.options.normalize, has_tokens, has_samples, has_documents)
         if reason is not None:
             self.info(f"lightning_accum: micro-batches are weighted by {unit} (normalize='auto': {reason}).")
             hint = token_weighting_hint(unit, batch) if batch is not None else None  # one device read, once a run
@@ -537,28 +540,30 @@ def _sole_close(
     at ``A = 8``, where every group takes it.
     """
     found = rescale_gradients(gradients, 1.0, check=True) if gradients and check else None
-    counts = [c for c in (*sums.tokens, *sums.samples) if isinstance(c, Tensor)]
+    counts = [c for c in (*sums.tokens, *sums.samples, *sums.documents) if isinstance(c, Tensor)]
     # One concatenation, promoted to float64 by the counts (exact below 2^53); the loss and the flag as they are.
     items = [sums.losses[0].reshape(1), *([found] if found is not None else [])]
     items += [count.reshape(1).to(torch.float64) for count in counts]
     values = torch.cat(items).tolist()  # the one host read
     flags, read_counts = values[1 : len(values) - len(counts)], iter(values[len(values) - len(counts) :])
-    tokens, samples = (
+    tokens, samples, documents = (
         [c if not isinstance(c, Tensor) else _exact(next(read_counts), c) for c in kind]
-        for kind in (sums.tokens, sums.samples)
+        for kind in (sums.tokens, sums.samples, sums.documents)
     )
-    weight = float(tokens[0] if unit == "tokens" else samples[0] if unit == "samples" else 1)
+    by_unit = {"tokens": tokens, "samples": samples, "documents": documents}
+    weight = float(by_unit[unit][0]) if unit in by_unit else 1.0
     reduced = ReducedGroup(
         units=weight,
         weighted_loss=weight * values[0] if weight > 0 else 0.0,  # an empty micro-batch's NaN mean is left out
         tokens=sum(tokens),
         samples=sum(samples),
-        negative=sum(int(c) < 0 for c in (*tokens, *samples)),
+        negative=sum(int(c) < 0 for c in (*tokens, *samples, *documents)),
         group_scale_times_d=weight,  # c = w
         microbatches=1,
         unit_code=UNIT_CODES.get(unit or "", 0.0),
         ended=int(ends_epoch),
         excess=sum(p is not None and int(c) > p for c, p in zip(tokens, sums.positions, strict=True)),
+        documents=sum(documents),
     )
     return reduced, any(flag > 0 for flag in flags)
 

@@ -93,17 +93,20 @@ class WeightedMean:
         return torch.stack((self.weighted, self.units.to(torch.float64), self.negative.to(torch.float64)))
 
 
-def evaluation_unit(engine: AccumulationEngine, has_tokens: bool, has_samples: bool, reports_samples: bool) -> str:
+def evaluation_unit(
+    engine: AccumulationEngine, has_tokens: bool, has_samples: bool, reports_samples: bool, has_documents: bool = False
+) -> str:
     """The unit an evaluation weights its batches by: the run's (``engine``'s, once its training decided it), else
-    the one ``normalize=`` chooses from the first batch (under ``"auto"``: tokens when reported, unless the batch
-    reports its samples itself; else samples; else one per batch).
+    the one ``normalize=`` chooses from the first batch (under ``"auto"``: documents when reported; else tokens when
+    reported, unless the batch reports its samples itself; else samples; else one per batch).
 
     Example:
         >>> evaluation_unit(AccumulationEngine(), has_tokens=True, has_samples=True, reports_samples=False)
         'tokens'
     """
     return (
-        engine.ledger.normalization or choose_unit(engine.normalize, has_tokens and not reports_samples, has_samples)[0]
+        engine.ledger.normalization
+        or choose_unit(engine.normalize, has_tokens and not reports_samples, has_samples, has_documents)[0]
     )
 
 
@@ -143,7 +146,8 @@ class EvaluationRecord:
     Attributes:
         loss: ``Σ w·loss / Σ w`` over every batch added on every replica (a float computed in float64); NaN for a set
             without any unit (no batch at all, or every count 0), said in a warning.
-        unit: What ``w`` counts: ``"tokens"``, ``"samples"`` or ``"batches"``; ``None`` when no batch was added.
+        unit: What ``w`` counts: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"batches"``; ``None`` when no
+            batch was added.
         units: ``Σ w``, the set's units over every replica (exact).
         batches: The batches added over every replica.
 
@@ -167,6 +171,11 @@ class EvaluationRecord:
     def samples(self) -> int | None:
         """The set's samples where the unit is samples, else ``None``."""
         return self.units if self.unit == "samples" else None
+
+    @property
+    def documents(self) -> int | None:
+        """The set's documents where the unit is documents (``document_mean_loss``), else ``None``."""
+        return self.units if self.unit == "documents" else None
 
     @property
     def perplexity(self) -> float | None:
@@ -229,17 +238,23 @@ class EvaluationLoss:
         self._batches = 0
 
     def add(
-        self, loss: Tensor, num_tokens: Count | None = None, num_samples: Count | None = None, batch: Any = None
+        self,
+        loss: Tensor,
+        num_tokens: Count | None = None,
+        num_samples: Count | None = None,
+        batch: Any = None,
+        num_documents: Count | None = None,
     ) -> None:
         """Add one batch of this rank: ``loss``, its mean over its units, and their count, as for ``accumulate``.
 
         ``num_tokens`` (its supervised tokens; ``None``: the strategy's ``count_tokens`` reads ``batch``) and
-        ``num_samples`` (``None``: inferred from ``batch``'s shapes) are checked as ``accumulate`` checks them (an int
+        ``num_samples`` (``None``: inferred from ``batch``'s shapes), and ``num_documents`` (the documents of a packed
+        batch, e.g. ``document_mean_loss``'s) are checked as ``accumulate`` checks them (an int
         or a 0-d integer tensor, >= 0; a tensor stays on the device and its sign is checked by :meth:`compute`). The
-        unit is the run's (its training's), else the first batch's under ``normalize=`` (``"auto"``: tokens if
-        reported, else samples, else each batch counts 1); every later batch must report the same count. Nothing is
-        read on the host: the loss is detached and summed in float64 on the strategy's device (a loss on another
-        device is copied there).
+        unit is the run's (its training's), else the first batch's under ``normalize=`` (``"auto"``: documents if
+        reported, else tokens, else samples, else each batch counts 1); every later batch must report the same count.
+        Nothing is read on the host: the loss is detached and summed in float64 on the strategy's device (a loss on
+        another device is copied there).
 
         Raises:
             TypeError: ``loss`` is not a tensor, or a count is not an integer (the messages of ``accumulate``).
@@ -256,12 +271,13 @@ class EvaluationLoss:
                 f" {tuple(loss.shape)}. Reduce it over the batch's units (e.g. `F.cross_entropy(...,"
                 " ignore_index=-100)`) and pass their count."
             )
-        counts = {"num_tokens": num_tokens, "num_samples": num_samples}
+        counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
         read = self._engine.read({"loss": loss, **{k: v for k, v in counts.items() if v is not None}}, batch)
         unit = self._unit or evaluation_unit(
-            self._engine, read.tokens is not None, read.samples is not None, read.reports_samples
-        )
-        weight = read.tokens if unit == "tokens" else read.samples if unit == "samples" else 1
+            self._engine, read.tokens is not None, read.samples is not None, read.reports_samples,
+            read.documents is not None,
+        )  # fmt: skip
+        weight = {"tokens": read.tokens, "samples": read.samples, "documents": read.documents}.get(unit, 1)
         if weight is None:
             raise ValueError(self._missing_count(unit))
         self._unit = unit

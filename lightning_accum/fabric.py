@@ -72,9 +72,9 @@ from typing_extensions import override
 from lightning_accum._worker_exit import ClosingWorkers, use_launcher
 from lightning_accum.axis_lr import AxisLR
 from lightning_accum.fabric_model_parallel import BackwardSyncNotes, shard_module_lists, sharded_state
-from lightning_accum.ledger import GroupRecord
+from lightning_accum.ledger import AXES, GroupRecord
 from lightning_accum.microbatch import Count
-from lightning_accum.options import AccumulationOptions
+from lightning_accum.options import AccumulationOptions, validate_choice
 from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_accum.strategies.closing import enabled_scaler
@@ -617,12 +617,16 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
 
 
 def log_on_axis(
-    fabric: Fabric, metrics: Mapping[str, Any], axis: Literal["tokens", "samples", "updates"] = "tokens"
+    fabric: Fabric,
+    metrics: Mapping[str, Any],
+    axis: Literal["tokens", "samples", "updates", "documents"] = "tokens",
 ) -> int:
     """Log ``metrics`` at x = the run's axis (the ledger's exact count), with the count itself as ``accum/<axis>``.
 
     ``fabric.log_dict(metrics, step=fabric.strategy.ledger.tokens)`` does the same; this also writes the count by
     name, so that loggers whose x is a ``step`` column (CSV, MLflow) or a chart setting (W&B) can plot against it.
+    ``axis`` is ``"tokens"``, ``"samples"``, ``"documents"`` (as :func:`~lightning_accum.document_mean_loss` reports
+    them) or ``"updates"`` (applied).
 
     Returns:
         The count logged at.
@@ -640,10 +644,7 @@ def log_on_axis(
             f"log_on_axis needs an accumulation strategy, but the Fabric uses {type(strategy).__name__}. Pass"
             " `L.Fabric(strategy='accum')` on one device or `strategy='accum_ddp'` on several."
         )
-    ledger = strategy.ledger
-    count = {"tokens": ledger.tokens, "samples": ledger.samples, "updates": ledger.updates_applied}.get(axis)
-    if count is None:
-        raise ValueError(f"`axis` must be 'tokens', 'samples' or 'updates', got {axis!r}.")
+    count = int(getattr(strategy.ledger, AXES[validate_choice("axis", axis, AXES)]))
     fabric.log_dict({**metrics, f"accum/{axis}": count}, step=count)
     return count
 

@@ -42,7 +42,7 @@ __all__ = [
 #: Counts travel as ``hi · COUNT_SPLIT + lo``: see the module docstring.
 COUNT_SPLIT = 2**24
 #: The unit of the run as a number in the reduced vector (replicas must agree on it).
-UNIT_CODES = {"tokens": 1.0, "samples": 2.0, "batches": 3.0}
+UNIT_CODES = {"tokens": 1.0, "samples": 2.0, "batches": 3.0, "documents": 4.0}
 
 
 class Slot(IntEnum):
@@ -60,6 +60,8 @@ class Slot(IntEnum):
     UNIT_CODE = 9  #: :data:`UNIT_CODES` of the replica's unit (the sum is code · D when replicas agree)
     LAST = 10  #: 1 on a replica whose data ends with this group
     EXCESS = 11  #: micro-batches that reported more tokens than their batch has label positions (where known)
+    DOCUMENTS_HI = 12
+    DOCUMENTS_LO = 13
 
 
 VECTOR_SIZE = len(Slot)
@@ -72,6 +74,8 @@ CARRIED = (
     Slot.SAMPLES_HI,
     Slot.SAMPLES_LO,
     Slot.NEGATIVE,
+    Slot.DOCUMENTS_HI,
+    Slot.DOCUMENTS_LO,
 )
 
 
@@ -113,6 +117,7 @@ class ReducedGroup:
     unit_code: float
     ended: int
     excess: int = 0
+    documents: int = 0
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> ReducedGroup:
@@ -127,6 +132,7 @@ class ReducedGroup:
             unit_code=values[Slot.UNIT_CODE],
             ended=round(values[Slot.LAST]),
             excess=round(values[Slot.EXCESS]),
+            documents=int(values[Slot.DOCUMENTS_HI]) * COUNT_SPLIT + int(values[Slot.DOCUMENTS_LO]),
         )
 
 
@@ -135,7 +141,8 @@ class GroupSums:
 
     Nothing is computed per micro-batch: appending references costs no kernel launch, and the group's sums
     are formed once, in :meth:`local_vector`. Losses are detached (no graph is kept). The weights are the
-    ``tokens`` or the ``samples`` list, whichever the unit is (every micro-batch with a loss reports it), or 1 each.
+    ``tokens``, ``samples`` or ``documents`` list, whichever the unit is (every micro-batch with a loss reports it), or
+    1 each.
     """
 
     def __init__(self) -> None:
@@ -153,8 +160,9 @@ class GroupSums:
         #: The label positions of the batch of each entry of :attr:`tokens` (``labels.numel()``), or ``None``.
         self.positions: list[int | None] = []
         self.samples: list[Count] = []
+        self.documents: list[Count] = []
         self.batch_samples: list[int] = []
-        self._mark: tuple[int, int, int, int, int, int] | None = None  # what `retract` restores
+        self._mark: tuple[int, int, int, int, int, int, int] | None = None  # what `retract` restores
         #: The group holds one micro-batch known to be its only one, back-propagated as its loss (``c = w``; see
         #: :meth:`AccumulationEngine.add_microbatch`).
         self.sole = False
@@ -180,6 +188,7 @@ class GroupSums:
             len(self.samples),
             len(sizes),
             sizes[-1] if sizes else 0,
+            len(self.documents),
         )
         size = microbatch.size
         if not continues:
@@ -197,6 +206,8 @@ class GroupSums:
             self.positions.append(microbatch.label_positions)
         if microbatch.samples is not None:
             self.samples.append(microbatch.samples)
+        if microbatch.documents is not None:
+            self.documents.append(microbatch.documents)
 
     def retract(self) -> None:
         """Forget the last :meth:`add` (a slice whose backward ran out of memory and is run again, smaller)."""
@@ -204,8 +215,9 @@ class GroupSums:
         if mark is None:
             raise RuntimeError("GroupSums.retract: nothing was added since the last retract.")
         self.sole = False  # the group is back to what it was before that add, which no sole add follows
-        self.microbatches, losses, tokens, samples, sizes, last = mark
+        self.microbatches, losses, tokens, samples, sizes, last, documents = mark
         del self.losses[losses:], self.tokens[tokens:], self.positions[tokens:], self.samples[samples:]
+        del self.documents[documents:]
         del self.batch_samples[sizes:]
         if sizes:
             self.batch_samples[-1] = last
@@ -233,11 +245,12 @@ class GroupSums:
             parts.append(((Slot.GROUP_SCALE,), group_scale.to(device=device, dtype=torch.float64).reshape(1)))
         else:
             host[Slot.GROUP_SCALE] += float(group_scale)
-        weights = self.tokens if unit == "tokens" else self.samples if unit == "samples" else None
+        weights = self.weights(unit)
         stacked_weights: Tensor | None = None  # the unit's counts stacked on the device, when all are tensors
         for counts, hi, lo in (
             (self.tokens, Slot.TOKENS_HI, Slot.TOKENS_LO),
             (self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
+            (self.documents, Slot.DOCUMENTS_HI, Slot.DOCUMENTS_LO),
         ):
             host_hi, host_lo = split(sum(count for count in counts if not isinstance(count, Tensor)))
             host[hi] += host_hi
@@ -270,6 +283,10 @@ class GroupSums:
             index = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
             vector.index_add_(0, index, torch.cat([values for _, values in parts]))
         return vector
+
+    def weights(self, unit: str | None) -> list[Count] | None:
+        """The micro-batches' weights in ``unit`` as reported (``None``: every micro-batch weighs 1)."""
+        return {"tokens": self.tokens, "samples": self.samples, "documents": self.documents}.get(unit or "")
 
     def _position_limits(self, counts: list[Count]) -> Tensor | None:
         """The label positions of the token counts reported as tensors (a bound no count reaches where unknown), or

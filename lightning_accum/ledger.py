@@ -21,7 +21,12 @@ from typing import Any
 __all__ = ["AXES", "COUNTERS", "SKIP_REASONS", "AccumulationLedger", "GroupRecord"]
 
 #: The axes a run can be measured on (logging, budgets, schedules), and the ledger counter each one reads.
-AXES: dict[str, str] = {"tokens": "tokens", "samples": "samples", "updates": "updates_applied"}
+AXES: dict[str, str] = {
+    "tokens": "tokens",
+    "samples": "samples",
+    "updates": "updates_applied",
+    "documents": "documents",
+}
 
 #: The ledger's integer counters (besides ``updates_skipped``), as saved in its state.
 COUNTERS: tuple[str, ...] = (
@@ -34,6 +39,8 @@ COUNTERS: tuple[str, ...] = (
     "dropped_microbatches",
     "dropped_samples",
     "dropped_tokens",
+    "documents",
+    "dropped_documents",
 )
 
 #: Reasons an attempted update can be skipped, in the order they are checked.
@@ -54,6 +61,8 @@ class GroupRecord:
         skip_reason: ``None`` when applied or dropped, else one of :data:`SKIP_REASONS`.
         grad_scale: The GradScaler scale used for the group, ``None`` without a scaler.
         dropped: Whether the group was a partial final group dropped by ``partial_group="drop"``.
+        documents: Documents of the group with a supervised token, summed over replicas (0 when none are reported;
+            see :func:`~lightning_accum.document_mean_loss`).
 
     Example:
         >>> record = GroupRecord(loss=3.5, tokens=2048, samples=2, microbatches=2, applied=True)
@@ -69,15 +78,17 @@ class GroupRecord:
     skip_reason: str | None = None
     grad_scale: float | None = None
     dropped: bool = False
+    documents: int = 0
 
 
 @dataclass
 class AccumulationLedger:
     """Exact global counters of a run, kept by the accumulation strategies as ``trainer.strategy.ledger``.
 
-    A dropped partial group is not an attempt: ``microbatches``, ``samples`` and ``tokens`` count what
-    attempted updates consumed (skipped ones included), and the ``dropped_*`` counters what dropped
-    groups held. ``partial_groups`` counts every partial final group met, whatever the policy.
+    A dropped partial group is not an attempt: ``microbatches``, ``samples``, ``tokens`` and ``documents`` count
+    what attempted updates consumed (skipped ones included), and the ``dropped_*`` counters what dropped
+    groups held. ``partial_groups`` counts every partial final group met, whatever the policy. ``documents``
+    counts the documents with a supervised token that steps reported (``num_documents``; 0 when none do).
 
     The state is plain ints, floats, strings and dicts of them, so checkpoints that carry it load with
     ``torch.load(..., weights_only=True)``.
@@ -102,7 +113,10 @@ class AccumulationLedger:
     dropped_microbatches: int = 0
     dropped_samples: int = 0
     dropped_tokens: int = 0
-    #: The unit micro-batches are weighted by (``"tokens"``, ``"samples"`` or ``"batches"``), once decided.
+    documents: int = 0
+    dropped_documents: int = 0
+    #: The unit micro-batches are weighted by (``"tokens"``, ``"samples"``, ``"batches"`` or ``"documents"``), once
+    #: decided.
     normalization: str | None = None
     last_group: GroupRecord | None = None
 
@@ -118,11 +132,13 @@ class AccumulationLedger:
             self.dropped_microbatches += group.microbatches
             self.dropped_samples += group.samples
             self.dropped_tokens += group.tokens
+            self.dropped_documents += group.documents
             return
         self.updates_attempted += 1
         self.microbatches += group.microbatches
         self.samples += group.samples
         self.tokens += group.tokens
+        self.documents += group.documents
         if group.applied:
             self.updates_applied += 1
         elif group.skip_reason is not None:
@@ -135,7 +151,8 @@ class AccumulationLedger:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`; keys added in later versions are read with defaults."""
+        """Restore from :meth:`state_dict`; keys added in later versions are read with defaults (a state written
+        before documents were counted reads 0 documents)."""
         fresh = AccumulationLedger()
         for name in COUNTERS:
             setattr(self, name, int(state.get(name, getattr(fresh, name))))

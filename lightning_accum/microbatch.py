@@ -25,6 +25,7 @@ __all__ = [
     "infer_num_samples",
     "parse_step_output",
     "read_microbatch",
+    "reported_documents",
     "unit_weight",
 ]
 
@@ -32,6 +33,7 @@ __all__ = [
 Count = int | Tensor
 
 _UNIT_REASONS = {
+    "documents": "the training step reports document counts (its loss is a mean over documents)",
     "tokens": "the training step reports token counts",
     "samples": "no token count is reported; the number of samples is known",
     "batches": "neither token counts nor the number of samples are known",
@@ -191,6 +193,7 @@ class Microbatch:
         label_positions: ``labels.numel()`` of a batch with a ``"labels"`` tensor, when tokens are reported (no
             token count can exceed it); ``None`` otherwise.
         batch: The batch itself, for the once-per-run hint that token weighting was probably intended.
+        documents: Its documents with a supervised token (``num_documents``, checked), or ``None`` when not reported.
     """
 
     loss: Tensor | None
@@ -200,6 +203,7 @@ class Microbatch:
     reports_samples: bool = False
     label_positions: int | None = None
     batch: Any = None
+    documents: Count | None = None
 
 
 def read_microbatch(
@@ -240,31 +244,59 @@ def read_microbatch(
         size = infer_num_samples(batch)
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     positions = labels.numel() if tokens_c is not None and isinstance(labels, Tensor) else None
-    return Microbatch(loss, tokens_c, samples_c, size, reports_samples, positions, batch)
+    documents = reported_documents(output)
+    documents_c = as_count("num_documents", documents, device) if documents is not None else None
+    return Microbatch(loss, tokens_c, samples_c, size, reports_samples, positions, batch, documents_c)
 
 
-def choose_unit(normalize: str, has_tokens: bool, has_samples: bool) -> tuple[str, str | None]:
-    """The unit of the run and, under ``normalize="auto"``, why it was chosen (else ``None``).
+def reported_documents(output: Any) -> object:
+    """What a step's ``output`` reports under ``"num_documents"`` (unchecked), or ``None``.
+
+    Example:
+        >>> reported_documents({"loss": torch.tensor(1.0), "num_documents": 3}), reported_documents(torch.tensor(1.0))
+        (3, None)
+    """
+    return output.get("num_documents") if isinstance(output, Mapping) else None
+
+
+def choose_unit(
+    normalize: str, has_tokens: bool, has_samples: bool, has_documents: bool = False
+) -> tuple[str, str | None]:
+    """The unit of the run and, under ``normalize="auto"``, why it was chosen (else ``None``): documents where the
+    step reports them (its loss is a mean over documents), else tokens, else samples, else batches.
 
     Example:
         >>> choose_unit("auto", has_tokens=False, has_samples=True)
         ('samples', 'no token count is reported; the number of samples is known')
         >>> choose_unit("tokens", has_tokens=False, has_samples=True)
         ('tokens', None)
+        >>> choose_unit("auto", has_tokens=True, has_samples=True, has_documents=True)[0]
+        'documents'
     """
     if normalize != "auto":
         return normalize, None
-    unit = "tokens" if has_tokens else "samples" if has_samples else "batches"
+    unit = "documents" if has_documents else "tokens" if has_tokens else "samples" if has_samples else "batches"
     return unit, _UNIT_REASONS[unit]
 
 
-def unit_weight(unit: str, normalize: str, tokens: Count | None, samples: Count | None) -> Count:
+def unit_weight(
+    unit: str, normalize: str, tokens: Count | None, samples: Count | None, documents: Count | None = None
+) -> Count:
     """The weight of one micro-batch in ``unit``, or an error that says what to report.
 
     Example:
         >>> unit_weight("batches", "batches", None, None)
         1
     """
+    if unit == "documents":
+        if documents is None:
+            raise ValueError(
+                f"The run normalizes by documents (`normalize={normalize!r}`) but this micro-batch reports no"
+                " document count. Return `lightning_accum.document_mean_loss(logits, labels, position_ids=...)` from"
+                " `training_step` (its `num_documents` counts the documents its loss averages over), or"
+                " `{'loss': loss, 'num_documents': d}` with `loss` the mean over those `d` documents."
+            )
+        return documents
     if unit == "tokens":
         if tokens is None:
             raise ValueError(

@@ -19,7 +19,7 @@ __all__ = [
     "validate_choice",
 ]
 
-NORMALIZE_CHOICES: tuple[str, ...] = ("auto", "tokens", "samples", "batches")
+NORMALIZE_CHOICES: tuple[str, ...] = ("auto", "tokens", "samples", "batches", "documents")
 PARTIAL_GROUP_CHOICES: tuple[str, ...] = ("rescale", "drop")
 SCHEDULE_ON_CHOICES: tuple[str, ...] = ("applied", "attempted")
 ON_NONFINITE_CHOICES: tuple[str, ...] = ("skip", "raise", "ignore")
@@ -48,8 +48,9 @@ class AccumulationOptions:
     """What the user chose, validated once.
 
     Attributes:
-        normalize: The unit each micro-batch is weighted by: ``"tokens"``, ``"samples"``, ``"batches"``, or
-            ``"auto"`` (tokens if the step reports them, else samples, else batches).
+        normalize: The unit each micro-batch is weighted by: ``"tokens"``, ``"samples"``, ``"batches"``,
+            ``"documents"``, or ``"auto"`` (documents if the step reports them, else tokens, else samples, else
+            batches).
         count_tokens: Optional ``batch -> int | Tensor`` used when the step does not return ``num_tokens``.
         partial_group: ``"rescale"`` updates a partial final group with its real denominator; ``"drop"`` makes
             no update for it and records what it held.

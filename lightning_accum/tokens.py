@@ -33,6 +33,7 @@ __all__ = [
     "LABEL_KEY_WORDS",
     "TokenWeightingWarning",
     "causal_lm_tokens",
+    "check_labels",
     "find_labels",
     "ignored_label_key",
     "seq2seq_tokens",
@@ -70,6 +71,19 @@ def supervised_tokens(labels: Tensor, shift: bool = True, ignore_index: int = -1
         >>> supervised_tokens(labels, shift=False)
         tensor(5)
     """
+    check_labels(labels)
+    if shift:
+        if labels.ndim == 0:
+            raise ValueError(
+                "`labels` must have a sequence dimension to shift, got a 0-d tensor. Pass labels of shape"
+                " (batch, T), or `shift=False` if the loss does not shift them."
+            )
+        labels = labels[..., 1:]
+    return (labels != ignore_index).sum(dtype=torch.int64)
+
+
+def check_labels(labels: object) -> None:
+    """Raise the error that says what to pass when ``labels`` is not a tensor of integer label ids."""
     if not isinstance(labels, Tensor):
         raise TypeError(
             f"`labels` must be a tensor of label ids, got {type(labels).__name__}. Pass e.g. `batch['labels']`."
@@ -79,14 +93,6 @@ def supervised_tokens(labels: Tensor, shift: bool = True, ignore_index: int = -1
             f"`labels` must hold integer label ids, got dtype {labels.dtype}. Pass the labels the loss compares"
             " with (e.g. `batch['labels']`), not logits or a mask."
         )
-    if shift:
-        if labels.ndim == 0:
-            raise ValueError(
-                "`labels` must have a sequence dimension to shift, got a 0-d tensor. Pass labels of shape"
-                " (batch, T), or `shift=False` if the loss does not shift them."
-            )
-        labels = labels[..., 1:]
-    return (labels != ignore_index).sum(dtype=torch.int64)
 
 
 def causal_lm_tokens(batch: Mapping[str, Any]) -> Tensor:
@@ -177,8 +183,8 @@ def ignored_label_key(batch: Any, ignore_index: int = -100) -> str | None:
 def token_weighting_hint(unit: str, batch: Any, ignore_index: int = -100) -> str | None:
     """The warning to give when ``normalize="auto"`` chose ``unit`` but ``batch`` has ignored label positions.
 
-    ``None`` when the unit is tokens or no labels-like tensor holds ``ignore_index``. Reads the device once
-    (see :func:`ignored_label_key`): meant for the first micro-batch of a run.
+    ``None`` when the unit is tokens or documents (the step chose them), or when no labels-like tensor holds
+    ``ignore_index``. Reads the device once (see :func:`ignored_label_key`): meant for the first micro-batch of a run.
 
     Example:
         >>> hint = token_weighting_hint("samples", {"labels": torch.tensor([[5, 6, -100]])})
@@ -187,7 +193,7 @@ def token_weighting_hint(unit: str, batch: Any, ignore_index: int = -100) -> str
         >>> token_weighting_hint("tokens", {"labels": torch.tensor([[5, 6, -100]])}) is None
         True
     """
-    if unit == "tokens":
+    if unit in ("tokens", "documents"):  # documents: the step weighs by them on purpose (`document_mean_loss`)
         return None
     key = ignored_label_key(batch, ignore_index)
     if key is None:

@@ -267,7 +267,11 @@ def test_tokens_axis_without_token_counts_is_a_clear_error(tmp_path: Path) -> No
 
 
 def test_bad_axis_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"`axis` must be one of 'tokens', 'samples', 'updates'; got 'epochs'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`axis` must be one of 'tokens', 'samples', 'updates',"
+        r" 'documents'; got 'epochs'",
+    ):
         AxisLogger(axis="epochs")
 
 

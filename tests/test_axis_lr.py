@@ -142,7 +142,11 @@ def test_state_is_plain_and_restores_the_count() -> None:
 
 def test_errors() -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    with pytest.raises(ValueError, match=r"`axis` must be one of 'tokens', 'samples', 'updates'; got 'steps'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`axis` must be one of 'tokens', 'samples', 'updates',"
+        r" 'documents'; got 'steps'",
+    ):
         AxisLR(optimizer, axis="steps", lr_lambda=SCHEDULE)
     with pytest.raises(TypeError, match=r"`lr_lambda` must be callable .* got float"):
         AxisLR(optimizer, lr_lambda=0.5)  # type: ignore[arg-type]

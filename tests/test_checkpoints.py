@@ -863,7 +863,8 @@ def _damage(state: dict[str, Any], how: str) -> None:
     [
         (
             "unit",
-            r"`ledger.normalization` should be None or one of \('tokens', 'samples', 'batches'\), but it is 'words'",
+            r"`ledger.normalization` should be None or one of \('tokens', 'samples', 'batches',"
+            r" 'documents'\), but it is 'words'",
         ),
         ("ledger", r"`ledger` should be a dict of the ledger's counters, but it is None"),
         ("scale_ref", r"`scale_ref` should be None or a number > 0, but it is 0.0"),

@@ -95,7 +95,9 @@ def test_cli_invalid_values_give_the_packages_errors(tmp_path: Path, monkeypatch
 """
     )
     with pytest.raises(
-        ValueError, match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches'; got 'mean'"
+        ValueError,
+        match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches',"
+        r" 'documents'; got 'mean'",
     ):
         run_cli(tmp_path, bad_strategy, monkeypatch)
     bad_callback = (
@@ -107,7 +109,11 @@ def test_cli_invalid_values_give_the_packages_errors(tmp_path: Path, monkeypatch
         axis: steps
 """
     )
-    with pytest.raises(ValueError, match=r"`axis` must be one of 'tokens', 'samples', 'updates'; got 'steps'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`axis` must be one of 'tokens', 'samples', 'updates',"
+        r" 'documents'; got 'steps'",
+    ):
         run_cli(tmp_path, bad_callback, monkeypatch)
 
 

@@ -289,7 +289,7 @@ def test_bad_token_counts_are_clear_errors(value: object, error: type[Exception]
 def test_negative_token_tensor_is_caught_at_the_close() -> None:
     engine = AccumulationEngine()
     engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": torch.tensor(-3)}, None, accumulate=1)
-    with pytest.raises(ValueError, match=r"A negative `num_tokens` or `num_samples` was reported in this group"):
+    with pytest.raises(ValueError, match=r"A negative `num_tokens`, `num_samples` or `num_documents` was reported"):
         engine.close_group(accumulate=1)
 
 
@@ -306,7 +306,11 @@ def test_samples_normalization_without_inferable_size() -> None:
 
 
 def test_bad_choices_list_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches'; got 'x'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches',"
+        r" 'documents'; got 'x'",
+    ):
         AccumulationEngine(normalize="x")
     with pytest.raises(ValueError, match=r"`partial_group` must be one of 'rescale', 'drop'; got 'keep'"):
         AccumulationEngine(partial_group="keep")

@@ -193,7 +193,7 @@ def test_samples_and_updates_axes_and_checkpoints_beside_the_root_dir(tmp_path: 
         ({"validate_every": -5}, r"`validate_every` must be a positive int .* got -5"),
         ({"checkpoint_every": 1.5}, r"`checkpoint_every` must be a positive int .* got 1.5"),
         ({"stop_at": True}, r"`stop_at` must be a positive int .* got True"),
-        ({"axis": "steps"}, r"`axis` must be one of 'tokens', 'samples', 'updates'; got 'steps'"),
+        ({"axis": "steps"}, r"`axis` must be one of 'tokens', 'samples', 'updates', 'documents'; got 'steps'"),
     ],
 )
 def test_invalid_arguments(kwargs: dict[str, Any], match: str) -> None:

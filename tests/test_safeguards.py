@@ -77,7 +77,7 @@ def test_an_applied_update_resets_the_consecutive_count() -> None:
         (True, TypeError, r"`num_tokens` must be an integer count, got a boolean"),
         (-1, ValueError, r"`num_tokens` must be >= 0, got -1"),
         (torch.tensor(float("nan")), TypeError, r"got a tensor of dtype torch.float32"),
-        (torch.tensor(-3), ValueError, r"A negative `num_tokens` or `num_samples` was reported in this group"),
+        (torch.tensor(-3), ValueError, r"A negative `num_tokens`, `num_samples` or `num_documents` was reported"),
         (torch.tensor(3, device="meta"), ValueError, r"`num_tokens` is a tensor on the meta device"),
     ],
 )

@@ -183,7 +183,7 @@ def test_training_step_must_report_tokens_when_normalizing_by_tokens() -> None:
 
 def test_strategy_argument_errors() -> None:
     with pytest.raises(
-        ValueError, match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches'; got 'mean'"
+        ValueError, match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches', 'documents'; got 'mean'"
     ):
         AccumulationStrategy(normalize="mean")
     with pytest.raises(ValueError, match=r"`partial_group` must be one of 'rescale', 'drop'; got 'pad'"):

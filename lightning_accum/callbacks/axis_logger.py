@@ -1,4 +1,4 @@
-"""Log every curve of a run on an explicit axis: tokens, samples or applied updates."""
+"""Log every curve of a run on an explicit axis: tokens, samples, documents or applied updates."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_accum.axis_lr import no_token_counts_error
+from lightning_accum.axis_lr import check_counts_reported, group_count, no_token_counts_error
 from lightning_accum.callbacks.common import accumulation_strategy, format_count
 from lightning_accum.ledger import AXES, AccumulationLedger, GroupRecord
 from lightning_accum.options import validate_choice
@@ -25,15 +25,16 @@ __all__ = ["AXES", "AxisLogger", "window_metrics"]
 
 def _units(record: GroupRecord, unit: str | None) -> int:
     """A group's weight in the run's unit (what its loss is averaged over)."""
-    return record.tokens if unit == "tokens" else record.samples if unit == "samples" else record.microbatches
+    return group_count(record, unit) if unit in ("tokens", "samples", "documents") else record.microbatches
 
 
 def window_metrics(records: Sequence[GroupRecord], unit: str | None) -> dict[str, float]:
     """The group metrics of one logged point, from the attempted updates since the previous point.
 
     ``loss``: the groups' losses weighted by their units (over every group with units and a finite loss), which
-    is the token-weighted (or sample-weighted) loss of all their examples together; ``tokens_per_update`` and
-    ``samples_per_update``: the mean per attempted update over the window (exact sums divided by the count).
+    is the token-weighted (or sample-, document-weighted) loss of all their examples together; ``tokens_per_update``
+    and ``samples_per_update`` (and ``documents_per_update`` where the groups hold documents): the mean per attempted
+    update over the window (exact sums divided by the count).
 
     Example:
         >>> a = GroupRecord(loss=2.0, tokens=512, samples=1, microbatches=1, applied=True)
@@ -53,6 +54,9 @@ def window_metrics(records: Sequence[GroupRecord], unit: str | None) -> dict[str
     count = len(records)
     metrics["tokens_per_update"] = sum(r.tokens for r in records) / count
     metrics["samples_per_update"] = sum(r.samples for r in records) / count
+    documents = sum(r.documents for r in records)
+    if documents or unit == "documents":
+        metrics["documents_per_update"] = documents / count
     return metrics
 
 
@@ -61,7 +65,7 @@ class AxisLogger(Callback):
 
     Lightning logs against "batches that stepped", on which runs with different micro-batch size ``m``,
     accumulation ``A`` or replica count ``D`` cannot be compared. With ``axis="tokens"`` (or
-    ``"samples"``), every curve of the run (the keys below, ``self.log`` in training and validation
+    ``"samples"``, ``"documents"``), every curve of the run (the keys below, ``self.log`` in training and validation
     hooks, ``LearningRateMonitor``) is written at x = the exact global count from
     ``trainer.strategy.ledger`` at that moment, so runs of different ``(m, A, D)`` overlay. x is a
     Python int (no float32 rounding above 2^24), never decreases (also across a resume, since the ledger
@@ -115,15 +119,17 @@ class AxisLogger(Callback):
                                                        used
     ``accum/tokens_per_update``     supervised tokens  mean per attempted update         summed
     ``accum/samples_per_update``    samples            mean per attempted update         summed
+    ``accum/documents_per_update``  documents          mean per attempted update         summed
     ``accum/skipped_updates``       updates (total)    skipped so far                    same on every rank
     ``accum/grad_scale``            GradScaler scale   the window's last update's scale  same on every rank
     =============================== ================== ================================= ===================
 
-    ``accum/<axis>`` is ``accum/tokens``, ``accum/samples`` or ``accum/updates``, the only key written without the
-    once-per-x rule (it is x). ``accum/loss`` is written only when the window holds a group with units and a finite
-    loss; ``accum/lr`` is one key per parameter group when there are several; ``accum/grad_scale`` only with a
-    GradScaler. With ``axis="updates"`` x counts *applied* updates. The progress bar shows the tokens (or samples)
-    seen and the skipped updates.
+    ``accum/<axis>`` is ``accum/tokens``, ``accum/samples``, ``accum/documents`` or ``accum/updates``, the only key
+    written without the once-per-x rule (it is x). ``accum/loss`` is written only when the window holds a group with
+    units and a finite loss; ``accum/documents_per_update`` only where the steps report documents
+    (:func:`~lightning_accum.document_mean_loss`); ``accum/lr`` is one key per parameter group when there are
+    several; ``accum/grad_scale`` only with a GradScaler. With ``axis="updates"`` x counts *applied* updates. The
+    progress bar shows the tokens (or samples; documents with ``axis="documents"``) seen and the skipped updates.
 
     Several fits (e.g. two training stages, each with a new Trainer) logged by this callback to the same logger
     continue one axis: a fit whose ledger starts below the highest x already written is shifted to start there
@@ -131,13 +137,15 @@ class AxisLogger(Callback):
     then holds the shifted x too.
 
     Args:
-        axis: ``"tokens"``, ``"samples"`` or ``"updates"``.
+        axis: ``"tokens"``, ``"samples"``, ``"documents"`` (documents with a supervised token, reported by
+            :func:`~lightning_accum.document_mean_loss`) or ``"updates"``.
         prefix: Prefix of the group metrics' keys, the axis metric's included.
 
     Raises:
         ValueError: For an unknown ``axis``.
         RuntimeError: When the Trainer's strategy is not an accumulation strategy, or ``axis="tokens"``
-            while the run reports no token counts (raised before the first backward).
+            while the run reports no token counts (raised before the first backward), or ``axis="documents"`` while
+            it reports no document counts (raised at the first update).
 
     Example:
         >>> import lightning as L
@@ -146,10 +154,10 @@ class AxisLogger(Callback):
         ...                     accelerator="cpu", logger=False, enable_checkpointing=False)
         >>> lightning_accum.AxisLogger(axis="samples").axis_key
         'accum/samples'
-        >>> lightning_accum.AxisLogger(axis="steps")
+        >>> lightning_accum.AxisLogger(axis="steps")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: `axis` must be one of 'tokens', 'samples', 'updates'; got 'steps'. Pass one of those values.
+        ValueError: `axis` must be one of 'tokens', 'samples', 'updates', 'documents'; got 'steps'. Pass one of ...
     """
 
     def __init__(self, axis: str = "tokens", prefix: str = "accum/") -> None:
@@ -166,9 +174,9 @@ class AxisLogger(Callback):
         # LearningRateMonitor's values per logger, held until the update that uses them closes (see the docstring).
         self._held_rates: dict[int, dict[str, float]] = {}
         self._rate_monitors: list[LearningRateMonitor] = []
-        # Per fit: see `_read_run`; and whether the token counts were found (checked until they are).
+        # Per fit: see `_read_run`; and whether the axis's counts were found (checked until they are).
         self._run: tuple[AccumulationLedger, bool, list[dict[str, Any]], int] | None = None
-        self._tokens_checked = False
+        self._counts_checked = False
         self._checked_unit = False
         self._progress_patch: InstancePatch | None = None
         self._trainer: Trainer | None = None
@@ -176,7 +184,8 @@ class AxisLogger(Callback):
 
     @property
     def axis_key(self) -> str:
-        """The axis metric's key, ``<prefix><axis>``: ``accum/tokens``, ``accum/samples`` or ``accum/updates``."""
+        """The axis metric's key, ``<prefix><axis>``: ``accum/tokens``, ``accum/samples``, ``accum/documents`` or
+        ``accum/updates``."""
         return f"{self.prefix}{self.axis}"
 
     @property
@@ -208,7 +217,7 @@ class AxisLogger(Callback):
         self._window = []
         self._checked_unit = False
         self._run = None
-        self._tokens_checked = False
+        self._counts_checked = False
         self._held_rates = {}
         # `trainer.callbacks`: Lightning's public list, assigned by its callback connector (not declared on the class).
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
@@ -343,7 +352,9 @@ class AxisLogger(Callback):
     def _progress_fields(self, trainer: Trainer) -> dict[str, int | str]:
         ledger = self._ledger(trainer)
         fields: dict[str, int | str] = {}
-        if ledger.tokens > 0 or self.axis == "tokens":
+        if self.axis == "documents":
+            fields["seen"] = format_count(ledger.documents, "doc")
+        elif ledger.tokens > 0 or self.axis == "tokens":
             fields["seen"] = format_count(ledger.tokens, "tok")
         else:
             fields["seen"] = format_count(ledger.samples, "sp")
@@ -360,10 +371,8 @@ class AxisLogger(Callback):
         if run is None:  # read once per fit, at its first update: what every update of the fit reads
             run = self._run = self._read_run(trainer)
         ledger, writes, param_groups, every = run
-        if self._tokens_checked is False and self.axis == "tokens":
-            if ledger.tokens == 0 and ledger.normalization != "tokens":
-                raise no_token_counts_error("AxisLogger")
-            self._tokens_checked = ledger.normalization == "tokens"  # then every later update has token counts
+        if not self._counts_checked:  # until the run weighs by the axis, whose every later update then counts it
+            self._counts_checked = check_counts_reported("AxisLogger", self.axis, ledger)
         if not writes:
             self._held_rates = {}  # another rank: its loggers write nothing
             return

@@ -1,4 +1,4 @@
-"""Drive a run by tokens, samples or applied updates: a budget, validation points and checkpoint points."""
+"""Drive a run by tokens, samples, documents or applied updates: a budget, validation points and checkpoint points."""
 
 from __future__ import annotations
 
@@ -11,17 +11,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum.axis_lr import no_token_counts_error
+from lightning_accum.axis_lr import check_counts_reported
 from lightning_accum.callbacks.common import accumulation_strategy, format_count
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AXES, AccumulationLedger
 from lightning_accum.options import validate_choice
 from lightning_accum.patching import InstancePatch
 
-__all__ = ["Horizon"]
+__all__ = ["UNITS", "Horizon"]
 
 #: Short unit names for the progress bar.
-_UNITS = {"tokens": "tok", "samples": "sp", "updates": "upd"}
+#: The unit each axis is counted in, as the budget and the progress bars show it.
+UNITS = {"tokens": "tok", "samples": "sp", "updates": "upd", "documents": "doc"}
 
 
 def _positive(argument: str, value: object) -> int | None:
@@ -46,11 +47,12 @@ def next_multiple(count: int, every: int) -> int:
 
 
 class Horizon(Callback):
-    """Stop, validate and checkpoint at counts of tokens, samples or applied updates, read from the ledger.
+    """Stop, validate and checkpoint at counts of tokens, samples, documents or applied updates, read from the ledger.
 
     Language models are planned in tokens ("2 B tokens, evaluate every 100 M, a checkpoint every 250 M") because
     only tokens and samples stay comparable when ``m``, ``A`` or ``D`` change. The Horizon reads the exact global
-    count (``trainer.strategy.ledger``: ``tokens``, ``samples`` or ``updates_applied``) after every attempted update
+    count (``trainer.strategy.ledger``: ``tokens``, ``samples``, ``documents`` or ``updates_applied``) after every
+    attempted update
     (at the end of the group's last micro-batch, identically on every rank) and acts at that update boundary:
 
     * ``stop_at=N``: at the first update after which the count is ``>= N`` it sets ``trainer.should_stop``, so no
@@ -80,8 +82,9 @@ class Horizon(Callback):
     continues; a resumed run with other intervals recomputes them from the count.
 
     Args:
-        axis: ``"tokens"`` (supervised tokens; the run must report them), ``"samples"`` or ``"updates"`` (applied
-            updates).
+        axis: ``"tokens"`` (supervised tokens; the run must report them), ``"samples"``, ``"documents"`` (documents
+            with a supervised token; the run must report them, e.g. with :func:`~lightning_accum.document_mean_loss`)
+            or ``"updates"`` (applied updates).
         stop_at: The budget, or ``None``.
         validate_every: The validation interval, or ``None``.
         checkpoint_every: The checkpoint interval, or ``None``.
@@ -89,8 +92,8 @@ class Horizon(Callback):
 
     Raises:
         ValueError: For an unknown ``axis`` or a budget or interval that is not a positive int.
-        RuntimeError: When the Trainer's strategy is not an accumulation strategy, or ``axis="tokens"`` while the run
-            reports no token counts.
+        RuntimeError: When the Trainer's strategy is not an accumulation strategy, or ``axis="tokens"``
+            (``"documents"``) while the run reports no token (document) counts.
 
     Private Lightning name used: ``trainer.fit_loop.epoch_loop._should_check_val_fx`` (Lightning asks it after every
     micro-batch whether to validate; ``validate_every`` answers yes after its updates, so Lightning runs its own
@@ -214,7 +217,7 @@ class Horizon(Callback):
     def _budget_text(self, trainer: Trainer) -> str:
         count = self.count(trainer.strategy.ledger)  # type: ignore[attr-defined]
         assert self.stop_at is not None
-        return f"{format_count(count)}/{format_count(self.stop_at)} {_UNITS[self.axis]}"
+        return f"{format_count(count)}/{format_count(self.stop_at)} {UNITS[self.axis]}"
 
     # ------------------------------------------------------------------ the run
 
@@ -251,8 +254,7 @@ class Horizon(Callback):
         if ledger.updates_attempted == self._attempts_seen:
             return  # inside a group, or a dropped partial group: no update boundary
         self._attempts_seen = ledger.updates_attempted
-        if self.axis == "tokens" and ledger.tokens == 0 and ledger.normalization != "tokens":
-            raise no_token_counts_error("Horizon")
+        check_counts_reported("Horizon", self.axis, ledger)
         count = self.count(ledger)
         checkpoint_due = False
         if self.next_checkpoint is not None and self.checkpoint_every is not None and count >= self.next_checkpoint:

@@ -1,5 +1,5 @@
-"""Progress on the run's own axis: tokens (or samples, or applied updates) done out of the budget, the rate, the time
-left, applied and skipped updates.
+"""Progress on the run's own axis: tokens (or samples, documents, applied updates) done out of the budget, the rate,
+the time left, applied and skipped updates.
 
 Lightning's bars count micro-batches of the epoch (``640/40`` against ``max_steps`` with ``A = 16``) and have nothing
 to count against on a token budget; outside a terminal (a log file, CI, a cluster job) their carriage-return updates
@@ -25,14 +25,11 @@ from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTh
 from typing_extensions import override
 
 from lightning_accum.callbacks.common import accumulation_strategy, format_rate
-from lightning_accum.callbacks.horizon import Horizon
+from lightning_accum.callbacks.horizon import UNITS, Horizon
 from lightning_accum.ledger import AXES, AccumulationLedger
 from lightning_accum.options import validate_choice
 
 __all__ = ["AxisProgressBar", "AxisRichProgressBar", "progress_line", "run_budget"]
-
-#: The unit each axis is counted in, as the bars show it.
-UNITS = {"tokens": "tok", "samples": "sp", "updates": "upd"}
 
 
 def run_budget(trainer: Trainer, axis: str) -> int | None:
@@ -214,7 +211,7 @@ class AxisProgressBar(_AxisBar, TQDMProgressBar):
     flushed at once (a log file shows where a run is while it runs).
 
     Args:
-        axis: ``"tokens"``, ``"samples"`` or ``"updates"``.
+        axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"``.
         refresh_rate: As in ``TQDMProgressBar``: redraw every ``refresh_rate`` micro-batches.
         process_position: As in ``TQDMProgressBar``.
         leave: As in ``TQDMProgressBar``.
@@ -271,7 +268,7 @@ class AxisRichProgressBar(_AxisBar, RichProgressBar):
     and sanity-check tasks are Lightning's, as drawn by its columns.
 
     Args:
-        axis: ``"tokens"``, ``"samples"`` or ``"updates"``.
+        axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"``.
         refresh_rate: As in ``RichProgressBar``: redraws per second (``0`` disables the bars, not the plain lines).
         leave: As in ``RichProgressBar``.
         theme: As in ``RichProgressBar``.

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_accum.callbacks.common import accumulation_strategy
-from lightning_accum.ledger import GroupRecord
+from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import ExactAccumulation
 
 __all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport", "FitPeak"]
@@ -204,6 +204,9 @@ class AccumulationReport(Callback):
                                          the fit's start) and ``peak_predates_fit`` (``run_peak`` is then a
                                          lower bound; see below)
     ``time``                             ``wall_seconds``, ``tokens_per_second``, ``samples_per_second``
+    ``documents``                        where the steps report documents (:func:`~lightning_accum.document_mean_loss`;
+                                         absent otherwise): ``total`` documents with a supervised token,
+                                         ``per_update_min/mean/max``, ``dropped`` (in dropped partial groups)
     ``microbatch_slicing``               with ``microbatch_size=`` on the strategy (absent otherwise):
                                          ``configured`` (an int or ``"auto"``) and ``per_rank``: the
                                          ``size`` in force, ``slice_sizes`` (samples → slices run) and
@@ -271,6 +274,7 @@ class AccumulationReport(Callback):
         self._start = 0.0
         self._samples_per_update: list[int] = []
         self._tokens_per_update: list[int] = []
+        self._documents_per_update: list[int] = []
         self._microbatch_min: int | None = None
         self._microbatch_max: int | None = None
         self._first_group_peak: int | None = None
@@ -336,6 +340,7 @@ class AccumulationReport(Callback):
             return  # not an attempt: its examples are in the ledger's dropped counters
         self._samples_per_update.append(group.samples)
         self._tokens_per_update.append(group.tokens)
+        self._documents_per_update.append(group.documents)
         if self._first_group_peak is None and self._memory is not None:
             self._first_group_peak = self._memory.peak()[0]
 
@@ -439,9 +444,19 @@ class AccumulationReport(Callback):
                 "tokens_per_second": ledger.tokens / wall if wall > 0 else None,
                 "samples_per_second": ledger.samples / wall if wall > 0 else None,
             },
+            **self._documents(ledger),
             **self._slicing(trainer, strategy, gather),
             "ledger": _finite_or_none(ledger.state_dict()),
         }
+
+    def _documents(self, ledger: AccumulationLedger) -> dict[str, Any]:
+        """The documents of a run whose steps report them (:func:`~lightning_accum.document_mean_loss`; absent
+        otherwise)."""
+        if not (ledger.documents or ledger.dropped_documents or ledger.normalization == "documents"):
+            return {}
+        stats = _stats(self._documents_per_update)
+        per_update = {f"per_update_{name}": value for name, value in stats.items()}
+        return {"documents": {"total": ledger.documents, **per_update, "dropped": ledger.dropped_documents}}
 
     @staticmethod
     def _slicing(trainer: Trainer, strategy: ExactAccumulation, gather: bool) -> dict[str, Any]:

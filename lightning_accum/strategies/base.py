@@ -305,6 +305,7 @@ class ExactAccumulation(Strategy):
         num_samples: Count | None = None,
         batch: Any = None,
         group_size: int | None = None,
+        num_documents: Count | None = None,
     ) -> Tensor:
         """Record one micro-batch of a manual loop in the open group; return the tensor to back-propagate.
 
@@ -323,6 +324,8 @@ class ExactAccumulation(Strategy):
             group_size: The micro-batches per update you plan: it only sets the magnitude of what is
                 back-propagated (close to Lightning's ``loss / A``), never the update, which is exact whatever it is.
                 ``None``: the previous group's micro-batches per replica (1 for the first group).
+            num_documents: Its documents with a supervised token, as ``"num_documents"`` in automatic optimization
+                (``loss`` is then their mean: ``self.trainer.strategy.accumulate(**document_mean_loss(...))``).
 
         Raises:
             RuntimeError: In automatic optimization (return the counts from ``training_step`` there), while a
@@ -335,7 +338,7 @@ class ExactAccumulation(Strategy):
                 "`strategy.accumulate` is for manual optimization (`automatic_optimization = False`). In automatic"
                 " optimization return `{'loss': loss, 'num_tokens': n}` from `training_step`: the strategy weights it."
             )
-        return self._core.accumulate(loss, num_tokens, num_samples, batch, group_size)
+        return self._core.accumulate(loss, num_tokens, num_samples, batch, group_size, num_documents)
 
     def close_group(self, optimizer: Optimizer | LightningOptimizer, group_size: int | None = None) -> GroupRecord:
         """Close the group reported with :meth:`accumulate`, before ``optimizer.step()`` (manual optimization).

@@ -105,13 +105,16 @@ class AccumulationCore:
         num_samples: Count | None = None,
         batch: Any = None,
         group_size: int | None = None,
+        num_documents: Count | None = None,
     ) -> Tensor:
         """Record one micro-batch in the open group; return the tensor to back-propagate (``fabric.backward`` in a
         Fabric loop, ``self.manual_backward`` in a manual Trainer loop).
 
         ``loss`` is the micro-batch's mean over its units, ``num_tokens`` its supervised tokens (an int or a 0-d
         integer tensor; ``None``: the strategy's ``count_tokens`` reads ``batch``), ``num_samples`` its samples
-        (``None``: inferred from ``batch``), ``group_size`` the micro-batches per update you plan (it only sets the
+        (``None``: inferred from ``batch``), ``num_documents`` its documents with a supervised token (the loss is then
+        their mean: ``strategy.accumulate(**lightning_accum.document_mean_loss(...))``; under ``normalize="auto"``
+        the micro-batches are weighted by them), ``group_size`` the micro-batches per update you plan (it only sets the
         magnitude of what is back-propagated, ``loss · w / c``, never the update; ``1`` declares the group's only
         micro-batch, back-propagated as it is on one replica). Back-propagate exactly the tensor
         returned, once, before the next call.
@@ -121,7 +124,7 @@ class AccumulationCore:
                 call returned was never back-propagated.
             TypeError: ``loss`` is not a tensor.
         """
-        counts = {"num_tokens": num_tokens, "num_samples": num_samples}
+        counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
         return self.manual.accumulate(self.engine, loss, counts, batch, group_size, self.data_parallel_replicas)
 
     def close_group(

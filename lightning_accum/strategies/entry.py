@@ -50,6 +50,8 @@ _LARGEST_COUNT = 2**53  # counts are exact below it in the float64 sums
 _SUMS = [slot.name.lower() for slot in CARRIED]  # the carried sums, by name
 _COUNT_SUMS = [name for name in _SUMS if name != "weighted_loss"]
 _RECORD_FIELDS = {field.name for field in dataclasses.fields(GroupRecord)}  # a closed group's record, as written
+#: What entries hold since documents are counted: an entry written before lacks them, and they are read as 0.
+_SINCE_DOCUMENTS = {"documents", "dropped_documents", "documents_hi", "documents_lo"}
 
 
 def malformed(key: str, expected: str, found: Any) -> ValueError:
@@ -101,7 +103,15 @@ def _dict_of(keys: Callable[[Any], bool], values: Callable[[Any], bool]) -> Call
 
 
 def _record(value: Any) -> bool:
-    return isinstance(value, Mapping) and set(value) == _RECORD_FIELDS
+    return isinstance(value, Mapping) and _RECORD_FIELDS - _SINCE_DOCUMENTS <= set(value) <= _RECORD_FIELDS
+
+
+def _sums(value: Any) -> bool:
+    return (
+        isinstance(value, Mapping)
+        and set(_SUMS) - _SINCE_DOCUMENTS <= set(value) <= set(_SUMS)
+        and all(_sum(k, x) for k, x in value.items())
+    )
 
 
 _WHOLE = "a whole number in [0, 2**53) (a count)"
@@ -139,7 +149,7 @@ _NORMALIZE = ("auto", *_UNITS)
 #: Every field of the entry, in the order they are checked (a dict before what it holds).
 FIELDS: tuple[Field, ...] = (
     Field("ledger", _is(Mapping), "a dict of the ledger's counters", required=True),
-    *(Field(f"ledger.{name}", _count, "an int >= 0", required=True) for name in COUNTERS),
+    *(Field(f"ledger.{name}", _count, "an int >= 0", required=name not in _SINCE_DOCUMENTS) for name in COUNTERS),
     Field(
         "ledger.updates_skipped",
         lambda v: _dict_of(_is(str), _count)(v) and set(SKIP_REASONS) <= set(v),
@@ -149,7 +159,10 @@ FIELDS: tuple[Field, ...] = (
     Field("ledger.normalization", _none_or(lambda v: v in _UNITS), f"None or one of {_UNITS}", required=True),
     Field("ledger.last_group", _none_or(_record), f"None or a dict with {sorted(_RECORD_FIELDS)}", required=True),
     Field("ledger.last_group.loss", _float, "a number (NaN or inf where the group had no weight or a non-finite loss)"),
-    *(Field(f"ledger.last_group.{name}", _count, "an int >= 0") for name in ("tokens", "samples", "microbatches")),
+    *(
+        Field(f"ledger.last_group.{name}", _count, "an int >= 0")
+        for name in ("tokens", "samples", "microbatches", "documents")
+    ),
     Field("ledger.last_group.applied", _is(bool), "True or False"),
     Field("ledger.last_group.dropped", _is(bool), "True or False"),
     Field("ledger.last_group.skip_reason", _none_or(lambda v: v in SKIP_REASONS), f"None or one of {SKIP_REASONS}"),
@@ -178,8 +191,9 @@ FIELDS: tuple[Field, ...] = (
     Field("open_group.scale_ref_is_tensor", _is(bool), "True or False"),
     Field(
         "open_group.sums",
-        lambda v: isinstance(v, Mapping) and set(v) == set(_SUMS) and all(_sum(k, x) for k, x in v.items()),
-        f"a dict of finite numbers with keys {_SUMS} (`weighted_loss` may be NaN or inf: a loss may be)",
+        _sums,
+        f"a dict of finite numbers with keys {_SUMS} (`weighted_loss` may be NaN or inf: a loss may be; the"
+        " documents' keys are absent from an entry written before they were counted)",
     ),
     *(
         Field(f"open_group.sums.{name}", lambda v: float(v).is_integer() and 0 <= v < _LARGEST_COUNT, _WHOLE)
@@ -187,7 +201,7 @@ FIELDS: tuple[Field, ...] = (
     ),
     *(
         Field(f"open_group.sums.{name}", lambda v: v < COUNT_SPLIT, f"below {COUNT_SPLIT} (the low part of a count)")
-        for name in ("tokens_lo", "samples_lo")
+        for name in ("tokens_lo", "samples_lo", "documents_lo")
     ),
     Field("open_group.gradients_stored", lambda v: v in ("inline", "distributed"), "'inline' or 'distributed'"),
     Field("open_group.gradient_names", _names, "a list of parameter names"),
@@ -315,12 +329,12 @@ def _no_negative_count(state: Mapping[str, Any]) -> Finding | None:
 
 
 def _units_are_the_unit(state: Mapping[str, Any]) -> Finding | None:
-    """Under token (sample) weighting a group's weight is its tokens (samples)."""
+    """Under token (sample, document) weighting a group's weight is its tokens (samples, documents)."""
     group, unit = _carried(state), state["ledger"]["normalization"]
-    if group is None or unit not in ("tokens", "samples"):
+    if group is None or unit not in ("tokens", "samples", "documents"):
         return None
     sums = group["sums"]
-    count = sums[f"{unit}_hi"] * COUNT_SPLIT + sums[f"{unit}_lo"]
+    count = sums.get(f"{unit}_hi", 0) * COUNT_SPLIT + sums.get(f"{unit}_lo", 0)
     if sums["units"] == count:
         return None
     return (

@@ -4,8 +4,9 @@ Lightning's ``self.log("val_loss", loss, sync_dist=True)`` averages per-batch me
 the replicas' means: the same model on the same set reads differently on one process and on two, and a set whose
 batches hold different numbers of supervised tokens is weighted wrongly. When ``validation_step`` (or ``test_step``)
 returns the training contract, ``{"loss": mean, "num_tokens": n}`` (or a loss whose counts come from the strategy's
-``count_tokens``, or a loss weighted by samples), the strategy keeps ``Σ w·loss`` and ``Σ w`` over the whole
-evaluation and logs their ratio once at its end:
+``count_tokens``, a loss weighted by samples, or :func:`~lightning_accum.document_mean_loss`'s mean over documents
+with its ``num_documents``), the strategy keeps ``Σ w·loss`` and ``Σ w`` over the whole evaluation and logs their ratio
+once at its end:
 
 ================================= ======================================================================
 key                               value
@@ -68,7 +69,7 @@ from lightning_accum.evaluation_loss import (
     perplexity_of,
 )
 from lightning_accum.group import UNIT_CODES
-from lightning_accum.microbatch import as_count, parse_step_output
+from lightning_accum.microbatch import as_count, parse_step_output, reported_documents
 from lightning_accum.patching import InstancePatch
 from lightning_accum.strategies.adapter import EngineAdapter
 
@@ -189,14 +190,17 @@ class ExactEvaluation:
                 self._break(run, f"returns {what}")
             return
         loss, tokens, samples = read
+        counts = {"tokens": tokens, "samples": samples, "documents": reported_documents(output)}
         if run.unit is None:
             reported = isinstance(output, Mapping) and output.get("num_samples") is not None
-            unit = evaluation_unit(engine, tokens is not None, samples is not None, reported)
+            unit = evaluation_unit(
+                engine, tokens is not None, samples is not None, reported, counts["documents"] is not None
+            )
             run.unit = unit
-            run.why = _missing_count(unit, tokens, samples, run.stage, engine.normalize)
+            run.why = _missing_count(unit, counts, run.stage, engine.normalize)
             if run.why is not None:
                 return
-        value = tokens if run.unit == "tokens" else samples if run.unit == "samples" else 1
+        value = counts.get(run.unit, 1)
         if value is None:  # raised on every rank at the loop's end, so that no rank waits for one that stopped
             run.error = (
                 f"`{_STEP_NAMES[run.stage]}` reported a loss and its {run.unit} for its first batch but not for batch"
@@ -409,17 +413,24 @@ def _not_the_contract(stage: str, what: str | None) -> str:
     )
 
 
-def _missing_count(unit: str, tokens: object, samples: object, stage: str, normalize: str) -> str | None:
-    """Why a step that returns a loss logs no exact loss (``None``: it does)."""
+def _missing_count(unit: str, counts: Mapping[str, object], stage: str, normalize: str) -> str | None:
+    """Why a step that returns a loss logs no exact loss (``None``: it does); ``counts``: what it reported by unit."""
     step, key = _STEP_NAMES[stage], EVALUATION_KEYS[stage][0]
-    if unit == "tokens" and tokens is None:
+    if unit == "tokens" and counts["tokens"] is None:
         return (
             f"`{step}` returns a loss without a token count while the run weights by tokens"
             f" (`normalize={normalize!r}`), so `{key}` is not logged. Return `{{'loss': loss, 'num_tokens': n}}`"
             f" from `{step}` (e.g. `n = lightning_accum.supervised_tokens(labels)`), or pass `count_tokens=` to the"
             " strategy."
         )
-    if unit == "samples" and samples is None:
+    if unit == "documents" and counts["documents"] is None:
+        return (
+            f"`{step}` returns a loss without a document count while the run weights by documents"
+            f" (`normalize={normalize!r}`), so `{key}` is not logged. Return"
+            f" `lightning_accum.document_mean_loss(logits, labels, position_ids=...)` from `{step}`, as from"
+            " `training_step`."
+        )
+    if unit == "samples" and counts["samples"] is None:
         return (
             f"`{step}` returns a loss but the number of samples of its batch cannot be inferred, so `{key}` is not"
             f" logged. Return `{{'loss': loss, 'num_samples': n}}` from `{step}`."

@@ -115,6 +115,7 @@ class _Part:
     weight: Count
     tokens: Any
     samples: Any
+    documents: Any = None
 
 
 class _OutOfMemory(Exception):  # internal: a slice ran out of memory (the original error is chained)
@@ -273,7 +274,13 @@ class BatchSlicer:
         loss = microbatch.loss.detach() if microbatch.loss is not None else None
         weight = engine.last_weight if loss is not None else 0
         self._parts.append(
-            _Part(loss, weight, microbatch.tokens, microbatch.samples if microbatch.reports_samples else None)
+            _Part(
+                loss,
+                weight,
+                microbatch.tokens,
+                microbatch.samples if microbatch.reports_samples else None,
+                microbatch.documents,
+            )
         )
 
     def _local_slice(
@@ -524,7 +531,7 @@ def combined_output(parts: list[_Part], output: Any) -> Any:
         return combined
     result = dict(output)
     result["loss"] = combined
-    for key, attribute in (("num_tokens", "tokens"), ("num_samples", "samples")):
+    for key, attribute in (("num_tokens", "tokens"), ("num_samples", "samples"), ("num_documents", "documents")):
         values = [getattr(p, attribute) for p in parts]
         if output.get(key) is not None and all(v is not None for v in values):
             result[key] = sum(values)

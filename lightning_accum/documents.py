@@ -1,0 +1,174 @@
+"""Documents inside packed rows: the mean over documents of each document's mean token loss.
+
+SFT and RL pipelines pack several documents into one row (Hugging Face's ``DataCollatorWithFlattening``,
+flash-attention's variable-length packing). Token weighting gives every supervised token the same weight, so a long
+document counts more than a short one. The other common objective is the mean over documents of each document's mean
+token loss (verl's "seq-mean-token-mean"): every document counts once, whatever its length. A micro-batch's rows are
+not its documents, so neither a per-row mean nor token weighting gives it; :func:`document_mean_loss` returns the
+training-step contract that does::
+
+    return lightning_accum.document_mean_loss(logits, batch["labels"], position_ids=batch["position_ids"])
+    # {"loss": mean over the micro-batch's documents of each document's mean, "num_documents": d, "num_tokens": n}
+
+Weighted by ``num_documents`` (``normalize="auto"`` picks documents when a step reports them), every update is the
+mean over all documents of its group, on every replica, of each document's mean supervised-token loss: exact across
+``m``, ``A`` and ``D``, as token weighting is for tokens.
+
+Where a document starts: where ``position_ids`` is 0, or where ``document_ids`` changes, and at the start of every
+row. So equal ids in two rows are two documents, and a document cut across two rows counts as two documents (each
+part is averaged on its own): pack whole documents into rows for the exact per-document mean. A document without a
+supervised token (padding, a prompt whose labels are all ignored) does not count.
+
+With ``shift=True`` (causal language models) the label at position ``t + 1`` is predicted at position ``t``, and a
+supervised position belongs to the document of its *label*. The function follows the labels, as the model's own loss
+does: it never drops or adds a supervised token, so ``num_tokens`` is :func:`~lightning_accum.supervised_tokens`'s
+count. A prediction across a document boundary (the last token of one document predicting the first label of the
+next) is therefore trained only if the labels ask for it. ``DataCollatorWithFlattening`` sets the label of every
+document's first token to -100, so none is; a packer of your own should do the same.
+
+Nothing is read on the host: one cross-entropy over every position (``reduction="none"``; half-precision logits in
+float32), the supervised tokens counted per document with an integer ``index_add_`` on the device, and one weighted
+sum. No Python loop over documents.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_accum.tokens import check_labels
+
+__all__ = ["document_mean_loss", "document_starts"]
+
+
+def _check_ids(name: str, ids: object, labels: Tensor) -> Tensor:
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"`{name}` must be a tensor of the labels' shape, got {type(ids).__name__}.")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(
+            f"`{name}` must hold integers, got dtype {ids.dtype}. Pass the batch's `{name}` as the collator made them."
+        )
+    if ids.shape != labels.shape:
+        raise ValueError(
+            f"`{name}` must have the labels' shape {tuple(labels.shape)} (one id per label position), got"
+            f" {tuple(ids.shape)}. Pass the `{name}` of the same batch as the labels, unshifted."
+        )
+    return ids.to(labels.device, non_blocking=True)
+
+
+def document_starts(labels: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+    """A boolean tensor of the labels' shape: ``True`` where a document starts.
+
+    A document starts at every row start, where ``position_ids`` is 0 (packing that restarts positions per document),
+    or where ``document_ids`` differs from the previous position's. Without either, each row is one document.
+
+    Example:
+        >>> document_starts(torch.zeros(1, 5, dtype=torch.long), position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
+        tensor([[ True, False, False,  True, False]])
+        >>> document_starts(torch.zeros(2, 3, dtype=torch.long), document_ids=torch.tensor([[7, 7, 8], [8, 8, 8]]))
+        tensor([[ True, False,  True],
+                [ True, False, False]])
+    """
+    if position_ids is not None and document_ids is not None:
+        raise ValueError(
+            "Pass `position_ids` or `document_ids`, not both: each delimits the documents by itself (positions"
+            " restarting at 0, or a change of id). Keep the one your collator produces."
+        )
+    if position_ids is not None:
+        starts = _check_ids("position_ids", position_ids, labels) == 0
+    else:
+        starts = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+        if document_ids is not None:
+            ids = _check_ids("document_ids", document_ids, labels)
+            starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    starts[..., :1] = True
+    return starts
+
+
+def document_mean_loss(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    position_ids: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    shift: bool = True,
+    ignore_index: int = -100,
+) -> dict[str, Tensor]:
+    """The training-step contract whose update is the mean over documents of each document's mean token loss.
+
+    Returned from ``training_step`` (or ``strategy.accumulate(**out)`` in a manual or Fabric loop), every update is the
+    mean over the group's documents on every replica of each one's mean token loss (see the module docstring).
+
+    Args:
+        logits: ``(..., T, V)``: the labels' shape and the vocabulary.
+        labels: ``(..., T)`` integer label ids; ``ignore_index`` marks positions without a label.
+        position_ids: ``(..., T)``, restarting at 0 for every document (Hugging Face's ``DataCollatorWithFlattening``,
+            flash-attention's packing).
+        document_ids: ``(..., T)``, an id per position; a change of id starts a document. Not with ``position_ids``.
+        shift: As for :func:`~lightning_accum.supervised_tokens`: ``True`` compares ``logits[..., :-1, :]`` with
+            ``labels[..., 1:]`` (causal language models); ``False`` takes labels already aligned with the logits.
+        ignore_index: The label value that is not supervised.
+
+    Returns:
+        ``{"loss": ..., "num_documents": ..., "num_tokens": ...}``: the mean over the micro-batch's documents of each
+        document's mean token loss (0 with a zero gradient when no document has a supervised token), the documents
+        with at least one supervised token and the supervised tokens, as 0-d int64 tensors on the labels' device.
+
+    Raises:
+        TypeError: ``labels`` (or an id tensor) is not an integer tensor.
+        ValueError: The shapes do not match, or both ``position_ids`` and ``document_ids`` are given.
+
+    Example:
+        One row of two packed documents (``DataCollatorWithFlattening``'s layout: each one's first label is -100):
+
+        >>> import torch.nn.functional as F
+        >>> logits = torch.randn(1, 6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> labels = torch.tensor([[-100, 1, 2, -100, 3, 4]])
+        >>> out = document_mean_loss(logits, labels, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+        >>> int(out["num_documents"]), int(out["num_tokens"])
+        (2, 4)
+        >>> token = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="none")
+        >>> bool(torch.isclose(out["loss"], (token[0:2].mean() + token[3:5].mean()) / 2))
+        True
+    """
+    _check_logits(logits, labels)
+    documents = labels.numel()  # at most one document per label position; each one's number, over all rows:
+    document = (torch.cumsum(document_starts(labels, position_ids, document_ids).reshape(-1), 0) - 1).view(labels.shape)
+    if shift:
+        logits, labels, document = logits[..., :-1, :], labels[..., 1:], document[..., 1:]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    targets = labels.reshape(-1)
+    token_loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets, ignore_index=ignore_index, reduction="none"
+    )
+    supervised = targets != ignore_index
+    loss, num_documents = _mean_over_documents(token_loss, supervised, document.reshape(-1), documents)
+    return {"loss": loss, "num_documents": num_documents, "num_tokens": supervised.sum(dtype=torch.int64)}
+
+
+def _mean_over_documents(
+    token_loss: Tensor, supervised: Tensor, document: Tensor, documents: int
+) -> tuple[Tensor, Tensor]:
+    """The mean over documents of each one's mean ``token_loss`` (0 where ignored) over its ``supervised`` positions,
+    and the documents with one; ``document`` numbers each position's document, below ``documents``."""
+    per_document = torch.zeros(documents, dtype=torch.int64, device=document.device)
+    per_document.index_add_(0, document, supervised.to(torch.int64))  # the supervised tokens of each document
+    num_documents = (per_document > 0).sum()
+    # Each supervised token weighs 1 / (its document's tokens): the weighted sum is the sum of the documents' means.
+    weight = supervised.to(token_loss.dtype) / per_document[document].clamp(min=1).to(token_loss.dtype)
+    return (token_loss * weight).sum() / num_documents.clamp(min=1).to(token_loss.dtype), num_documents
+
+
+def _check_logits(logits: object, labels: Tensor) -> None:
+    check_labels(labels)
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        found = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
+        raise TypeError(f"`logits` must be a floating-point tensor of shape (..., T, V), got {found}.")
+    if labels.ndim == 0 or tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(
+            f"`logits` must have the labels' shape and the vocabulary, (..., T, V): labels {tuple(labels.shape)} need"
+            f" logits {(*labels.shape, 'V')}, got {tuple(logits.shape)}. Pass unshifted logits and labels of one"
+            " batch (`shift=` says whether the loss shifts them)."
+        )
