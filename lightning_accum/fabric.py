@@ -173,6 +173,8 @@ class FabricExactAccumulation(Strategy):
                 " group's last micro-batch with synchronisation: `enabled=not last`."
             )
         inner = optimizer.optimizer if is_wrapped(optimizer) else optimizer  # type: ignore[attr-defined]
+        if len(self._optimizers) > 1 and self._core.engine.microbatches_in_group:
+            self._refuse_gradients_of_other_optimizers(inner)
         module = self._modules[0] if self._modules else None
         record = self._core.close_group(inner, module, self.gradient_scaler, group_size)
         self._unsynced = False
@@ -297,6 +299,22 @@ class FabricExactAccumulation(Strategy):
         super().teardown()
 
     # ------------------------------------------------------------------ parts of the hooks
+
+    def _refuse_gradients_of_other_optimizers(self, closed: Optimizer) -> None:
+        """The close rescales ``closed``'s parameters only: a group whose backward also reached another set-up
+        optimizer's parameters would leave those unscaled (``Σ (w / c) · ∇loss``) for that optimizer's step."""
+        mine = {id(p) for group in closed.param_groups for p in group["params"]}
+        for other in self._optimizers:
+            if other is closed:
+                continue
+            if any(p.grad is not None and id(p) not in mine for g in other.param_groups for p in g["params"]):
+                raise RuntimeError(
+                    f"`close_group({type(closed).__name__})`: the group's backward also reached the parameters of"
+                    f" another optimizer ({type(other).__name__}), and the close rescales only the gradients of the one"
+                    " it is given to the group's exact mean: the other's step would apply `Σ (w / c) · ∇loss`. Give"
+                    " the parameters one optimizer (a parameter group each, e.g. for different learning rates), or"
+                    " set the other optimizer's gradients to None (`zero_grad()`) if they belong to another loss."
+                )
 
     def _note_backward_sync(self) -> None:
         """Note when Fabric's ``no_backward_sync`` blocks synchronisation (after Fabric's ``__init__`` set its

@@ -191,3 +191,18 @@ def test_a_group_whose_last_backward_skipped_ddps_sync_is_refused_on_every_repli
     message = fabric.launch(_last_backward_unsynced)
     assert "last backward ran inside `fabric.no_backward_sync(model, enabled=True)`" in message
     assert "`enabled=not last`" in message
+
+
+def test_a_group_that_reached_another_optimizers_parameters_is_refused_at_the_close() -> None:
+    fabric = _fabric()
+    model = TinyNet().to(torch.float64)
+    model = fabric.setup_module(model)
+    embed, _head = fabric.setup_optimizers(
+        torch.optim.SGD(model.embed.parameters(), lr=LR), torch.optim.SGD(model.head.parameters(), lr=LR)
+    )
+    for batch in micro_batches(EXAMPLES[:4], 2):
+        loss, tokens = _loss(model, batch)
+        fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens))
+    # Before: `close_group(embed); embed.step(); head.step()` left the head's gradient unscaled (3.2e-2 in the issue).
+    with pytest.raises(RuntimeError, match=r"also reached the parameters of another optimizer \(SGD\)"):
+        fabric.strategy.close_group(embed)
