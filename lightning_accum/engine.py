@@ -66,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -557,14 +557,12 @@ def _local_close(
         *([read_scale] if read_scale is not None else []),
         *counts,
     ]
-    if items:  # 0-d tensors, stacked in float64 (the first cast: the counts exact below 2^53, the rest as they are)
-        items[0] = items[0].double()
-    read = iter(torch.stack(items).tolist() if items else [])  # the one host read
+    read, exact_below = _read_once(items)
     losses = [next(read) for _ in sums.losses]
     nonfinite = found is not None and next(read) > 0
     read_c = next(read) if read_scale is not None else None
     tokens, samples = (
-        [c if not isinstance(c, Tensor) else _exact(next(read), c) for c in kind]
+        [c if not isinstance(c, Tensor) else _exact(next(read), c, exact_below) for c in kind]
         for kind in (sums.tokens, sums.samples)
     )
     units_of = tokens if unit == "tokens" else samples if unit == "samples" else None
@@ -588,6 +586,17 @@ def _local_close(
     return reduced, nonfinite
 
 
+def _read_once(items: list[Tensor]) -> tuple[Iterator[float], int]:
+    """The values of 0-d tensors in one host read (one stack, in their common dtype: at least float32, float64 where
+    one is), and the count below which every integer is exact in that dtype (2^24 in float32, 2^53 in float64)."""
+    if not items:
+        return iter(()), 2**53
+    if items[0].dtype in (torch.float16, torch.bfloat16):
+        items = [items[0].float(), *items[1:]]
+    stacked = torch.stack(items)
+    return iter(stacked.tolist()), 2**53 if stacked.dtype == torch.float64 else 2**24
+
+
 def _one_replica_factor(scale: float | Tensor, weights: list[Count] | None, losses: int) -> float | Tensor | None:
     """``c / W`` on one replica: a float where ``c`` and the weights are known on the host, else a device scalar
     (float64, as the vector's slots divide); ``None`` where the host knows ``W = 0`` (an empty group, skipped: nothing
@@ -603,10 +612,11 @@ def _one_replica_factor(scale: float | Tensor, weights: list[Count] | None, loss
     return numerator / units
 
 
-def _exact(value: float, count: Tensor) -> int:
-    """A count read as a float64 value, exact: read again as an integer beyond float64's integers (2^53; never seen in
+def _exact(value: float, count: Tensor, below: int = 2**53) -> int:
+    """A count read as a float, exact: read again as an integer from ``below`` on, where the read's dtype has no longer
+    every integer (2^24 in float32, over 16 million units in one micro-batch; 2^53 in float64; neither seen in
     practice)."""
-    return int(value) if abs(value) < 2**53 else int(count.item())
+    return int(value) if abs(value) < below else int(count.item())
 
 
 def weighted_loss(loss: Tensor, weight: Count, group_scale: float | Tensor) -> Tensor:
@@ -621,6 +631,9 @@ def weighted_loss(loss: Tensor, weight: Count, group_scale: float | Tensor) -> T
         loss = loss.float()
     if not isinstance(weight, Tensor) and not isinstance(group_scale, Tensor):
         return loss * (weight / group_scale)  # w / c in float64 on the host, rounded once to the loss's dtype
-    # An integer count is promoted to the loss's dtype inside the product (as `w.to(loss.dtype)`, one kernel less).
     c = group_scale.to(device=loss.device, dtype=loss.dtype) if isinstance(group_scale, Tensor) else group_scale
-    return loss * weight / c
+    if isinstance(weight, Tensor) and isinstance(c, Tensor):
+        # w / c in the loss's dtype (the integer count promoted inside the division), outside the graph: the backward
+        # holds one product, as Lightning's holds one division.
+        return loss * (weight / c)
+    return loss * weight / c  # an integer count is promoted to the loss's dtype inside the product

@@ -686,7 +686,7 @@ def test_the_one_replica_close_gives_the_general_closes_group_bit_for_bit(
 def test_a_one_replica_group_closes_in_a_few_tensor_operations() -> None:
     # The machine-independent price of a group of 8 micro-batches with token counts on the device: per micro-batch
     # the detached loss and `loss · w / c` (its first also forms c = A · max(w, M) and its cast); at the close
-    # W, c / W, the check-and-rescale and one stack for the host read (the vector took 34).
+    # W, c / W, the check-and-rescale and one stack for the host read: 7 (the vector took 34).
     engine = AccumulationEngine(normalize="tokens")
     weight = torch.ones(4, requires_grad=True)
     for _ in range(2):
@@ -703,21 +703,24 @@ def test_a_one_replica_group_closes_in_a_few_tensor_operations() -> None:
         with HostReadProbe() as close:
             outcome = engine.close_group(accumulate=8, gradients=[weight.grad], check_gradients=True)
         assert len(close.hits) == 1 and "tolist" in close.hits[0]
-        assert close.package_ops <= 9, close.package_ops
+        assert close.package_ops <= 7, close.package_ops
         assert outcome.action == "apply" and outcome.record.tokens == sum(range(3, 11))
         engine.finish_group(outcome, applied=True)
         weight.grad = None
 
 
-def test_a_sole_micro_batch_closes_in_four_tensor_operations() -> None:
-    # A = 1 on one replica: the check (its flag and GradScaler's kernel with a factor of 1 kept for the run), the
-    # loss's cast and one stack for the host read; nothing is multiplied.
+def test_a_sole_micro_batch_closes_in_three_tensor_operations() -> None:
+    # A = 1 on one replica: the check (its flag and GradScaler's kernel with a factor of 1 kept for the run) and one
+    # stack for the host read (float32: the count is exact below 2^24); nothing is multiplied.
     engine = AccumulationEngine(normalize="tokens")
     weight = torch.ones(4, requires_grad=True)
-    for _ in range(2):
+    ops = []
+    for _ in range(3):
         engine.add_microbatch({"loss": weight.sum(), "num_tokens": torch.tensor(5)}, None, 1, sole=True).backward()
         assert weight.grad is not None
         with HostReadProbe() as close:
             engine.finish_group(engine.close_group(1, gradients=[weight.grad], check_gradients=True), applied=True)
-        assert close.package_ops == 4 and len(close.hits) == 1, close.package_ops
+        assert len(close.hits) == 1
+        ops.append(close.package_ops)
         weight.grad = None
+    assert ops[1:] == [3, 3] and ops[0] <= 4, ops  # the factor of 1 is formed once per device, at the first check
