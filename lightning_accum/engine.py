@@ -51,10 +51,11 @@ Everything the engine forms for the backward keeps the loss's dtype (half-precis
 ``loss · w / c`` of a float64 loss is exact to float64 rounding.
 
 All per-micro-batch work stays on the device: counts that arrive as tensors are kept as tensors and checked
-(sign, agreement between replicas) only at the close. The close forms a small float64 vector
+(sign, agreement between replicas) only at the close. On several replicas the close forms a small float64 vector
 (:meth:`GroupSums.local_vector <lightning_accum.group.GroupSums.local_vector>`), sums it over the replicas (one
-all-reduce; nothing on one replica), rescales the gradient by ``c · D / W`` taken from that vector on the device, with
-the NaN/Inf check in the same pass, and reads the vector and the check's flag in one host read.
+all-reduce), rescales the gradient by ``c · D / W`` taken from that vector on the device, with the NaN/Inf check in the
+same pass, and reads the vector and the check's flag in one host read. On one replica there is nothing to sum: the
+gradient is rescaled by ``c / W`` and the values are read as reported, in one host read (:func:`_local_close`).
 
 The engine imports nothing from Lightning: the strategies bind it to their replicas (:meth:`AccumulationEngine.bind`)
 and route its messages (:attr:`AccumulationEngine.info`, :attr:`AccumulationEngine.warn`) to rank zero.
@@ -65,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,11 @@ class Replicas:
     size: int = 1
     reduce_sum: ReduceSum | None = None
     check_sum: ReduceSum | None = None
+
+    @property
+    def alone(self) -> bool:
+        """Whether a group is neither summed over replicas nor checked over shards (one device)."""
+        return (self.reduce_sum is None or self.size == 1) and self.check_sum is None
 
     def sum_(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over the replicas, in place (nothing to do on one)."""
@@ -185,6 +191,7 @@ class AccumulationEngine:
         self.device = torch.device("cpu")
         self.replicas = Replicas()
         self._group_scale: float | Tensor | None = None
+        self._cast_scale: tuple[Tensor, Tensor] | None = None  # c as a tensor, and in the loss's dtype (`_divisor`)
         self._sums = GroupSums()
         self._pending_backward: Tensor | None = None
         #: The weight ``w`` of the micro-batch recorded last (its units; 1 for "batches").
@@ -259,8 +266,8 @@ class AccumulationEngine:
         """Read one micro-batch's ``training_step`` output and record it: :meth:`record` of :meth:`read`.
 
         Args:
-            output: What ``training_step`` returned: a loss tensor, a mapping with ``"loss"`` and
-                optionally ``"num_tokens"`` / ``"num_samples"``, or ``None``.
+            output: What ``training_step`` returned: a loss tensor, a mapping with ``"loss"`` and optionally
+                ``"num_tokens"`` / ``"num_samples"``, or ``None``.
             batch: The micro-batch (used for ``count_tokens`` and to infer the number of samples).
             accumulate, continues, sole: See :meth:`record`.
         """
@@ -275,12 +282,11 @@ class AccumulationEngine:
             microbatch: The micro-batch as :meth:`read` gave it.
             accumulate: ``A``, the configured number of micro-batches per group.
             continues: The micro-batch is a further slice of the one recorded last (``microbatch_size=``): it is
-                weighted like any micro-batch (exact: a slice's weight is its own units), but the group's
-                micro-batch count does not grow. :meth:`retract_microbatch` forgets the last call.
+                weighted like any micro-batch (exact: a slice's weight is its own units), but the group's micro-batch
+                count does not grow. :meth:`retract_microbatch` forgets the last call.
             sole: The caller knows that this micro-batch is its group's only one (automatic optimization with
                 ``A = 1``, the batch not cut into slices). On one replica, with an empty open group, ``c = w``: the
-                loss itself is returned and the close's factor is exactly 1 (see the module docstring); ignored
-                otherwise.
+                loss itself is returned and the close's factor is exactly 1 (see the module docstring); else ignored.
 
         Returns:
             ``loss · w / c`` (the loss itself for a sole micro-batch), or ``None`` when the step returned no loss.
@@ -306,22 +312,27 @@ class AccumulationEngine:
         weight = unit_weight(unit, self.options.normalize, tokens, samples, documents)
         self.last_weight = weight
         sums.add(microbatch, continues)
-        if sole and not continues and sums.microbatches == 1 and self._one_replica() and sums.carried_nothing:
+        if sole and not continues and sums.microbatches == 1 and self.replicas.alone and sums.carried_nothing:
             # c = w: the loss itself is back-propagated, and the close's factor c · D / W is exactly 1.
             sums.sole = True
             self._group_scale = weight if isinstance(weight, Tensor) else float(weight)
             self._pending_backward = loss
             return loss
-        if self._group_scale is None:
-            self._group_scale = self._first_group_scale(weight, accumulate, loss.device)
-        backward = weighted_loss(loss, weight, self._group_scale)
+        scale = self._group_scale
+        if scale is None:
+            scale = self._group_scale = self._first_group_scale(weight, accumulate, loss.device)
+        backward = weighted_loss(loss, weight, self._divisor(scale, loss))
         self._pending_backward = backward
         return backward
 
-    def _one_replica(self) -> bool:
-        """Whether the group is neither summed over replicas nor checked over shards (one device)."""
-        replicas = self.replicas
-        return (replicas.reduce_sum is None or replicas.size == 1) and replicas.check_sum is None
+    def _divisor(self, scale: float | Tensor, loss: Tensor) -> float | Tensor:
+        """``c`` as :func:`weighted_loss` divides by it: a device scalar cast once per group to the loss's dtype."""
+        if not isinstance(scale, Tensor):
+            return scale
+        cast, dtype = self._cast_scale, torch.float32 if loss.dtype in (torch.float16, torch.bfloat16) else loss.dtype
+        if cast is None or cast[0] is not scale or cast[1].dtype != dtype:
+            cast = self._cast_scale = (scale, scale.to(device=loss.device, dtype=dtype))
+        return cast[1]
 
     def retract_microbatch(self) -> None:
         """Forget the micro-batch (or slice) :meth:`add_microbatch` recorded last, whose backward did not complete
@@ -406,14 +417,15 @@ class AccumulationEngine:
 
         Raises:
             ValueError: A reported count was negative (on every replica alike, so none of them hangs).
-            RuntimeError: Replicas disagree on the number of micro-batches or on the unit; or the gradient
-                is non-finite under ``on_nonfinite="raise"``.
+            RuntimeError: Replicas disagree on the number of micro-batches or on the unit; or the gradient is non-finite
+                under ``on_nonfinite="raise"``.
         """
         sums, unit = self._sums, self.ledger.normalization
-        if sums.sole:  # one micro-batch on one replica, c = w: its own short close (see `_sole_close`)
-            reduced, nonfinite = _sole_close(sums, unit, ends_epoch, gradients, check_gradients)
+        scale = self._group_scale if self._group_scale is not None else accumulate * (self.reference_weight or 1.0)
+        if self.replicas.alone and sums.carried_nothing:  # nothing to sum: the values read as they are
+            reduced, nonfinite = _local_close(sums, unit, ends_epoch, scale, gradients, check_gradients)
         else:
-            reduced, nonfinite = self._reduce(sums, unit, accumulate, ends_epoch, gradients, check_gradients)
+            reduced, nonfinite = self._reduce(sums, unit, ends_epoch, scale, gradients, check_gradients)
         # The next group opens (whatever the decision raises); M is raised by the closed one.
         self._sums, self._group_scale = GroupSums(), None
         self.reference_weight = raised_reference(self.reference_weight, reduced)
@@ -424,7 +436,7 @@ class AccumulationEngine:
         )
 
     def _reduce(
-        self, sums: GroupSums, unit: str | None, accumulate: int, ends_epoch: bool, gradients: Any, check: bool
+        self, sums: GroupSums, unit: str | None, ends_epoch: bool, scale: float | Tensor, gradients: Any, check: bool
     ) -> tuple[ReducedGroup, bool]:
         """The general close: the vector, its sum over the replicas, the rescale with its check, one host read."""
         extra = {
@@ -432,7 +444,6 @@ class AccumulationEngine:
             Slot.UNIT_CODE: UNIT_CODES.get(unit or "", 0.0),
             Slot.LAST: 1.0 if ends_epoch else 0.0,
         }
-        scale = self._group_scale if self._group_scale is not None else accumulate * (self.reference_weight or 1.0)
         vector = self.replicas.sum_(sums.local_vector(self.device, unit, extra, scale))
         found: Tensor | None = None
         if gradients:
@@ -441,7 +452,7 @@ class AccumulationEngine:
             if found is not None and self.replicas.check_sum is not None:
                 # Sharded gradients: each rank checked its own shard; every rank must take the same decision.
                 found = self.replicas.check_sum(found)
-        values = (torch.cat((vector, found.to(vector.device))) if found is not None else vector).tolist()  # one read
+        values = (torch.cat((vector, found.to(vector.device).reshape(1))) if found is not None else vector).tolist()
         return ReducedGroup.from_values(values), any(flag > 0 for flag in values[VECTOR_SIZE:])
 
     def schedule_due(self, record: GroupRecord, frequency: int = 1) -> bool:
@@ -520,58 +531,99 @@ class AccumulationEngine:
         self.decisions.consecutive_skips = int(state.get("consecutive_skips", 0))
 
 
-def _sole_close(
+def _local_close(
     sums: GroupSums,
     unit: str | None,
     ends_epoch: bool,
+    scale: float | Tensor,
     gradients: Sequence[Tensor] | GradientsByKind | None,
     check: bool,
 ) -> tuple[ReducedGroup, bool]:
-    """:meth:`AccumulationEngine.close_group` of a group of one micro-batch on one replica (``c = w``, see
-    :meth:`AccumulationEngine.record`): the group's reduced values and whether its gradient is non-finite.
+    """:meth:`AccumulationEngine.close_group` on one replica, of a group holding nothing from a checkpoint: its reduced
+    values and whether its gradient is non-finite. Nothing is summed over replicas, so no vector is formed: the gradient
+    is rescaled by ``c / W`` (:func:`_one_replica_factor`), the losses, the check's flag, ``c`` and the counts reported
+    as tensors are read as they are, in one host read, and the group's values formed on the host (counts as ints,
+    exact; ``Σ w·loss`` in float64). A group of one micro-batch recorded as its only one (``sole``, ``c = w``) has the
+    factor ``w / w``, exactly 1: its gradient is only checked.
 
-    The factor ``c · D / W = w / w`` is exactly 1 and there is nothing to sum, so the gradient is only checked (where a
-    check runs) and the loss, the check's flag and the counts reported as tensors are read in one host read; the
-    group's values are formed on the host as the general close forms them (``Σ w·loss`` is the one product
-    ``w · loss``, rounded as the device rounds it).
-
-    The one specialised path of the close, kept for its measured cost: the general close costs the small GPT's
-    update at ``A = 1`` 4.7 % end to end (B/A 1.062 against 1.015; ``benchmarks/RESULTS.md``, issue #28), 0.3 %
-    at ``A = 8``, where every group takes it.
+    The one specialised path of the close, kept for its measured cost (the small GPT of ``benchmarks/run.py``,
+    attributed thread time, 3 repetitions on a loaded 2-core machine): at ``A = 8`` the close took 0.70 % of the update
+    through the vector (34 tensor operations), 0.41 % this way (8); at ``A = 1`` the vector would cost 4.7 % end to end
+    (``benchmarks/RESULTS.md``, issue #28).
     """
-    found = rescale_gradients(gradients, 1.0, check=True) if gradients and check else None
+    by_unit = {"tokens": sums.tokens, "samples": sums.samples, "documents": sums.documents}
+    weights = by_unit.get(unit or "")
+    factor = 1.0 if sums.sole else _one_replica_factor(scale, weights, len(sums.losses))
+    found = rescale_gradients(gradients, factor, check) if gradients and factor is not None else None
+    read_scale = scale if isinstance(scale, Tensor) and not sums.sole else None  # a sole c = w is read as a count
     counts = [c for c in (*sums.tokens, *sums.samples, *sums.documents) if isinstance(c, Tensor)]
-    # One concatenation, promoted to float64 by the counts (exact below 2^53); the loss and the flag as they are.
-    items = [sums.losses[0].reshape(1), *([found] if found is not None else [])]
-    items += [count.reshape(1).to(torch.float64) for count in counts]
-    values = torch.cat(items).tolist()  # the one host read
-    flags, read_counts = values[1 : len(values) - len(counts)], iter(values[len(values) - len(counts) :])
+    items = [
+        *sums.losses,
+        *([found] if found is not None else []),
+        *([read_scale] if read_scale is not None else []),
+        *counts,
+    ]
+    read, exact_below = _read_once(items)
+    losses = [next(read) for _ in sums.losses]
+    nonfinite = found is not None and next(read) > 0
+    read_c = next(read) if read_scale is not None else None
     tokens, samples, documents = (
-        [c if not isinstance(c, Tensor) else _exact(next(read_counts), c) for c in kind]
+        [c if not isinstance(c, Tensor) else _exact(next(read), c, exact_below) for c in kind]
         for kind in (sums.tokens, sums.samples, sums.documents)
     )
-    by_unit = {"tokens": tokens, "samples": samples, "documents": documents}
-    weight = float(by_unit[unit][0]) if unit in by_unit else 1.0
+    units_of = {"tokens": tokens, "samples": samples, "documents": documents}.get(unit or "")
+    if units_of is None:  # every micro-batch with a loss weighs 1
+        units, weighted = float(len(losses)), float(sum(losses))
+    else:  # an empty micro-batch's NaN mean is left out
+        units = float(sum(units_of))
+        weighted = float(sum(w * loss for w, loss in zip(units_of, losses, strict=True) if w > 0))
     reduced = ReducedGroup(
-        units=weight,
-        weighted_loss=weight * values[0] if weight > 0 else 0.0,  # an empty micro-batch's NaN mean is left out
+        units=units,
+        weighted_loss=weighted,
         tokens=sum(tokens),
         samples=sum(samples),
-        negative=sum(int(c) < 0 for c in (*tokens, *samples, *documents)),
-        group_scale_times_d=weight,  # c = w
-        microbatches=1,
+        negative=sum(c < 0 for c in (*tokens, *samples, *documents)),
+        group_scale_times_d=units if sums.sole else read_c if read_c is not None else float(scale),  # c; D = 1
+        microbatches=sums.microbatches,
         unit_code=UNIT_CODES.get(unit or "", 0.0),
         ended=int(ends_epoch),
-        excess=sum(p is not None and int(c) > p for c, p in zip(tokens, sums.positions, strict=True)),
+        excess=sum(p is not None and c > p for c, p in zip(tokens, sums.positions, strict=True)),
         documents=sum(documents),
     )
-    return reduced, any(flag > 0 for flag in flags)
+    return reduced, nonfinite
 
 
-def _exact(value: float, count: Tensor) -> int:
-    """A count read as a float64 value, exact: read again as an integer beyond float64's integers (2^53; never seen in
+def _read_once(items: list[Tensor]) -> tuple[Iterator[float], int]:
+    """The values of 0-d tensors in one host read (one stack, in their common dtype: at least float32, float64 where
+    one is), and the count below which every integer is exact in that dtype (2^24 in float32, 2^53 in float64)."""
+    if not items:
+        return iter(()), 2**53
+    if items[0].dtype in (torch.float16, torch.bfloat16):
+        items = [items[0].float(), *items[1:]]
+    stacked = torch.stack(items)
+    return iter(stacked.tolist()), 2**53 if stacked.dtype == torch.float64 else 2**24
+
+
+def _one_replica_factor(scale: float | Tensor, weights: list[Count] | None, losses: int) -> float | Tensor | None:
+    """``c / W`` on one replica: a float where ``c`` and the weights are known on the host, else a device scalar
+    (float64, as the vector's slots divide); ``None`` where the host knows ``W = 0`` (an empty group, skipped: nothing
+    to rescale). ``weights``: the unit's counts, or ``None`` when every micro-batch with a loss weighs 1."""
+    host = losses if weights is None else sum(w for w in weights if not isinstance(w, Tensor))
+    on_device = [w for w in weights if isinstance(w, Tensor)] if weights is not None else []
+    if not on_device:
+        return scale / host if host else None
+    units = torch.stack(on_device).sum()
+    if host:
+        units = units + host
+    numerator = scale if isinstance(scale, Tensor) else torch.full((), scale, dtype=torch.float64, device=units.device)
+    return numerator / units
+
+
+def _exact(value: float, count: Tensor, below: int = 2**53) -> int:
+    """A count read as a float, exact: read again as an integer from ``below`` on, where the read's dtype has no longer
+    every integer (2^24 in float32, over 16 million units in one micro-batch; 2^53 in float64; neither seen in
     practice)."""
-    return int(value) if abs(value) < 2**53 else int(count.item())
+    return int(value) if abs(value) < below else int(count.item())
 
 
 def weighted_loss(loss: Tensor, weight: Count, group_scale: float | Tensor) -> Tensor:
@@ -586,6 +638,9 @@ def weighted_loss(loss: Tensor, weight: Count, group_scale: float | Tensor) -> T
         loss = loss.float()
     if not isinstance(weight, Tensor) and not isinstance(group_scale, Tensor):
         return loss * (weight / group_scale)  # w / c in float64 on the host, rounded once to the loss's dtype
-    w = weight.to(loss.dtype) if isinstance(weight, Tensor) else weight
     c = group_scale.to(device=loss.device, dtype=loss.dtype) if isinstance(group_scale, Tensor) else group_scale
-    return loss * w / c
+    if isinstance(weight, Tensor) and isinstance(c, Tensor):
+        # w / c in the loss's dtype (the integer count promoted inside the division), outside the graph: the backward
+        # holds one product, as Lightning's holds one division.
+        return loss * (weight / c)
+    return loss * weight / c  # an integer count is promoted to the loss's dtype inside the product

@@ -6,6 +6,7 @@ No Lightning here; collectives arrive as a ``reduce_sum(tensor)`` callable.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -55,52 +56,62 @@ def rescale_gradients(
     gradients: Sequence[Tensor] | GradientsByKind, factor: Tensor | float, check: bool
 ) -> Tensor | None:
     """Multiply ``gradients`` in place by ``factor`` (a device scalar, or a float known on the host); with ``check``,
-    also return a tensor whose sum is positive when a gradient held a NaN/Inf before the multiplication (no host
-    read).
+    also return a 0-d tensor that is positive when a gradient held a NaN/Inf before the multiplication (no host read).
 
-    One kernel per device and dtype: GradScaler's fused check-and-multiply
-    (``torch._amp_foreach_non_finite_check_and_unscale_``) for floating-point gradients up to 32 bits (float32
-    arithmetic with the float32 factor, rounded once, as :func:`scale_gradients`), a multiply plus norms for
-    float64. ``gradients`` may come grouped already (a mapping as :func:`by_kind` returns, e.g. from a layout the
-    caller keeps for the run), which saves grouping them on every update. A float ``factor`` is rounded as a device
-    scalar would be (float32 below 64 bits).
+    One pass per device and dtype, GradScaler's fused check-and-multiply
+    (``torch._amp_foreach_non_finite_check_and_unscale_``), whose factor is a float32 scalar: gradients up to 32 bits
+    are multiplied in float32 by the float32 factor, rounded once, as :func:`scale_gradients`. float64 gradients keep
+    their float64 factor: the kernel checks them with the factor 1 (exact: ``x · 1 = x``) and ``_foreach_mul_``
+    multiplies them. A float ``factor`` of exactly 1.0 multiplies nothing (a group of one micro-batch on one replica:
+    ``c · D / W = w / w``): the gradients are only checked, bit for bit as they are. ``gradients`` may come grouped
+    already (a mapping as :func:`by_kind` returns, e.g. from a layout the caller keeps for the run), which saves
+    grouping them on every update. A float ``factor`` is rounded as a device scalar would be (float32 below 64 bits).
 
     Example:
         >>> g = [torch.tensor([1.0, float("nan")])]
         >>> flag = rescale_gradients(g, torch.tensor(2.0), check=True)
-        >>> float(flag.sum()) > 0
+        >>> float(flag) > 0
         True
         >>> g = [torch.tensor([1.0, 3.0])]
         >>> rescale_gradients(g, 0.5, check=False), g[0]
         (None, tensor([0.5000, 1.5000]))
     """
     flags: list[Tensor] = []
+    identity = not isinstance(factor, Tensor) and factor == 1.0
     groups = gradients if isinstance(gradients, Mapping) else by_kind(gradients)
     for (device, dtype), grads in groups.items():
-        if not grads:
+        if not grads or (identity and not check):
+            continue
+        exact = identity or dtype == torch.float64  # the kernel's float32 factor is 1, the gradients unchanged by it
+        if check:
+            flag = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, flag, _one(device) if exact else _float32(factor, device)
+            )
+            flags.append(flag)
+        if identity:
             continue
         if dtype == torch.float64:
-            if check:
-                norms = torch.stack(torch._foreach_norm(grads)).sum()
-                flags.append((~torch.isfinite(norms)).to(torch.float64).reshape(1))
             torch._foreach_mul_(grads, factor.to(device) if isinstance(factor, Tensor) else factor)
-            continue
-        # A float is rounded as a device scalar would be; `torch.full` passes it as a kernel argument (on a GPU no
-        # copy from host memory, which would wait for the work queued before it).
-        factor32 = (
-            factor.to(device, torch.float32)
-            if isinstance(factor, Tensor)
-            else torch.full((), factor, dtype=torch.float32, device=device)
-        )
-        if check:
-            flag = torch.zeros(1, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, factor32)
-            flags.append(flag)
-        else:
-            torch._foreach_mul_(grads, factor32)
+        elif not check:
+            torch._foreach_mul_(grads, _float32(factor, device))
     if not flags:
         return None
-    return flags[0] if len(flags) == 1 else torch.cat([f.to(flags[0].device, torch.float64) for f in flags])
+    return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
+
+
+@functools.cache
+def _one(device: torch.device) -> Tensor:
+    """The float32 factor 1 on ``device``, formed once (the check's factor where nothing is multiplied)."""
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def _float32(factor: Tensor | float, device: torch.device) -> Tensor:
+    """``factor`` as a float32 scalar on ``device``; a float is passed as a kernel argument by ``torch.full`` (on a GPU
+    no copy from host memory, which would wait for the work queued before it)."""
+    if isinstance(factor, Tensor):
+        return factor.to(device, torch.float32)
+    return torch.full((), factor, dtype=torch.float32, device=device)
 
 
 def scaler_skipped(scale_before: float, scale_after: float) -> bool:

@@ -58,10 +58,18 @@ def infer_num_samples(batch: Any) -> int | None:
     if (kind is list or kind is tuple) and batch and all(isinstance(item, Mapping) for item in batch):
         return len(batch)  # a list of samples (a collate function that keeps them apart)
     flat = batch.values() if kind is dict else batch if kind is tuple or kind is list else None
-    if flat is not None:
-        sizes = {value.shape[0] for value in flat if type(value) is Tensor and value.ndim}
-        if all(type(value) is Tensor for value in flat):
-            return sizes.pop() if len(sizes) == 1 else None
+    if flat is not None:  # one loop, no comprehension frames
+        size = None
+        for value in flat:
+            if type(value) is not Tensor:
+                break  # not flat: the walk below
+            if value.ndim:
+                if size is None:
+                    size = value.shape[0]
+                elif value.shape[0] != size:
+                    return None
+        else:
+            return size
     sizes = set()
     pending = [batch]
     while pending:  # iterative, for nested batches
@@ -223,27 +231,26 @@ def read_microbatch(
         >>> float(mb.loss), mb.tokens, mb.samples, mb.size, mb.label_positions
         (2.0, 5, 3, 3, 12)
     """
-    reports_samples = isinstance(output, Mapping) and output.get("num_samples") is not None
-    if num_samples is not None and not reports_samples:
-        loss, tokens, _ = parse_step_output(output, batch, count_tokens, infer_samples=False)
-        samples: object = num_samples
-    else:
-        loss, tokens, samples = parse_step_output(output, batch, count_tokens)
+    loss, tokens, reported = parse_step_output(output, batch, count_tokens, infer_samples=False)
     if loss is None:
-        size = num_samples if num_samples is not None else infer_num_samples(batch)
-        return Microbatch(None, size=size, batch=batch)
+        return Microbatch(None, size=num_samples if num_samples is not None else infer_num_samples(batch), batch=batch)
     device = loss.device
     tokens_c = as_count("num_tokens", tokens, device) if tokens is not None else None
-    samples_c: Count | None = None
-    if type(samples) is int and samples >= 0:  # the common inferred case needs no checks
-        samples_c = samples
-    elif samples is not None:
-        samples_c = as_count("num_samples", samples, device)
-    size = samples_c if type(samples_c) is int else num_samples if num_samples is not None else None
-    if size is None:  # reported as a tensor (read at the close, not here): the batch's shapes tell the host
-        size = infer_num_samples(batch)
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    positions = labels.numel() if tokens_c is not None and isinstance(labels, Tensor) else None
+    samples_c: Count | None
+    size: int | None
+    if reported is None:  # given by the caller (a slice), else the batch's shapes: a host int, or None
+        samples_c = size = num_samples if num_samples is not None else infer_num_samples(batch)
+    else:
+        samples_c = as_count("num_samples", reported, device)
+        if isinstance(samples_c, int):
+            size = samples_c
+        else:  # a tensor, read at the close: the host's size comes from the caller or the batch's shapes
+            size = num_samples if num_samples is not None else infer_num_samples(batch)
+    positions = None
+    if tokens_c is not None and (type(batch) is dict or isinstance(batch, Mapping)):
+        labels = batch.get("labels")
+        positions = labels.numel() if isinstance(labels, Tensor) else None
+    reports_samples = reported is not None
     documents = reported_documents(output)
     documents_c = as_count("num_documents", documents, device) if documents is not None else None
     return Microbatch(loss, tokens_c, samples_c, size, reports_samples, positions, batch, documents_c)

@@ -626,3 +626,105 @@ def test_a_sole_micro_batch_stays_alone_and_closes_exactly_with_another_accumula
     outcome = engine.close_group(accumulate=4, gradients=[weight.grad])
     assert outcome.action == "apply" and engine.ledger.partial_groups == 1
     assert torch.allclose(weight.grad, x) and outcome.record.tokens == 3
+
+
+# ---------------------------------------------------------------------------- the one-replica close
+
+# Groups of three micro-batches as (loss scale, count, key) reports: token counts on the device (an empty micro-batch
+# with its NaN mean, a count beyond float32's integers), as ints, mixed; samples; batches; a non-finite gradient.
+_GROUPS = [
+    ("tokens", [(1.0, torch.tensor(37), "num_tokens"), (float("nan"), torch.tensor(0), "num_tokens"),
+                (0.5, torch.tensor(2**40 + 3), "num_tokens")]),
+    ("tokens", [(1.0, 37, "num_tokens"), (2.0, 5, "num_tokens"), (float("nan"), 0, "num_tokens")]),
+    ("tokens", [(1.0, 4, "num_tokens"), (2.0, torch.tensor(9), "num_tokens"), (3.0, 2, "num_tokens")]),
+    ("samples", [(1.0, torch.tensor(4), "num_samples"), (3.0, 2, "num_samples"), (2.0, None, "")]),
+    ("batches", [(1.0, None, ""), (2.0, None, ""), (0.5, None, "")]),
+    ("batches", [(1.0, None, ""), (float("inf"), None, ""), (0.5, None, "")]),
+]  # fmt: skip
+
+
+def _closed_groups(normalize: str, reports: list[tuple[float, object, str]], dtype: torch.dtype, vector: bool) -> list:
+    """Two groups of ``reports`` closed on one replica, by the one-replica close or (``vector``) by the general close
+    (a mesh check that sums nothing routes it there): (action, factor, record, M, gradient) per group."""
+    engine = AccumulationEngine(normalize=normalize)
+    if vector:
+        engine.bind(replicas=Replicas(1, check_sum=lambda t: t))
+    torch.manual_seed(3)
+    weight = torch.randn(5, dtype=dtype, requires_grad=True)
+    x = torch.randn(5, dtype=dtype)
+    closed = []
+    for _ in range(2):  # the first group's c is a device scalar where counts are, the second's follows M too
+        for scale, count, key in reports:
+            output = {"loss": (weight * x).sum() * scale, **({key: count} if key else {})}
+            tensor = engine.add_microbatch(output, torch.zeros(3, 2), accumulate=len(reports))
+            assert tensor is not None
+            tensor.backward()
+        assert weight.grad is not None
+        outcome = engine.close_group(accumulate=len(reports), gradients=[weight.grad], check_gradients=True)
+        engine.finish_group(outcome, applied=outcome.action == "apply")
+        closed.append((outcome.action, outcome.factor, outcome.record, engine.reference_weight, weight.grad.clone()))
+        weight.grad = None
+    return closed
+
+
+@pytest.mark.filterwarnings("ignore:lightning_accum. (update .* is skipped|skipped update)")  # empty, non-finite
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("normalize", "reports"), _GROUPS)
+def test_the_one_replica_close_gives_the_general_closes_group_bit_for_bit(
+    normalize: str, reports: list[tuple[float, object, str]], dtype: torch.dtype
+) -> None:
+    # One replica reads the reported values as they are and forms the group's sums on the host; the general close forms
+    # the vector on the device. Same decision, record (counts exact beyond 2^24, the NaN mean left out), factor, M and
+    # rescaled gradient.
+    for local, general in zip(
+        _closed_groups(normalize, reports, dtype, vector=False),
+        _closed_groups(normalize, reports, dtype, vector=True),
+        strict=True,
+    ):
+        *values, gradient = local
+        *expected, expected_gradient = general
+        assert values == expected
+        assert torch.equal(gradient, expected_gradient) or values[0] != "apply"
+
+
+def test_a_one_replica_group_closes_in_a_few_tensor_operations() -> None:
+    # The machine-independent price of a group of 8 micro-batches with token counts on the device: per micro-batch
+    # the detached loss and `loss · w / c` (its first also forms c = A · max(w, M) and its cast); at the close
+    # W, c / W, the check-and-rescale and one stack for the host read: 7 (the vector took 34).
+    engine = AccumulationEngine(normalize="tokens")
+    weight = torch.ones(4, requires_grad=True)
+    for _ in range(2):
+        microbatch_ops = []
+        for i in range(8):
+            loss = (weight * (i + 1)).sum()
+            with HostReadProbe() as probe:
+                tensor = engine.add_microbatch({"loss": loss, "num_tokens": torch.tensor(i + 3)}, None, 8)
+            assert tensor is not None and not probe.hits
+            microbatch_ops.append(probe.package_ops)
+            tensor.backward()
+        assert microbatch_ops[1:] == [3] * 7 and microbatch_ops[0] <= 7, microbatch_ops
+        assert weight.grad is not None
+        with HostReadProbe() as close:
+            outcome = engine.close_group(accumulate=8, gradients=[weight.grad], check_gradients=True)
+        assert len(close.hits) == 1 and "tolist" in close.hits[0]
+        assert close.package_ops <= 7, close.package_ops
+        assert outcome.action == "apply" and outcome.record.tokens == sum(range(3, 11))
+        engine.finish_group(outcome, applied=True)
+        weight.grad = None
+
+
+def test_a_sole_micro_batch_closes_in_three_tensor_operations() -> None:
+    # A = 1 on one replica: the check (its flag and GradScaler's kernel with a factor of 1 kept for the run) and one
+    # stack for the host read (float32: the count is exact below 2^24); nothing is multiplied.
+    engine = AccumulationEngine(normalize="tokens")
+    weight = torch.ones(4, requires_grad=True)
+    ops = []
+    for _ in range(3):
+        engine.add_microbatch({"loss": weight.sum(), "num_tokens": torch.tensor(5)}, None, 1, sole=True).backward()
+        assert weight.grad is not None
+        with HostReadProbe() as close:
+            engine.finish_group(engine.close_group(1, gradients=[weight.grad], check_gradients=True), applied=True)
+        assert len(close.hits) == 1
+        ops.append(close.package_ops)
+        weight.grad = None
+    assert ops[1:] == [3, 3] and ops[0] <= 4, ops  # the factor of 1 is formed once per device, at the first check

@@ -86,6 +86,36 @@ def test_torch_schedulers_keep_their_step_counters_where_axis_lr_saves_them() ->
     assert {"_step_count", "_last_lr"} <= set(plain.state_dict())
 
 
+def test_gradscalers_fused_kernel_checks_and_multiplies_as_the_close_relies_on() -> None:
+    # `torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)` (gradients.rescale_gradients): a 0-d
+    # float32 `found` is set where a NaN or an Inf (either sign) was seen before multiplying, for every floating dtype
+    # the close passes; a float32 factor of 1 leaves the gradients bit for bit as they are (the check alone: float64
+    # gradients, and a group of one micro-batch on one replica); another factor multiplies as `_foreach_mul_` by the
+    # float32 factor does (gradients up to 32 bits).
+    one = torch.ones((), dtype=torch.float32)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        grads = [torch.randn(300, dtype=dtype), torch.tensor([-0.0, 2.5], dtype=dtype)]
+        before = [g.clone() for g in grads]
+        found = torch.zeros((), dtype=torch.float32)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        assert found.item() == 0.0
+        assert all(
+            torch.equal(g, b) and torch.equal(g.signbit(), b.signbit()) for g, b in zip(grads, before, strict=True)
+        )
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            grads[1][0] = bad
+            found = torch.zeros((), dtype=torch.float32)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+            assert found.item() == 1.0, (dtype, bad)
+        if dtype != torch.float64:
+            grads = [torch.randn(300, dtype=dtype)]
+            factor = torch.tensor(1 / 3, dtype=torch.float32)
+            expected = [g.clone() for g in grads]
+            torch._foreach_mul_(expected, factor)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros((), dtype=torch.float32), factor)
+            assert torch.equal(grads[0], expected[0]), dtype
+
+
 def _calls(source: str) -> list[str]:
     """The calls of a method body in order, without their arguments."""
     body = source.split('"""')[-1] if source.count('"""') >= 2 else source

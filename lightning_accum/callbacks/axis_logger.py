@@ -382,6 +382,8 @@ class AxisLogger(Callback):
         # LearningRateMonitor's values read for this update land at its x, in one record with the point (if any).
         held, self._held_rates = self._held_rates, {}
         point = self._point(ledger) if ledger.updates_attempted % every == 0 else {}
+        if not point and not held:
+            return  # between two points of the cadence: nothing to write
         x = self.axis_value(ledger)
         for logger_id in self._originals:
             record = point | held.get(logger_id, {})

@@ -115,8 +115,11 @@ class EngineAdapter:
         """Whether the running backward synchronises gradients over the replicas (a group's last micro-batch, D > 1)."""
         return self.data_parallel_size > 1 and ends_group_by_position(trainer)
 
-    def before_microbatch(self, trainer: Any) -> None:
-        """Called before each training micro-batch of the run (not the check's): agreements between replicas."""
+    def microbatch_agreement(self) -> Callable[[Any], None] | None:
+        """What runs before each training micro-batch of the run (not the check's), called with the trainer: an
+        agreement between replicas; ``None`` where there is nothing to agree on, so that no call is made. Read at
+        ``on_train_start``, after :meth:`on_train_start`."""
+        return None
 
     def agree_slice_count(self, count: int, num_samples: int) -> int:
         """The number of slices every rank cuts a loader batch of ``num_samples`` into (``microbatch_size=``);

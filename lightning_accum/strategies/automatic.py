@@ -71,9 +71,23 @@ class _NoUpdate(Exception):  # control flow inside the optimizer step, never see
 
 
 class _Step:
-    """One automatic optimizer step: what the group-closing closure needs, and the group it closed."""
+    """One automatic optimizer step: what the group-closing closure needs, read once as the step begins, and the group
+    it closed."""
 
-    __slots__ = ("closing", "closure", "host", "optimizer", "outcome", "prepare", "scale_before", "trainer")
+    __slots__ = (
+        "accumulate",
+        "closing",
+        "closure",
+        "ends_epoch",
+        "engine",
+        "host",
+        "module",
+        "optimizer",
+        "outcome",
+        "prepare",
+        "scale_before",
+        "scaler",
+    )
 
     def __init__(
         self,
@@ -88,8 +102,13 @@ class _Step:
         self.closing = closing
         self.optimizer = optimizer
         self.closure = closure
-        self.trainer = trainer
         self.prepare = prepare
+        self.engine = host.engine
+        self.scaler = host.gradient_scaler
+        self.module = host.lightning_module
+        # Known before the closure runs: Lightning sets the batch's place in the epoch before its step.
+        self.accumulate = trainer.accumulate_grad_batches
+        self.ends_epoch = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
         self.outcome: GroupOutcome | None = None
         self.scale_before: Tensor | None = None
 
@@ -118,34 +137,27 @@ class AutomaticSteps:
         try:
             output = lightning_step(self._closure_then_close)
         except _NoUpdate as stop:
-            closing.finish(host.engine, stop.outcome, applied=False)
+            closing.finish(step.engine, stop.outcome, applied=False)
             return stop.result
         finally:
             self._step = None
         if step.outcome is not None:  # else the optimizer never evaluated the closure: Lightning raises its own error
-            closing.finish_after_step(host.engine, step.outcome, step.scale_before, host.gradient_scaler)
+            closing.finish_after_step(step.engine, step.outcome, step.scale_before, step.scaler)
         return output
 
     def _closure_then_close(self, *args: Any, **kw: Any) -> Any:
         """What the optimizer evaluates: Lightning's closure, then the group's close."""
         step = self._step
         assert step is not None
-        trainer = step.trainer
         if step.outcome is not None:  # the optimizer evaluates the closure again (LBFGS): same batch, new parameters
-            return self._reevaluate(step, trainer.accumulate_grad_batches, *args, **kw)
+            return self._reevaluate(step, step.accumulate, *args, **kw)
         result = step.closure(*args, **kw)
         step.prepare()
-        host = step.host
-        scaler = host.gradient_scaler
-        outcome = step.outcome = step.closing.close(
-            host.engine,
-            step.optimizer,
-            host.lightning_module,
-            trainer.accumulate_grad_batches,
-            bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
-            scaler,
+        closing, scaler = step.closing, step.scaler
+        outcome = step.outcome = closing.close(
+            step.engine, step.optimizer, step.module, step.accumulate, step.ends_epoch, scaler
         )
-        step.scale_before = step.closing.scale_now(scaler)
+        step.scale_before = closing.scale_now(scaler)
         if outcome.action != "apply":
             step.optimizer.zero_grad(set_to_none=True)
             raise _NoUpdate(result, outcome)

@@ -119,6 +119,7 @@ class ExactAccumulation(Strategy):
         self._steps = AutomaticSteps()
         self._evaluation = ExactEvaluation()
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
+        self._agreement: Callable[[Trainer], None] | None = None  # the adapter's, before each micro-batch of the fit
         self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
         self._failed = False  # the entry point running raised (Lightning called `on_exception`)
 
@@ -209,17 +210,19 @@ class ExactAccumulation(Strategy):
             self._core.checkpoint.warn_manual()
             return super().training_step(*args, **kwargs)  # Lightning's behaviour; see `accumulate`
         trainer = self._trainer()
-        if not self._aside:
-            self._core.adapter.before_microbatch(trainer)
+        if self._agreement is not None and not self._aside:
+            self._agreement(trainer)
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx  # the index Lightning's hooks of this batch receive
         accumulate = trainer.accumulate_grad_batches
-        if self._core.checkpoint.resumed is not None:
+        core = self._core
+        if core.checkpoint.resumed is not None:
             position = group_position(batch_idx, accumulate)  # the group's micro-batches Lightning ran already
-            self._core.reopen(self._configuration(), position, self._parameters())
-        if self._core.engine.microbatches_in_group and group_position(batch_idx, accumulate) == 0:
+            core.reopen(self._configuration(), position, self._parameters())
+        engine = core.engine
+        if engine.microbatches_in_group and group_position(batch_idx, accumulate) == 0:
             # Lightning starts a group (and zeroes the gradient) while the previous one never reached an optimizer
             # step: the loader yielded fewer batches than its length announced, so Lightning's epoch ended early.
-            lost = self._core.engine.discard_open_group()
+            lost = engine.discard_open_group()
             rank_zero_warn(
                 f"lightning_accum: {lost} micro-batch(es) at the end of the previous epoch never reached an optimizer"
                 " step: the training loader ended before the number of batches it announced (`len()`), and"
@@ -232,8 +235,7 @@ class ExactAccumulation(Strategy):
         # An output Lightning rejects (not a tensor, a mapping with "loss", or None) is read as "no loss"; Lightning
         # raises its own MisconfigurationException for it right after this hook. The micro-batch is read once here.
         # A = 1 (the batch not cut into slices): the group's only micro-batch (c = w, no factor to apply).
-        microbatch = self._core.engine.read(output, args[0] if args else kwargs.get("batch"))
-        self._core.engine.record(microbatch, accumulate=accumulate, sole=accumulate == 1)
+        engine.record(engine.read(output, args[0] if args else kwargs.get("batch")), accumulate, sole=accumulate == 1)
         return output
 
     @override
@@ -245,7 +247,8 @@ class ExactAccumulation(Strategy):
             return self._core.backward(  # type: ignore[no-any-return]
                 closure_loss, lambda: lightning_backward(closure_loss, optimizer, *args, **kwargs)
             )
-        tensor = self._core.engine.take_backward_tensor()
+        engine = self._core.engine
+        tensor = engine.take_backward_tensor()
         loss = tensor if tensor is not None else closure_loss
         if self._slicer.enabled:
             result = self._slicer.backward(
@@ -260,7 +263,7 @@ class ExactAccumulation(Strategy):
             )
         else:
             result = lightning_backward(loss, optimizer, *args, **kwargs)
-        self._core.engine.backward_finished()
+        engine.backward_finished()
         return result
 
     # ------------------------------------------------------------------ the update
@@ -526,6 +529,7 @@ class ExactAccumulation(Strategy):
         _check_supported(self, trainer)
         _warn_of_slashes_in_checkpoint_names(trainer)
         self._core.adapter.on_train_start(trainer)
+        self._agreement = self._core.adapter.microbatch_agreement()
         if trainer.lightning_module.automatic_optimization:
             batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
             self._core.engine.decisions.warn_short_epoch(batches, accumulate, self._core.engine.warn)
@@ -562,6 +566,7 @@ class ExactAccumulation(Strategy):
         self._evaluation.end()
         self._slicer.reset()
         self._trainer_ref = None
+        self._agreement = None
         super().teardown()
 
 

@@ -50,6 +50,7 @@ class GroupClosing:
 
     def __init__(self, local: Callable[[Tensor], Tensor] = _as_is) -> None:
         self.local = local
+        self._whole = local is _as_is  # every gradient is this rank's to rescale and check: no call per parameter
         #: This rank, named beside a non-finite gradient where each rank checks its own shard (``None`` elsewhere).
         self.rank: int | None = None
         #: The step-interval schedules that follow updates (automatic optimization), set by the strategy's ``setup``.
@@ -95,7 +96,10 @@ class GroupClosing:
             layout = self._layout = (optimizer, signature, list(kinds.items()))
         by_kind = {}
         for kind, params in layout[2]:
-            grads = [self.local(grad) for p in params if (grad := p.grad) is not None]
+            if self._whole:
+                grads = [grad for p in params if (grad := p.grad) is not None]
+            else:
+                grads = [self.local(grad) for p in params if (grad := p.grad) is not None]
             if grads:
                 by_kind[kind] = grads
         return by_kind

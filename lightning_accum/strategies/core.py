@@ -62,7 +62,8 @@ class AccumulationCore:
         self.adapter = adapter_type(strategy)
         self.engine = AccumulationEngine.from_options(options)
         self.engine.bind(info=rank_zero_info, warn=rank_zero_warn)
-        self.closing = GroupClosing(local=self.adapter.local_gradient)
+        shards = type(self.adapter).local_gradient is not EngineAdapter.local_gradient  # else the gradient itself
+        self.closing = GroupClosing(local=self.adapter.local_gradient) if shards else GroupClosing()
         self.manual = ManualGroups()
         self.checkpoint = OpenGroupCheckpoint()
 

@@ -209,15 +209,17 @@ class DDPAdapter(EngineAdapter):
         self._trainer = None
 
     @override
-    def before_microbatch(self, trainer: Any) -> None:
-        """Under iterable training data, at every micro-batch that does not end a group in Lightning's grouping: one
-        all-reduce of "this replica's data ends here", so that data ending inside a group on some replicas only is an
-        error on every replica at once. (At a group's last micro-batch the group's own all-reduce carries the flag.)
+    def microbatch_agreement(self) -> Callable[[Any], None] | None:
+        """Under iterable training data, :meth:`_agree_on_data_end`; nothing otherwise."""
+        return self._agree_on_data_end if self._checking_data_ends else None
+
+    def _agree_on_data_end(self, trainer: Any) -> None:
+        """At every micro-batch that does not end a group in Lightning's grouping: one all-reduce of "this replica's
+        data ends here", so that data ending inside a group on some replicas only is an error on every replica at once.
+        (At a group's last micro-batch the group's own all-reduce carries the flag.)
 
         Every replica runs it at the same batch indices, so these collectives pair up as long as the replicas are in
         step, that is until the first batch where one replica's data ends: the one checked here."""
-        if not self._checking_data_ends:
-            return
         epoch_loop = trainer.fit_loop.epoch_loop
         batch_idx = epoch_loop.batch_idx
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
