@@ -216,8 +216,7 @@ class AccumulationEngine:
         info: Callable[[str], None] | None = None,
         warn: Callable[..., None] | None = None,
     ) -> None:
-        """Set the device the group's vector lives on, the replicas it is summed over, and where messages go (each
-        only when given)."""
+        """Set the device the group's vector lives on, the replicas it is summed over, where messages go (if given)."""
         if device is not None:
             self.device = torch.device(device)
             require_float64(self.device)  # the group's sums are float64 there: refused now, not mid-run
@@ -250,10 +249,7 @@ class AccumulationEngine:
         """Micro-batches of the open group on this replica."""
         return self._sums.microbatches
 
-    @property
-    def holds_sole_microbatch(self) -> bool:
-        """Whether the open group holds a micro-batch recorded as its group's only one (``sole=True``)."""
-        return self._sums.sole
+    holds_sole_microbatch = property(lambda self: self._sums.sole, doc="The open group holds a ``sole=True`` one.")
 
     def read(self, output: Any, batch: Any, num_samples: int | None = None) -> Microbatch:
         """Read a step's ``output`` for ``batch`` once (:func:`~lightning_accum.microbatch.read_microbatch`, with
