@@ -1,5 +1,5 @@
 """The benchmarks' own tests: the main benchmark's instruments and a smoke run in seconds (the real run is
-`bash benchmarks/run.sh`), the slicing benchmark's smoke run, and the loops of `spawn_stress.py` and
+`bash benchmarks/run.sh`), the smoke runs of the floor and slicing benchmarks, and the loops of `spawn_stress.py` and
 `spawn_exit_race.py` (slow; their real runs are described in `benchmarks/SPAWN_STRESS.md`).
 
 They live beside the benchmarks (collected by the test command through `testpaths`) so that the package's tests
@@ -147,6 +147,19 @@ def test_slicing_benchmark_smoke_run_writes_its_table(tmp_path: Path) -> None:
     assert [r["size"] for r in rows] == [None, 2] and rows[1]["slice_sizes"] == {"2": 16}
     assert all(r["ms_per_update"] > 0 and r["peak_bytes"] > 0 for r in rows)
     assert "| 2 | 4 |" in (tmp_path / "SLICING.md").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_floor_smoke_run_times_each_part_of_the_work_no_exact_package_can_leave_out(tmp_path: Path) -> None:
+    _smoke_run("floor.py", tmp_path, cwd=ROOT)
+    trials = json.loads((tmp_path / "floor.json").read_text())["trials"]
+    assert [t["A"] for t in trials] == [1, 2] and all(t["updates"] == 3 for t in trials)  # 6 updates, 2 warm-up
+    for t in trials:
+        # Each part was timed inside plain Lightning's updates, and each is a small share of the rest of the update.
+        parts = [t[f"{part}_fraction"] for part in ("weighting", "check", "read", "dispatch")]
+        assert all(0 < fraction < 0.5 for fraction in parts), t
+        assert t["floor_fraction"] >= t["dispatch_fraction"] and t["floor_fraction"] >= t["work_fraction"] > 0
+        assert t["seconds_per_update"] > 0
 
 
 @pytest.mark.slow
