@@ -70,14 +70,15 @@ def floor_trial(a: int, updates: int, warmup: int = 2) -> dict[str, Any]:
             held.clear()
             work_ns.extend([("check", checked - start), ("read", time.thread_time_ns() - checked)])
 
-    c, one = torch.tensor(float(a * 4 * 96)), torch.ones(())  # a constant c = A · M, and the check's factor 1
+    # A constant c = A · M (M: a micro-batch's label positions, m rows of 96), and the check's factor 1.
+    c, one = torch.tensor(float(a * m * 96)), torch.ones(())
     model.__class__ = Floor
 
     class Quiet(L.Callback):
-        """A callback that implements no hook, as the package's two are per micro-batch."""
+        """A callback that implements no hook: what the package's two are on a micro-batch, to Lightning."""
 
-    class QuietToo(L.Callback):
-        pass
+    class QuietToo(Quiet):
+        """The second of the two."""
 
     timer = PackageTimer([], [], dispatch_of=(Quiet, QuietToo))
     stamps: list[float] = []
