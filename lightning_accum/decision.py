@@ -96,7 +96,10 @@ def check_agreement(
             " number of batches per epoch: use a DistributedSampler (Lightning adds one for map-style datasets) or"
             " make the iterable dataset yield equally many batches on every rank."
         )
-    if reduced.unit_code != UNIT_CODES.get(unit or "", 0.0) * replicas:
+    codes = reduced.unit_code
+    if codes != UNIT_CODES.get(unit or "", 0.0) * replicas or reduced.unit_code_squared * replicas != codes * codes:
+        # The codes' sum and the sum of their squares: equal codes on every replica iff their variance is 0, so every
+        # replica raises alike (the sum alone let tokens, samples and batches on three replicas pass on one).
         raise RuntimeError(
             f"Replicas weight micro-batches by different units (this replica: {unit!r}). Report `num_tokens` on"
             " every rank, or set `normalize=` explicitly on the strategy."

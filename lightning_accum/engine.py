@@ -84,7 +84,14 @@ from lightning_accum.devices import require_float64
 from lightning_accum.gradients import GradientsByKind, rescale_gradients
 from lightning_accum.group import UNIT_CODES, VECTOR_SIZE, GroupSums, ReducedGroup, Slot
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
-from lightning_accum.microbatch import Count, Microbatch, choose_unit, read_microbatch, unit_weight
+from lightning_accum.microbatch import (
+    Count,
+    Microbatch,
+    choose_unit,
+    read_microbatch,
+    refuse_a_finer_unit,
+    unit_weight,
+)
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.tokens import TokenWeightingWarning, token_weighting_hint
 
@@ -305,6 +312,9 @@ class AccumulationEngine:
             None if microbatch.reports_samples else microbatch.batch,
             documents is not None,
         )
+        if self.options.normalize == "auto":  # a unit fixed once is never changed silently
+            reported = choose_unit("auto", tokens is not None, samples is not None, documents is not None)[0]
+            refuse_a_finer_unit(unit, "auto", reported, "this training micro-batch")
         weight = unit_weight(unit, self.options.normalize, tokens, samples, documents)
         self.last_weight = weight
         sums.add(microbatch, continues)
@@ -435,11 +445,9 @@ class AccumulationEngine:
         self, sums: GroupSums, unit: str | None, ends_epoch: bool, scale: float | Tensor, gradients: Any, check: bool
     ) -> tuple[ReducedGroup, bool]:
         """The general close: the vector, its sum over the replicas, the rescale with its check, one host read."""
-        extra = {
-            Slot.MICROBATCHES: float(sums.microbatches),
-            Slot.UNIT_CODE: UNIT_CODES.get(unit or "", 0.0),
-            Slot.LAST: 1.0 if ends_epoch else 0.0,
-        }
+        code = UNIT_CODES.get(unit or "", 0.0)
+        extra = {Slot.MICROBATCHES: float(sums.microbatches), Slot.UNIT_CODE: code, Slot.UNIT_CODE_SQUARED: code * code}
+        extra[Slot.LAST] = 1.0 if ends_epoch else 0.0
         vector = self.replicas.sum_(sums.local_vector(self.device, unit, extra, scale))
         found: Tensor | None = None
         if gradients:
@@ -450,18 +458,6 @@ class AccumulationEngine:
                 found = self.replicas.check_sum(found)
         values = (torch.cat((vector, found.to(vector.device).reshape(1))) if found is not None else vector).tolist()
         return ReducedGroup.from_values(values), any(flag > 0 for flag in values[VECTOR_SIZE:])
-
-    def schedule_due(self, record: GroupRecord, frequency: int = 1) -> bool:
-        """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in the ledger)."""
-        return self.decisions.schedule_due(record, frequency)
-
-    def add_listener(self, listener: GroupListener) -> None:
-        """Call ``listener(record, batch_samples)`` after every closed group (see :class:`GroupDecisions`)."""
-        self.decisions.add_listener(listener)
-
-    def remove_listener(self, listener: GroupListener) -> None:
-        """Stop calling ``listener`` (no effect if it was not added)."""
-        self.decisions.remove_listener(listener)
 
     def finish_group(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
         """Complete the outcome's record once the optimizer ran (or did not): the ledger, the listeners."""
@@ -582,6 +578,7 @@ def _local_close(
         group_scale_times_d=units if sums.sole else read_c if read_c is not None else float(scale),  # c; D = 1
         microbatches=sums.microbatches,
         unit_code=UNIT_CODES.get(unit or "", 0.0),
+        unit_code_squared=UNIT_CODES.get(unit or "", 0.0) ** 2,
         ended=int(ends_epoch),
         excess=sum(p is not None and c > p for c, p in zip(tokens, sums.positions, strict=True)),
         documents=sum(documents),

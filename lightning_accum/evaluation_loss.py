@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import UNIT_CODES
-from lightning_accum.microbatch import Count, choose_unit
+from lightning_accum.microbatch import Count, choose_unit, refuse_a_finer_unit
 
 __all__ = [
     "EvaluationLoss",
@@ -98,16 +98,19 @@ def evaluation_unit(
 ) -> str:
     """The unit an evaluation weights its batches by: the run's (``engine``'s, once its training decided it), else
     the one ``normalize=`` chooses from the first batch (under ``"auto"``: documents when reported; else tokens when
-    reported, unless the batch reports its samples itself; else samples; else one per batch).
+    reported, unless the batch reports its samples itself; else samples; else one per batch). Under ``"auto"`` a
+    batch that reports a more specific unit than the run's is an error naming both (:func:`refuse_a_finer_unit`).
 
     Example:
         >>> evaluation_unit(AccumulationEngine(), has_tokens=True, has_samples=True, reports_samples=False)
         'tokens'
     """
-    return (
-        engine.ledger.normalization
-        or choose_unit(engine.normalize, has_tokens and not reports_samples, has_samples, has_documents)[0]
-    )
+    reported = choose_unit(engine.normalize, has_tokens and not reports_samples, has_samples, has_documents)[0]
+    fixed = engine.ledger.normalization
+    if fixed is None:
+        return reported
+    refuse_a_finer_unit(fixed, engine.normalize, reported, "this evaluation batch")
+    return fixed
 
 
 def mean_or_nan(weighted: float, units: float) -> float:

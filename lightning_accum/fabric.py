@@ -63,6 +63,7 @@ from lightning.fabric.strategies import (
     Strategy,
 )
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor
 from torch.nn import Module
@@ -117,8 +118,6 @@ class FabricExactAccumulation(Strategy):
         """Set up the core from the options the constructor validated (before Fabric's ``__init__``)."""
         self._core = AccumulationCore(self, self.adapter_type, options)
         self._sync: BackwardSyncNotes | None = None  # Fabric's no_backward_sync control, noted (DDP, FSDP2)
-        self._unsynced = False  # a backward of the open group ran inside `no_backward_sync`
-        self._last_unsynced = False  # ... the latest backward did
         self._modules: list[Module] = []  # what `fabric.setup` was given, unwrapped: the named parameters
         self._optimizers: list[Optimizer] = []
 
@@ -127,6 +126,7 @@ class FabricExactAccumulation(Strategy):
     ledger = seam("ledger")
     engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
     data_parallel_replicas = seam("data_parallel_replicas")
+    group_open = seam("group_open")
     tensor_parallel_size = seam("tensor_parallel_size")
     reduce_sum = seam("reduce_sum")
     add_group_listener = seam("add_group_listener")
@@ -165,20 +165,9 @@ class FabricExactAccumulation(Strategy):
                 ``optimizer.step()`` has not run, or while the tensor the last :meth:`accumulate` returned was never
                 back-propagated.
         """
-        if self._last_unsynced and self._core.engine.microbatches_in_group and self._sync_matters():
-            raise RuntimeError(
-                "`close_group`: the group's last backward ran inside `fabric.no_backward_sync(model, enabled=True)`,"
-                " so the replicas' gradients were never combined (DDP: each replica holds its own; FSDP2: no rank's"
-                " shard holds the group's gradient) and the update would differ per replica or miss the group. Run a"
-                " group's last micro-batch with synchronisation: `enabled=not last`."
-            )
         inner = optimizer.optimizer if is_wrapped(optimizer) else optimizer  # type: ignore[attr-defined]
-        if len(self._optimizers) > 1 and self._core.engine.microbatches_in_group:
-            self._refuse_gradients_of_other_optimizers(inner)
         module = self._modules[0] if self._modules else None
-        record = self._core.close_group(inner, module, self.gradient_scaler, group_size)
-        self._unsynced = False
-        return record
+        return self._core.close_group(inner, module, self.gradient_scaler, group_size, self._optimizers)
 
     # ------------------------------------------------------------------ Fabric's hooks
 
@@ -213,10 +202,8 @@ class FabricExactAccumulation(Strategy):
         # Overridden (so Fabric asks for `fabric.backward(loss)` over a plain `loss.backward()`, as for DeepSpeed):
         # the open group notes the backward of the tensor `accumulate` handed out and refuses any other inside it.
         fabric_backward = super().backward
-        if self._sync is not None:
-            self._last_unsynced = self._sync.blocking
-            self._unsynced = self._unsynced or self._last_unsynced
-        self._core.backward(tensor, lambda: fabric_backward(tensor, module, *args, **kwargs))
+        unsynced = self._sync is not None and self._sync.blocking
+        self._core.backward(tensor, lambda: fabric_backward(tensor, module, *args, **kwargs), unsynced)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -267,8 +254,20 @@ class FabricExactAccumulation(Strategy):
             return remainder
         if not state and CHECKPOINT_KEY not in remainder:
             return remainder  # `fabric.load(path)` of a file the package did not write (weights, say): as Fabric does
-        # `fabric.load(path, state)`, and `ckpt = fabric.load(path)` too: the loop resumes, the ledger and an open group
-        # with it (the package's entry is not part of what is returned).
+        if state and not any(isinstance(value, Optimizer) for value in state.values()):
+            # Weights (and whatever else) without an optimizer: restored as plain Fabric restores them; the loop's
+            # state (the ledger, an open group) resumes only with the optimizer the group was carried for.
+            _say_group_not_resumed(remainder.get(CHECKPOINT_KEY), str(path))
+            return remainder
+        if self._core.group_open:
+            raise RuntimeError(
+                f"`fabric.load({str(path)!r}, state)` was called while an accumulation group is open in the running"
+                " loop: the checkpoint's ledger and group would replace the group's micro-batches already reported."
+                " Load before the loop's first `accumulate` (or after a `close_group` and its `optimizer.step()`),"
+                " or load the weights alone (`fabric.load(path, {'model': model})`)."
+            )
+        # `fabric.load(path, state)` with an optimizer, and `ckpt = fabric.load(path)` too: the loop resumes, the
+        # ledger and an open group with it (the package's entry is not part of what is returned).
         reader = self._core.adapter.distributed_reader(path, self._parameters)  # a group's gradient in shards
         entry = self._core.checkpoint.load(self._core.engine, remainder, str(path), reader)
         remainder.pop(CHECKPOINT_KEY, None)
@@ -278,17 +277,21 @@ class FabricExactAccumulation(Strategy):
         group = (entry or {}).get("open_group") or {}
         total = int(group.get("total_microbatches", int(group.get("microbatches", 0)) * int(group.get("replicas", 1))))
         position = total // max(1, self.data_parallel_replicas)
-        self._core.reopen(self._configuration(), position, self._parameters())
+        config = self._configuration()
+        if self._optimizers:
+            self._core.reopen(config, position, self._parameters())
+        else:  # loaded before `setup_optimizers`: the group waits for the parameters its optimizer holds
+            self._core.reopen_when_used(lambda: self._core.reopen(config, position, self._parameters()))
         return remainder
 
     @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Tensor:
-        self._refuse_clipping_inside_a_group("fabric.clip_gradients(model, optimizer, max_norm=...)")
+        self._core.refuse_clipping("fabric.clip_gradients(model, optimizer, max_norm=...)")
         return super().clip_gradients_norm(module, optimizer, *args, **kwargs)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
-        self._refuse_clipping_inside_a_group("fabric.clip_gradients(model, optimizer, clip_val=...)")
+        self._core.refuse_clipping("fabric.clip_gradients(model, optimizer, clip_val=...)")
         super().clip_gradients_value(module, optimizer, *args, **kwargs)
 
     @override
@@ -300,47 +303,16 @@ class FabricExactAccumulation(Strategy):
 
     # ------------------------------------------------------------------ parts of the hooks
 
-    def _refuse_gradients_of_other_optimizers(self, closed: Optimizer) -> None:
-        """The close rescales ``closed``'s parameters only: a group whose backward also reached another set-up
-        optimizer's parameters would leave those unscaled (``Σ (w / c) · ∇loss``) for that optimizer's step."""
-        mine = {id(p) for group in closed.param_groups for p in group["params"]}
-        for other in self._optimizers:
-            if other is closed:
-                continue
-            if any(p.grad is not None and id(p) not in mine for g in other.param_groups for p in g["params"]):
-                raise RuntimeError(
-                    f"`close_group({type(closed).__name__})`: the group's backward also reached the parameters of"
-                    f" another optimizer ({type(other).__name__}), and the close rescales only the gradients of the one"
-                    " it is given to the group's exact mean: the other's step would apply `Σ (w / c) · ∇loss`. Give"
-                    " the parameters one optimizer (a parameter group each, e.g. for different learning rates), or"
-                    " set the other optimizer's gradients to None (`zero_grad()`) if they belong to another loss."
-                )
-
     def _note_backward_sync(self) -> None:
         """Note when Fabric's ``no_backward_sync`` blocks synchronisation (after Fabric's ``__init__`` set its
         control; see :class:`~lightning_accum.fabric_model_parallel.BackwardSyncNotes`)."""
         self._sync = BackwardSyncNotes(self._backward_sync_control)  # type: ignore[attr-defined,arg-type]
         self._backward_sync_control = self._sync
 
-    def _sync_matters(self) -> bool:
-        """Whether a backward inside ``no_backward_sync`` leaves the replicas' gradients uncombined."""
-        return self.data_parallel_replicas > 1
-
     def _parameters(self) -> NamedParameters:
-        """The optimized parameters by name (a second module's names prefixed by its place in ``fabric.setup``)."""
-        return optimized_parameters(self._modules, self._optimizers)
-
-    def _refuse_clipping_inside_a_group(self, call: str) -> None:
-        """Clipping needs the group's exact gradient, which exists once ``close_group`` rescaled it by ``c · D / W``:
-        before, the gradient is ``Σ (w / c) · ∇loss``, and a norm of it clips by another factor (silently wrong)."""
-        held = self._core.engine.microbatches_in_group
-        if held:
-            raise RuntimeError(
-                f"`{call}` was called inside an open accumulation group ({held} micro-batch(es) reported): its"
-                " gradient is not yet the group's mean, so the norm and the clip would be of another gradient. Call"
-                " `fabric.strategy.close_group(optimizer)` first (it rescales the gradient to the exact weighted mean),"
-                " then clip, then `optimizer.step()`."
-            )
+        """The optimized parameters by name (a second module's names prefixed by its place in ``fabric.setup``);
+        before ``setup_optimizers``, every parameter of the set-up modules."""
+        return optimized_parameters(self._modules, self._optimizers or None)
 
     def _configuration(self) -> dict[str, Any]:
         """What the checkpoint's groups depend on (a Fabric loop has no ``A`` the strategy knows)."""
@@ -566,10 +538,6 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         return super().setup_optimizer(optimizer)
 
     @override
-    def _sync_matters(self) -> bool:
-        return True  # FSDP2 holds the gradient unreduced inside it, on one replica too
-
-    @override
     def clip_gradients_norm(
         self,
         module: Module,
@@ -578,14 +546,14 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        self._refuse_clipping_inside_a_group("fabric.clip_gradients(model, optimizer, max_norm=...)")
+        self._core.refuse_clipping("fabric.clip_gradients(model, optimizer, max_norm=...)")
         self.precision.unscale_gradients(optimizer)
         parameters = self.precision.main_params(optimizer)
         return clip_grad_norm_(parameters, float(max_norm), float(norm_type), error_if_nonfinite)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self._refuse_clipping_inside_a_group("fabric.clip_gradients(model, optimizer, clip_val=...)")
+        self._core.refuse_clipping("fabric.clip_gradients(model, optimizer, clip_val=...)")
         self.precision.unscale_gradients(optimizer)
         clip_grad_value_(self.precision.main_params(optimizer), float(clip_val))
 
@@ -608,7 +576,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
     def _unreduced_gradient(self) -> tuple[str, str] | None:
         """Why the open group's gradient is held unreduced inside FSDP2, and what to do instead, or ``None`` (read by
         :class:`~lightning_accum.strategies.model_parallel.MeshAdapter` when a checkpoint is written in a group)."""
-        if not self._unsynced:
+        if not self._core.manual.unsynced:
             return None
         return (
             "after backwards inside `fabric.no_backward_sync(model, enabled=True)`",
@@ -631,6 +599,17 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
             override=True,
             parallelize_fn=shard_module_lists,
             tensor_parallel_size=1,
+        )
+
+
+def _say_group_not_resumed(entry: Any, path: str) -> None:
+    """One info line when a load without an optimizer leaves a checkpoint's open group behind."""
+    group = entry.get("open_group") if isinstance(entry, Mapping) else None
+    if isinstance(group, Mapping) and int(group.get("microbatches", 0) or 0):
+        rank_zero_info(
+            f"lightning_accum: {path!r} was written inside an accumulation group ({group['microbatches']}"
+            " micro-batch(es) per replica); the state loaded holds no optimizer, so that group and the ledger are not"
+            " resumed (weights only, as plain Fabric loads them). Pass the optimizer too to resume the loop."
         )
 
 

@@ -62,6 +62,7 @@ class Slot(IntEnum):
     EXCESS = 11  #: micro-batches that reported more tokens than their batch has label positions (where known)
     DOCUMENTS_HI = 12
     DOCUMENTS_LO = 13
+    UNIT_CODE_SQUARED = 14  #: its square: with the sum of the codes, replicas agree iff the codes' variance is 0
 
 
 VECTOR_SIZE = len(Slot)
@@ -118,6 +119,7 @@ class ReducedGroup:
     ended: int
     excess: int = 0
     documents: int = 0
+    unit_code_squared: float = 0.0
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> ReducedGroup:
@@ -133,6 +135,7 @@ class ReducedGroup:
             ended=round(values[Slot.LAST]),
             excess=round(values[Slot.EXCESS]),
             documents=int(values[Slot.DOCUMENTS_HI]) * COUNT_SPLIT + int(values[Slot.DOCUMENTS_LO]),
+            unit_code_squared=values[Slot.UNIT_CODE_SQUARED],
         )
 
 

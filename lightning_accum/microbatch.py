@@ -286,6 +286,30 @@ def choose_unit(
     return unit, _UNIT_REASONS[unit]
 
 
+_UNITS = ("batches", "samples", "tokens", "documents")  # from the least to the most specific count
+
+
+def refuse_a_finer_unit(fixed: str, normalize: str, reported: str, where: str) -> None:
+    """Under ``normalize="auto"`` the unit is fixed once (by the run's first micro-batch, or the checkpoint it resumed
+    from): a micro-batch (or an evaluation batch) whose counts would choose a more specific unit is an error naming
+    both, never weighted by the fixed unit silently (``reported``: what :func:`choose_unit` picks for it).
+
+    Example:
+        >>> refuse_a_finer_unit("tokens", "auto", "tokens", "a training micro-batch")
+        >>> refuse_a_finer_unit("tokens", "tokens", "documents", "a training micro-batch")  # chosen explicitly
+    """
+    if normalize != "auto" or _UNITS.index(reported) <= _UNITS.index(fixed):
+        return
+    raise ValueError(
+        f"Under `normalize='auto'` the run's unit is {fixed} (fixed by its first micro-batch, or by the checkpoint it"
+        f" resumed from), but {where} reports {reported} (`num_{reported}`): weighting it by {fixed} would optimize"
+        f" (or measure) another objective than the one its counts describe, silently. Report the same counts in every"
+        f" micro-batch and evaluation batch of the run, or choose the unit explicitly (`normalize={reported!r}`, or"
+        f" `normalize={fixed!r}` to weight every micro-batch by {fixed}); a checkpoint written under another unit"
+        " resumes under its own."
+    )
+
+
 def unit_weight(
     unit: str, normalize: str, tokens: Count | None, samples: Count | None, documents: Count | None = None
 ) -> Count:

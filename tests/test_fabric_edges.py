@@ -1,6 +1,6 @@
 """The Fabric door's silent cases, each now exact or a clear error at the point of the mistake: a checkpoint loaded
-without a state object, a plain `fabric.backward` mixed into an open group, the handed-out tensor back-propagated
-twice, `fabric.clip_gradients` inside an open group, a second `close_group`, and `AxisLR` without a strategy."""
+without a state object, a group declared of one, a CheckpointIO of its own, and `AxisLR` without a strategy (the
+rules of the manual API shared with the Trainer's door are in tests/test_rulebook.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import IGNORE, params_vector, sgd_reference, token_weighted_grad
+from helpers import IGNORE, params_vector, sgd_reference
 from test_fabric import EXAMPLES, LR, TinyNet, _groups, _model_and_optimizer, micro_batches, train
 
 from lightning_accum import AxisLR
@@ -46,48 +46,6 @@ def test_a_checkpoint_loaded_without_a_state_object_resumes_the_ledger_and_the_o
     # Before: the ledger restarted and the open group was lost (2.9e-2 from the reference in the issue's probe).
     torch.testing.assert_close(params_vector(model), reference, rtol=0, atol=1e-12)
     assert (fabric.strategy.ledger.updates_applied, fabric.strategy.ledger.samples) == (3, 24)
-
-
-@pytest.mark.parametrize("mistake", ["plain", "twice"])
-def test_a_backward_the_group_did_not_hand_out_is_an_error(mistake: str) -> None:
-    fabric = _fabric()
-    model, _ = fabric.setup(*_model_and_optimizer())
-    first, second = micro_batches(EXAMPLES, 2)[:2]
-    loss, tokens = _loss(model, first)
-    handed = fabric.strategy.accumulate(loss, num_tokens=tokens, batch=first)
-    fabric.backward(handed, retain_graph=True)
-    again, _ = _loss(model, second)
-    with pytest.raises(RuntimeError, match="did not hand out, while the open group holds 1 micro-batch"):
-        fabric.backward(again / 4 if mistake == "plain" else handed)
-
-
-def test_clipping_inside_an_open_group_is_refused_and_after_the_close_clips_the_exact_gradient() -> None:
-    fabric = _fabric()
-    model, optimizer = fabric.setup(*_model_and_optimizer())
-    batches = micro_batches(EXAMPLES[:8], 2)
-    for batch in batches:
-        loss, tokens = _loss(model, batch)
-        fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens, batch=batch))
-    with pytest.raises(RuntimeError, match=r"inside an open accumulation group \(4 micro-batch.*close_group"):
-        fabric.clip_gradients(model, optimizer, max_norm=0.5)
-    fabric.strategy.close_group(optimizer)
-    norm = fabric.clip_gradients(model, optimizer, max_norm=0.5)
-    expected = token_weighted_grad(TinyNet(), EXAMPLES[:8]).norm()
-    # The norm of the group's exact gradient (before: of Σ (w / c) · ∇loss, 6.07 against 1.11 in the issue's probe).
-    assert float(norm) == pytest.approx(float(expected), rel=1e-12)
-    optimizer.step()
-
-
-def test_a_second_close_says_the_group_was_closed_already() -> None:
-    fabric = _fabric()
-    model, optimizer = fabric.setup(*_model_and_optimizer())
-    batch = micro_batches(EXAMPLES, 2)[0]
-    loss, tokens = _loss(model, batch)
-    fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens, batch=batch))
-    fabric.strategy.close_group(optimizer)
-    optimizer.step()
-    with pytest.raises(RuntimeError, match=r"found no micro-batch.*was closed already: a group is closed once"):
-        fabric.strategy.close_group(optimizer)
 
 
 def test_axis_lr_without_a_strategy_says_the_fabric_way() -> None:
@@ -164,45 +122,3 @@ def test_a_checkpoint_io_that_returns_no_mapping_is_returned_as_fabric_returns_i
     # Before: `TypeError: argument of type 'list' is not iterable`-like failures from looking for the package's entry.
     assert fabric.load(tmp_path / "records.bin") == [("step", 3), ("loss", 0.5)]
     assert fabric.strategy.ledger.updates_applied == 0
-
-
-def _last_backward_unsynced(fabric: L.Fabric) -> str:
-    """Both micro-batches of a group inside `no_backward_sync` (the group's last one included): what `close_group`
-    says on this rank."""
-    model, optimizer = fabric.setup(*_model_and_optimizer())
-    for batch in micro_batches(EXAMPLES[fabric.global_rank :: 2][:4], 2):
-        with fabric.no_backward_sync(model, enabled=True):  # the mistake: `enabled=not last` intended
-            loss, tokens = _loss(model, batch)
-            fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens, batch=batch))
-    try:
-        fabric.strategy.close_group(optimizer)
-    except RuntimeError as error:
-        return str(error)
-    return "closed"
-
-
-@pytest.mark.ddp
-@pytest.mark.timeout(300)
-def test_a_group_whose_last_backward_skipped_ddps_sync_is_refused_on_every_replica() -> None:
-    from lightning_accum import FabricDDPAccumulationStrategy
-
-    fabric = L.Fabric(strategy=FabricDDPAccumulationStrategy(start_method="spawn"), devices=2, accelerator="cpu")
-    # Before: the close rescaled each replica's own, never all-reduced gradient, and the replicas' parameters parted.
-    message = fabric.launch(_last_backward_unsynced)
-    assert "last backward ran inside `fabric.no_backward_sync(model, enabled=True)`" in message
-    assert "`enabled=not last`" in message
-
-
-def test_a_group_that_reached_another_optimizers_parameters_is_refused_at_the_close() -> None:
-    fabric = _fabric()
-    model = TinyNet().to(torch.float64)
-    model = fabric.setup_module(model)
-    embed, _head = fabric.setup_optimizers(
-        torch.optim.SGD(model.embed.parameters(), lr=LR), torch.optim.SGD(model.head.parameters(), lr=LR)
-    )
-    for batch in micro_batches(EXAMPLES[:4], 2):
-        loss, tokens = _loss(model, batch)
-        fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens))
-    # Before: `close_group(embed); embed.step(); head.step()` left the head's gradient unscaled (3.2e-2 in the issue).
-    with pytest.raises(RuntimeError, match=r"also reached the parameters of another optimizer \(SGD\)"):
-        fabric.strategy.close_group(embed)

@@ -289,9 +289,7 @@ def test_a_bad_set_up_or_loop_is_a_clear_error(fsdp_runs: Path) -> None:
     assert errors["unsharded"].startswith("RuntimeError: FabricModelParallelAccumulationStrategy runs on 2 devices")
     assert "after the `parallelize_fn` no parameter is sharded" in errors["unsharded"]
     assert "inside an open accumulation group (1 micro-batch(es) reported)" in errors["clip inside"]
-    assert (
-        "the group's last backward ran inside `fabric.no_backward_sync(model, enabled=True)`" in errors["last unsynced"]
-    )
+    assert "the group's last backward ran with gradient synchronisation blocked" in errors["last unsynced"]
 
 
 # ---------------------------------------------------------------------------------------------- dp × tp on 4 processes

@@ -44,15 +44,17 @@ GradientReader = Callable[[list[str]], dict[str, Tensor]]
 Write = Callable[[dict[str, Any], Any, Any], None]
 
 
-def optimized_parameters(modules: Sequence[Any], optimizers: Sequence[Any]) -> NamedParameters:
-    """The parameters ``optimizers`` optimize, by name, in the modules' order (the same on every replica); with
-    several modules (Fabric's ``setup`` called more than once) a name is prefixed by its module's place. The one way
-    both doors name what a checkpoint's carried gradient belongs to."""
-    optimized = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+def optimized_parameters(modules: Sequence[Any], optimizers: Sequence[Any] | None) -> NamedParameters:
+    """The parameters ``optimizers`` optimize (``None``: every parameter), by name, in the modules' order (the same on
+    every replica); with several modules (Fabric's ``setup`` called more than once) a name is prefixed by its module's
+    place. The one way both doors name what a checkpoint's carried gradient belongs to."""
+    optimized = None if optimizers is None else {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
     named: NamedParameters = []
     for index, module in enumerate(modules):
         prefix = f"{index}." if len(modules) > 1 else ""
-        named += [(prefix + name, p) for name, p in module.named_parameters() if id(p) in optimized]
+        named += [
+            (prefix + name, p) for name, p in module.named_parameters() if optimized is None or id(p) in optimized
+        ]
     return named
 
 
@@ -110,6 +112,13 @@ class EngineAdapter:
         return None
 
     # ------------------------------------------------------------------ the micro-batch
+
+    @property
+    def sync_matters(self) -> bool:
+        """Whether a backward with gradient synchronisation blocked leaves its gradient uncombined over the replicas
+        (several data-parallel replicas; FSDP2 holds it unreduced on one replica too): a group's last backward must
+        then synchronise."""
+        return self.data_parallel_size > 1
 
     def synchronises(self, trainer: Any) -> bool:
         """Whether the running backward synchronises gradients over the replicas (a group's last micro-batch, D > 1)."""

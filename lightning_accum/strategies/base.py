@@ -56,6 +56,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -64,6 +65,7 @@ from lightning_accum.group import group_position
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
+from lightning_accum.patching import InstancePatch
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
 from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
 from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
@@ -122,12 +124,15 @@ class ExactAccumulation(Strategy):
         self._agreement: Callable[[Trainer], None] | None = None  # the adapter's, before each micro-batch of the fit
         self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
         self._failed = False  # the entry point running raised (Lightning called `on_exception`)
+        self._sync_blocked = False  # inside a `block_backward_sync` that blocks FSDP2's reduction (model parallel)
+        self._clip_guard: InstancePatch | None = None  # the precision plugin's `clip_gradients`, for the run
 
     # ------------------------------------------------------------------ the public interface
 
     ledger = seam("ledger")
     engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
     data_parallel_replicas = seam("data_parallel_replicas")
+    group_open = seam("group_open")
     tensor_parallel_size = seam("tensor_parallel_size")
     reduce_sum = seam("reduce_sum")
     add_group_listener = seam("add_group_listener")
@@ -245,7 +250,9 @@ class ExactAccumulation(Strategy):
         if not self._automatic():
             # `manual_backward`: the tensor is back-propagated as given (the open group notes `accumulate`'s).
             return self._core.backward(  # type: ignore[no-any-return]
-                closure_loss, lambda: lightning_backward(closure_loss, optimizer, *args, **kwargs)
+                closure_loss,
+                lambda: lightning_backward(closure_loss, optimizer, *args, **kwargs),
+                self._gradient_sync_blocked(),
             )
         engine = self._core.engine
         tensor = engine.take_backward_tensor()
@@ -373,7 +380,22 @@ class ExactAccumulation(Strategy):
                 " optimization the strategy closes every group itself."
             )
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return self._core.close_group(inner, self.lightning_module, self.gradient_scaler, group_size)
+        return self._core.close_group(inner, self.lightning_module, self.gradient_scaler, group_size, self.optimizers)
+
+    def _gradient_sync_blocked(self) -> bool:
+        """Whether a backward run now leaves its gradient uncombined: inside DDP's ``no_sync`` (however it was
+        entered: :meth:`no_backward_sync`, Lightning's ``block_backward_sync``, ``self.trainer.model.no_sync()``), or
+        inside a ``block_backward_sync`` that holds FSDP2's reduction."""
+        model = self.model
+        if isinstance(model, DistributedDataParallel):
+            return not model.require_backward_grad_sync  # DDP's own flag, False inside `no_sync`
+        return self._sync_blocked
+
+    def _guard_clipping(self, below: Callable[..., Any], optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """The precision plugin's ``clip_gradients`` (``self.clip_gradients``, ``gradient_clip_val=``): inside a
+        manual loop's open group an error, as in a Fabric loop (automatic optimization closes before it clips)."""
+        self._core.refuse_clipping("self.clip_gradients(optimizer, ...)")
+        return below(optimizer, *args, **kwargs)
 
     def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager[Any]:
         """A block whose backward passes do not synchronize gradients over replicas (DDP's ``no_sync``).
@@ -512,6 +534,7 @@ class ExactAccumulation(Strategy):
     def setup(self, trainer: Trainer) -> None:
         self._core.adapter.setup(trainer)
         super().setup(trainer)
+        self._clip_guard = InstancePatch(self.precision_plugin, "clip_gradients", self._guard_clipping)
         self._trainer_ref = trainer
         self._core.manual.reset()
         self._slicer.reset()
@@ -563,6 +586,9 @@ class ExactAccumulation(Strategy):
         self._failed = False
         self._core.end()
         self._core.adapter.teardown()
+        if self._clip_guard is not None:
+            self._clip_guard.release()
+            self._clip_guard = None
         self._evaluation.end()
         self._slicer.reset()
         self._trainer_ref = None

@@ -27,7 +27,7 @@ ClosingWorkers`, under each framework's launcher.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ class AccumulationCore:
         self.closing = GroupClosing(local=self.adapter.local_gradient) if shards else GroupClosing()
         self.manual = ManualGroups()
         self.checkpoint = OpenGroupCheckpoint()
+        self._reopen_later: Callable[[], None] | None = None  # a loaded group waiting for its optimizer (Fabric)
 
     # ------------------------------------------------------------------ the public seam
 
@@ -83,6 +84,18 @@ class AccumulationCore:
     def tensor_parallel_size(self) -> int:
         """The devices that share one model replica (1 without tensor parallelism)."""
         return self.adapter.tensor_parallel_size
+
+    @property
+    def group_open(self) -> bool:
+        """Whether an accumulation group is open: micro-batches reported since the last close, or a group carried
+        over from a checkpoint that has not been closed yet (also before its first new micro-batch)."""
+        resumed = self.checkpoint.resumed or {}
+        return bool(
+            self.engine.microbatches_in_group
+            or self.engine.carried_microbatches
+            or int(resumed.get("microbatches", 0))
+            or self._reopen_later is not None
+        )
 
     def reduce_sum(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
@@ -125,6 +138,7 @@ class AccumulationCore:
                 call returned was never back-propagated.
             TypeError: ``loss`` is not a tensor.
         """
+        self.reopen_deferred()
         counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
         return self.manual.accumulate(self.engine, loss, counts, batch, group_size, self.data_parallel_replicas)
 
@@ -134,18 +148,33 @@ class AccumulationCore:
         module: Module | None,
         scaler: torch.amp.GradScaler | None,
         group_size: int | None = None,
+        optimizers: Sequence[Optimizer] = (),
     ) -> GroupRecord:
-        """Close the group over ``optimizer``'s gradients (see the front classes' ``close_group``)."""
+        """Close the group over ``optimizer``'s gradients (see the front classes' ``close_group``): the rules of a
+        close hold here for both doors (a last backward without synchronisation where it matters, another of
+        ``optimizers``' parameters reached, no micro-batch, a step pending, a handed-out tensor never
+        back-propagated)."""
         self.install_carried()
-        return self.manual.close(self.engine, self.closing, optimizer, module, scaler, group_size)
+        sync_matters = self.adapter.sync_matters
+        return self.manual.close(
+            self.engine, self.closing, optimizer, module, scaler, group_size, optimizers, sync_matters
+        )
 
-    def backward(self, tensor: Tensor, run: Callable[[], Any]) -> Any:
+    def backward(self, tensor: Tensor, run: Callable[[], Any], unsynced: bool = False) -> Any:
         """A manual loop's backward of ``tensor`` through ``run()``: if ``tensor`` is the one :meth:`accumulate`
-        handed out, the open group notes when its gradient holds that micro-batch."""
+        handed out, the open group notes when its gradient holds that micro-batch, and whether the door ran it with
+        gradient synchronisation blocked (``unsynced``)."""
         ours = self.begin_backward(tensor)
         result = run()
         self.end_backward(ours)
+        if ours:
+            self.manual.note_backward(unsynced)
         return result
+
+    def refuse_clipping(self, call: str) -> None:
+        """Either door's clipping (``call`` names it) inside an open group is an error: the gradient is not yet the
+        group's mean."""
+        self.manual.refuse_clipping(self.engine, call)
 
     def begin_backward(self, tensor: Tensor) -> bool:
         """Before a manual loop's backward of ``tensor``: the carried gradient of a resumed group goes in first; a
@@ -206,6 +235,7 @@ class AccumulationCore:
     ) -> dict[str, Any]:
         """The package's checkpoint entry: the ledger, ``config`` and, inside a group, the group with its gradient
         summed over the replicas (collectives, unless ``failed`` says why the replicas cannot be reached)."""
+        self.reopen_deferred()  # a loaded group waiting for its optimizer is written as the open group it is
         return self.checkpoint.entry(
             self.engine,
             config,
@@ -219,8 +249,21 @@ class AccumulationCore:
         """Finish, exactly, the group a checkpoint was written in, at ``position`` of the resumed loop's group."""
         self.checkpoint.reopen(self.engine, config, position, self.adapter.holds_group_sums(), parameters)
 
+    def reopen_when_used(self, reopen: Callable[[], None]) -> None:
+        """A group loaded before the loop set up its optimizer (FSDP2's order: ``setup_module``, ``load``,
+        ``setup_optimizers``): ``reopen()`` runs at the loop's next ``accumulate``, backward, close or save, when the
+        parameters it was carried for are known."""
+        self._reopen_later = reopen
+
+    def reopen_deferred(self) -> None:
+        """Run a reopen :meth:`reopen_when_used` deferred, once."""
+        reopen, self._reopen_later = self._reopen_later, None
+        if reopen is not None:
+            reopen()
+
     def install_carried(self) -> None:
         """A group resumed from a checkpoint: its gradient is added before the loop's first backward (or close)."""
+        self.reopen_deferred()
         if self.checkpoint.carried is not None:
             self.checkpoint.install(self.adapter.carried_part)
 
@@ -230,6 +273,7 @@ class AccumulationCore:
         self.closing.reset()
         self.manual.reset()
         self.checkpoint.reset()
+        self._reopen_later = None
 
 
 def seam(name: str, doc: str | None = None) -> Any:

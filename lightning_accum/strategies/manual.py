@@ -23,7 +23,7 @@ update silently. The strategy knows which tensor it handed out and says so inste
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,10 +56,19 @@ class ManualGroups:
     def __init__(self) -> None:
         self.handed_out: Tensor | None = None  # the last tensor `accumulate` returned, until it is back-propagated
         self.closed: _Closed | None = None
+        self.last_unsynced = False  # the open group's latest backward ran with gradient synchronisation blocked
+        self.unsynced = False  # ... one of its backwards did (its gradient may be held unreduced inside FSDP2)
 
     def reset(self) -> None:
         self.handed_out = None
         self.closed = None
+        self.last_unsynced = self.unsynced = False
+
+    def note_backward(self, unsynced: bool) -> None:
+        """The handed-out tensor was back-propagated, with gradient synchronisation blocked or not (as the door that
+        ran it saw: Fabric's ``no_backward_sync``, DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``)."""
+        self.last_unsynced = unsynced
+        self.unsynced = self.unsynced or unsynced
 
     def accumulate(
         self,
@@ -115,12 +124,20 @@ class ManualGroups:
         module: Module | None,
         scaler: torch.amp.GradScaler | None,
         group_size: int | None = None,
+        optimizers: Sequence[Optimizer] = (),
+        sync_matters: bool = False,
     ) -> GroupRecord:
         """Close the group reported with :meth:`accumulate` over ``optimizer``'s gradients; with ``group_size`` (the
         micro-batches per replica a group should hold), a group that holds fewer is a partial one, and the strategy's
-        ``partial_group=`` policy applies (rescaled with its real denominator, or dropped)."""
+        ``partial_group=`` policy applies (rescaled with its real denominator, or dropped).
+
+        ``optimizers``: every optimizer of the loop (a backward that reached another one's parameters is refused);
+        ``sync_matters``: whether a last backward with synchronisation blocked leaves the group's gradient uncombined
+        (several DDP replicas, FSDP2), which is then refused."""
         self._check_no_step_pending("close_group")
         held = engine.microbatches_in_group
+        if held:
+            self._check_the_groups_gradient(optimizer, optimizers, sync_matters)
         if held == 0:
             last = engine.ledger.last_group
             after = (
@@ -147,6 +164,7 @@ class ManualGroups:
             )
         accumulate = group_size if group_size is not None else held
         outcome = closing.close(engine, optimizer, module, accumulate, ends_epoch=False, scaler=scaler)
+        self.last_unsynced = self.unsynced = False
         if outcome.action != "apply":
             optimizer.zero_grad(set_to_none=True)
             self.closed = _Closed(optimizer, None)
@@ -182,6 +200,34 @@ class ManualGroups:
         closing.finish_after_step(engine, closed.outcome, closed.scale_before, scaler)
         return output
 
+    def _check_the_groups_gradient(
+        self, optimizer: Optimizer, optimizers: Sequence[Optimizer], sync_matters: bool
+    ) -> None:
+        """Before a close: the gradient the close rescales must be the group's whole, combined gradient."""
+        if self.last_unsynced and sync_matters:
+            raise RuntimeError(
+                "`close_group`: the group's last backward ran with gradient synchronisation blocked (inside"
+                " `no_backward_sync`: `fabric.no_backward_sync(model, enabled=True)` in Fabric, the strategy's"
+                " `no_backward_sync()` or DDP's `no_sync()` in a Trainer), so the replicas' gradients were never"
+                " combined (DDP: each replica holds its own; FSDP2: no rank's shard holds the group's gradient) and the"
+                " update would differ per replica or miss the group. Run a group's last micro-batch with"
+                " synchronisation: `enabled=not last`."
+            )
+        _refuse_gradients_of_other_optimizers(optimizer, optimizers)
+
+    @staticmethod
+    def refuse_clipping(engine: AccumulationEngine, call: str) -> None:
+        """Clipping needs the group's exact gradient, which exists once the close rescaled it by ``c · D / W``:
+        before, the gradient is ``Σ (w / c) · ∇loss``, and a norm of it clips by another factor (silently wrong)."""
+        held = engine.microbatches_in_group
+        if held:
+            raise RuntimeError(
+                f"`{call}` was called inside an open accumulation group ({held} micro-batch(es) reported): its"
+                " gradient is not yet the group's mean, so the norm and the clip would be of another gradient. Call"
+                " `close_group(optimizer)` first (it rescales the gradient to the exact weighted mean), then clip, then"
+                " `optimizer.step()`."
+            )
+
     def _check_no_step_pending(self, what: str) -> None:
         if self.closed is not None:
             name = type(self.closed.optimizer).__name__
@@ -212,3 +258,20 @@ class ManualGroups:
             )
         self.closed = None
         return closed
+
+
+def _refuse_gradients_of_other_optimizers(closed: Optimizer, optimizers: Sequence[Optimizer]) -> None:
+    """The close rescales ``closed``'s parameters only: a group whose backward also reached another optimizer's
+    parameters would leave those unscaled (``Σ (w / c) · ∇loss``) for that optimizer's step."""
+    mine = {id(p) for group in closed.param_groups for p in group["params"]}
+    for other in optimizers:
+        if other is closed:
+            continue
+        if any(p.grad is not None and id(p) not in mine for g in other.param_groups for p in g["params"]):
+            raise RuntimeError(
+                f"`close_group({type(closed).__name__})`: the group's backward also reached the parameters of another"
+                f" optimizer ({type(other).__name__}), and the close rescales only the gradients of the one it is given"
+                " to the group's exact mean: the other's step would apply `Σ (w / c) · ∇loss`. Give the parameters one"
+                " optimizer (a parameter group each, e.g. for different learning rates), or set the other optimizer's"
+                " gradients to None (`zero_grad()`) if they belong to another loss."
+            )

@@ -176,6 +176,11 @@ class MeshAdapter(EngineAdapter):
     def local_gradient(self, gradient: Tensor) -> Tensor:
         return _local(gradient)
 
+    @property
+    @override
+    def sync_matters(self) -> bool:
+        return True  # FSDP2 holds the gradient unreduced while synchronisation is blocked, on one replica too
+
     @override
     def shard_rank(self) -> int | None:
         return int(self.strategy.global_rank)
@@ -494,9 +499,11 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         for m in modules:
             m.set_requires_gradient_sync(False, recurse=False)
+        self._sync_blocked = True  # a manual loop's close after a last backward here is refused
         try:
             yield
         finally:
+            self._sync_blocked = False
             for m in modules:
                 m.set_requires_gradient_sync(True, recurse=False)
 
