@@ -95,14 +95,14 @@ class TinyLM(L.LightningModule):
 
 
 class RateTrace(L.Callback):
-    """Keeps (tokens before the update, rate it used) for every update, from the engine's group listener."""
+    """Keeps (tokens before the update, rate it used) for every update, from the strategy's group listener."""
 
     def __init__(self) -> None:
         self.rates: list[tuple[int, float]] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.trainer = trainer
-        trainer.strategy.engine.add_listener(self.on_group)
+        trainer.strategy.add_group_listener(self.on_group)
 
     def on_group(self, record: Any, batch_samples: Sequence[int]) -> None:
         # Called after each update, before the schedule advances: the rate this update used.

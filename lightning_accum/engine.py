@@ -451,18 +451,6 @@ class AccumulationEngine:
         values = (torch.cat((vector, found.to(vector.device).reshape(1))) if found is not None else vector).tolist()
         return ReducedGroup.from_values(values), any(flag > 0 for flag in values[VECTOR_SIZE:])
 
-    def schedule_due(self, record: GroupRecord, frequency: int = 1) -> bool:
-        """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in the ledger)."""
-        return self.decisions.schedule_due(record, frequency)
-
-    def add_listener(self, listener: GroupListener) -> None:
-        """Call ``listener(record, batch_samples)`` after every closed group (see :class:`GroupDecisions`)."""
-        self.decisions.add_listener(listener)
-
-    def remove_listener(self, listener: GroupListener) -> None:
-        """Stop calling ``listener`` (no effect if it was not added)."""
-        self.decisions.remove_listener(listener)
-
     def finish_group(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
         """Complete the outcome's record once the optimizer ran (or did not): the ledger, the listeners."""
         return self.decisions.finish(outcome, applied, skip_reason)
