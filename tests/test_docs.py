@@ -147,3 +147,28 @@ def test_every_trainer_in_the_readme_says_when_it_stops() -> None:
     texts = [first or second for first, second in calls]
     assert len(texts) >= 5
     assert all("max_epochs" in text or "max_steps" in text for text in texts), texts
+
+
+def test_the_group_vectors_element_count_is_the_codes() -> None:
+    # The vector a group sums over replicas is laid out by `Slot` (lightning_accum/group.py); the README said 12 when it
+    # had 14 elements.
+    from lightning_accum.group import VECTOR_SIZE, Slot
+
+    assert len(Slot) == VECTOR_SIZE == max(Slot) + 1
+    said = [
+        (page.name, int(count))
+        for page in [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+        for count in re.findall(r"all-reduce of a (\d+)-element float64 vector", " ".join(page.read_text().split()))
+    ]
+    assert said and all(count == VECTOR_SIZE for _, count in said), (said, VECTOR_SIZE)
+
+
+def test_the_adapters_setup_says_it_runs_before_lightnings() -> None:
+    import inspect
+
+    from lightning_accum.strategies.adapter import EngineAdapter
+    from lightning_accum.strategies.base import ExactAccumulation
+
+    source = inspect.getsource(ExactAccumulation.setup)
+    assert source.index("self._core.adapter.setup(trainer)") < source.index("super().setup(trainer)")
+    assert "before Lightning's" in (EngineAdapter.setup.__doc__ or "")

@@ -240,21 +240,17 @@ def test_a_damaged_entry_is_refused_with_its_key(tmp_path: Path) -> None:
         other.load(path, {"model": model, "optimizer": optimizer})
 
 
-@pytest.mark.parametrize(
-    ("content", "cause"),
-    [
-        (b"", r"the file is empty \(0 bytes\)"),
-        (b"\x80", r"the file is cut short: its 1 byte\(s\) end inside a pickle"),  # before: a bare IndexError
-        (b"\x80\x02}", r"the file is cut short: its 3 byte\(s\) end inside a pickle"),  # before: a bare EOFError
-    ],
-)
-def test_a_checkpoint_file_that_cannot_be_read_is_named(tmp_path: Path, content: bytes, cause: str) -> None:
+@pytest.mark.parametrize("content", [b"", b"\x80", b"\x80\x02}"])  # before: a bare EOFError, IndexError, EOFError
+def test_a_checkpoint_file_that_cannot_be_read_is_named(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "short.ckpt"
     path.write_bytes(content)
     fabric = L.Fabric(strategy="accum", accelerator="cpu")
     model, _ = fabric.setup(*_model_and_optimizer())
-    with pytest.raises(ValueError, match=re.escape(f"`ckpt_path={str(path)!r}` cannot be read: ") + cause):
+    size = f"({len(content)} byte(s)) cannot be read: "
+    with pytest.raises(ValueError, match=re.escape(f"`ckpt_path={str(path)!r}` {size}")) as caught:
         fabric.load(path, {"model": model})
+    assert caught.value.__cause__ is not None  # torch's own error, chained and named in the message
+    assert type(caught.value.__cause__).__name__ in str(caught.value)
 
 
 def test_the_users_state_keeps_its_keys_and_the_package_key_is_refused(tmp_path: Path) -> None:

@@ -11,21 +11,78 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_accum"
 INTERNALS = ROOT / "docs" / "internals.md"
 
-#: Classes allowed past 400 lines, each with its reason.
+#: The size of a class or a function is the number of its statements (every statement inside it, nested ones and its
+#: own ``class`` / ``def`` line included; a ``lambda`` counts as one too), not its lines: joining lines, or writing a
+#: method as ``name = property(lambda self: ...)``, does not make it smaller. A docstring is one statement however long
+#: it is. The limits are the former 400 and 60 lines at the package's own ratio when they were set (2026-12-03: 1.95
+#: lines per statement in classes, 1.92 in functions of 25 lines or more).
+CLASS_LIMIT = 200
+FUNCTION_LIMIT = 30
+
+#: Classes allowed past CLASS_LIMIT, each with its reason.
 LONG_CLASSES: dict[str, str] = {
     "strategies/base.py:ExactAccumulation": "the one package layer between each public strategy and Lightning's class:"
     " every Lightning hook the package changes in one file, each delegating to a composed part, and the documented"
-    " public interface (the manual API's docstrings alone are 60 lines); one longer class reads better than a tower of"
-    " bases (issue #37). Its one job with logic of its own, the automatic optimizer step (the closure that closes the"
-    " group inside the optimizer's step, LBFGS re-evaluations), is the composed part `strategies/automatic`",
+    " public interface; one longer class reads better than a tower of bases (issue #37). Its one job with logic of its"
+    " own, the automatic optimizer step (the closure that closes the group inside the optimizer's step, LBFGS"
+    " re-evaluations), is the composed part `strategies/automatic`",
 }
-#: Functions allowed past 60 lines, each with its reason.
+#: Functions allowed past FUNCTION_LIMIT, each with its reason.
 LONG_FUNCTIONS: dict[str, str] = {
     "strategies/slicing.py:BatchSlicer.training_step": "one loop over the slices of a batch: its states read in order",
-    "strategies/checkpoint.py:OpenGroupCheckpoint.reopen": "each kind of carried group, and its message, in one place",
     "callbacks/check.py:AccumulationCheck._run": "the check's steps in the order they run",
-    "callbacks/report.py:AccumulationReport.build": "the report's fields in the order they are printed",
 }
+#: Over the limit since statements are counted instead of lines (issue #52), with no reason to stay so: each to be
+#: split by moving a job out, never by joining. Listed with its size then, which it may not pass; it leaves the list
+#: once it is under the limit.
+TO_SPLIT: dict[str, int] = {
+    "callbacks/check.py:AccumulationCheck": 202,
+    "engine.py:AccumulationEngine": 203,
+    "strategies/slicing.py:BatchSlicer": 251,
+    "callbacks/check.py:_restored": 40,
+    "group.py:GroupSums.local_vector": 42,
+    "strategies/evaluation.py:ExactEvaluation.step": 33,
+    "strategies/evaluation.py:ExactEvaluation._reduce_and_log": 42,
+    "strategies/slicing.py:BatchSlicer._local_slice": 32,
+    "strategies/slicing.py:BatchSlicer.backward": 34,
+}
+
+
+def _size(node: ast.AST) -> int:
+    """The statements in ``node`` (its own included) and its lambdas: blind to how they are spread over lines."""
+    return sum(isinstance(inner, ast.stmt | ast.Lambda) for inner in ast.walk(node))
+
+
+def _sizes(package: Path) -> dict[str, tuple[str, int]]:
+    """Every class (``"class"``) and every module-level function or method (``"function"``; ``async def`` too) of
+    ``package``, by ``path:Class.name``, with its size."""
+    sizes: dict[str, tuple[str, int]] = {}
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(package).as_posix()
+        for owner in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef))]:
+            if isinstance(owner, ast.ClassDef):
+                sizes[f"{where}:{owner.name}"] = ("class", _size(owner))
+            for node in owner.body:
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    prefix = f"{owner.name}." if isinstance(owner, ast.ClassDef) else ""
+                    sizes[f"{where}:{prefix}{node.name}"] = ("function", _size(node))
+    return sizes
+
+
+def _too_long(package: Path) -> tuple[list[str], set[str]]:
+    """The classes and functions past their limit that are neither exempt nor listed to split (or that grew past
+    their listed size), and the exempt or listed ones that are past it."""
+    limits = {"class": CLASS_LIMIT, "function": FUNCTION_LIMIT}
+    too_long, over_and_listed = [], set()
+    for key, (kind, size) in _sizes(package).items():
+        if size <= limits[kind]:
+            continue
+        if key in LONG_CLASSES or key in LONG_FUNCTIONS or size <= TO_SPLIT.get(key, -1):
+            over_and_listed.add(key)
+        else:
+            too_long.append(f"{key} ({size} statements)")
+    return too_long, over_and_listed
 
 
 def _module_name(path: Path, package: Path = PACKAGE) -> str:
@@ -132,28 +189,27 @@ def test_nothing_below_the_schedules_imports_lightning(tmp_path: Path) -> None:
 
 
 def test_classes_and_functions_stay_readable() -> None:
-    too_long = []
-    exempt_and_long = set()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.ClassDef):
-                continue
-            if f"{path.relative_to(PACKAGE)}:{node.name}" in LONG_CLASSES:
-                if node.end_lineno - node.lineno + 1 > 400:  # type: ignore[operator]
-                    exempt_and_long.add(f"{path.relative_to(PACKAGE)}:{node.name}")
-                continue
-            if node.end_lineno - node.lineno + 1 > 400:  # type: ignore[operator]
-                too_long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1})")
-        for owner in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef))]:
-            for node in owner.body:
-                if not isinstance(node, ast.FunctionDef):
-                    continue
-                prefix = f"{owner.name}." if isinstance(owner, ast.ClassDef) else ""
-                key = f"{path.relative_to(PACKAGE)}:{prefix}{node.name}"
-                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
-                if length > 60 and key not in LONG_FUNCTIONS:
-                    too_long.append(f"{key} ({length})")
+    too_long, over_and_listed = _too_long(PACKAGE)
     assert not too_long, too_long
-    # An exemption outlives its reason once the class is short again (or gone): drop it from LONG_CLASSES.
-    assert exempt_and_long == set(LONG_CLASSES), sorted(set(LONG_CLASSES) - exempt_and_long)
+    # An exemption, or a place on the list to split, outlives itself once the class or function is short again (or
+    # gone): drop it.
+    listed = set(LONG_CLASSES) | set(LONG_FUNCTIONS) | set(TO_SPLIT)
+    assert over_and_listed == listed, sorted(listed - over_and_listed)
+
+
+def test_the_size_check_is_blind_to_joined_lines_and_sees_async_functions(tmp_path: Path) -> None:
+    package = tmp_path / "lightning_accum"
+    package.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LIMIT))
+    joined = "; ".join(f"x{i} = {i}" for i in range(FUNCTION_LIMIT))
+    (package / "spread.py").write_text(f"async def spread():\n{body}")  # one line per statement, an `async def`
+    (package / "joined.py").write_text(f"def joined():\n    {joined}\n")  # every statement on one line
+    (package / "lambdas.py").write_text(  # methods written as lambdas, on one line each
+        "class Lambdas:\n" + "".join(f"    p{i} = property(lambda self: {i})\n" for i in range(CLASS_LIMIT // 2 + 1))
+    )
+    too_long, _ = _too_long(package)
+    assert sorted(too_long) == [
+        f"joined.py:joined ({FUNCTION_LIMIT + 1} statements)",
+        f"lambdas.py:Lambdas ({2 * (CLASS_LIMIT // 2 + 1) + 1} statements)",
+        f"spread.py:spread ({FUNCTION_LIMIT + 1} statements)",
+    ]

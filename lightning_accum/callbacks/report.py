@@ -21,7 +21,7 @@ from lightning_accum.callbacks.common import accumulation_strategy
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import ExactAccumulation
 
-__all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport", "FitPeak"]
+__all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
 
 REPORT_FILENAME = "accumulation_report.json"
 REPORT_SCHEMA = "lightning_accum.report/1"
@@ -42,112 +42,21 @@ def _reset_peak_memory(device: torch.device) -> bool:
     return True
 
 
-def _peak_counter(device: torch.device) -> int:
-    """The process's own peak counter, in bytes: CUDA's allocator peak, the peak resident set ``VmHWM`` on Linux, the
-    lifetime peak ``ru_maxrss`` elsewhere."""
+def _peak_counter(device: torch.device) -> tuple[int, str]:
+    """The process's own peak counter in bytes, and its name: CUDA's allocator peak, the peak resident set ``VmHWM``
+    on Linux, the lifetime peak ``ru_maxrss`` elsewhere."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated (CUDA allocator peak)"
     try:
         with open("/proc/self/status") as status:
             for line in status:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                    return int(line.split()[1]) * 1024, "VmHWM (the process's peak RSS)"
     except OSError:
         pass
     # ru_maxrss is in kilobytes on Linux and bytes on macOS.
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _in_use(device: torch.device) -> int | None:
-    """Memory in use now, in bytes, read without a device synchronisation: CUDA's allocated memory, the resident set on
-    Linux (``/proc/self/statm``, about 12 µs), ``None`` where it cannot be read."""
-    if device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE
-    except OSError:
-        return None
-
-
-class FitPeak:
-    """The memory peak of one fit, measured without resetting the process's counters unless asked to.
-
-    A process has one peak counter (CUDA's allocator peak, the resident set's ``VmHWM``): resetting it is what other
-    monitors of the process see too, so by default it is only read, at the fit's start (:attr:`before`) and when a peak
-    is asked for. Where it rose during the fit it is the fit's own peak, exactly (a peak above :attr:`before` is
-    reached after the start). Where it did not, the process's peak predates the fit and the fit's peak is not
-    measurable without a reset: :meth:`peak` gives the largest memory in use seen at the fit's start, at
-    :meth:`sample` (updates' closes, at most every :attr:`INTERVAL` seconds) and at each call, a lower bound.
-    ``reset=True`` resets the counter at the start instead, so that it is this fit's.
-
-    Example:
-        >>> watch = FitPeak(torch.device("cpu"), reset=False)  # the process's peak counter read, not reset
-        >>> watch.sample()  # at an update's close
-        >>> peak, predates = watch.peak()
-        >>> predates or peak > watch.before  # a peak above the one before the fit is the counter's, exact
-        True
-    """
-
-    #: Seconds between two samples at updates' closes: a read of the resident set costs about 12 µs
-    #: (``/proc/self/statm``), 6 % of the benchmark's smallest update (0.19 ms), and it moves little between updates.
-    INTERVAL = 0.1
-
-    def __init__(self, device: torch.device, reset: bool) -> None:
-        self.device = device
-        #: The process's peak counter when the fit started (before a reset).
-        self.before = _peak_counter(device)
-        #: Whether the counter was reset at the start (asked for, and possible here).
-        self.reset = bool(reset) and _reset_peak_memory(device)
-        self._largest = _in_use(device)
-        self._due = time.perf_counter() + self.INTERVAL  # when the next sample at an update's close is taken
-
-    def sample(self, force: bool = False) -> None:
-        """Note the memory in use now (at an update's close) if :attr:`INTERVAL` passed since the last sample, or
-        ``force``."""
-        clock = time.perf_counter()
-        if clock < self._due and not force:
-            return
-        self._due = clock + self.INTERVAL
-        now = _in_use(self.device)
-        if now is not None and (self._largest is None or now > self._largest):
-            self._largest = now
-
-    def peak(self) -> tuple[int | None, bool]:
-        """The fit's peak so far in bytes, and whether the process's peak predates the fit (the peak is then the
-        largest sample, a lower bound; ``None`` where memory in use cannot be read)."""
-        counter = _peak_counter(self.device)
-        if self.reset or counter > self.before:
-            return counter, False
-        self.sample(force=True)
-        return self._largest, True
-
-    @property
-    def source(self) -> str:
-        """Where :meth:`peak`'s numbers come from, for the record."""
-        if self.device.type == "cuda":
-            if self.reset:
-                return "torch.cuda.max_memory_allocated (CUDA allocator peak since this fit: reset at its start)"
-            return (
-                "torch.cuda.max_memory_allocated where it rose above peak_before_fit during the fit, else the largest"
-                " torch.cuda.memory_allocated at the fit's start, its updates' closes (every 0.1 s) and its end (a"
-                " lower bound); the allocator's peak is not reset"
-            )
-        if self.reset:
-            return "VmHWM (peak RSS since the fit started: reset through /proc/self/clear_refs)"
-        if self._largest is not None:
-            return (
-                "VmHWM (peak RSS) where it rose above peak_before_fit during the fit, else the largest resident set"
-                " (/proc/self/statm) at the fit's start, its updates' closes (every 0.1 s) and its end (a lower"
-                " bound); the process's peak is not reset"
-            )
-        return (
-            "getrusage ru_maxrss (the process's lifetime peak RSS) where it rose above peak_before_fit during the"
-            " fit, else unknown: the resident set cannot be read here"
-        )
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
+    return peak, "getrusage ru_maxrss (the process's lifetime peak RSS)"
 
 
 #: Whether the reset of the process's peak counters was announced (once per process).
@@ -201,8 +110,8 @@ class AccumulationReport(Callback):
     ``updates``                          ``attempted``, ``applied``, ``skipped`` (reason → count)
     ``memory``                           ``source``, ``unit`` (bytes), and per rank ``first_group_peak``,
                                          ``run_peak``, ``peak_before_fit`` (the process's peak counter at
-                                         the fit's start) and ``peak_predates_fit`` (``run_peak`` is then a
-                                         lower bound; see below)
+                                         the fit's start) and ``peak_predates_fit`` (``run_peak`` is then the
+                                         process's peak from before the fit; see below)
     ``time``                             ``wall_seconds``, ``tokens_per_second``, ``samples_per_second``
     ``documents``                        where the steps report documents (:func:`~lightning_accum.document_mean_loss`;
                                          absent otherwise): ``total`` documents with a supervised token,
@@ -216,21 +125,18 @@ class AccumulationReport(Callback):
     ``ledger``                           the ledger's state
     ==================================== ===============================================================
 
-    Both peaks are this fit's, measured without touching the process's peak counters (CUDA's allocator peak, on CPU
-    the peak resident set ``VmHWM``), which other monitors read too (Lightning's ``DeviceStatsMonitor``, a profiler,
-    your own ``torch.cuda.max_memory_allocated()``): the counter is read at the start of training
-    (``peak_before_fit``) and again for each peak (:class:`FitPeak`). Where it rose during the fit, the peak is the
-    counter's, exactly; where it did not, the process's peak predates the fit (an earlier fit in the same process, a
-    large tensor freed before ``fit``), ``peak_predates_fit`` is true and the peak is the largest memory in use seen at
-    the start, after the first update, at updates' closes every 0.1 s and at the end (``torch.cuda.memory_allocated``,
-    the resident set): a lower bound of the fit's peak, which can be higher inside a backward. So a peak above
-    ``peak_before_fit`` is exact, one at or below it a sample. The first group's peak is read after the first update
-    (backward and optimizer state included). ``reset_peak_memory=True`` resets the counter at the start of training
-    instead (``torch.cuda.reset_peak_memory_stats``; on Linux ``/proc/self/clear_refs``), so that both peaks are the
-    counter's, exactly, for every fit; other monitors then see it reset too, as the report says once, on rank zero.
-    Where the resident peak cannot be reset or the resident set read (macOS), a peak that predates the fit is unknown
-    (``null``). ``memory.source`` says which of these the numbers are. On CPU the resident set includes what the
-    process held before ``fit`` (the model, the data, the interpreter).
+    The peaks are the process's peak counter (CUDA's allocator peak, on CPU the peak resident set ``VmHWM``), read
+    at the start of training (``peak_before_fit``), after the first update (``first_group_peak``: backward and
+    optimizer state included) and at the end (``run_peak``), and never reset by default: other monitors read it too
+    (Lightning's ``DeviceStatsMonitor``, a profiler, your own ``torch.cuda.max_memory_allocated()``). Where the
+    counter rose during the fit, the peak is this fit's, exactly. Where it did not (``run_peak`` equals
+    ``peak_before_fit``), ``peak_predates_fit`` is true: the process's peak was set before the fit (an earlier fit in
+    the same process, a large tensor freed before ``fit``), and the fit's own peak is at most ``run_peak``, not
+    measured. ``reset_peak_memory=True`` resets the counter at the start of training instead
+    (``torch.cuda.reset_peak_memory_stats``; on Linux ``/proc/self/clear_refs``), so that the peaks are this fit's in
+    every case; other monitors then see it reset too, as the report says once, on rank zero. ``memory.source`` names
+    the counter. On CPU the resident set includes what the process held before ``fit`` (the model, the data, the
+    interpreter).
 
     The file's path is checked when the fit starts (``setup``), on rank zero, before anything trains: a path that
     cannot be written is an error then, not after the run.
@@ -244,9 +150,9 @@ class AccumulationReport(Callback):
         path: Folder for the JSON file (written as ``accumulation_report.json`` there), or a file name
             ending in ``.json``; by default the first logger's log directory, or the Trainer's
             ``default_root_dir`` without a logger.
-        reset_peak_memory: Reset the process's peak-memory counters at the start of training, so that the peaks are
-            exactly this fit's also where the process's peak predates it (see above); other monitors of the process
-            see the reset too. ``False`` (the default) leaves the counters as they are.
+        reset_peak_memory: Reset the process's peak-memory counter at the start of training, so that the peaks are
+            this fit's also where the process's peak predates it (see above); other monitors of the process see the
+            reset too. ``False`` (the default) leaves the counter as it is.
         table: Print the record as a table on the console (``True``), or as one line (status, updates, tokens, peak
             memory, time, the file), e.g. for the later runs of a script that runs many; the file and TensorBoard get
             the whole record either way.
@@ -278,7 +184,8 @@ class AccumulationReport(Callback):
         self._microbatch_min: int | None = None
         self._microbatch_max: int | None = None
         self._first_group_peak: int | None = None
-        self._memory: FitPeak | None = None  # from the start of training
+        self._peak_before: int | None = None  # the peak counter at the start of training
+        self._peak_reset = False  # it was reset there
         self._written = False
 
     @override
@@ -314,20 +221,19 @@ class AccumulationReport(Callback):
         self._reset()
         self._start = time.perf_counter()
         device = trainer.strategy.root_device
-        self._memory = FitPeak(device, reset=self.reset_peak_memory)
-        if self._memory.reset and not _ANNOUNCED:
+        self._peak_before = _peak_counter(device)[0]
+        self._peak_reset = self.reset_peak_memory and _reset_peak_memory(device)
+        if self._peak_reset and not _ANNOUNCED:
             _ANNOUNCED.append(True)  # once per process: every fit resets them alike
             what = "CUDA's allocator peak" if device.type == "cuda" else "the process's peak resident memory"
             rank_zero_info(
                 f"AccumulationReport: reset {what} at the start of training (reset_peak_memory=True), so that the"
                 " report gives this fit's peak exactly; other monitors of the process read the reset counters too."
-                " Without it (the default) the counters are left as they are and a peak that predates the fit is"
-                " reported as the largest memory in use seen during the fit."
+                " Without it (the default) the counters are left as they are, and a peak that predates the fit is"
+                " reported as such (`peak_predates_fit`)."
             )
 
     def _on_group(self, group: GroupRecord, batch_samples: Sequence[int]) -> None:
-        if self._memory is not None:
-            self._memory.sample()  # the fit's peak where the process's predates it: the largest memory in use seen
         if batch_samples:
             low = high = batch_samples[0]
             if len(batch_samples) > 1:
@@ -341,8 +247,8 @@ class AccumulationReport(Callback):
         self._samples_per_update.append(group.samples)
         self._tokens_per_update.append(group.tokens)
         self._documents_per_update.append(group.documents)
-        if self._first_group_peak is None and self._memory is not None:
-            self._first_group_peak = self._memory.peak()[0]
+        if self._first_group_peak is None and self._peak_before is not None and self._strategy is not None:
+            self._first_group_peak = _peak_counter(self._strategy.root_device)[0]
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -369,9 +275,10 @@ class AccumulationReport(Callback):
         """The record as a JSON-ready dict (collective under DDP when ``gather``)."""
         strategy = accumulation_strategy(trainer, "AccumulationReport")
         ledger = strategy.ledger
-        memory = self._memory or FitPeak(strategy.root_device, reset=False)  # stopped before training started
-        run_peak, predates = memory.peak()
-        mine = [self._first_group_peak, run_peak, self._microbatch_min, self._microbatch_max, memory.before, predates]
+        run_peak, source = _peak_counter(strategy.root_device)
+        before = run_peak if self._peak_before is None else self._peak_before  # None: stopped before training started
+        predates = not self._peak_reset and run_peak <= before  # the counter did not rise: the fit may not have set it
+        mine = [self._first_group_peak, run_peak, self._microbatch_min, self._microbatch_max, before, predates]
         # -1 marks "none" in the gathered integer tensor only; the record says None.
         per_rank = [
             [v if v >= 0 else None for v in row]
@@ -431,11 +338,11 @@ class AccumulationReport(Callback):
                 "skipped": dict(ledger.updates_skipped),
             },
             "memory": {
-                "source": memory.source,
+                "source": f"{source}, {'reset at the start of training' if self._peak_reset else 'not reset'}",
                 "unit": "bytes",
                 "first_group_peak": [row[0] for row in per_rank],
                 "run_peak": [row[1] for row in per_rank],
-                # Added keys (the ones above keep their meaning): what tells a measured peak from a lower bound.
+                # Added keys (the ones above keep their meaning): what tells this fit's peak from an earlier one.
                 "peak_before_fit": [row[4] for row in per_rank],
                 "peak_predates_fit": [bool(row[5]) for row in per_rank],
             },

@@ -192,7 +192,8 @@ class EngineAdapter:
     # ------------------------------------------------------------------ the run
 
     def setup(self, trainer: Any) -> None:
-        """The strategy's ``setup``, after Lightning's (the model is wrapped and sharded)."""
+        """The strategy's ``setup``, before Lightning's: ``configure_model`` ran (a sharded model is sharded), the model
+        is not yet wrapped (DDP), moved to its device or given its optimizers."""
 
     def on_train_start(self, trainer: Any) -> None:
         """The strategy's ``on_train_start``."""

@@ -280,7 +280,6 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
 
     strategy_name = "accum_ddp"
     adapter_type = DDPAdapter
-    _adapter: DDPAdapter
 
     def __init__(
         self,

@@ -1,29 +1,24 @@
 """A checkpoint file (or sharded folder) as it is read: Lightning's read, or the package's error for one that cannot
 be read.
 
-:func:`read_checkpoint` turns the failures of a file that cannot be read into one ``ValueError`` naming the file, its
-size, the likely cause and the way out (Lightning's or torch's error chained as its cause): an empty file, a file cut
-short, a file that is no checkpoint at all, a shard of a sharded folder cut short, a sharded folder given to a strategy
-that reads single files (:func:`describe_folder` says what wrote it and how to resume it) or to a model that is not
-sharded. Every other error of the read passes through untouched: the diagnosis looks at the file itself, never at the
-words of an error. :func:`distributed_gradients` reads the gradient of a group open at a sharded checkpoint. What is
-read is checked by :mod:`~lightning_accum.strategies.entry`. See ``docs/reliability.md``.
+:func:`read_checkpoint` turns a failure of torch's read of a local file or sharded folder into one ``ValueError``
+naming the path, its size and torch's own error (chained as its cause); every other error of the read (a missing file,
+a state that does not fit the model, a remote path) passes through untouched. A sharded folder given to a strategy that
+cannot read it is refused before the read (:func:`describe_folder` says what wrote it and how to resume it).
+:func:`distributed_gradients` reads the gradient of a group open at a sharded checkpoint. What is read is checked by
+:mod:`~lightning_accum.strategies.entry`. See ``docs/reliability.md``.
 """
 
 from __future__ import annotations
 
-import pickletools
-import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from torch import Tensor
-from torch.serialization import MAGIC_NUMBER
 
 from lightning_accum.strategies.entry import CHECKPOINT_KEY, DISTRIBUTED_KEY
 
@@ -53,12 +48,12 @@ def read_checkpoint(
     Args:
         read: Reads the checkpoint (the Lightning strategy's ``load_checkpoint``).
         path: The checkpoint's path, as given to ``Trainer.fit(ckpt_path=...)``.
-        strategy: The strategy reading it: whether it reads sharded folders, and into which model. ``None``: only
-            the files themselves are looked at.
+        strategy: The strategy reading it: whether it reads sharded folders, and into which model. ``None``: no
+            folder is refused before the read.
 
     Raises:
-        ValueError: The file, or the folder, cannot be read; chained to Lightning's or torch's error where there was
-            one. Any other error of ``read`` is raised as it was.
+        ValueError: A sharded folder this strategy cannot read, or a file or folder torch's read failed on (the path,
+            its size and torch's error, chained as its cause). Any other error of ``read`` is raised as it was.
     """
     local = _local(path)
     if local is not None and local.is_dir() and strategy is not None:
@@ -68,13 +63,36 @@ def read_checkpoint(
     try:
         return read()
     except _READ_ERRORS as error:
-        custom_io = not isinstance(strategy, ModelParallelStrategy) and not isinstance(
-            getattr(strategy, "checkpoint_io", None), TorchCheckpointIO | None
-        )
-        fault = None if local is None or custom_io else _folder_fault(local) if local.is_dir() else _file_fault(local)
-        if fault is None:
+        size = _size(local) if local is not None and _from_torch_read(error) else None
+        if size is None:
             raise
-        raise ValueError(f"`ckpt_path={str(path)!r}` cannot be read: {fault}") from error
+        said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        raise ValueError(f"`ckpt_path={str(path)!r}` ({size}) cannot be read: {said}") from error
+
+
+def _from_torch_read(error: BaseException) -> bool:
+    """Whether ``error`` is torch's read of the file failing (raised inside ``torch.load``, or torch's
+    distributed-checkpoint error), not Lightning's or the model's side of the load (a missing file, a state that does
+    not fit)."""
+    if isinstance(error, _READ_ERRORS[1:]):  # torch's distributed-checkpoint error
+        return True
+    trace = error.__traceback__
+    while trace is not None:
+        if trace.tb_frame.f_globals.get("__name__") == "torch.serialization":
+            return True
+        trace = trace.tb_next
+    return False
+
+
+def _size(path: Path) -> str | None:
+    """The size of the file (or of the folder's files) at ``path``; ``None`` where it cannot be read."""
+    try:
+        if not path.is_dir():
+            return f"{path.stat().st_size} byte(s)"
+        sizes = [p.stat().st_size for p in path.rglob("*") if p.is_file()]
+    except OSError:
+        return None
+    return f"a folder of {len(sizes)} file(s), {sum(sizes)} byte(s)"
 
 
 def describe_folder(path: _Path) -> str:
@@ -185,117 +203,6 @@ def _local(path: _Path) -> Path | None:
     return Path(text.removeprefix("file://"))
 
 
-_SHORT = (
-    "as a write or a copy that stopped early leaves it (the process killed while saving, a full disk, an interrupted"
-    " transfer)"
-)
-
-
-def _file_fault(path: Path) -> str | None:
-    """What makes the file at ``path`` unreadable as a checkpoint written by ``torch.save``, or ``None`` (it looks
-    like one: the error is about something else)."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as file:
-            head = file.read(8)
-    except OSError:
-        return None  # missing or not readable: Lightning's and the system's own errors say so
-    if size == 0:
-        return (
-            "the file is empty (0 bytes), as a write that stopped before its first byte leaves it (the process killed"
-            " while saving, a full disk). Resume from another checkpoint of the run (the one written before it), or"
-            " start the run again."
-        )
-    if head.startswith(b"PK"):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                names = archive.namelist()
-        except zipfile.BadZipFile:
-            return (
-                f"the file is cut short: {size} bytes of a zip archive (PyTorch's checkpoint format) without the"
-                f" directory that ends every complete archive, {_SHORT}. Resume from another checkpoint of the run;"
-                " if this one was copied, copy it again and compare its size with the source's."
-            )
-        if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
-            return (
-                f"the file ({size} bytes) is a zip archive but not a PyTorch checkpoint (it holds no `data.pkl`)."
-                " Check that `ckpt_path` names a checkpoint written by `Trainer.save_checkpoint` or `ModelCheckpoint`."
-            )
-        return None
-    cut = _ends_inside_a_pickle(path, size) if head.startswith(b"\x80") else None  # torch's format before zip
-    if cut:
-        return (
-            f"the file is cut short: its {size} byte(s) end inside a pickle of PyTorch's checkpoint format before zip"
-            f" archives (a sequence of pickles, then the tensors' bytes), {_SHORT}. Resume from another checkpoint of"
-            " the run; if this one was copied, copy it again and compare its size with the source's."
-        )
-    if cut is not None:
-        return None  # its pickles are whole: torch's own error says the rest
-    return (
-        f"the file is not a PyTorch checkpoint: it is {size} byte(s) starting with {head!r}, where a checkpoint"
-        " written by `torch.save` (`Trainer.save_checkpoint`, `ModelCheckpoint`) is a zip archive starting with"
-        " b'PK'. Check that `ckpt_path` names the checkpoint (not a log, a configuration or a partly downloaded"
-        " page) and resume from one; loading it with `weights_only=False`, as torch's error may advise, does not"
-        " help: the file holds no checkpoint."
-    )
-
-
-def _ends_inside_a_pickle(path: Path, size: int) -> bool | None:
-    """Whether the file ends inside one of the pickles of torch's format before zip archives; ``None`` where its bytes
-    are no pickle's.
-
-    Such a file is a sequence of pickles (torch's magic number, the protocol, facts of the system that wrote it, the
-    object, the keys of its storages), then the storages' bytes, which are not looked at: what they should hold is
-    known only by unpickling the object. Walking the pickles' opcodes (:func:`pickletools.genops`) runs nothing of
-    the file; a walk that needs more bytes than the file has meets its end inside a pickle.
-    """
-    with path.open("rb") as file:
-        for index in range(5):
-            try:
-                values = [arg for _, arg, _ in pickletools.genops(file)]
-            except ValueError:  # the walk's own: more bytes needed, or an opcode that does not exist
-                return True if file.tell() >= size else None
-            if index == 0 and MAGIC_NUMBER not in values:
-                return False  # one whole pickle, not torch's older format: torch's error says what it found
-    return False
-
-
-def _folder_fault(folder: Path) -> str | None:
-    """What makes a sharded folder unreadable (its metadata file, torch's index of the shards, a shard shorter than
-    that index says), or ``None``."""
-    meta, index = folder / _METADATA_FILENAME, folder / ".metadata"
-    if not _is_distributed(folder):
-        return None  # not a Lightning distributed checkpoint: Lightning's error says what it expected
-    fault = _file_fault(meta)
-    if fault is not None:
-        return f"it is a sharded checkpoint, and its metadata file `meta.pt`: {fault}"
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        stored = FileSystemReader(str(folder)).read_metadata().storage_data
-    except Exception:
-        return (
-            f"it is a sharded checkpoint whose index of the shards, `.metadata` ({index.stat().st_size} bytes),"
-            f" cannot be read: it is damaged, {_SHORT}. Resume from another checkpoint of the run."
-        )
-    ends: dict[str, int] = {}
-    for info in stored.values():
-        name, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
-        if isinstance(name, str):
-            ends[name] = max(ends.get(name, 0), int(end))
-    for name, end in sorted(ends.items()):
-        shard = folder / name
-        size = shard.stat().st_size if shard.is_file() else None
-        if size is None or size < end:
-            found = "missing" if size is None else f"{size} bytes"
-            return (
-                f"it is a sharded checkpoint, and its shard `{name}` is {found}, but the folder's `.metadata` places"
-                f" data up to byte {end} in it: the shard is cut short, {_SHORT}. Resume from another checkpoint of"
-                " the run; if the folder was copied, copy that shard again."
-            )
-    return None
-
-
 def distributed_gradients(
     checkpoint: Mapping[str, Any],
     group: Mapping[str, Any],
@@ -314,4 +221,4 @@ def distributed_gradients(
             " of devices), or resume from a checkpoint written at an update boundary."
         )
     names = list(group["gradient_names"])
-    return read_checkpoint(lambda: read(names), path)  # a shard cut short: named, as when Lightning reads the folder
+    return read_checkpoint(lambda: read(names), path)  # a shard torch cannot read: named, as in Lightning's read
