@@ -1,7 +1,5 @@
 """AxisLogger with MLflow (a local file store) and W&B (an offline run): real `Trainer.fit` runs, read back from the
 files each logger writes.
-
-Not part of scripts/test-lowest.sh's subset: that venv installs neither `mlflow` nor `wandb` (the `loggers` extra).
 """
 
 from __future__ import annotations
