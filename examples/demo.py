@@ -595,7 +595,10 @@ def main(argv: list[str] | None = None) -> list[Config]:
         table = write_table(results(done, curves), heading, args.out)
         picture = plot(done, curves, args.out)
         if index < len(configs):
-            print(f"   table and picture of the {index} runs so far: {Path(table).resolve()}, {PICTURE}", flush=True)
+            done_so_far = f"({index} of {len(configs)})"
+            print(
+                f"   table and picture of the runs so far {done_so_far}: {Path(table).resolve()}, {PICTURE}", flush=True
+            )
     print(f"\n== results ({training:.0f} s of training)")
     print("\n".join(results(configs, curves)))
     print(f"\nlogs and run records: {Path(args.out).resolve()}")
