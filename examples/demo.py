@@ -20,11 +20,13 @@ documents (the same groups):
 
 The picture (``loss_vs_tokens.png``) has three panels: the training loss each run back-propagates,
 the validation loss (the same token-weighted measure for every run), and per update the difference
-of the group's token-weighted training loss from the exact (16, 2) run, on a log scale. Each
-invocation clears the folders of its runs under ``--out`` first, so the picture and the TensorBoard
-logs hold only the latest runs.
+of the group's token-weighted training loss from the exact (16, 2) run, on a log scale. The picture and the
+results table (``results.txt``) are rewritten after every run with the runs done so far, so a demo stopped part-way
+leaves what it finished. Each invocation clears the folders of its runs under ``--out`` first, so the picture, the
+table and the TensorBoard logs hold only the latest runs.
 
-Run it with ``bash scripts/demo.sh`` (options below); ``--quick`` is a reduced size for tests.
+Run it with ``bash scripts/demo.sh`` (options below); ``--quick`` is the short variant (a smaller model, data and
+run length; the tests use it too).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ IGNORE_INDEX = -100
 EFFECTIVE_BATCH = 32
 ID_CHARACTERS = string.ascii_letters + string.digits  # the short documents: random identifiers
 PICTURE = "loss_vs_tokens.png"
+TABLE = "results.txt"
 
 
 # ---------------------------------------------------------------------------- data
@@ -291,10 +294,11 @@ def log_folder(out: str | os.PathLike[str], config: Config) -> Path:
 
 
 def clear_previous_runs(out: str) -> None:
-    """Remove what an earlier invocation left: every configuration's folder (DDP too) and the picture."""
+    """Remove what an earlier invocation left: every configuration's folder (DDP too), the picture and the table."""
     for config in configurations(ddp=True):
         shutil.rmtree(Path(out) / config.name, ignore_errors=True)
     (Path(out) / PICTURE).unlink(missing_ok=True)
+    (Path(out) / TABLE).unlink(missing_ok=True)
 
 
 def train(config: Config, args: argparse.Namespace, index: int, count: int) -> float:
@@ -450,15 +454,18 @@ def plot(configs: list[Config], curves: dict[str, Curves], out: str) -> str:
     for ax in (obj_ax, val_ax, gap_ax):
         ax.grid(alpha=0.3)
     obj_ax.legend(fontsize=8)
-    gap_ax.legend(fontsize=8)
+    if len(configs) > 1:  # the first run alone has no gap to draw
+        gap_ax.legend(fontsize=8)
     fig.suptitle(
         f"The same documents, {EFFECTIVE_BATCH} per update, split as (m, A, D):"
         " exact accumulation draws one curve, plain Lightning one per split"
     )
     fig.tight_layout()
     path = os.path.join(out, PICTURE)
-    fig.savefig(path, dpi=100)
+    partial = os.path.join(out, f".{PICTURE}.partial.png")
+    fig.savefig(partial, dpi=100)
     plt.close(fig)
+    os.replace(partial, path)  # a demo stopped while drawing keeps the previous picture whole
     return path
 
 
@@ -496,12 +503,27 @@ def results(configs: list[Config], curves: dict[str, Curves]) -> list[str]:
         "",
         "last loss: what the run back-propagates (plain Lightning: the mean of micro-batch means);",
         f"largest gap: its token-weighted group loss against {configs[0].name}'s, update by update.",
-        f"exact splits ({', '.join(c.split for c in exact)}): largest difference between their training"
-        f" curves {spread(exact, 'objective'):.1e}, validation {spread(exact, 'val'):.1e}",
-        f"plain Lightning ({', '.join(c.split for c in plain)}): largest difference between their training"
-        f" curves {spread(plain, 'objective'):.3f}, validation {spread(plain, 'val'):.3f}",
     ]
+    if len(exact) > 1:
+        lines.append(
+            f"exact splits ({', '.join(c.split for c in exact)}): largest difference between their training"
+            f" curves {spread(exact, 'objective'):.1e}, validation {spread(exact, 'val'):.1e}"
+        )
+    if len(plain) > 1:
+        lines.append(
+            f"plain Lightning ({', '.join(c.split for c in plain)}): largest difference between their training"
+            f" curves {spread(plain, 'objective'):.3f}, validation {spread(plain, 'val'):.3f}"
+        )
     return lines
+
+
+def write_table(lines: list[str], heading: str, out: str) -> str:
+    """The results table as a file, replaced whole (a demo stopped while writing keeps the previous table)."""
+    path = os.path.join(out, TABLE)
+    partial = os.path.join(out, f".{TABLE}.partial")
+    Path(partial).write_text("\n".join([heading, *lines]) + "\n")
+    os.replace(partial, path)
+    return path
 
 
 # ---------------------------------------------------------------------------- command line
@@ -511,6 +533,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     pass
 
 
+#: The short variant: fewer and shorter documents, a smaller model, 6 updates per run instead of 40.
 QUICK = {"updates": 6, "documents": 192, "val_documents": 32, "val_every": 3, "max_len": 32, "width": 32, "layers": 1}
 
 
@@ -530,7 +553,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"a reduced size for tests ({', '.join(f'{k}={v}' for k, v in QUICK.items())})",
+        help=f"the short variant, also what the tests run ({', '.join(f'{k}={v}' for k, v in QUICK.items())})",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -561,16 +584,25 @@ def main(argv: list[str] | None = None) -> list[Config]:
         flush=True,
     )
     clear_previous_runs(args.out)
-    start = time.perf_counter()
+    training = 0.0
+    curves: dict[str, Curves] = {}
     for index, config in enumerate(configs, start=1):
-        train(config, args, index, len(configs))
-    training = time.perf_counter() - start
-    print("\n== drawing the picture from the event files", flush=True)
-    curves = {config.name: read_run(args.out, config) for config in configs}
-    picture = plot(configs, curves, args.out)
+        training += train(config, args, index, len(configs))
+        # The table and the picture of the runs done so far, after each run: a stopped demo leaves what it finished.
+        curves[config.name] = read_run(args.out, config)
+        done = configs[:index]
+        heading = f"== results ({training:.0f} s of training; {index} of {len(configs)} runs done)"
+        table = write_table(results(done, curves), heading, args.out)
+        picture = plot(done, curves, args.out)
+        if index < len(configs):
+            done_so_far = f"({index} of {len(configs)})"
+            print(
+                f"   table and picture of the runs so far {done_so_far}: {Path(table).resolve()}, {PICTURE}", flush=True
+            )
     print(f"\n== results ({training:.0f} s of training)")
     print("\n".join(results(configs, curves)))
     print(f"\nlogs and run records: {Path(args.out).resolve()}")
+    print(f"results table:        {Path(table).resolve()}")
     print(f"picture:              {Path(picture).resolve()}")
     print(f"open TensorBoard:     {tensorboard_command(args.out)}")
     return configs

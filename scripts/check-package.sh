@@ -2,16 +2,18 @@
 # The package as a user gets it, run by scripts/test.sh (with no arguments) after the test suite; standalone too.
 #  1. build the sdist and, from it, the wheel (python -m build, in an isolated build environment);
 #  2. check what they hold (scripts/package_contents.py): the wheel the package, py.typed and LICENSE and nothing else,
-#     the sdist what its tests read;
+#     and a Lightning range from 2.6.6 on; the sdist what its tests read;
 #  3. run the test files that read the tree (layout, docs' tables, the declared ranges) from the unpacked sdist;
 #  4. install the wheel alone in a fresh venv (no editable install, no dev extras), torch 2.13.0 first as the README
 #     says so that the CPU build is kept, and run scripts/package_smoke.py there: a Trainer fit with strategy="accum",
 #     AxisLogger and AccumulationReport and a Fabric loop, each compared with a float64 reference;
 #  5. every extra alone: a venv per extra, cloned by hard links from the one of step 4 (the wheel and torch installed
 #     once, so each extra costs only its own packages), the extra installed into it, then what it is for is used
-#     (`litgpt --help` for [litgpt]) and `pip check` says the set is consistent.
-# Everything is pinned by requirements/ci.txt (the versions CI knows to be good) and pip's cache is reused. It works in
-# build/package-check (ignored by git), laid anew on each run; the venvs are removed when it passes.
+#     (scripts/package_smoke.py <extra>; `litgpt --help` for [litgpt]) and `pip check` says the set is consistent.
+# Steps 4 and 5 run twice: under requirements/ci.txt's pins (the versions CI knows to be good), then unconstrained but
+# for torch==2.13.0 (`pip install "<wheel>[<extra>]" torch==2.13.0`: the newest releases the ranges admit, what a user
+# who installs today gets). pip's cache is reused. It works in build/package-check (ignored by git), laid anew on each
+# run; the venvs are removed when it passes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -52,30 +54,39 @@ if [ -x .venv/bin/python ]; then
     tests/test_layout.py tests/test_packaging.py)
 fi
 
-step "a fresh venv with the wheel alone: torch 2.13.0 (CPU) first, then the wheel"
-"$PYTHON" -m venv "$WORK/venv"
-quiet "$WORK/venv/bin/python" -m pip install --upgrade -c "$CONSTRAINTS" pip
-quiet "$WORK/venv/bin/python" -m pip install -c "$CONSTRAINTS" torch==2.13.0
-quiet "$WORK/venv/bin/python" -m pip install -c "$CONSTRAINTS" "$wheel"
-quiet "$WORK/venv/bin/python" -m pip check
-(cd "$WORK" && env -u PYTHONPATH venv/bin/python -I "$ROOT/scripts/package_smoke.py" core)
+# One pass of steps 4 and 5: $1 names it (pinned, latest), the rest are pip's version arguments for it.
+check_installs() {
+  local label=$1 base="$ROOT/$WORK/venv-$1" venv extra torch_version
+  shift
+  step "[$label] a fresh venv with the wheel alone: torch 2.13.0 (CPU) first, then the wheel"
+  "$PYTHON" -m venv "$base"
+  quiet "$base/bin/python" -m pip install --upgrade "$@" pip
+  quiet "$base/bin/python" -m pip install "$@" torch==2.13.0
+  quiet "$base/bin/python" -m pip install "$@" "$wheel" torch==2.13.0
+  quiet "$base/bin/python" -m pip check
+  (cd "$WORK" && env -u PYTHONPATH "$base/bin/python" -I "$ROOT/scripts/package_smoke.py" core)
+  for extra in "${EXTRAS[@]}"; do
+    step "[$label] [$extra] alone, beside the wheel"
+    venv="$base-$extra"
+    cp -al "$base" "$venv"
+    quiet "$venv/bin/python" -m pip install "$@" "$wheel[$extra]" torch==2.13.0
+    quiet "$venv/bin/python" -m pip check
+    (cd "$WORK" && env -u PYTHONPATH "$venv/bin/python" -I "$ROOT/scripts/package_smoke.py" "$extra")
+    if [ "$extra" = litgpt ]; then
+      env -u PYTHONPATH "$venv/bin/litgpt" --help >/dev/null
+      echo "[smoke] litgpt: the litgpt command runs (litgpt --help)"
+    fi
+    torch_version=$("$venv/bin/python" -I -c "import torch; print(torch.__version__)")
+    if [ "$torch_version" != 2.13.0+cpu ]; then
+      echo "[package] installing [$extra] ($label) replaced the CPU torch 2.13.0 with torch $torch_version" >&2
+      exit 1
+    fi
+    rm -rf "$venv"  # keeps the disk used to one extra's venv at a time
+  done
+}
 
-for extra in "${EXTRAS[@]}"; do
-  step "[$extra] alone, beside the wheel"
-  venv="$WORK/venv-$extra"
-  cp -al "$WORK/venv" "$venv"
-  quiet "$venv/bin/python" -m pip install -c "$CONSTRAINTS" "$wheel[$extra]"
-  quiet "$venv/bin/python" -m pip check
-  (cd "$WORK" && env -u PYTHONPATH "venv-$extra/bin/python" -I "$ROOT/scripts/package_smoke.py" "$extra")
-  if [ "$extra" = litgpt ]; then
-    env -u PYTHONPATH "$venv/bin/litgpt" --help >/dev/null
-    echo "[smoke] litgpt: the litgpt command runs (litgpt --help)"
-  fi
-  torch_version=$("$venv/bin/python" -I -c "import torch; print(torch.__version__)")
-  if [ "$torch_version" != 2.13.0+cpu ]; then
-    echo "[package] installing [$extra] replaced the CPU torch 2.13.0 with torch $torch_version" >&2
-    exit 1
-  fi
-done
+check_installs pinned -c "$CONSTRAINTS"
+check_installs latest  # no constraints: what `pip install "lightning-accum[<extra>]" torch==2.13.0` gets today
+
 rm -rf "$WORK"/venv* "$WORK/tools" "$WORK/sdist"  # 2 GB of venvs; the archives stay in $WORK/dist
-step "done: the wheel and each extra work on their own, torch 2.13.0+cpu kept"
+step "done: the wheel and each extra work on their own, pinned and as pip resolves them today; torch 2.13.0+cpu kept"

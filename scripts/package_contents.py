@@ -3,7 +3,8 @@
     python scripts/package_contents.py dist/lightning_accum-<v>-py3-none-any.whl dist/lightning_accum-<v>.tar.gz
 
 The wheel: the package with ``py.typed``, the license text (PEP 639: ``dist-info/licenses/LICENSE``, declared as
-``License-Expression: Apache-2.0``), the Lightning range without the compromised 2.6.2 and 2.6.3, nothing else (no
+``License-Expression: Apache-2.0``), the Lightning range from 2.6.6 on (no release affected by CVE-2026-58659, nor
+the compromised 2.6.2 and 2.6.3), nothing else (no
 tests, benchmarks, examples). The sdist: everything its test suite reads (tests/, examples/, docs/, the benchmarks'
 code, the pins), the license, the changelog and the security policy.
 """
@@ -23,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Folders whose every file the sdist carries (the test suite reads them), and the benchmarks' code and texts.
 SDIST_FOLDERS = ("tests", "examples", "docs", "requirements", "scripts")
 SDIST_FILES = ("LICENSE", "README.md", "CHANGELOG.md", "SECURITY.md", "pyproject.toml", "lightning_accum/py.typed")
+#: Lightning releases the wheel must not admit: 2.5.0 to 2.6.5 are affected by CVE-2026-58659 (GHSA-qqmf-gpg7-g8gw,
+#: fixed in 2.6.6), and 2.6.2 and 2.6.3 were compromised uploads (GHSA-w37p-236h-pfx3).
+REFUSED_LIGHTNING = ("2.5.0", "2.5.6", "2.6.0", "2.6.1", "2.6.2", "2.6.3", "2.6.4", "2.6.5")
 
 
 def source_files(folder: str) -> list[str]:
@@ -52,8 +56,12 @@ def check_wheel(path: Path) -> list[str]:
     if metadata["License-Expression"] != "Apache-2.0":
         problems.append(f"License-Expression is {metadata['License-Expression']!r}, not 'Apache-2.0'")
     (lightning,) = [r for r in map(Requirement, metadata.get_all("Requires-Dist") or []) if r.name == "lightning"]
-    if lightning.specifier.contains("2.6.2") or lightning.specifier.contains("2.6.3"):
-        problems.append(f"the wheel requires lightning{lightning.specifier}, which admits the compromised 2.6.2/2.6.3")
+    admitted = [version for version in REFUSED_LIGHTNING if lightning.specifier.contains(version)]
+    if admitted:
+        problems.append(
+            f"the wheel requires lightning{lightning.specifier}, which admits {'/'.join(admitted)} (CVE-2026-58659;"
+            " 2.6.2 and 2.6.3 compromised): the floor is 2.6.6"
+        )
     print(f"[contents] wheel: {len(names)} files, {info}, lightning{lightning.specifier}")
     return problems
 

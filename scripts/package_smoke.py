@@ -18,9 +18,11 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from packaging.requirements import Requirement
 
 VOCAB, LENGTH = 32, 12
 
@@ -66,14 +68,15 @@ def check_installed() -> None:
     assert dist.metadata["License-Expression"] == "Apache-2.0", dist.metadata["License-Expression"]
     files = {str(f) for f in dist.files or []}
     assert any(f.endswith("licenses/LICENSE") for f in files) and "lightning_accum/py.typed" in files, sorted(files)
-    print(f"[smoke] lightning-accum {dist.version} installed from its wheel at {where.parent}")
+    # The floor a pip-audit needs: 2.5.0 to 2.6.5 are affected by CVE-2026-58659 (README, "Install").
+    (lightning,) = [r for r in map(Requirement, dist.requires or []) if r.name == "lightning"]
+    assert lightning.specifier.contains("2.6.6") and not lightning.specifier.contains("2.6.5"), lightning
+    print(f"[smoke] lightning-accum {dist.version} ({lightning}) installed from its wheel at {where.parent}")
 
 
-def check_trainer(folder: Path) -> None:
+def language_model() -> Any:
+    """The README's kind of module: a mean token loss and the tokens it averages over, returned by the step."""
     import lightning as L
-    from torch.utils.data import DataLoader
-
-    from lightning_accum import AccumulationReport, AxisLogger
 
     class LM(L.LightningModule):
         def __init__(self) -> None:
@@ -88,9 +91,18 @@ def check_trainer(folder: Path) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
+    return LM()
+
+
+def check_trainer(folder: Path) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_accum import AccumulationReport, AxisLogger
+
     data = examples(16, seed=1)
     loader = DataLoader(data, batch_size=4)  # type: ignore[arg-type,var-annotated]  # 4 micro-batches, A = 2: 2 updates
-    model = LM()
+    model = language_model()
     first_group = group_loss(model.net, list(loader)[:2])
     trainer = L.Trainer(
         strategy="accum",
@@ -158,31 +170,66 @@ def check_hf() -> None:
 def check_loggers(folder: Path) -> None:
     import os
 
+    import lightning as L
     import mlflow
     import wandb
     from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
+    from packaging.version import Version
+    from torch.utils.data import DataLoader
 
-    # What AxisLogger writes through each: a value at a step, read back from MLflow's file store and W&B's offline run.
-    os.environ.update(MLFLOW_ALLOW_FILE_STORE="true", WANDB_MODE="offline", WANDB_DIR=str(folder))
+    from lightning_accum import AxisLogger
+
+    # As the README says: W&B offline, MLflow on a local file store, which mlflow 3.13 and later refuse unless
+    # MLFLOW_ALLOW_FILE_STORE=true. Without it first, so that the set-up the README gives stays the one needed.
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(folder))
     for variable in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         os.environ[variable] = str(folder)
+    os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
     uri = "file:" + str(folder / "mlruns")
+    if Version(mlflow.__version__) >= Version("3.13"):
+        try:
+            MLFlowLogger(experiment_name="refused", tracking_uri=uri).experiment  # noqa: B018  # the store is made here
+        except MlflowException as error:
+            assert "MLFLOW_ALLOW_FILE_STORE" in str(error), error
+        else:
+            raise AssertionError(f"mlflow {mlflow.__version__} takes a file store unasked: README's set-up is stale")
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+
+    # AxisLogger with both loggers in one fit: MLflow's steps are the token counts after each update.
+    data = examples(16, seed=5)
+    loader = DataLoader(data, batch_size=4)  # type: ignore[arg-type,var-annotated]  # 4 micro-batches, A = 2: 2 updates
     mlflow_logger = MLFlowLogger(experiment_name="smoke", tracking_uri=uri)
-    mlflow_logger.log_metrics({"accum/loss": 1.5}, step=96)
-    history = MlflowClient(tracking_uri=uri).get_metric_history(str(mlflow_logger.run_id), "accum/loss")
-    assert [(m.step, m.value) for m in history] == [(96, 1.5)], history
     wandb_logger = WandbLogger(project="smoke", save_dir=str(folder))
+    trainer = L.Trainer(
+        strategy="accum",
+        accumulate_grad_batches=2,
+        max_epochs=1,
+        accelerator="cpu",
+        callbacks=[AxisLogger(axis="tokens")],
+        logger=[mlflow_logger, wandb_logger],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    ledger = trainer.strategy.ledger  # type: ignore[attr-defined]
+    counts: list[int] = []
+    trainer.strategy.add_group_listener(lambda record, _: counts.append(ledger.tokens))  # type: ignore[attr-defined]
     try:
-        wandb_logger.experiment.define_metric("accum/tokens")
-        wandb_logger.experiment.log({"accum/loss": 1.5, "accum/tokens": 96})
+        trainer.fit(language_model(), loader)
         run_dir = Path(wandb_logger.experiment.dir).parent
     finally:
         wandb_logger.experiment.finish()
         wandb.teardown()
+    history = MlflowClient(tracking_uri=uri).get_metric_history(str(mlflow_logger.run_id), "accum/loss")
+    assert len(counts) == 2 and [m.step for m in history] == counts, (history, counts)
     (run_file,) = run_dir.glob("*.wandb")
     assert run_file.stat().st_size > 7, run_file  # more than the header: the run's records were written
-    print(f"[smoke] loggers: mlflow {mlflow.__version__} read back, wandb {wandb.__version__} offline run written")
+    print(
+        f"[smoke] loggers: AxisLogger's accum/loss at tokens {counts} read back from mlflow {mlflow.__version__}"
+        f" (its file store refused until MLFLOW_ALLOW_FILE_STORE=true), wandb {wandb.__version__} offline run written"
+    )
 
 
 def check_rich() -> None:

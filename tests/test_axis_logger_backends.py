@@ -1,7 +1,5 @@
 """AxisLogger with MLflow (a local file store) and W&B (an offline run): real `Trainer.fit` runs, read back from the
 files each logger writes.
-
-Not part of scripts/test-lowest.sh's subset: that venv installs neither `mlflow` nor `wandb` (the `loggers` extra).
 """
 
 from __future__ import annotations
@@ -71,7 +69,7 @@ def fit_with(logger: Logger) -> list[tuple[int, float]]:
 
 
 def test_mlflow_steps_and_the_axis_metric_are_the_token_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # MLflow 3 refuses the file store unless asked (it prefers a database, which needs SQLAlchemy: the full mlflow).
+    # mlflow 3.13 and later refuse the file store unless asked (it prefers a database, which needs SQLAlchemy).
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = "file:" + str(tmp_path / "mlruns")
     logger = MLFlowLogger(experiment_name="axis", tracking_uri=uri)

@@ -82,7 +82,9 @@ def test_two_demo_runs_in_a_row(tmp_path: Path, capsys: pytest.CaptureFixture[st
     configs = demo.main(["--quick", "--quiet", "--no-ddp", "--out", str(out)])
     printed = capsys.readouterr().out
     assert not (out / "accum_ddp_m4_a4_d2").exists()
-    assert sorted(p.name for p in out.iterdir()) == sorted([c.name for c in configs] + [demo.PICTURE])
+    assert sorted(p.name for p in out.iterdir()) == sorted([c.name for c in configs] + [demo.PICTURE, demo.TABLE])
+    table = (out / demo.TABLE).read_text()
+    assert f"{len(configs)} of {len(configs)} runs done" in table and all(c.name in table for c in configs)
     for config in configs:
         folder = demo.log_folder(out, config)
         assert len(list(folder.glob("events.out.tfevents.*"))) == 1, config.name
@@ -106,6 +108,39 @@ def test_two_demo_runs_in_a_row(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert shutil.which(command[0]) is not None and Path(command[0]).is_absolute()
     logdir = Path(command[command.index("--logdir") + 1])
     assert logdir.is_absolute() and logdir == out.resolve()
+
+
+class Stopped(Exception):
+    """What stops the demo between its first and second run in the test below (as Ctrl-C or a kill would)."""
+
+
+def test_a_stopped_demo_leaves_the_table_and_picture_of_the_runs_it_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    demo = load_demo()
+    out = tmp_path / "demo"
+    train = demo.train
+    started: list[str] = []
+
+    def train_then_stop(config: object, args: object, index: int, count: int) -> float:
+        started.append(config.name)  # type: ignore[attr-defined]
+        if index == 2:  # the first run has finished: its table and picture are on disk before the second starts
+            raise Stopped
+        return float(train(config, args, index, count))
+
+    monkeypatch.setattr(demo, "train", train_then_stop)
+    with pytest.raises(Stopped):
+        demo.main(["--quick", "--quiet", "--no-ddp", "--out", str(out)])
+    assert started == ["accum_m16_a2", "accum_m4_a8"]
+    lines = (out / demo.TABLE).read_text().splitlines()
+    assert lines[0].startswith("== results (") and lines[0].endswith("1 of 6 runs done)"), lines[0]
+    rows = [line.split() for line in lines[2:] if line.strip().startswith(("accum_", "lightning_"))]
+    assert [row[0] for row in rows] == ["accum_m16_a2"] and rows[0][4] == "6", rows  # its 6 updates
+    image = matplotlib.image.imread(out / demo.PICTURE)
+    assert image.shape[0] > 300 and image.shape[1] > 1000
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["accum_m16_a2", demo.PICTURE, demo.TABLE]
+    )  # nothing half-written
 
 
 def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:

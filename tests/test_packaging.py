@@ -1,6 +1,6 @@
-"""What the distribution declares and ships: one version, a Lightning range that admits the releases the package
-supports and never the two compromised ones, and the check of the built archives (scripts/package_contents.py) that
-scripts/check-package.sh runs."""
+"""What the distribution declares and ships: one version, a Lightning range that starts at 2.6.6 (the first release
+without CVE-2026-58659) and so admits neither the affected releases nor the two compromised ones, and the check of the
+built archives (scripts/package_contents.py) that scripts/check-package.sh runs."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The uploads that ran a credential stealer on `import lightning` (Lightning's advisory GHSA-w37p-236h-pfx3,
 #: Lightning-AI/pytorch-lightning#21691).
 COMPROMISED = ("2.6.2", "2.6.3")
-#: Releases the declared range must keep: the lowest tested (scripts/test-lowest.sh), the 2.6 line around the
-#: compromised ones, and the pinned one (requirements/ci.txt).
-SUPPORTED = ("2.5.0", "2.5.6", "2.6.0", "2.6.1", "2.6.4", "2.6.5", "2.6.6")
+#: The first Lightning without CVE-2026-58659 (GHSA-qqmf-gpg7-g8gw: code execution through
+#: `LightningModule.load_from_checkpoint` from a checkpoint's hyperparameters; 2.5.0 to 2.6.5 are affected).
+FLOOR = "2.6.6"
+#: Releases below the floor a pip-audit flags: the declared range admits none of them.
+VULNERABLE = ("2.5.0", "2.5.6", "2.6.0", "2.6.1", "2.6.4", "2.6.5")
 
 
 def _project() -> dict[str, Any]:
@@ -43,18 +45,23 @@ def admitted_compromised(specifier: SpecifierSet) -> list[str]:
     return [version for version in COMPROMISED if specifier.contains(version)]
 
 
-def test_the_lightning_range_refuses_the_compromised_releases_and_keeps_the_supported_ones() -> None:
+def admitted_below_floor(specifier: SpecifierSet) -> list[str]:
+    """The releases affected by CVE-2026-58659 (or compromised) that ``specifier`` admits."""
+    return [version for version in sorted({*VULNERABLE, *COMPROMISED}) if specifier.contains(version)]
+
+
+def test_the_lightning_range_starts_at_the_release_without_the_cve() -> None:
     specifier = lightning_specifier(_project()["dependencies"])
-    assert not admitted_compromised(specifier), f"pyproject.toml's lightning{specifier} admits a compromised release"
-    assert [v for v in SUPPORTED if not specifier.contains(v)] == []
-    assert not specifier.contains("2.4.0") and not specifier.contains("3.0.0")
+    assert str(specifier) == f"<3,>={FLOOR}", f"pyproject.toml declares lightning{specifier}, not lightning>={FLOOR},<3"
+    assert admitted_below_floor(specifier) == [], f"lightning{specifier} admits releases a pip-audit flags"
+    assert specifier.contains(FLOOR) and specifier.contains("2.7.0") and not specifier.contains("3.0.0")
 
 
-def test_the_check_catches_a_range_that_admits_a_compromised_release() -> None:
-    # The range the package declared before: 2.6.2 and 2.6.3 inside it.
+def test_the_check_catches_the_ranges_declared_before() -> None:
+    # The ranges the package declared before: every affected release inside them, and the compromised ones first.
     assert admitted_compromised(lightning_specifier(["lightning>=2.5,<3", "torch>=2.3"])) == list(COMPROMISED)
     assert admitted_compromised(lightning_specifier(["lightning>=2.5,<3,!=2.6.2"])) == ["2.6.3"]
-    assert admitted_compromised(lightning_specifier(["lightning>=2.5,<3,!=2.6.2,!=2.6.3"])) == []
+    assert admitted_below_floor(lightning_specifier(["lightning>=2.5,<3,!=2.6.2,!=2.6.3"])) == list(VULNERABLE)
 
 
 def test_the_pinned_lightning_is_inside_the_declared_range() -> None:
@@ -62,7 +69,8 @@ def test_the_pinned_lightning_is_inside_the_declared_range() -> None:
     pins = [Requirement(line.split("#")[0]) for line in lines if line.split("#")[0].strip()]
     (pin,) = [p for p in pins if p.name == "lightning"]
     (version,) = [s.version for s in pin.specifier]
-    assert version not in COMPROMISED and lightning_specifier(_project()["dependencies"]).contains(version)
+    # The lowest version the range admits is the one CI tests: the pin is the floor.
+    assert version == FLOOR and lightning_specifier(_project()["dependencies"]).contains(version)
 
 
 def test_the_version_is_written_once() -> None:
@@ -92,7 +100,7 @@ def _wheel(path: Path, names: dict[str, bytes]) -> Path:
     return path
 
 
-def test_the_wheel_check_names_a_missing_license_stray_tests_and_a_compromised_range(tmp_path: Path) -> None:
+def test_the_wheel_check_names_a_missing_license_stray_tests_and_a_range_below_the_floor(tmp_path: Path) -> None:
     contents = _contents_checker()
     info = "lightning_accum-0.1.0.dist-info"
     metadata = "Metadata-Version: 2.4\nName: lightning-accum\nLicense-Expression: Apache-2.0\n"
@@ -100,15 +108,17 @@ def test_the_wheel_check_names_a_missing_license_stray_tests_and_a_compromised_r
         "lightning_accum/__init__.py": b"",
         "lightning_accum/py.typed": b"",
         f"{info}/licenses/LICENSE": (ROOT / "LICENSE").read_bytes(),
-        f"{info}/METADATA": (metadata + "Requires-Dist: lightning!=2.6.2,!=2.6.3,<3,>=2.5\n").encode(),
+        f"{info}/METADATA": (metadata + "Requires-Dist: lightning<3,>=2.6.6\n").encode(),
     }
     assert contents.check_wheel(_wheel(tmp_path / "good.whl", good)) == []
     bad = {k: v for k, v in good.items() if not k.endswith("LICENSE")}
-    bad |= {"tests/test_engine.py": b"", f"{info}/METADATA": (metadata + "Requires-Dist: lightning<3,>=2.5\n").encode()}
+    old_range = "Requires-Dist: lightning!=2.6.2,!=2.6.3,<3,>=2.5\n"  # what the package declared before
+    bad |= {"tests/test_engine.py": b"", f"{info}/METADATA": (metadata + old_range).encode()}
     assert contents.check_wheel(_wheel(tmp_path / "bad.whl", bad)) == [
         f"the wheel has no {info}/licenses/LICENSE",
         "the wheel holds more than the package: ['tests']",
-        "the wheel requires lightning<3,>=2.5, which admits the compromised 2.6.2/2.6.3",
+        "the wheel requires lightning!=2.6.2,!=2.6.3,<3,>=2.5, which admits 2.5.0/2.5.6/2.6.0/2.6.1/2.6.4/2.6.5"
+        " (CVE-2026-58659; 2.6.2 and 2.6.3 compromised): the floor is 2.6.6",
     ]
 
 
