@@ -87,10 +87,9 @@ from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import (
     Count,
     Microbatch,
-    choose_unit,
     read_microbatch,
-    refuse_a_finer_unit,
     unit_weight,
+    weighting_unit,
 )
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.tokens import TokenWeightingWarning, token_weighting_hint
@@ -306,15 +305,7 @@ class AccumulationEngine:
             sums.add(microbatch, continues)
             return None
         tokens, samples, documents = microbatch.tokens, microbatch.samples, microbatch.documents
-        unit = self.ledger.normalization or self._decide_unit(
-            tokens is not None,
-            samples is not None,
-            None if microbatch.reports_samples else microbatch.batch,
-            documents is not None,
-        )
-        if self.options.normalize == "auto":  # a unit fixed once is never changed silently
-            reported = choose_unit("auto", tokens is not None, samples is not None, documents is not None)[0]
-            refuse_a_finer_unit(unit, "auto", reported, "this training micro-batch")
+        unit = weighting_unit(self.ledger.normalization, self.options.normalize, microbatch, self._fix_unit)
         weight = unit_weight(unit, self.options.normalize, tokens, samples, documents)
         self.last_weight = weight
         sums.add(microbatch, continues)
@@ -370,15 +361,15 @@ class AccumulationEngine:
         """
         return self._pending_backward is None and not self._backward_running
 
-    def _decide_unit(self, has_tokens: bool, has_samples: bool, batch: Any = None, has_documents: bool = False) -> str:
-        unit, reason = choose_unit(self.options.normalize, has_tokens, has_samples, has_documents)
+    def _fix_unit(self, unit: str, reason: str | None, batch: Any) -> None:
+        """The run's unit, chosen by its first micro-batch: said once under ``"auto"`` (with the hint that tokens were
+        probably meant, read once a run), then fixed in the ledger."""
         if reason is not None:
             self.info(f"lightning_accum: micro-batches are weighted by {unit} (normalize='auto': {reason}).")
             hint = token_weighting_hint(unit, batch) if batch is not None else None  # one device read, once a run
             if hint is not None:
                 self.warn(hint, category=TokenWeightingWarning)
         self.ledger.normalization = unit
-        return unit
 
     def _first_group_scale(self, weight: Count, accumulate: int, device: torch.device) -> float | Tensor:
         """``c = A · M`` for the group the micro-batch of ``weight`` opens (see the module docstring)."""
@@ -445,9 +436,12 @@ class AccumulationEngine:
         self, sums: GroupSums, unit: str | None, ends_epoch: bool, scale: float | Tensor, gradients: Any, check: bool
     ) -> tuple[ReducedGroup, bool]:
         """The general close: the vector, its sum over the replicas, the rescale with its check, one host read."""
-        code = UNIT_CODES.get(unit or "", 0.0)
-        extra = {Slot.MICROBATCHES: float(sums.microbatches), Slot.UNIT_CODE: code, Slot.UNIT_CODE_SQUARED: code * code}
-        extra[Slot.LAST] = 1.0 if ends_epoch else 0.0
+        extra = {
+            Slot.MICROBATCHES: float(sums.microbatches),
+            Slot.UNIT_CODE: UNIT_CODES.get(unit or "", 0.0),
+            Slot.UNIT_CODE_SQUARED: UNIT_CODES.get(unit or "", 0.0) ** 2,
+            Slot.LAST: 1.0 if ends_epoch else 0.0,
+        }
         vector = self.replicas.sum_(sums.local_vector(self.device, unit, extra, scale))
         found: Tensor | None = None
         if gradients:

@@ -22,11 +22,13 @@ __all__ = [
     "Microbatch",
     "as_count",
     "choose_unit",
+    "refuse_a_finer_unit",
     "infer_num_samples",
     "parse_step_output",
     "read_microbatch",
     "reported_documents",
     "unit_weight",
+    "weighting_unit",
 ]
 
 #: A count of units as reported: a Python int, or a 0-d integer tensor on the loss's device.
@@ -308,6 +310,25 @@ def refuse_a_finer_unit(fixed: str, normalize: str, reported: str, where: str) -
         f" `normalize={fixed!r}` to weight every micro-batch by {fixed}); a checkpoint written under another unit"
         " resumes under its own."
     )
+
+
+def weighting_unit(
+    fixed: str | None, normalize: str, microbatch: Microbatch, fix: Callable[[str, str | None, Any], None]
+) -> str:
+    """The unit ``microbatch`` is weighted by: the run's (``fixed``), or, for the run's first micro-batch, the one
+    ``normalize=`` chooses from its counts, handed to ``fix(unit, reason, batch)`` (``reason``: why ``"auto"`` chose
+    it, else ``None``). Under ``"auto"`` a micro-batch that reports a finer unit than the fixed one is an error
+    (:func:`refuse_a_finer_unit`)."""
+    has_tokens, has_samples = microbatch.tokens is not None, microbatch.samples is not None
+    has_documents = microbatch.documents is not None
+    if fixed is None:
+        unit, reason = choose_unit(normalize, has_tokens, has_samples, has_documents)
+        fix(unit, reason, None if microbatch.reports_samples else microbatch.batch)
+        return unit
+    if normalize == "auto":  # a unit fixed once is never changed silently
+        reported = choose_unit("auto", has_tokens, has_samples, has_documents)[0]
+        refuse_a_finer_unit(fixed, normalize, reported, "this training micro-batch")
+    return fixed
 
 
 def unit_weight(
