@@ -7,11 +7,13 @@ A Trainer strategy (:class:`~lightning_accum.ExactAccumulation`) and a Fabric st
 ================================ ===============================================================================
 what the core holds              for
 ================================ ===============================================================================
-the public seam                  ``ledger``, ``engine``, ``data_parallel_replicas``, ``tensor_parallel_size``,
-                                 ``reduce_sum``, ``add_group_listener`` / ``remove_group_listener``
+the public seam                  ``ledger``, ``engine``, ``data_parallel_replicas``, ``group_open``,
+                                 ``tensor_parallel_size``, ``reduce_sum``, ``add_group_listener`` /
+                                 ``remove_group_listener``
                                  (:func:`seam` makes each a member of a front class in one line)
-the manual API                   :meth:`~AccumulationCore.accumulate`, :meth:`~AccumulationCore.close_group`, the
-                                 backward of a handed-out tensor (:meth:`~AccumulationCore.backward`)
+the manual API and its rules     :meth:`~AccumulationCore.accumulate`, :meth:`~AccumulationCore.close_group`, the
+                                 backward of a handed-out tensor (:meth:`~AccumulationCore.backward`), clipping
+                                 (:meth:`~AccumulationCore.refuse_clipping`): one rulebook, both doors
 a loop's exact evaluation        :meth:`~AccumulationCore.evaluation`: a set's weighted loss over the data-parallel
                                  replicas (:class:`~lightning_accum.evaluation_loss.EvaluationLoss`)
 the run's configuration          :meth:`~AccumulationCore.configuration`: what a checkpoint's groups depend on
