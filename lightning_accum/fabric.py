@@ -117,6 +117,7 @@ class FabricExactAccumulation(Strategy):
     def _init_accumulation(self, options: AccumulationOptions) -> None:
         """Set up the core from the options the constructor validated (before Fabric's ``__init__``)."""
         self._core = AccumulationCore(self, self.adapter_type, options)
+        self._core.parameters = self._parameters
         self._sync: BackwardSyncNotes | None = None  # Fabric's no_backward_sync control, noted (DDP, FSDP2)
         self._modules: list[Module] = []  # what `fabric.setup` was given, unwrapped: the named parameters
         self._optimizers: list[Optimizer] = []

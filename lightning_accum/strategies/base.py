@@ -117,6 +117,7 @@ class ExactAccumulation(Strategy):
                 " `normalize='samples'` (a mean loss over samples), 'tokens' (report `num_tokens`), or 'auto'."
             )
         self._core = AccumulationCore(self, self.adapter_type, options)
+        self._core.parameters = self._parameters
         self._slicer = BatchSlicer(microbatch_size, split_batch)
         self._steps = AutomaticSteps()
         self._evaluation = ExactEvaluation()
@@ -339,8 +340,8 @@ class ExactAccumulation(Strategy):
 
         Raises:
             RuntimeError: In automatic optimization (return the counts from ``training_step`` there), while a
-                closed group waits for its ``optimizer.step()``, or while the tensor the previous call returned was
-                never back-propagated.
+                closed group waits for its ``optimizer.step()``, while the tensor the previous call returned was
+                never back-propagated, or when a group opens on parameters that already hold a gradient.
             TypeError: ``loss`` is not a tensor.
         """
         if self._automatic():

@@ -69,6 +69,8 @@ class AccumulationCore:
         self.manual = ManualGroups()
         self.checkpoint = OpenGroupCheckpoint()
         self._reopen_later: Callable[[], None] | None = None  # a loaded group waiting for its optimizer (Fabric)
+        #: The optimized parameters by name (set by each front class): a group opens on them without a gradient.
+        self.parameters: Callable[[], NamedParameters] = list
 
     # ------------------------------------------------------------------ the public seam
 
@@ -136,13 +138,17 @@ class AccumulationCore:
         returned, once, before the next call.
 
         Raises:
-            RuntimeError: While a closed group waits for its ``optimizer.step()``, or while the tensor the previous
-                call returned was never back-propagated.
+            RuntimeError: While a closed group waits for its ``optimizer.step()``, while the tensor the previous
+                call returned was never back-propagated, or when a group opens on parameters that already hold a
+                gradient (a backward before its first ``accumulate``, a ``zero_grad`` forgotten after a step).
             TypeError: ``loss`` is not a tensor.
         """
         self.reopen_deferred()
         counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
-        return self.manual.accumulate(self.engine, loss, counts, batch, group_size, self.data_parallel_replicas)
+        opening = None if self.group_open else self.parameters
+        return self.manual.accumulate(
+            self.engine, loss, counts, batch, group_size, self.data_parallel_replicas, opening
+        )
 
     def close_group(
         self,

@@ -36,6 +36,7 @@ from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.microbatch import Count
+from lightning_accum.strategies.adapter import NamedParameters
 from lightning_accum.strategies.closing import GroupClosing
 
 __all__ = ["ManualGroups"]
@@ -78,10 +79,14 @@ class ManualGroups:
         batch: Any,
         group_size: int | None,
         replicas: int,
+        opening: Callable[[], NamedParameters] | None = None,
     ) -> Tensor:
-        """Record one micro-batch in the open group; return ``loss · w / c`` (see ``ExactAccumulation.accumulate``)."""
+        """Record one micro-batch in the open group; return ``loss · w / c`` (see ``ExactAccumulation.accumulate``).
+        ``opening``: the micro-batch opens a group, on these parameters (none of which may hold a gradient yet)."""
         self._check_no_step_pending("accumulate")
         self._check_handed_out_used("accumulate")
+        if opening is not None:
+            _refuse_a_gradient_already_there(opening())
         if not isinstance(loss, Tensor):
             raise TypeError(
                 f"`strategy.accumulate(loss=...)` takes the micro-batch's mean loss as a tensor, got"
@@ -275,3 +280,20 @@ def _refuse_gradients_of_other_optimizers(closed: Optimizer, optimizers: Sequenc
                 " optimizer (a parameter group each, e.g. for different learning rates), or set the other optimizer's"
                 " gradients to None (`zero_grad()`) if they belong to another loss."
             )
+
+
+def _refuse_a_gradient_already_there(parameters: NamedParameters) -> None:
+    """A group opens on parameters without a gradient: one already there (a backward before the group's first
+    ``accumulate``, or a ``zero_grad`` forgotten after the last step) would join the group's and be rescaled with it,
+    the seed's "examples of the previous update contribute". Told on the host (``grad is not None``): no device read."""
+    held = [name for name, p in parameters if p.grad is not None]
+    if held:
+        names = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise RuntimeError(
+            f"`accumulate`: a new accumulation group opens while {len(held)} optimized parameter(s) already hold a"
+            f" gradient ({names}): a backward ran before the group's first `accumulate` (back-propagate only what"
+            " `accumulate` returns), or `optimizer.zero_grad()` was not called after the last `optimizer.step()`."
+            " That gradient would join the group's and be rescaled with it: the examples of another update would"
+            " contribute to this one. Call `optimizer.zero_grad()` (set_to_none=True, torch's default) after each step;"
+            " a gradient zeroed in place (`set_to_none=False`) cannot be told from a stale one without a device read."
+        )
