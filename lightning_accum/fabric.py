@@ -297,6 +297,14 @@ class FabricExactAccumulation(Strategy):
 
     @override
     def teardown(self) -> None:
+        # Fabric never calls it: `fabric.strategy.teardown()` is the documented end of a loop's state on the strategy
+        # (its modules and optimizers, an open or carried group; the ledger stays, the run's record).
+        lost = self._core.engine.discard_open_group()
+        if lost:
+            rank_zero_info(
+                f"lightning_accum: `teardown` ended the loop inside an accumulation group: its {lost} micro-batch(es)"
+                " on this replica never reached an optimizer step, and the ledger does not count them."
+            )
         self._core.adapter.teardown()
         self._core.end()
         self._modules, self._optimizers = [], []

@@ -89,3 +89,19 @@ def test_a_load_into_an_open_group_is_refused(mid_group: Path) -> None:
     with pytest.raises(RuntimeError, match=r"while an accumulation group is open in the running loop.*weights alone"):
         fabric.load(mid_group, {"model": model, "optimizer": optimizer})
     assert fabric.strategy.engine.microbatches_in_group == 1  # nothing replaced
+
+
+def test_teardown_ends_what_a_loop_left_on_the_strategy(mid_group: Path) -> None:
+    # Fabric never calls `Strategy.teardown` itself: `fabric.strategy.teardown()` is the documented end of a loop's
+    # state on the strategy (its modules and optimizers, a pending or open group), so a second loop starts clean.
+    fabric = _fabric()
+    model, optimizer = fabric.setup(*_model_and_optimizer(seed=99))
+    fabric.load(mid_group, {"model": model, "optimizer": optimizer})
+    assert fabric.strategy.group_open
+    fabric.strategy.teardown()
+    assert not fabric.strategy.group_open
+    assert fabric.strategy._modules == [] and fabric.strategy._optimizers == []  # nothing of the first loop held
+    model, optimizer = fabric.setup(*_model_and_optimizer())
+    train(fabric, model, optimizer, micro_batches(EXAMPLES[:16], M), A)
+    reference = sgd_reference(TinyNet(), _groups(EXAMPLES[:16], 8), lr=LR)
+    torch.testing.assert_close(params_vector(model), reference, rtol=0, atol=1e-12)
