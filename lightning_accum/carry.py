@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_accum.group import CARRIED, GroupSums, Slot
+from lightning_accum.group import CARRIED, COUNT_SPLIT, GroupSums, Slot
 
 __all__ = ["carried_state", "reopened_group"]
 
@@ -74,6 +74,8 @@ def reopened_group(
     else:
         group.missing = position
         group.carried_microbatches = total
+        sums = state["sums"]  # the carried samples, known alike on every replica: where the group resumes, in samples
+        group.carried_samples = int(sums.get("samples_hi", 0.0)) * COUNT_SPLIT + int(sums.get("samples_lo", 0.0))
         if holds_sums:
             group.carried[Slot.MICROBATCHES] = float(total)
     scale = state.get("scale_ref")

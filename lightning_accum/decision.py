@@ -301,6 +301,10 @@ class GroupDecisions:
         check_agreement(checked, k, replicas, ends_epoch, unit)
         record = group_record(reduced)
         partial = k + sums.missing < accumulate
+        if partial and carried and sums.carried_samples and k:
+            # Resumed under another m or D: the carried samples say how much of the group ran, in this run's
+            # micro-batches (each replica's m' = the new samples / (k · D)): complete iff Σ samples ≥ A · m' · D.
+            partial = reduced.samples * k < accumulate * (reduced.samples - sums.carried_samples)
         if partial:
             self.ledger.partial_groups += 1
             self._say_once("partial", info, partial_message(k, accumulate, self.options.partial_group))

@@ -158,6 +158,9 @@ class GroupSums:
         #: Micro-batches carried over from a checkpoint over all replicas of the run that wrote it (identical on
         #: every replica; one replica adds them to the reduced vector, see :attr:`carried`).
         self.carried_microbatches = 0
+        #: Samples carried over from a checkpoint over all replicas (identical on every replica; 0 when the group
+        #: resumes in the grouping that wrote it): where the group resumes when ``m`` or ``D`` changed.
+        self.carried_samples = 0
         self.losses: list[Tensor] = []
         self.tokens: list[Count] = []
         #: The label positions of the batch of each entry of :attr:`tokens` (``labels.numel()``), or ``None``.
