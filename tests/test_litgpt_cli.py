@@ -1,7 +1,8 @@
 """LitGPT's scripts as their users run them: the ``litgpt`` command's ``main()`` (``finetune_full``,
 ``finetune_lora``, ``pretrain``) with ``examples/litgpt/*.patch`` applied to a copy of the installed litgpt, on a
-two-layer float64 checkpoint and data written here (``tests/litgpt_cli.py``): LitGPT's own checkpoint loading, its
-loop as patched, its final save, on one process and on two sharded processes (FSDP2 over gloo, Fabric's launcher).
+two-layer float64 checkpoint and data written here (the helpers of ``examples/litgpt/recipe.py``): LitGPT's own
+checkpoint loading, its loop as patched, its final save, on one process and on two sharded processes (FSDP2 over gloo,
+Fabric's launcher).
 
 The train set is one global batch of 8 examples, so every update reads all of it: the splits (m, A, D) differ only in
 how the batch is cut. Plain LitGPT with the whole batch in one micro-batch on one device, (m, A, D) = (8, 1, 1),
@@ -11,6 +12,7 @@ weights are read from ``final/lit_model.pth`` with LitGPT's ``load_checkpoint``.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -20,54 +22,25 @@ import pytest
 
 pytest.importorskip("litgpt")
 
-import litgpt_cli
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("litgpt_recipe_cli", ROOT / "examples" / "litgpt" / "recipe.py")
+assert _spec is not None and _spec.loader is not None
+litgpt_cli = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = litgpt_cli
+_spec.loader.exec_module(litgpt_cli)
+Runs = litgpt_cli.Runs
 
 # Where the patched runs agree: float64 rounding only (measured 1e-15 to 1e-14; the model has no biases, as a key
 # bias gets a gradient of rounding noise only, which AdamW scales up to its rate).
 EXACT = 1e-12
 
 
-class Runs:
-    """The ``litgpt`` runs of this module, each run once (the tests share them)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.patched = litgpt_cli.patched_litgpt(root / "patched")
-        self.plain = litgpt_cli.patched_litgpt(root / "plain", plain=True)
-        self.checkpoint = litgpt_cli.write_checkpoint(root / "checkpoint")
-        self.data = litgpt_cli.write_data(root / "data")
-        self.rows = litgpt_cli.write_token_rows(root / "rows")
-        self.done: dict[str, tuple[Path, str, float]] = {}
-
-    def run(
-        self, command: str, devices: int, m: int, plain: bool = False, extra: tuple[str, ...] = (), tag: str = ""
-    ) -> tuple[Path, str]:
-        name = f"{command}-D{devices}-m{m}-{'plain' if plain else 'patched'}{tag}"
-        if name not in self.done:
-            out = self.root / name
-            if command == "pretrain":
-                args = litgpt_cli.pretrain_args(self.checkpoint, self.rows, out, devices, m)
-            else:
-                args = litgpt_cli.finetune_args(command, self.checkpoint, self.data, out, devices, m)
-            tree = self.plain if plain else self.patched
-            env = {"TORCHDYNAMO_DISABLE": "1"}  # pretrain.py's torch.compile, eager here (CPU)
-            output, seconds = litgpt_cli.run_litgpt(tree, args + list(extra), cwd=self.root, env=env)
-            print(f"{name}: {seconds:.1f} s")
-            self.done[name] = (out, output, seconds)
-        out, output, _ = self.done[name]
-        return out, output
-
-    def weights(self, command: str, devices: int, m: int, **kwargs: Any) -> dict[str, Any]:
-        out, _ = self.run(command, devices, m, **kwargs)
-        return litgpt_cli.final_weights(out, lora=command == "finetune_lora")
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return Runs(tmp_path_factory.mktemp("litgpt-cli"))
 
 
-def test_full_finetuning_through_the_litgpt_command(runs: Runs) -> None:
+def test_full_finetuning_through_the_litgpt_command(runs: Any) -> None:
     # LitGPT's own full.py on two processes crashes in its `load_checkpoint` under a ModelParallelStrategy (its LoRA
     # branch); the patch loads the checkpoint with `fabric.load_raw` and saves single files.
     saving = ("--train.save_interval", "2")
@@ -85,7 +58,7 @@ def test_full_finetuning_through_the_litgpt_command(runs: Runs) -> None:
 
 
 @pytest.mark.parametrize("devices", [2, 1])
-def test_full_finetuning_resumes_from_two_processes(runs: Runs, devices: int) -> None:
+def test_full_finetuning_resumes_from_two_processes(runs: Any, devices: int) -> None:
     # LitGPT's own `--resume` of the two-process run's step-2 checkpoint (one file), on 2 processes and on 1 (where
     # A = 4 micro-batches of 2): the resumed run ends where the uninterrupted one does.
     two, _ = runs.run("finetune_full", 2, 2, extra=("--train.save_interval", "2"))
@@ -96,7 +69,7 @@ def test_full_finetuning_resumes_from_two_processes(runs: Runs, devices: int) ->
     assert litgpt_cli.distance(litgpt_cli.final_weights(resumed), whole) <= EXACT
 
 
-def test_lora_finetuning_through_the_litgpt_command(runs: Runs) -> None:
+def test_lora_finetuning_through_the_litgpt_command(runs: Any) -> None:
     # Two sharded processes, (m, A) = (2, 2) and (4, 1): the LoRA weights (final/lit_model.pth.lora) and the weights
     # LitGPT's merge_lora wrote (final/lit_model.pth) agree. LoRA's A is drawn differently on one process (at
     # construction) and on several (reset_parameters on meta-initialised shards): compare splits at one process count.
@@ -107,7 +80,7 @@ def test_lora_finetuning_through_the_litgpt_command(runs: Runs) -> None:
 
 
 @pytest.mark.slow
-def test_lora_on_one_device_and_plain_litgpt_s_split_dependence(runs: Runs) -> None:
+def test_lora_on_one_device_and_plain_litgpt_s_split_dependence(runs: Any) -> None:
     # On one device the patched (1, 8, 1) ends where plain LitGPT's (8, 1, 1) does; plain LitGPT's (1, 8, 1) does not.
     patched = runs.weights("finetune_lora", 1, 1)
     reference = runs.weights("finetune_lora", 1, 8, plain=True)
@@ -119,13 +92,13 @@ def test_lora_on_one_device_and_plain_litgpt_s_split_dependence(runs: Runs) -> N
 
 
 @pytest.mark.slow
-def test_plain_full_finetuning_depends_on_the_split(runs: Runs) -> None:
+def test_plain_full_finetuning_depends_on_the_split(runs: Any) -> None:
     reference = runs.weights("finetune_full", 1, 8, plain=True)
     assert litgpt_cli.distance(runs.weights("finetune_full", 1, 1, plain=True), reference) > 1e-4
 
 
 @pytest.mark.slow
-def test_litgpt_generate_reads_the_final_checkpoint(runs: Runs) -> None:
+def test_litgpt_generate_reads_the_final_checkpoint(runs: Any) -> None:
     two, _ = runs.run("finetune_full", 2, 2, extra=("--train.save_interval", "2"))
     command = [sys.executable, "-m", "litgpt", "generate", str(two / "final"), "--prompt", "t5 t6 t7"]
     command += ["--max_new_tokens", "4", "--precision", "32-true"]
@@ -134,7 +107,7 @@ def test_litgpt_generate_reads_the_final_checkpoint(runs: Runs) -> None:
     assert "t5 t6 t7" in done.stdout
 
 
-def test_pretraining_through_the_litgpt_command(runs: Runs) -> None:
+def test_pretraining_through_the_litgpt_command(runs: Any) -> None:
     # `litgpt pretrain --initial_checkpoint_dir` (continued pretraining): LitGPT's FSDP1 replaced by FSDP2, its
     # clipping after the group's close, its rate set per update (LitGPT sets it per micro-batch, so its update's rate
     # depends on A); (m, A, D) = (2, 2, 2) and (1, 8, 1) end where plain LitGPT's (8, 1, 1) does.
@@ -149,6 +122,14 @@ def test_pretraining_through_the_litgpt_command(runs: Runs) -> None:
 
 
 @pytest.mark.slow
-def test_plain_pretraining_depends_on_the_split(runs: Runs) -> None:
+def test_plain_pretraining_depends_on_the_split(runs: Any) -> None:
     reference = runs.weights("pretrain", 1, 8, plain=True)
     assert litgpt_cli.distance(runs.weights("pretrain", 1, 1, plain=True), reference) > 1e-4
+
+
+@pytest.mark.slow
+def test_the_recipe_prints_the_splits_agreement(runs: Any) -> None:
+    # `python examples/litgpt/recipe.py --scripts full` prints these lines (from the runs made above).
+    lines = litgpt_cli.report(runs, "finetune_full")
+    figures = [float(line.rsplit(": ", 1)[1]) for line in lines[1:]]
+    assert all(figure <= EXACT for figure in figures[:3]) and figures[3] > 1e-4, lines

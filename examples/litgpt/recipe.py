@@ -1,20 +1,30 @@
-"""LitGPT's scripts as their users run them: the ``litgpt`` command's ``main()`` (``python -m litgpt finetune_lora
-CHECKPOINT --devices 2 ...``) with the recipe's patches applied to a copy of the installed litgpt package, on a tiny
-checkpoint and data written here (no download). The helpers of ``tests/test_litgpt_cli.py`` and of
-``examples/litgpt/recipe.py``.
+"""The LitGPT recipe end to end, on a tiny local model: LitGPT's ``finetune_full``, ``finetune_lora`` and ``pretrain``,
+patched with ``examples/litgpt/*.patch``, run through the ``litgpt`` command on 1 and on 2 processes (CPU, gloo), and
+the splits' agreement printed beside plain LitGPT's. No download: it writes a two-layer float64 checkpoint and data.
 
-* :func:`patched_litgpt` copies the installed ``litgpt`` package into a folder and ``git apply``-s
-  ``examples/litgpt/*.patch`` there, as a user patches a LitGPT checkout; that folder goes first on ``PYTHONPATH``.
-  ``plain=True`` gives the same folder without the patches (LitGPT's own scripts).
-* :func:`write_checkpoint` writes a two-layer LitGPT checkpoint (``model_config.yaml``, ``lit_model.pth`` in
-  float64, a word-level ``tokenizer.json``) and :func:`write_data` LitGPT's JSON data (``train.json``, ``val.json``):
-  the train set is one global batch, so every update reads all of it whatever the sampler's order (one process reads
-  LitGPT's shuffled order, several read Fabric's ``DistributedSampler``'s).
+    python examples/litgpt/recipe.py                   # all three scripts (13 runs; a few minutes on 2 cores)
+    python examples/litgpt/recipe.py --scripts full    # one of them
+    python examples/litgpt/recipe.py --out runs/       # keep the runs (checkpoints, logs) there
+
+It needs litgpt 0.5.13 (``pip install "lightning-accum[litgpt]"``) and ``git`` (to apply the patches). What it does:
+
+* :func:`patched_litgpt` copies the installed ``litgpt`` package into a folder and ``git apply``-s the patches there,
+  as you patch a LitGPT checkout; that folder goes first on ``PYTHONPATH`` (``plain=True``: the same copy unpatched).
+* :func:`write_checkpoint` writes ``model_config.yaml``, ``lit_model.pth`` (float64) and a word-level tokenizer;
+  :func:`write_data` LitGPT's JSON data (``train.json``, ``val.json``), :func:`write_token_rows` rows of token ids for
+  ``pretrain`` (read by ``tiny_data.TokenRows``, since LitGPT's pretraining data modules need litdata). The train
+  set is one global batch, so every update reads all of it whatever the sampler's order: the splits (m, A, D) differ
+  only in how the batch is cut, and plain LitGPT with the whole batch in one micro-batch on one device, (8, 1, 1), is
+  the reference.
 * :func:`run_litgpt` runs ``python -m litgpt_float64 <command> ...``: the ``litgpt`` command's own ``main()`` in a
   process whose default dtype is float64 (Fabric's ``"64-true"`` returns the model's outputs in the default dtype,
-  float32, and the sharded strategy refuses it: ``--precision 32-true`` with float64 as the default dtype builds
-  the model, its loss and its gradients in float64). Fabric's launcher starts the other processes with the same
-  command.
+  float32, and the sharded strategy refuses it: ``--precision 32-true`` with float64 as the default dtype builds the
+  model, its loss and its gradients in float64). Fabric's launcher starts the other processes with the same command.
+* :func:`final_weights` reads ``final/lit_model.pth`` with LitGPT's ``load_checkpoint``.
+
+``tests/test_litgpt_cli.py`` uses these helpers. A run on several processes ends with a barrier and
+``destroy_process_group()`` (the patches add them at the end of ``setup()``): see docs/troubleshooting.md, "A crash
+after a finished run".
 """
 
 from __future__ import annotations
@@ -30,8 +40,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-PATCHES = ROOT / "examples" / "litgpt"
+PATCHES = Path(__file__).resolve().parent
+ROOT = PATCHES.parents[1]  # the repository: its lightning_accum
 SCRIPTS = {"lora": "finetune/lora.py", "full": "finetune/full.py", "pretrain": "pretrain.py"}
 VOCAB = 64
 GLOBAL_BATCH = 8
@@ -94,6 +104,7 @@ def patched_litgpt(into: Path, plain: bool = False) -> Path:
     import litgpt
 
     into.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(into / "litgpt", ignore_errors=True)
     shutil.copytree(Path(litgpt.__file__).parent, into / "litgpt", ignore=shutil.ignore_patterns("__pycache__"))
     if not plain:
         for script in SCRIPTS:
@@ -264,3 +275,93 @@ def final_val_loss(output: str) -> float:
         if line.startswith("Final evaluation | val loss:"):
             return float(line.split("val loss:")[1].split("|")[0])
     raise AssertionError(f"no final evaluation in:\n{output[-3000:]}")
+
+
+class Runs:
+    """The ``litgpt`` runs of one folder, each run once: the checkpoint, the data and the two litgpt copies (patched,
+    plain) written on construction."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.patched = patched_litgpt(root / "patched")
+        self.plain = patched_litgpt(root / "plain", plain=True)
+        self.checkpoint = write_checkpoint(root / "checkpoint")
+        self.data = write_data(root / "data")
+        self.rows = write_token_rows(root / "rows")
+        self.done: dict[str, tuple[Path, str, float]] = {}
+
+    def run(
+        self, command: str, devices: int, m: int, plain: bool = False, extra: tuple[str, ...] = (), tag: str = ""
+    ) -> tuple[Path, str]:
+        """Run ``litgpt <command>`` on ``devices`` processes with micro-batches of ``m`` (A = 8 / (m · devices)), or
+        return the run already made; returns its output folder and what it printed."""
+        name = f"{command}-D{devices}-m{m}-{'plain' if plain else 'patched'}{tag}"
+        if name not in self.done:
+            out = self.root / name
+            if command == "pretrain":
+                args = pretrain_args(self.checkpoint, self.rows, out, devices, m)
+            else:
+                args = finetune_args(command, self.checkpoint, self.data, out, devices, m)
+            env = {"TORCHDYNAMO_DISABLE": "1"}  # pretrain.py's torch.compile, eager here (CPU)
+            output, seconds = run_litgpt(self.plain if plain else self.patched, args + list(extra), self.root, env=env)
+            print(f"  {name}: {seconds:.1f} s", flush=True)
+            self.done[name] = (out, output, seconds)
+        out, output, _ = self.done[name]
+        return out, output
+
+    def weights(self, command: str, devices: int, m: int, **kwargs: Any) -> dict[str, torch.Tensor]:
+        out, _ = self.run(command, devices, m, **kwargs)
+        return final_weights(out, lora=command == "finetune_lora")
+
+
+def report(runs: Runs, command: str) -> list[str]:
+    """Run ``command`` patched on 1 and 2 processes and plain (LitGPT's own script) at (8, 1, 1) and (1, 8, 1); the
+    lines of their agreement (the largest difference between final weights)."""
+
+    def split(m: int, devices: int) -> str:
+        return f"({m}, {GLOBAL_BATCH // (devices * m)}, {devices})"
+
+    reference = runs.weights(command, 1, 8, plain=True)
+    one = runs.weights(command, 1, 1)
+    two = runs.weights(command, 2, 2)
+    lines = [f"{command}: largest difference between final weights (m, A, D)"]
+    lines.append(f"  patched {split(1, 1)} vs plain LitGPT {split(8, 1)}: {distance(one, reference):.1e}")
+    if command == "finetune_lora":
+        other = runs.weights(command, 2, 4)
+        lines.append(f"  patched {split(2, 2)} vs patched {split(4, 2)}: {distance(two, other):.1e}")
+        lines.append(
+            f"  patched on 1 process vs on 2, LoRA weights: {distance(one, two, prefix='lora.'):.1e} (LitGPT draws"
+            " LoRA's A differently on 1 process and on several: compare splits at one process count)"
+        )
+    else:
+        lines.append(f"  patched {split(2, 2)} vs plain LitGPT {split(8, 1)}: {distance(two, reference):.1e}")
+        lines.append(f"  patched {split(1, 1)} vs patched {split(2, 2)}: {distance(one, two):.1e}")
+    plain = runs.weights(command, 1, 1, plain=True)
+    lines.append(f"  plain LitGPT {split(1, 1)} vs plain LitGPT {split(8, 1)}: {distance(plain, reference):.1e}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument(
+        "--scripts", nargs="+", choices=["full", "lora", "pretrain"], default=["full", "lora", "pretrain"]
+    )
+    parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    commands = {"full": "finetune_full", "lora": "finetune_lora", "pretrain": "pretrain"}
+    with tempfile.TemporaryDirectory() as temporary:
+        root = args.out if args.out is not None else Path(temporary)
+        root.mkdir(parents=True, exist_ok=True)
+        runs = Runs(root)
+        print(f"litgpt runs in {root} (python -m litgpt_float64 <command> ..., PYTHONPATH={runs.patched}:{ROOT})")
+        lines: list[str] = []
+        for script in args.scripts:
+            lines += report(runs, commands[script])
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
