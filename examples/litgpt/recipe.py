@@ -213,14 +213,21 @@ def finetune_args(
     return args
 
 
+#: The variables of a process a launcher started (and pytest's): a run must not inherit them.
+LAUNCHED = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC", "PYTEST")  # fmt: skip
+
+
 def run_litgpt(
     litgpt_root: Path, args: list[str], cwd: Path, timeout: float = 540, env: dict[str, str] | None = None
 ) -> tuple[str, float]:
     """``python -m litgpt_float64 <args>`` with ``litgpt_root`` (the patched copy) first on ``PYTHONPATH``, then this
-    repository (the package under test). Returns the output and the seconds it took; raises with the output's tail
-    if the command fails."""
+    repository (the package under test), on the CPU (``CUDA_VISIBLE_DEVICES=""``: LitGPT's scripts take no
+    accelerator argument) and without the distributed variables of a launched process (Fabric's launcher sets its
+    own). Returns the output and the seconds it took; raises with the output's tail if the command fails."""
     path = [str(litgpt_root), str(ROOT), os.environ.get("PYTHONPATH", "")]
-    environment = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHED)}
+    environment.update(env or {}, PYTHONPATH=os.pathsep.join(p for p in path if p), CUDA_VISIBLE_DEVICES="")
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "litgpt_float64", *args],
