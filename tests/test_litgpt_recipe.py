@@ -16,6 +16,9 @@ import torch
 
 RUNNER = Path(litgpt_recipe.__file__)
 
+# Slow: tests/test_litgpt_cli.py runs the same patched scripts through the `litgpt` command on every run of the suite.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
