@@ -21,21 +21,11 @@ The arithmetic is the Trainer's, behind the same door: each Fabric strategy hold
 entry, the engine adapter), as the Trainer's strategies do; :class:`FabricExactAccumulation` is the one package layer
 between each public Fabric strategy and Fabric's class and holds only what Fabric's hooks need.
 
-* ``fabric.strategy.accumulate(loss, num_tokens=..., num_samples=..., batch=..., group_size=...)`` records a
-  micro-batch and returns ``loss · w / c`` for ``fabric.backward`` (exactly that tensor, before the next call);
-* ``fabric.strategy.close_group(optimizer)`` closes the group right before ``optimizer.step()``; its
-  :class:`~lightning_accum.GroupRecord` is final once the step ran (``applied``, ``skip_reason``, ``grad_scale``);
-* ``fabric.strategy.ledger``: the exact, global counters;
-* ``fabric.strategy.evaluation()``: an :class:`~lightning_accum.EvaluationLoss` for a validation set, ``add(loss,
-  num_tokens=...)`` per batch and ``compute()`` on every rank: the set's loss weighted by its units over every replica
-  (one all-reduce), where LitGPT's ``validate()`` averages batch means;
-* ``fabric.save(path, state)`` writes the ledger and, inside a group, the group (its counters and its gradient, summed
-  over the replicas) under ``"lightning_accum"`` beside the user's state; ``fabric.load(path, state)`` (or
-  ``checkpoint = fabric.load(path)``) restores them, so that a loop resumed mid-group (at the micro-batch after the one
-  it saved at) closes the group exactly, also under another strategy class or number of processes. A damaged entry is
-  refused as in the Trainer;
-* after ``fabric.launch(fn)`` of a spawned run, the main process's :attr:`~FabricExactAccumulation.ledger` holds the
-  run's counts (rank zero's ledger comes back with ``fn``'s value).
+The manual API (``accumulate``, ``close_group``, ``group_open``, ``evaluation()``, ``ledger``) is documented once, on
+the core, with its rules, which hold alike in a Trainer's manual loop. ``fabric.save(path, state)`` adds the ledger and
+an open group (its counters and gradient) under ``"lightning_accum"``; ``fabric.load(path, state)`` resumes them when
+``state`` holds the optimizer (a weights-only load is plain Fabric's); after ``fabric.launch(fn)`` of a spawned run the
+main process's ``ledger`` holds the run's counts.
 
 Schedules follow applied updates when they are stepped after an applied update only (``if record.applied:
 scheduler.step()``), or when they are :class:`~lightning_accum.AxisLR`: passed to ``fabric.setup(..., scheduler=s)``
@@ -79,7 +69,7 @@ from lightning_accum.options import AccumulationOptions, validate_choice
 from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_accum.strategies.closing import enabled_scaler
-from lightning_accum.strategies.core import AccumulationCore, one_device_property, seam
+from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam, one_device_property, seam
 from lightning_accum.strategies.ddp import DDPAdapter, register_ddp_strings
 from lightning_accum.strategies.mesh_clipping import clip_grad_norm_, clip_grad_value_
 from lightning_accum.strategies.model_parallel import (
@@ -102,7 +92,7 @@ __all__ = [
 _Path = str | Path
 
 
-class FabricExactAccumulation(Strategy):
+class FabricExactAccumulation(CoreSeam, Strategy):
     """The public base of the Fabric accumulation strategies: the Fabric hooks they change, and the manual API.
 
     Listed first in a strategy's bases, so that ``super()`` is Fabric's single-device or DDP strategy. Loops program
@@ -124,15 +114,6 @@ class FabricExactAccumulation(Strategy):
 
     # ------------------------------------------------------------------ the public interface
 
-    ledger = seam("ledger")
-    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
-    data_parallel_replicas = seam("data_parallel_replicas")
-    group_open = seam("group_open")
-    tensor_parallel_size = seam("tensor_parallel_size")
-    reduce_sum = seam("reduce_sum")
-    add_group_listener = seam("add_group_listener")
-    remove_group_listener = seam("remove_group_listener")
-
     @property
     def gradient_scaler(self) -> torch.amp.GradScaler | None:
         """The enabled GradScaler of the precision plugin (``precision="16-mixed"``), or ``None``."""
@@ -142,33 +123,11 @@ class FabricExactAccumulation(Strategy):
     evaluation = seam("evaluation")
 
     def close_group(self, optimizer: Optimizer, group_size: int | None = None) -> GroupRecord:
-        """Close the group reported with :meth:`accumulate`, right before ``optimizer.step()``.
-
-        A group's last backward must run with synchronisation (``fabric.no_backward_sync(model, enabled=not last)``)
-        where it has an effect (several DDP replicas, FSDP2): inside it the replicas' gradients are not combined, so
-        the close is refused instead of updating each replica with its own gradient.
-
-        One all-reduce of the group's counts, the rescale of ``optimizer``'s gradients by ``c · D / W`` and the
-        decision. Then ``optimizer.step()`` updates (unless a GradScaler finds an overflow) or, for a group that makes
-        no update (a NaN/Inf gradient without a scaler, no unit at all), does nothing; either way the group is in
-        :attr:`ledger` and the listeners are called.
-
-        ``group_size``: the micro-batches per replica a group holds; a group closed with fewer (the end of the data)
-        is a partial group, rescaled with its real denominator or dropped by ``partial_group=``, and counted in
-        ``ledger.partial_groups`` (``None``: every group is complete).
-
-        Returns:
-            The group's record; ``applied`` and ``skip_reason`` are final once ``optimizer.step()`` returned.
-
-        Raises:
-            ValueError: ``group_size`` is not a positive int, or smaller than the micro-batches reported.
-            RuntimeError: With no micro-batch reported since the last close, while the previous group's
-                ``optimizer.step()`` has not run, or while the tensor the last :meth:`accumulate` returned was never
-                back-propagated.
-        """
         inner = optimizer.optimizer if is_wrapped(optimizer) else optimizer  # type: ignore[attr-defined]
         module = self._modules[0] if self._modules else None
         return self._core.close_group(inner, module, self.gradient_scaler, group_size, self._optimizers)
+
+    close_group.__doc__ = CLOSE_GROUP_DOC
 
     # ------------------------------------------------------------------ Fabric's hooks
 

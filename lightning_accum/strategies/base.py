@@ -78,7 +78,7 @@ from lightning_accum.strategies.checkpoint import (
     slicing_state,
 )
 from lightning_accum.strategies.closing import enabled_scaler
-from lightning_accum.strategies.core import AccumulationCore, seam
+from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam
 from lightning_accum.strategies.evaluation import ExactEvaluation
 from lightning_accum.strategies.reading import read_checkpoint
 from lightning_accum.strategies.slicing import BatchSlicer
@@ -88,7 +88,7 @@ __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 _Path = str | Path  # what Lightning's checkpoint methods accept
 
 
-class ExactAccumulation(Strategy):
+class ExactAccumulation(CoreSeam, Strategy):
     """The public base of the accumulation strategies: every hook they change, and the interface callbacks use.
 
     Listed first in a strategy's bases so that its hooks wrap the Lightning strategy's own methods (``super()`` is the
@@ -129,15 +129,6 @@ class ExactAccumulation(Strategy):
         self._clip_guard: InstancePatch | None = None  # the precision plugin's `clip_gradients`, for the run
 
     # ------------------------------------------------------------------ the public interface
-
-    ledger = seam("ledger")
-    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
-    data_parallel_replicas = seam("data_parallel_replicas")
-    group_open = seam("group_open")
-    tensor_parallel_size = seam("tensor_parallel_size")
-    reduce_sum = seam("reduce_sum")
-    add_group_listener = seam("add_group_listener")
-    remove_group_listener = seam("remove_group_listener")
 
     @property
     def slicing(self) -> SlicingLog:
@@ -318,32 +309,6 @@ class ExactAccumulation(Strategy):
         group_size: int | None = None,
         num_documents: Count | None = None,
     ) -> Tensor:
-        """Record one micro-batch of a manual loop in the open group; return the tensor to back-propagate.
-
-        For ``automatic_optimization = False``: pass what ``training_step`` would return in automatic optimization,
-        back-propagate the returned ``loss · w / c`` with ``self.manual_backward`` (exactly that tensor, before the
-        next ``accumulate``), and call :meth:`close_group` before ``optimizer.step()``. Under DDP, run the backward
-        of every micro-batch but a group's last inside :meth:`no_backward_sync`; every replica reports the same
-        number of micro-batches per group.
-
-        Args:
-            loss: The micro-batch's mean loss over its units (a scalar tensor with a graph).
-            num_tokens: Its supervised tokens (int or 0-d integer tensor), as ``"num_tokens"`` in automatic
-                optimization; or ``None`` (then the strategy's ``count_tokens``, if given, reads ``batch``).
-            num_samples: Its samples; ``None`` infers them from ``batch``'s tensors.
-            batch: The micro-batch, for ``count_tokens`` and to infer the samples; optional.
-            group_size: The micro-batches per update you plan: it only sets the magnitude of what is
-                back-propagated (close to Lightning's ``loss / A``), never the update, which is exact whatever it is.
-                ``None``: the previous group's micro-batches per replica (1 for the first group).
-            num_documents: Its documents with a supervised token, as ``"num_documents"`` in automatic optimization
-                (``loss`` is then their mean: ``self.trainer.strategy.accumulate(**document_mean_loss(...))``).
-
-        Raises:
-            RuntimeError: In automatic optimization (return the counts from ``training_step`` there), while a
-                closed group waits for its ``optimizer.step()``, while the tensor the previous call returned was
-                never back-propagated, or when a group opens on parameters that already hold a gradient.
-            TypeError: ``loss`` is not a tensor.
-        """
         if self._automatic():
             raise RuntimeError(
                 "`strategy.accumulate` is for manual optimization (`automatic_optimization = False`). In automatic"
@@ -351,30 +316,9 @@ class ExactAccumulation(Strategy):
             )
         return self._core.accumulate(loss, num_tokens, num_samples, batch, group_size, num_documents)
 
+    accumulate.__doc__ = AccumulationCore.accumulate.__doc__
+
     def close_group(self, optimizer: Optimizer | LightningOptimizer, group_size: int | None = None) -> GroupRecord:
-        """Close the group reported with :meth:`accumulate`, before ``optimizer.step()`` (manual optimization).
-
-        One all-reduce of the group's counts, the rescale of ``optimizer``'s gradients by ``c · D / W`` and the
-        decision, as at the end of a group in automatic optimization. Then call ``optimizer.step()``: it updates
-        (unless a GradScaler finds an overflow) or, for a group that makes no update, does nothing; either way the
-        group is recorded in :attr:`ledger` and the listeners are called.
-
-        Args:
-            optimizer: The optimizer whose gradients the group accumulated.
-            group_size: The micro-batches per replica a group holds: a group closed with fewer (the end of the data)
-                is a partial group, rescaled with its real denominator or dropped (``partial_group=``), and counted
-                in ``ledger.partial_groups``. ``None``: every group is complete.
-
-        Returns:
-            The group's record; ``applied`` and ``skip_reason`` are final once ``optimizer.step()`` returned (the
-            same object is completed then).
-
-        Raises:
-            ValueError: ``group_size`` is not a positive int, or smaller than the micro-batches reported.
-            RuntimeError: In automatic optimization, with no micro-batch reported since the last close, while the
-                previous group's ``optimizer.step()`` has not run, or while the tensor the last :meth:`accumulate`
-                returned was never back-propagated.
-        """
         if self._automatic():
             raise RuntimeError(
                 "`strategy.close_group` is for manual optimization (`automatic_optimization = False`); in automatic"
@@ -382,6 +326,8 @@ class ExactAccumulation(Strategy):
             )
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         return self._core.close_group(inner, self.lightning_module, self.gradient_scaler, group_size, self.optimizers)
+
+    close_group.__doc__ = CLOSE_GROUP_DOC
 
     def _gradient_sync_blocked(self) -> bool:
         """Whether a backward run now leaves its gradient uncombined: inside DDP's ``no_sync`` (however it was

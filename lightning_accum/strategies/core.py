@@ -48,7 +48,35 @@ from lightning_accum.strategies.checkpoint import OpenGroupCheckpoint
 from lightning_accum.strategies.closing import GroupClosing
 from lightning_accum.strategies.manual import ManualGroups
 
-__all__ = ["AccumulationCore", "one_device_property", "seam"]
+__all__ = ["CLOSE_GROUP_DOC", "AccumulationCore", "CoreSeam", "one_device_property", "seam"]
+
+#: The documentation of both front classes' ``close_group(optimizer, group_size=None)``.
+CLOSE_GROUP_DOC = """Close the group reported with ``accumulate``, right before ``optimizer.step()`` (manual API).
+
+        One all-reduce of the group's counts, the rescale of ``optimizer``'s gradients by ``c · D / W`` and the
+        decision, as at the end of a group in automatic optimization. Then call ``optimizer.step()``: it updates
+        (unless a GradScaler finds an overflow) or, for a group that makes no update (a NaN/Inf gradient without a
+        scaler, no unit at all), does nothing; either way the group is recorded in ``ledger`` and the listeners are
+        called. Clip (``self.clip_gradients`` / ``fabric.clip_gradients``) after the close, never inside the group.
+
+        Args:
+            optimizer: The optimizer whose gradients the group accumulated.
+            group_size: The micro-batches per replica a group holds: a group closed with fewer (the end of the data)
+                is a partial group, rescaled with its real denominator or dropped (``partial_group=``), and counted
+                in ``ledger.partial_groups``. ``None``: every group is complete.
+
+        Returns:
+            The group's record; ``applied`` and ``skip_reason`` are final once ``optimizer.step()`` returned (the
+            same object is completed then).
+
+        Raises:
+            ValueError: ``group_size`` is not a positive int, or smaller than the micro-batches reported.
+            RuntimeError: In a Trainer's automatic optimization, with no micro-batch reported since the last close,
+                while the previous group's ``optimizer.step()`` has not run, while the tensor the last
+                ``accumulate`` returned was never back-propagated, after a group whose last backward ran without
+                gradient synchronisation where that matters (several DDP replicas, FSDP2), or after a backward that
+                reached another optimizer's parameters.
+        """
 
 
 class AccumulationCore:
@@ -125,23 +153,35 @@ class AccumulationCore:
         group_size: int | None = None,
         num_documents: Count | None = None,
     ) -> Tensor:
-        """Record one micro-batch in the open group; return the tensor to back-propagate (``fabric.backward`` in a
-        Fabric loop, ``self.manual_backward`` in a manual Trainer loop).
+        """Record one micro-batch of a manual loop in the open group; return the tensor to back-propagate.
 
-        ``loss`` is the micro-batch's mean over its units, ``num_tokens`` its supervised tokens (an int or a 0-d
-        integer tensor; ``None``: the strategy's ``count_tokens`` reads ``batch``), ``num_samples`` its samples
-        (``None``: inferred from ``batch``), ``num_documents`` its documents with a supervised token (the loss is then
-        their mean: ``strategy.accumulate(**lightning_accum.document_mean_loss(...))``; under ``normalize="auto"``
-        the micro-batches are weighted by them), ``group_size`` the micro-batches per update you plan (it only sets the
-        magnitude of what is back-propagated, ``loss · w / c``, never the update; ``1`` declares the group's only
-        micro-batch, back-propagated as it is on one replica). Back-propagate exactly the tensor
-        returned, once, before the next call.
+        The manual API of both doors (a Trainer's ``training_step`` with ``automatic_optimization = False``, and a
+        Fabric loop): back-propagate exactly the returned ``loss · w / c`` once, before the next call
+        (``self.manual_backward`` / ``fabric.backward``), and call ``close_group(optimizer)`` before
+        ``optimizer.step()``. Under DDP run every micro-batch but a group's last without gradient synchronisation
+        (``strategy.no_backward_sync()`` / ``fabric.no_backward_sync(model, enabled=not last)``); every replica
+        reports the same number of micro-batches per group. The rules hold alike at both doors.
+
+        Args:
+            loss: The micro-batch's mean loss over its units (a scalar tensor with a graph).
+            num_tokens: Its supervised tokens (int or 0-d integer tensor), as ``"num_tokens"`` in automatic
+                optimization; or ``None`` (then the strategy's ``count_tokens``, if given, reads ``batch``).
+            num_samples: Its samples; ``None`` infers them from ``batch``'s tensors.
+            batch: The micro-batch, for ``count_tokens`` and to infer the samples; optional.
+            group_size: The micro-batches per update you plan: it only sets the magnitude of what is
+                back-propagated (close to Lightning's ``loss / A``), never the update, which is exact whatever it is.
+                ``None``: the previous group's micro-batches per replica (1 for the first group). ``1`` declares the
+                group's only micro-batch, back-propagated as it is on one replica.
+            num_documents: Its documents with a supervised token (``loss`` is then their mean:
+                ``strategy.accumulate(**lightning_accum.document_mean_loss(...))``).
 
         Raises:
-            RuntimeError: While a closed group waits for its ``optimizer.step()``, while the tensor the previous
-                call returned was never back-propagated, or when a group opens on parameters that already hold a
-                gradient (a backward before its first ``accumulate``, a ``zero_grad`` forgotten after a step).
+            RuntimeError: In a Trainer's automatic optimization (return the counts from ``training_step`` there),
+                while a closed group waits for its ``optimizer.step()``, while the tensor the previous call returned
+                was never back-propagated, or when a group opens on parameters that already hold a gradient (a
+                backward before its first ``accumulate``, a ``zero_grad`` forgotten after a step).
             TypeError: ``loss`` is not a tensor.
+            ValueError: Under ``normalize="auto"``, counts of a finer unit than the one the run fixed.
         """
         self.reopen_deferred()
         counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
@@ -158,10 +198,8 @@ class AccumulationCore:
         group_size: int | None = None,
         optimizers: Sequence[Optimizer] = (),
     ) -> GroupRecord:
-        """Close the group over ``optimizer``'s gradients (see the front classes' ``close_group``): the rules of a
-        close hold here for both doors (a last backward without synchronisation where it matters, another of
-        ``optimizers``' parameters reached, no micro-batch, a step pending, a handed-out tensor never
-        back-propagated)."""
+        """Close the group over ``optimizer``'s gradients: :data:`CLOSE_GROUP_DOC`, with the front class's ``module``,
+        GradScaler and every optimizer of the loop (a backward that reached another one's parameters is refused)."""
         self.install_carried()
         sync_matters = self.adapter.sync_matters
         return self.manual.close(
@@ -323,3 +361,19 @@ def one_device_property(chooser: str) -> Any:
         self._device_given = True
 
     return property(read, write, doc=f"The device {chooser} chose when none was given (read by its connector).")
+
+
+class CoreSeam:
+    """The public seam of both front classes (:class:`~lightning_accum.ExactAccumulation`,
+    :class:`~lightning_accum.fabric.FabricExactAccumulation`): each member the core's, read through ``self._core``."""
+
+    _core: AccumulationCore
+
+    ledger = seam("ledger")
+    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
+    data_parallel_replicas = seam("data_parallel_replicas")
+    group_open = seam("group_open")
+    tensor_parallel_size = seam("tensor_parallel_size")
+    reduce_sum = seam("reduce_sum")
+    add_group_listener = seam("add_group_listener")
+    remove_group_listener = seam("remove_group_listener")
