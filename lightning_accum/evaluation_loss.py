@@ -27,12 +27,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import DistributedSampler
 
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import UNIT_CODES
 from lightning_accum.microbatch import Count, choose_unit, refuse_a_finer_unit
 
 __all__ = [
+    "repeats_message",
     "EvaluationLoss",
     "EvaluationRecord",
     "WeightedMean",
@@ -111,6 +113,26 @@ def evaluation_unit(
         return reported
     refuse_a_finer_unit(fixed, engine.normalize, reported, "this evaluation batch")
     return fixed
+
+
+def repeats_message(loader: Any, subject: str, holder: str, replicas: int) -> str | None:
+    """What ``subject`` (a loss over ``loader``) counts twice when ``loader``'s ``DistributedSampler`` pads the set to
+    a multiple of the replicas (repeating its first examples, which cannot be told apart), or ``None``: both doors'
+    words for it (the Trainer's evaluation loop, Fabric's ``setup_dataloaders``)."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+        return None
+    examples = len(sampler.dataset)  # type: ignore[arg-type]
+    repeats = sampler.total_size - examples
+    if repeats <= 0:
+        return None
+    return (
+        f"lightning_accum: {subject} counts {repeats} example(s) twice: the DistributedSampler pads the {examples}"
+        f" examples of {holder} to {sampler.total_size} so that each of the {replicas} replicas runs"
+        f" {sampler.num_samples}, repeating the first {repeats}, and the repeats cannot be told apart from the others."
+        f" Give the set a size that is a multiple of {replicas} (or evaluate on one device) for the exact loss of the"
+        " set."
+    )
 
 
 def mean_or_nan(weighted: float, units: float) -> float:

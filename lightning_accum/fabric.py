@@ -53,7 +53,7 @@ from lightning.fabric.strategies import (
     Strategy,
 )
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor
 from torch.nn import Module
@@ -62,6 +62,7 @@ from typing_extensions import override
 
 from lightning_accum._worker_exit import ClosingWorkers, use_launcher
 from lightning_accum.axis_lr import AxisLR
+from lightning_accum.evaluation_loss import repeats_message
 from lightning_accum.fabric_model_parallel import BackwardSyncNotes, shard_module_lists, sharded_state
 from lightning_accum.ledger import AXES, GroupRecord
 from lightning_accum.microbatch import Count
@@ -164,6 +165,18 @@ class FabricExactAccumulation(CoreSeam, Strategy):
         fabric_backward = super().backward
         unsynced = self._sync is not None and self._sync.blocking
         self._core.backward(tensor, lambda: fabric_backward(tensor, module, *args, **kwargs), unsynced)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # `fabric.setup_dataloaders`: an unshuffled loader (an evaluation set, as a rule) padded by the sampler Fabric
+        # put in is named, as the Trainer's evaluation names it: `fabric.strategy.evaluation()` would count repeats.
+        if not getattr(getattr(dataloader, "sampler", None), "shuffle", True):
+            message = repeats_message(
+                dataloader, "an evaluation over this loader", "the loader", self.data_parallel_replicas
+            )
+            if message is not None:
+                rank_zero_warn(message)
+        return super().process_dataloader(dataloader)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

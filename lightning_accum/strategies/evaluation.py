@@ -57,7 +57,6 @@ import lightning
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DistributedSampler
 
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.evaluation_loss import (
@@ -67,6 +66,7 @@ from lightning_accum.evaluation_loss import (
     negative_message,
     no_unit_message,
     perplexity_of,
+    repeats_message,
 )
 from lightning_accum.group import UNIT_CODES
 from lightning_accum.microbatch import as_count, parse_step_output, reported_documents
@@ -314,12 +314,8 @@ class ExactEvaluation:
     def _say_repeats(self, run: _Run, trainer: Any, replicas: int) -> None:
         loaders = trainer.test_dataloaders if run.stage == "test" else trainer.val_dataloaders
         for loader in loaders if isinstance(loaders, list | tuple) else [loaders]:
-            sampler = getattr(loader, "sampler", None)
-            if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
-                continue
-            examples = len(sampler.dataset)  # type: ignore[arg-type]
-            if sampler.total_size > examples:
-                message = _repeats_message(EVALUATION_KEYS[run.stage][0], run.stage, sampler, examples, replicas)
+            message = repeats_message(loader, f"`{EVALUATION_KEYS[run.stage][0]}`", f"the {run.stage} set", replicas)
+            if message is not None:
                 self._say(run.stage + ":repeats", rank_zero_warn, message)
 
     def _say(self, kind: str, say: Callable[[str], None], message: str) -> None:
@@ -347,17 +343,6 @@ def _nan_message(key: str, stage: str, unit: str | None) -> str:
     return (
         f"{no_unit_message(f'`{key}`', f'the {stage} set', unit)} `ModelCheckpoint` ranks a NaN as the worst value;"
         " `EarlyStopping(check_finite=True)` stops on it."
-    )
-
-
-def _repeats_message(key: str, stage: str, sampler: DistributedSampler, examples: int, replicas: int) -> str:
-    repeats = sampler.total_size - examples
-    return (
-        f"lightning_accum: `{key}` counts {repeats} example(s) twice: Lightning's DistributedSampler pads the"
-        f" {examples} examples of the {stage} set to {sampler.total_size} so that each of the {replicas} replicas"
-        f" runs {sampler.num_samples}, repeating the first {repeats}, and the repeats cannot be told apart from the"
-        f" others. Give the set a size that is a multiple of {replicas} (or evaluate on one device) for the exact"
-        " loss of the set."
     )
 
 
