@@ -141,7 +141,7 @@ class FabricExactAccumulation(CoreSeam, Strategy):
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], *scheduler: Any) -> Any:
-        # `fabric.setup(..., scheduler=s)` hands the scheduler on (Fabric 2.6; Fabric 2.5 has no such argument).
+        # `fabric.setup(..., scheduler=s)` hands the scheduler on.
         if scheduler and isinstance(scheduler[0], AxisLR):
             scheduler[0].bind(self._core.engine)  # it counts what each applied update consumed
         return super().setup_module_and_optimizers(module, optimizers, *scheduler)
@@ -214,13 +214,7 @@ class FabricExactAccumulation(CoreSeam, Strategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         load = super().load_checkpoint
-        # Fabric 2.5 has no `weights_only` (and never passes it): its method is called as it is declared there.
-        read = (
-            (lambda: load(path, state, strict))
-            if weights_only is None
-            else (lambda: load(path, state, strict, weights_only))
-        )
-        remainder: dict[str, Any] = read_checkpoint(read, path)
+        remainder: dict[str, Any] = read_checkpoint(lambda: load(path, state, strict, weights_only), path)
         if isinstance(state, (Module, Optimizer)) or not isinstance(remainder, Mapping):
             # A module's or an optimizer's weights alone, or what a custom CheckpointIO returned that is not a
             # mapping: no loop state to restore, returned as Fabric returns it.

@@ -96,10 +96,6 @@ def test_validation_loss_equals_the_whole_set_on_one_and_two_processes_at_two_ba
     )
 
 
-@pytest.mark.skipif(
-    tuple(int(v) for v in L.__version__.split(".")[:2]) < (2, 6),
-    reason="Lightning 2.5 refuses per-loader keys logged at the end of the loop (said in a warning there)",
-)
 def test_test_step_and_several_validation_loaders_give_one_exact_value_each() -> None:
     examples = make_examples(LENGTHS, seed=4)
     first, second = examples[:8], examples[8:]

@@ -266,13 +266,3 @@ def test_a_checkpoint_name_with_the_keys_slash_is_said_and_the_recipe_writes_fla
 class SeveralLoaders(Returns):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Any:
         return super().validation_step(batch, batch_idx)
-
-
-@pytest.mark.skipif(
-    tuple(int(v) for v in L.__version__.split(".")[:2]) >= (2, 6), reason="Lightning 2.6 takes per-loader keys"
-)
-def test_several_loaders_on_lightning_2_5_say_why_no_value_is_logged() -> None:
-    examples = make_examples(LENGTHS, seed=10)
-    with pytest.warns(UserWarning, match=r"refuses a key with `/dataloader_idx_`.*Upgrade Lightning to 2.6"):
-        results = _trainer().validate(SeveralLoaders("tokens"), [_loader(examples[:8]), _loader(examples[8:])])
-    assert not [key for result in results for key in result if key.startswith("accum/")]

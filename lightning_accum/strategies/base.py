@@ -428,13 +428,9 @@ class ExactAccumulation(CoreSeam, Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:
-        # Lightning 2.5.0 has no `weights_only` (and never passes it): call its method as it is declared there.
         load = super().load_checkpoint
-        checkpoint: dict[str, Any] = read_checkpoint(  # a file that cannot be read: named, with its cause
-            (lambda: load(checkpoint_path)) if weights_only is None else (lambda: load(checkpoint_path, weights_only)),
-            checkpoint_path,
-            self,
-        )
+        # A file that cannot be read: named, with its cause.
+        checkpoint: dict[str, Any] = read_checkpoint(lambda: load(checkpoint_path, weights_only), checkpoint_path, self)
         if not self._fitting():
             # `validate` / `test` / `predict(ckpt_path=...)`: Lightning restores the weights only, and so does the
             # package (the ledger and an open group belong to a fit resuming from the checkpoint, never to a later one).

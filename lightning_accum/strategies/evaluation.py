@@ -43,9 +43,7 @@ apart from the others: a warning says how many are counted twice and what to do.
 
 Lightning skips the evaluation loop on a rank whose sized loaders are all empty when the module sets
 ``allow_zero_length_dataloader_with_multiple_devices=True`` (it is an error otherwise); that rank would not join the
-reduction, so with that flag and several replicas no exact value is logged, and a warning says so. Lightning 2.5
-refuses keys with ``/dataloader_idx_`` logged from an epoch-end hook: there, with several evaluation loaders, no exact
-value is logged either (said in a warning); Lightning 2.6 accepts them.
+reduction, so with that flag and several replicas no exact value is logged, and a warning says so.
 """
 
 from __future__ import annotations
@@ -53,7 +51,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import lightning
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -271,9 +268,6 @@ class ExactEvaluation:
                 ),
             )
         self._say_repeats(run, trainer, replicas)
-        if loaders > 1 and not _EPOCH_END_LOADER_KEYS:
-            self._finding(run, _OLD_LIGHTNING.format(key=loss_key, version=lightning.__version__))
-            return
         for index in range(loaders):
             at = _HEADER + _PER_LOADER * index
             batches, weighted, units, _ = values[at : at + _PER_LOADER]
@@ -329,13 +323,6 @@ _SKIPPED_RANKS = (
     " skips the evaluation loop on a rank whose sized loaders are empty, and such a rank would not join the reduction"
     " of the set's sums. Give every rank at least one batch and unset the flag, or evaluate on one device."
 )
-_OLD_LIGHTNING = (
-    "`{key}` is not logged per loader: the values are logged at the end of the loop, once every replica added its"
-    " sums, and Lightning {version} refuses a key with `/dataloader_idx_` logged there (Lightning 2.6 accepts it)."
-    " Upgrade Lightning to 2.6 for the exact loss of each evaluation loader, or evaluate one loader at a time."
-)
-#: Whether Lightning accepts `/dataloader_idx_{i}` keys logged from an epoch-end hook (`add_dataloader_idx=False`).
-_EPOCH_END_LOADER_KEYS = tuple(int(part) for part in lightning.__version__.split(".")[:2]) >= (2, 6)
 _ELSEWHERE = "`{key}` is not logged: the steps do not return the training contract (this rank ran no batch)."
 
 
