@@ -93,7 +93,7 @@ __all__ = [
 _Path = str | Path
 
 
-class FabricExactAccumulation(CoreSeam, Strategy):
+class FabricExactAccumulation(Strategy, CoreSeam):
     """The public base of the Fabric accumulation strategies: the Fabric hooks they change, and the manual API.
 
     Listed first in a strategy's bases, so that ``super()`` is Fabric's single-device or DDP strategy. Loops program

@@ -88,7 +88,7 @@ __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 _Path = str | Path  # what Lightning's checkpoint methods accept
 
 
-class ExactAccumulation(CoreSeam, Strategy):
+class ExactAccumulation(Strategy, CoreSeam):
     """The public base of the accumulation strategies: every hook they change, and the interface callbacks use.
 
     Listed first in a strategy's bases so that its hooks wrap the Lightning strategy's own methods (``super()`` is the

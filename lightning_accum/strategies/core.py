@@ -365,7 +365,10 @@ def one_device_property(chooser: str) -> Any:
 
 class CoreSeam:
     """The public seam of both front classes (:class:`~lightning_accum.ExactAccumulation`,
-    :class:`~lightning_accum.fabric.FabricExactAccumulation`): each member the core's, read through ``self._core``."""
+    :class:`~lightning_accum.fabric.FabricExactAccumulation`): each member the core's, read through ``self._core``.
+    Listed after the framework's ``Strategy`` in their bases (it defines none of these names), so the instance layout
+    stays the framework strategy's: an instance's class can still be swapped in place, as Lightning's own tests with
+    ours substituted do (``../shared/peer_lightning``)."""
 
     _core: AccumulationCore
 
