@@ -78,7 +78,7 @@ from lightning_accum.strategies.checkpoint import (
     slicing_state,
 )
 from lightning_accum.strategies.closing import enabled_scaler
-from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam
+from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, seam
 from lightning_accum.strategies.evaluation import ExactEvaluation
 from lightning_accum.strategies.reading import read_checkpoint
 from lightning_accum.strategies.slicing import BatchSlicer
@@ -88,7 +88,7 @@ __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 _Path = str | Path  # what Lightning's checkpoint methods accept
 
 
-class ExactAccumulation(Strategy, CoreSeam):
+class ExactAccumulation(Strategy):
     """The public base of the accumulation strategies: every hook they change, and the interface callbacks use.
 
     Listed first in a strategy's bases so that its hooks wrap the Lightning strategy's own methods (``super()`` is the
@@ -129,6 +129,15 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._clip_guard: InstancePatch | None = None  # the precision plugin's `clip_gradients`, for the run
 
     # ------------------------------------------------------------------ the public interface
+
+    ledger = seam("ledger")
+    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
+    data_parallel_replicas = seam("data_parallel_replicas")
+    group_open = seam("group_open")
+    tensor_parallel_size = seam("tensor_parallel_size")
+    reduce_sum = seam("reduce_sum")
+    add_group_listener = seam("add_group_listener")
+    remove_group_listener = seam("remove_group_listener")
 
     @property
     def slicing(self) -> SlicingLog:

@@ -48,7 +48,7 @@ from lightning_accum.strategies.checkpoint import OpenGroupCheckpoint
 from lightning_accum.strategies.closing import GroupClosing
 from lightning_accum.strategies.manual import ManualGroups
 
-__all__ = ["CLOSE_GROUP_DOC", "AccumulationCore", "CoreSeam", "one_device_property", "seam"]
+__all__ = ["CLOSE_GROUP_DOC", "AccumulationCore", "one_device_property", "seam"]
 
 #: The documentation of both front classes' ``close_group(optimizer, group_size=None)``.
 CLOSE_GROUP_DOC = """Close the group reported with ``accumulate``, right before ``optimizer.step()`` (manual API).
@@ -361,22 +361,3 @@ def one_device_property(chooser: str) -> Any:
         self._device_given = True
 
     return property(read, write, doc=f"The device {chooser} chose when none was given (read by its connector).")
-
-
-class CoreSeam:
-    """The public seam of both front classes (:class:`~lightning_accum.ExactAccumulation`,
-    :class:`~lightning_accum.fabric.FabricExactAccumulation`): each member the core's, read through ``self._core``.
-    Listed after the framework's ``Strategy`` in their bases (it defines none of these names), so the instance layout
-    stays the framework strategy's: an instance's class can still be swapped in place, as Lightning's own tests with
-    ours substituted do (``../shared/peer_lightning``)."""
-
-    _core: AccumulationCore
-
-    ledger = seam("ledger")
-    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
-    data_parallel_replicas = seam("data_parallel_replicas")
-    group_open = seam("group_open")
-    tensor_parallel_size = seam("tensor_parallel_size")
-    reduce_sum = seam("reduce_sum")
-    add_group_listener = seam("add_group_listener")
-    remove_group_listener = seam("remove_group_listener")
