@@ -1363,19 +1363,49 @@ def _read_on_one_device(rank: int, folder: str) -> None:
     Path(folder, "said.json").write_text(json.dumps(said))
 
 
+_WAY_OUT = re.escape(
+    "Resume it with strategy='accum_fsdp' (or ModelParallelAccumulationStrategy) on a model sharded in"
+    " `configure_model`, or write single files with save_distributed_checkpoint=False."
+)
+
+
+def test_a_folder_a_strategy_cannot_read_is_refused_before_the_read(tmp_path: Path) -> None:
+    # Before: IsADirectoryError from torch's read, for both folders.
+    folder = tmp_path / "not-a-checkpoint"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("epoch 3")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"`ckpt_path={str(folder)!r}` is a folder that is not a checkpoint")
+        + r".* Give `ckpt_path` the checkpoint file",
+    ):
+        _resume(folder, "accum", 3)
+    # A sharded folder's layout (torch's index of the shards, Lightning's metadata file) under a single-file strategy.
+    sharded = tmp_path / "sharded.ckpt"
+    sharded.mkdir()
+    (sharded / ".metadata").write_bytes(b"")
+    (sharded / "meta.pt").write_bytes(b"")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"`ckpt_path={str(sharded)!r}` is a sharded (distributed) checkpoint folder;")
+        + r" AccumulationStrategy reads single files only\. "
+        + _WAY_OUT,
+    ):
+        _resume(sharded, "accum", 3)
+
+
 @pytest.mark.ddp
 @pytest.mark.timeout(300)
-def test_a_sharded_folder_that_cannot_be_read_says_what_wrote_it_and_how_to_resume_it(tmp_path: Path) -> None:
+def test_a_sharded_folder_that_cannot_be_read_is_refused_with_the_way_out(tmp_path: Path) -> None:
     run_ddp(_write_sharded_folder, str(tmp_path))  # accum_fsdp on 2 devices: a sharded folder
     folder = tmp_path / "inside.ckpt"
     assert folder.is_dir()
     # A strategy that reads single files (before: IsADirectoryError).
     with pytest.raises(
         ValueError,
-        match=re.escape(f"`ckpt_path={str(folder)!r}` is a sharded checkpoint")
-        + r".* written by ModelParallelAccumulationStrategy on 2 process\(es\), 2 data-parallel replica\(s\),.*"
-        r"AccumulationStrategy reads a checkpoint from a single file only.* Resume it with strategy='accum_fsdp'"
-        r" and devices=2 as it was written",
+        match=re.escape(f"`ckpt_path={str(folder)!r}` is a sharded (distributed) checkpoint folder;")
+        + r" AccumulationStrategy reads single files only\. "
+        + _WAY_OUT,
     ):
         _resume(folder, "accum", 2)
     # One shard cut in half (before: torch's CheckpointException around "failed reading zip archive"), and cut to 90 %:
@@ -1392,8 +1422,8 @@ def test_a_sharded_folder_that_cannot_be_read_says_what_wrote_it_and_how_to_resu
     assert said["sharded model"] == "resumed: 11 micro-batches", said  # 2 x 2, then 2 carried + 1, then 2 x 2
     # ... and a model left whole gets what to do (before: Lightning's "Could not find a distributed model").
     assert re.search(
-        r"this run's model has no sharded \(DTensor\) parameter: its `configure_model` did not shard it on this run's"
-        r" 1 device\(s\).* Resume it with strategy='accum_fsdp' and devices=2 as it was written",
+        r"is a sharded \(distributed\) checkpoint folder, and this run's model has no sharded \(DTensor\) parameter on"
+        r" its 1 device\(s\) \(Lightning: 'Could not find a distributed model'\)\. " + _WAY_OUT,
         said["unsharded model"],
     ), said
     for name, case in (("cut.ckpt", "shard cut short"), ("cut90.ckpt", "shard cut to 90 %")):

@@ -3,8 +3,8 @@ be read.
 
 :func:`read_checkpoint` turns a failure of torch's read of a local file or sharded folder into one ``ValueError``
 naming the path, its size and torch's own error (chained as its cause); every other error of the read (a missing file,
-a state that does not fit the model, a remote path) passes through untouched. A sharded folder given to a strategy that
-cannot read it is refused before the read (:func:`describe_folder` says what wrote it and how to resume it).
+a state that does not fit the model, a remote path) passes through untouched. A folder the strategy cannot read (not a
+checkpoint, or a sharded one it does not read) is refused before the read, with the way out.
 :func:`distributed_gradients` reads the gradient of a group open at a sharded checkpoint. What is read is checked by
 :mod:`~lightning_accum.strategies.entry`. See ``docs/reliability.md``.
 """
@@ -20,11 +20,16 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from torch import Tensor
 
-from lightning_accum.strategies.entry import CHECKPOINT_KEY, DISTRIBUTED_KEY
+from lightning_accum.strategies.entry import DISTRIBUTED_KEY
 
-__all__ = ["describe_folder", "distributed_gradients", "read_checkpoint"]
+__all__ = ["distributed_gradients", "read_checkpoint"]
 
 _Path = str | Path
+
+_WAY_OUT = (
+    "Resume it with strategy='accum_fsdp' (or ModelParallelAccumulationStrategy) on a model sharded in"
+    " `configure_model`, or write single files with save_distributed_checkpoint=False."
+)
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
@@ -52,8 +57,8 @@ def read_checkpoint(
             folder is refused before the read.
 
     Raises:
-        ValueError: A sharded folder this strategy cannot read, or a file or folder torch's read failed on (the path,
-            its size and torch's error, chained as its cause). Any other error of ``read`` is raised as it was.
+        ValueError: A folder this strategy cannot read, or a file or folder torch's read failed on (the path, its size
+            and torch's error, chained as its cause). Any other error of ``read`` is raised as it was.
     """
     local = _local(path)
     if local is not None and local.is_dir() and strategy is not None:
@@ -95,96 +100,30 @@ def _size(path: Path) -> str | None:
     return f"a folder of {len(sizes)} file(s), {sum(sizes)} byte(s)"
 
 
-def describe_folder(path: _Path) -> str:
-    """What a checkpoint folder is and what wrote it, from its files and Lightning's metadata file in it."""
-    folder = Path(path)
-    if not _is_distributed(folder):
-        names = sorted(p.name for p in folder.iterdir())
-        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "nothing"
-        return (
-            f"a folder that is not a checkpoint written by Lightning (it holds {shown}; no `meta.pt` and `.metadata`)"
-        )
-    shards, processes, meta = _folder_facts(folder)
-    entry = meta.get(CHECKPOINT_KEY)
-    config = entry.get("config") if isinstance(entry, Mapping) else None
-    where = (
-        f", in epoch {meta['epoch']} after {meta.get('global_step', '?')} optimizer step(s)" if "epoch" in meta else ""
-    )
-    if isinstance(entry, Mapping) and entry.get("open_group_microbatches"):
-        where += ", inside an accumulation group"
-    what = f"a sharded checkpoint (a distributed checkpoint: {shards} shard file(s), `.metadata` and `meta.pt`)"
-    if not isinstance(config, Mapping):
-        return (
-            f"{what} written by {processes} process(es) of a Lightning strategy without {CHECKPOINT_KEY!r} state"
-            f" (ModelParallelStrategy){where}"
-        )
-    return (
-        f"{what} written by {config.get('strategy', '?')} on {processes} process(es),"
-        f" {config.get('replicas', '?')} data-parallel replica(s){where}"
-    )
-
-
-def _folder_facts(folder: Path) -> tuple[int, int, Mapping[str, Any]]:
-    """A distributed checkpoint's shard files, the processes that wrote them (``__<rank>_<n>.distcp``), and
-    Lightning's metadata file (empty where it cannot be read)."""
-    shards = [p.name for p in folder.iterdir() if p.name.endswith(".distcp")]
-    ranks = {name.split("_")[2] for name in shards if name.count("_") >= 3}
-    try:
-        meta = torch.load(folder / _METADATA_FILENAME, map_location="cpu", weights_only=True)
-    except Exception:  # said by the read itself, when it fails
-        meta = {}
-    return len(shards), max(len(ranks), 1), meta if isinstance(meta, Mapping) else {}
-
-
-def _resume_advice(folder: Path) -> str:
-    """How to resume a sharded folder: the strategy that reads it and the devices it was written on."""
-    _, processes, meta = _folder_facts(folder)
-    try:
-        replicas = max(int(meta[CHECKPOINT_KEY]["config"]["replicas"]), 1)
-    except (KeyError, TypeError, ValueError):
-        replicas = processes
-    tensor_parallel = max(processes // replicas, 1)
-    strategy = (
-        "strategy='accum_fsdp'"
-        if tensor_parallel == 1
-        else f"strategy=ModelParallelAccumulationStrategy(tensor_parallel_size={tensor_parallel})"
-    )
-    return (
-        f"Resume it with {strategy} and devices={processes} as it was written (another number of devices works too:"
-        " the shards are read into this run's layout), with a model that shards its parameters in `configure_model`"
-        " (`fully_shard(module, mesh=self.device_mesh['data_parallel'])`, on a mesh of any size, 1 included)."
-    )
-
-
 def _folder_refusal(folder: Path, strategy: Strategy) -> str | None:
     """Why ``strategy`` cannot read the folder at all (``None``: it can try): Lightning's single-file strategies read
     files only, and Lightning's model-parallel strategy reads a sharded folder into a sharded (DTensor) model only."""
-    if not _is_distributed(folder):
+    named = f"`ckpt_path={str(folder)!r}`"
+    # A distributed checkpoint written by Lightning: torch's index of the shards, and Lightning's metadata file.
+    if not ((folder / ".metadata").is_file() and (folder / _METADATA_FILENAME).is_file()):
         return (
-            f"`ckpt_path={str(folder)!r}` is {describe_folder(folder)}. Give `ckpt_path` the checkpoint file (a `.ckpt`"
-            " written by `Trainer.save_checkpoint` or `ModelCheckpoint`), or the folder of a sharded checkpoint."
+            f"{named} is a folder that is not a checkpoint (no `.metadata` and `{_METADATA_FILENAME}` in it). Give"
+            " `ckpt_path` the checkpoint file (a `.ckpt` written by `Trainer.save_checkpoint` or `ModelCheckpoint`),"
+            " or the folder of a sharded checkpoint."
         )
     if not isinstance(strategy, ModelParallelStrategy):
         return (
-            f"`ckpt_path={str(folder)!r}` is {describe_folder(folder)}. {type(strategy).__name__} reads a checkpoint"
-            f" from a single file only (Lightning's loader). {_resume_advice(folder)} To resume under any strategy,"
-            " write checkpoints as single files: ModelParallelAccumulationStrategy(save_distributed_checkpoint=False)."
+            f"{named} is a sharded (distributed) checkpoint folder; {type(strategy).__name__} reads single files"
+            f" only. {_WAY_OUT}"
         )
     module = strategy.model if strategy.model is not None else strategy.lightning_module
     if module is None or _is_sharded(module):
         return None
     return (
-        f"`ckpt_path={str(folder)!r}` is {describe_folder(folder)}, and this run's model has no sharded (DTensor)"
-        f" parameter: its `configure_model` did not shard it on this run's {strategy.world_size} device(s)."
-        " Lightning reads a sharded folder into a sharded model only (its own error: 'Could not find a distributed"
-        f" model'). {_resume_advice(folder)}"
+        f"{named} is a sharded (distributed) checkpoint folder, and this run's model has no sharded (DTensor)"
+        f" parameter on its {strategy.world_size} device(s) (Lightning: 'Could not find a distributed model')."
+        f" {_WAY_OUT}"
     )
-
-
-def _is_distributed(folder: Path) -> bool:
-    """Whether ``folder`` is a distributed checkpoint written by Lightning (torch's index of the shards, and
-    Lightning's metadata file)."""
-    return (folder / ".metadata").is_file() and (folder / _METADATA_FILENAME).is_file()
 
 
 def _is_sharded(module: torch.nn.Module) -> bool:
