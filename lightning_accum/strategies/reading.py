@@ -15,10 +15,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from lightning_accum.strategies.entry import DISTRIBUTED_KEY
 
@@ -32,16 +33,8 @@ _WAY_OUT = (
 )
 
 
-def _read_errors() -> tuple[type[BaseException], ...]:
-    """What a failed read raises: exceptions, and torch's distributed-checkpoint error (a ``BaseException``)."""
-    try:
-        from torch.distributed.checkpoint.api import CheckpointException
-    except ImportError:  # a torch built without distributed support
-        return (Exception,)
-    return (Exception, CheckpointException)
-
-
-_READ_ERRORS = _read_errors()
+#: What a failed read raises: exceptions, and torch's distributed-checkpoint error (a ``BaseException``).
+_READ_ERRORS = (Exception, CheckpointException)
 
 
 def read_checkpoint(
@@ -79,7 +72,7 @@ def _from_torch_read(error: BaseException) -> bool:
     """Whether ``error`` is torch's read of the file failing (raised inside ``torch.load``, or torch's
     distributed-checkpoint error), not Lightning's or the model's side of the load (a missing file, a state that does
     not fit)."""
-    if isinstance(error, _READ_ERRORS[1:]):  # torch's distributed-checkpoint error
+    if isinstance(error, CheckpointException):
         return True
     trace = error.__traceback__
     while trace is not None:
@@ -117,21 +110,13 @@ def _folder_refusal(folder: Path, strategy: Strategy) -> str | None:
             f" only. {_WAY_OUT}"
         )
     module = strategy.model if strategy.model is not None else strategy.lightning_module
-    if module is None or _is_sharded(module):
+    if module is None or any(isinstance(p, DTensor) for p in module.parameters()):
         return None
     return (
         f"{named} is a sharded (distributed) checkpoint folder, and this run's model has no sharded (DTensor)"
         f" parameter on its {strategy.world_size} device(s) (Lightning: 'Could not find a distributed model')."
         f" {_WAY_OUT}"
     )
-
-
-def _is_sharded(module: torch.nn.Module) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _local(path: _Path) -> Path | None:
