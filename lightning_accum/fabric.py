@@ -72,7 +72,6 @@ from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_accum.strategies.closing import enabled_scaler
 from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, one_device_property, seam
 from lightning_accum.strategies.ddp import DDPAdapter, register_ddp_strings
-from lightning_accum.strategies.mesh_clipping import clip_grad_norm_, clip_grad_value_
 from lightning_accum.strategies.model_parallel import (
     MeshAdapter,
     check_mesh_sizes,
@@ -261,14 +260,24 @@ class FabricExactAccumulation(Strategy):
         return remainder
 
     @override
-    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Tensor:
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
         self._core.refuse_clipping("fabric.clip_gradients(model, optimizer, max_norm=...)")
-        return super().clip_gradients_norm(module, optimizer, *args, **kwargs)
+        self.precision.unscale_gradients(optimizer)  # as Fabric's, with the engine adapter's clipping (the Trainer's)
+        parameters = self.precision.main_params(optimizer)
+        return self._core.adapter.clip_norm(parameters, max_norm, norm_type, error_if_nonfinite)
 
     @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self._core.refuse_clipping("fabric.clip_gradients(model, optimizer, clip_val=...)")
-        super().clip_gradients_value(module, optimizer, *args, **kwargs)
+        self.precision.unscale_gradients(optimizer)
+        self._core.adapter.clip_value(self.precision.main_params(optimizer), clip_val)
 
     @override
     def teardown(self) -> None:
@@ -522,26 +531,6 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         return super().setup_optimizer(optimizer)
 
     @override
-    def clip_gradients_norm(
-        self,
-        module: Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        self._core.refuse_clipping("fabric.clip_gradients(model, optimizer, max_norm=...)")
-        self.precision.unscale_gradients(optimizer)
-        parameters = self.precision.main_params(optimizer)
-        return clip_grad_norm_(parameters, float(max_norm), float(norm_type), error_if_nonfinite)
-
-    @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self._core.refuse_clipping("fabric.clip_gradients(model, optimizer, clip_val=...)")
-        self.precision.unscale_gradients(optimizer)
-        clip_grad_value_(self.precision.main_params(optimizer), float(clip_val))
-
-    @override
     def save_checkpoint(
         self,
         path: _Path,
@@ -568,9 +557,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
             " `no_backward_sync` (each backward then reduce-scatters its gradient)",
         )
 
-    def _sharded_state(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The state split as Fabric's distributed save splits it (see :func:`sharded_state`)."""
-        return sharded_state(state)
+    _sharded_state = staticmethod(sharded_state)  # the state split as Fabric's distributed save splits it
 
     @classmethod
     @override

@@ -11,17 +11,18 @@ one of three classes:
 - :class:`~lightning_accum.strategies.model_parallel.MeshAdapter`:
   :class:`~lightning_accum.ModelParallelAccumulationStrategy`.
 
-The strategy names its adapter's class in ``adapter_type``; the adapter reads the Lightning strategy it serves
-(``self.strategy``: its model, mesh, ranks) and is handed everything else as arguments. Every method below is the
-whole interface: an adapter overrides some of them and adds nothing the strategy calls.
+The strategy names its adapter's class in ``adapter_type``; the adapter reads the strategy it serves (``self.strategy``:
+its model, mesh, ranks; ``MeshAdapter`` lists what more) and is handed everything else as arguments. Every method
+below is the whole interface: an adapter overrides some of them and adds nothing the strategy calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_accum.engine import Replicas
@@ -137,6 +138,19 @@ class EngineAdapter:
 
     def before_forward_retry(self) -> None:
         """Called before the forward path runs again on the same loader batch after an out-of-memory error."""
+
+    # ------------------------------------------------------------------ clipping, after the group's close
+
+    def clip_norm(
+        self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Scale the gradients of ``parameters`` to a total norm of at most ``max_norm``; return the norm before. Both
+        doors clip here (``self.clip_gradients``, ``gradient_clip_val=``, ``fabric.clip_gradients``): torch's."""
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
+
+    def clip_value(self, parameters: Iterable[Tensor], clip_val: float) -> None:
+        """Clamp every gradient element of ``parameters`` to ``[-clip_val, clip_val]`` (both doors): torch's."""
+        torch.nn.utils.clip_grad_value_(parameters, clip_val)
 
     # ------------------------------------------------------------------ a checkpoint written inside a group
 

@@ -51,6 +51,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -126,7 +127,7 @@ class ExactAccumulation(Strategy):
         self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
         self._failed = False  # the entry point running raised (Lightning called `on_exception`)
         self._sync_blocked = False  # inside a `block_backward_sync` that blocks FSDP2's reduction (model parallel)
-        self._clip_guard: InstancePatch | None = None  # the precision plugin's `clip_gradients`, for the run
+        self._clipping: list[InstancePatch] = []  # the precision plugin's clip methods, for the run
 
     # ------------------------------------------------------------------ the public interface
 
@@ -353,6 +354,21 @@ class ExactAccumulation(Strategy):
         self._core.refuse_clipping("self.clip_gradients(optimizer, ...)")
         return below(optimizer, *args, **kwargs)
 
+    def _clip_through_the_adapter(self) -> list[InstancePatch]:
+        """Set on the precision plugin for the run: its ``clip_gradients`` guarded (:meth:`_guard_clipping`), and its
+        clipping by norm and by value the engine adapter's, which a Fabric loop's clipping runs too (over the mesh
+        for FSDP2 and tensor parallelism); a plugin class or instance that clips its own way keeps it."""
+        plugin, adapter = self.precision_plugin, self._core.adapter
+        patches = [InstancePatch(plugin, "clip_gradients", self._guard_clipping)]
+        for name, clip in (("clip_grad_by_norm", adapter.clip_norm), ("clip_grad_by_value", adapter.clip_value)):
+            if getattr(type(plugin), name) is getattr(Precision, name) and name not in vars(plugin):
+
+                def through(optimizer: Optimizer, clip_val: float, clip: Callable[..., Any] = clip) -> None:
+                    clip(plugin.main_params(optimizer), clip_val)
+
+                patches.append(InstancePatch(plugin, name, through, wraps=False))
+        return patches
+
     def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager[Any]:
         """A block whose backward passes do not synchronize gradients over replicas (DDP's ``no_sync``).
 
@@ -486,7 +502,7 @@ class ExactAccumulation(Strategy):
     def setup(self, trainer: Trainer) -> None:
         self._core.adapter.setup(trainer)
         super().setup(trainer)
-        self._clip_guard = InstancePatch(self.precision_plugin, "clip_gradients", self._guard_clipping)
+        self._clipping = self._clip_through_the_adapter()
         self._trainer_ref = trainer
         self._core.manual.reset()
         self._slicer.reset()
@@ -538,9 +554,9 @@ class ExactAccumulation(Strategy):
         self._failed = False
         self._core.end()
         self._core.adapter.teardown()
-        if self._clip_guard is not None:
-            self._clip_guard.release()
-            self._clip_guard = None
+        for patch in self._clipping:
+            patch.release()
+        self._clipping = []
         self._evaluation.end()
         self._slicer.reset()
         self._trainer_ref = None

@@ -22,10 +22,11 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_", "is_sharded", "total_norm"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "is_sharded", "local_part", "total_norm"]
 
 
-def _local(grad: Tensor) -> Tensor:
+def local_part(grad: Tensor) -> Tensor:
+    """This rank's own part of a (DTensor) gradient, sharing its storage; a plain tensor as it is."""
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
@@ -50,7 +51,7 @@ def total_norm(grads: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
     plain: list[Tensor] = []
     layouts: dict[tuple[object, tuple[bool, ...]], list[Tensor]] = {}
     for grad in grads:
-        device = device or _local(grad).device
+        device = device or local_part(grad).device
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):  # not a layout backward leaves; reduce it first
                 grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
@@ -102,7 +103,7 @@ def clip_grad_norm_(
         )
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for grad in grads:
-        local = _local(grad)
+        local = local_part(grad)
         local.mul_(factor.to(device=local.device, dtype=local.dtype))
     return norm
 
@@ -111,4 +112,4 @@ def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
     """Clamp every gradient element of ``parameters`` to ``[-clip_value, clip_value]`` (each local shard in place)."""
     for p in parameters:
         if p.grad is not None:
-            _local(p.grad).clamp_(-clip_value, clip_value)
+            local_part(p.grad).clamp_(-clip_value, clip_value)

@@ -18,14 +18,13 @@ Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy` lays th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -36,7 +35,6 @@ from typing_extensions import override
 from lightning_accum.engine import Replicas
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
-from lightning_accum.patching import InstancePatch
 from lightning_accum.strategies.adapter import (
     EngineAdapter,
     GradientReader,
@@ -45,7 +43,7 @@ from lightning_accum.strategies.adapter import (
 )
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, DISTRIBUTED_KEY, malformed
-from lightning_accum.strategies.mesh_clipping import clip_grad_norm_, clip_grad_value_
+from lightning_accum.strategies.mesh_clipping import clip_grad_norm_, clip_grad_value_, local_part
 
 __all__ = [
     "GRADIENT_SYNC_MODES",
@@ -58,14 +56,6 @@ __all__ = [
 
 #: The values of ``gradient_sync``.
 GRADIENT_SYNC_MODES = ("every_microbatch", "last_microbatch")
-#: The precision plugin's clipping methods the strategy routes through `mesh_clipping` (see `_clip_over_the_mesh`).
-_CLIPPING = ("clip_grad_by_norm", "clip_grad_by_value")
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """The rank's own part of a (DTensor) gradient, sharing its storage; a plain tensor as it is."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def check_mesh_sizes(data_parallel_size: Any, tensor_parallel_size: Any) -> None:
@@ -125,13 +115,16 @@ class MeshAdapter(EngineAdapter):
     """FSDP2's and tensor parallelism's side of an accumulation strategy (see
     :class:`~lightning_accum.strategies.adapter.EngineAdapter` for the interface): ``D`` = the data-parallel mesh size,
     the counts summed over the data-parallel group, the local gradient shards (rescaled and checked, the check summed
-    over the whole mesh), the slice count agreed over the mesh, and a checkpoint's open group written and read shard by
-    shard."""
+    over the whole mesh), clipping over the mesh, the slice count agreed over the mesh, and a checkpoint's open group
+    written and read shard by shard.
+
+    Of its strategy (the Trainer's or Fabric's) it reads, beyond public members, the mesh sizes and checkpoint form both
+    frameworks keep private (``_data_parallel_size``, ``_tensor_parallel_size``, ``_save_distributed_checkpoint``) and
+    what each door answers its own way: ``_parameters()``, ``_unreduced_gradient()``, ``_sharded_state(checkpoint)``."""
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         self._slice_group: Any = None  # a gloo group for the slice count when the backend is not gloo
-        self._clipping: list[InstancePatch] = []  # the precision plugin's clip methods, for the run
 
     def _mesh_size(self, dimension: str, given: Literal["auto"] | int) -> int:
         try:
@@ -174,7 +167,7 @@ class MeshAdapter(EngineAdapter):
 
     @override
     def local_gradient(self, gradient: Tensor) -> Tensor:
-        return _local(gradient)
+        return local_part(gradient)
 
     @property
     @override
@@ -220,29 +213,18 @@ class MeshAdapter(EngineAdapter):
             "In `configure_model`, apply `fully_shard(module, mesh=self.device_mesh['data_parallel'])` (FSDP2) and/or"
             " `parallelize_module(module, self.device_mesh['tensor_parallel'], plan)`",
         )
-        self._clip_over_the_mesh()
+
+    # ------------------------------------------------------------------ clipping over the mesh
 
     @override
-    def teardown(self) -> None:
-        for patch in self._clipping:
-            patch.release()
-        self._clipping = []
+    def clip_norm(
+        self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
 
-    def _clip_over_the_mesh(self) -> None:
-        """Route the precision plugin's clipping (``gradient_clip_val=``, ``self.clip_gradients``) through
-        :mod:`~lightning_accum.strategies.mesh_clipping`: torch's fails on models that mix DTensor and plain
-        parameters. Set on the plugin instance, for the run; a plugin class that clips its own way keeps it."""
-        plugin = self.strategy.precision_plugin
-
-        def by_norm(optimizer: Any, clip_val: float) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), clip_val)
-
-        def by_value(optimizer: Any, clip_val: float) -> None:
-            clip_grad_value_(plugin.main_params(optimizer), clip_val)
-
-        for name, ours in zip(_CLIPPING, (by_norm, by_value), strict=True):
-            if getattr(type(plugin), name) is getattr(Precision, name) and name not in vars(plugin):
-                self._clipping.append(InstancePatch(plugin, name, ours, wraps=False))
+    @override
+    def clip_value(self, parameters: Iterable[Tensor], clip_val: float) -> None:
+        clip_grad_value_(parameters, clip_val)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -263,7 +245,7 @@ class MeshAdapter(EngineAdapter):
             return None
         # Every micro-batch was reduce-scattered: each rank's shard holds its part of the replicas' average so far.
         # The checkpoint carries their sum (the one meaning of a carried gradient): the average times D. A distributed
-        # checkpoint writes it shard by shard (`_write_checkpoint`); one file holds it whole, gathered for rank zero.
+        # checkpoint writes it shard by shard (`write_checkpoint`); one file holds it whole, gathered for rank zero.
         replicas = self.data_parallel_size
         sharded = bool(strategy._save_distributed_checkpoint)
         keep = strategy.global_rank == 0
