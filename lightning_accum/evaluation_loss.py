@@ -6,14 +6,14 @@ objective applied to the whole set. A mean of batch means (LitGPT's ``validate()
 ``self.log(..., sync_dist=True)``) weights a batch of 3 tokens like one of 3,000, and each replica's mean alike.
 
 * :class:`WeightedMean` keeps one rank's sums on the device (``Σ w·loss`` in float64, ``Σ w`` and the count of
-  negative tensor counts in int64); the Trainer's ``accum/val_loss``
-  (:class:`~lightning_accum.strategies.evaluation.ExactEvaluation`) keeps one per loader and adds them over the
-  replicas in its own reduction at the end of the loop.
-* :class:`EvaluationLoss` is what ``fabric.strategy.evaluation()`` returns in a Fabric loop: :meth:`~EvaluationLoss.add`
-  each batch (no host read), :meth:`~EvaluationLoss.compute` once on every rank (one all-reduce of a 7-element
-  float64 vector, one host read) for an :class:`EvaluationRecord`, the same on every rank.
-* :func:`evaluation_unit`, :func:`mean_or_nan`, :func:`perplexity_of` and :func:`no_unit_message`: the rules both
-  doors follow (the unit, the empty set, the perplexity).
+  negative tensor counts in int64).
+* :class:`EvaluationLoss` is one set: its unit, its sums, this rank's float64 vector and the checks of the reduced one
+  (counts below zero, replicas of different units, NaN for a set without units) for an :class:`EvaluationRecord`, the
+  same on every rank. ``fabric.strategy.evaluation()`` returns one (:meth:`~EvaluationLoss.compute`: one all-reduce,
+  one host read); the Trainer's ``accum/val_loss`` (:class:`~lightning_accum.strategies.evaluation.ExactEvaluation`)
+  keeps one per loader, their vectors joined in the loop's one reduction.
+* :func:`evaluation_weight`, :func:`perplexity_of` and :func:`no_unit_message`: the rules both doors follow (the unit
+  and a batch's weight in it, the perplexity, the words for a set without units).
 
 Nothing here imports Lightning.
 """
@@ -21,7 +21,7 @@ Nothing here imports Lightning.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,18 +31,17 @@ from torch.utils.data import DistributedSampler
 
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import UNIT_CODES
-from lightning_accum.microbatch import Count, choose_unit, refuse_a_finer_unit
+from lightning_accum.microbatch import Count, Microbatch, choose_unit, refuse_a_finer_unit
 
 __all__ = [
-    "repeats_message",
+    "SLOTS",
     "EvaluationLoss",
     "EvaluationRecord",
     "WeightedMean",
-    "evaluation_unit",
-    "mean_or_nan",
-    "negative_message",
+    "evaluation_weight",
     "no_unit_message",
     "perplexity_of",
+    "repeats_message",
 ]
 
 
@@ -53,8 +52,7 @@ class WeightedMean:
     adds nothing, even when it is NaN (the mean loss of a batch without units is 0/0). With no units at all the
     result is NaN. The sums are ``float64`` (``Σ w·value``) and ``int64`` (``Σ w``, exact at any size; ``negative``,
     the weights given as tensors below zero, which only a host read could tell at the update); an update adds to them
-    without reading the device. Across ranks they are added in the one reduction of their owner
-    (:class:`EvaluationLoss`, or the Trainer's :class:`~lightning_accum.strategies.evaluation.ExactEvaluation`).
+    without reading the device. Across ranks they are added in the one reduction of their :class:`EvaluationLoss`.
 
     Why not torchmetrics' ``MeanMetric``, which keeps the same two sums: its own sync runs on the ranks that logged it,
     so a rank without a batch leaves the others waiting; and in torchmetrics 1.9 its ``nan_strategy="disable"`` drops
@@ -95,24 +93,26 @@ class WeightedMean:
         return torch.stack((self.weighted, self.units.to(torch.float64), self.negative.to(torch.float64)))
 
 
-def evaluation_unit(
-    engine: AccumulationEngine, has_tokens: bool, has_samples: bool, reports_samples: bool, has_documents: bool = False
-) -> str:
-    """The unit an evaluation weights its batches by: the run's (``engine``'s, once its training decided it), else
-    the one ``normalize=`` chooses from the first batch (under ``"auto"``: documents when reported; else tokens when
-    reported, unless the batch reports its samples itself; else samples; else one per batch). Under ``"auto"`` a
+def evaluation_weight(engine: AccumulationEngine, unit: str | None, read: Microbatch) -> tuple[str, Count | None]:
+    """The unit an evaluation weights its batches by, and ``read``'s count of it (``None``: not reported). The unit is
+    ``unit`` once the evaluation's first batch fixed it; else the run's (``engine``'s, once its training decided it);
+    else the one ``normalize=`` chooses from ``read`` (under ``"auto"``: documents when reported; else tokens when
+    reported, unless the batch reports its samples itself; else samples; else one per batch). Under ``"auto"`` a first
     batch that reports a more specific unit than the run's is an error naming both (:func:`refuse_a_finer_unit`).
 
     Example:
-        >>> evaluation_unit(AccumulationEngine(), has_tokens=True, has_samples=True, reports_samples=False)
-        'tokens'
+        >>> engine = AccumulationEngine()
+        >>> evaluation_weight(engine, None, engine.read({"loss": torch.tensor(2.0), "num_tokens": 5}, torch.zeros(3)))
+        ('tokens', 5)
     """
-    reported = choose_unit(engine.normalize, has_tokens and not reports_samples, has_samples, has_documents)[0]
-    fixed = engine.ledger.normalization
-    if fixed is None:
-        return reported
-    refuse_a_finer_unit(fixed, engine.normalize, reported, "this evaluation batch")
-    return fixed
+    if unit is None:
+        has_tokens = read.tokens is not None and not read.reports_samples
+        unit = choose_unit(engine.normalize, has_tokens, read.samples is not None, read.documents is not None)[0]
+        fixed = engine.ledger.normalization
+        if fixed is not None:
+            refuse_a_finer_unit(fixed, engine.normalize, unit, "this evaluation batch")
+            unit = fixed
+    return unit, {"tokens": read.tokens, "samples": read.samples, "documents": read.documents}.get(unit, 1)
 
 
 def repeats_message(loader: Any, subject: str, holder: str, replicas: int) -> str | None:
@@ -135,11 +135,6 @@ def repeats_message(loader: Any, subject: str, holder: str, replicas: int) -> st
     )
 
 
-def mean_or_nan(weighted: float, units: float) -> float:
-    """``weighted / units``, or NaN for a set without any unit (0/0: the rule of both doors, said in a warning)."""
-    return weighted / units if units > 0 else math.nan
-
-
 def perplexity_of(loss: float) -> float:
     """``exp(loss)`` of a per-token cross-entropy: ``inf`` past float64's range (~709.78), NaN for a NaN loss."""
     if math.isnan(loss):
@@ -153,14 +148,6 @@ def no_unit_message(subject: str, holder: str, unit: str | None) -> str:
         f"lightning_accum: {subject} is NaN: {holder} holds no {unit or 'unit'} at all (Σ num_{unit} = 0 over every"
         " batch and replica), so its weighted loss is 0/0. Likely causes: every label of the set is the ignore index,"
         " or the count is computed on the wrong tensor."
-    )
-
-
-def negative_message(negative: int, where: str) -> str:
-    """The error of counts given as tensors below zero (an int below zero is refused where it is given)."""
-    return (
-        f"A negative `num_tokens` or `num_samples` was reported {where} ({negative} batch counts below zero over all"
-        " replicas). Counts must be >= 0: return the number of supervised units, e.g. `(labels != -100).sum()`."
     )
 
 
@@ -208,9 +195,9 @@ class EvaluationRecord:
         return perplexity_of(self.loss) if self.unit == "tokens" else None
 
 
-#: The reduced vector of :class:`EvaluationLoss`: host values first (ranks with a batch, batches, Σ unit code,
-#: Σ code²), then the device sums (:meth:`WeightedMean.parts`).
-_HOST = 4
+#: The size of :meth:`EvaluationLoss.local`: host values first (ranks with a batch, batches, Σ unit code, Σ code²),
+#: then the device sums (:meth:`WeightedMean.parts`).
+SLOTS = 7
 
 
 class EvaluationLoss:
@@ -228,7 +215,9 @@ class EvaluationLoss:
 
     As a torchmetrics metric, :meth:`compute` keeps the sums (a second call gives the same record) and :meth:`reset`
     empties them. Ranks may add different numbers of batches, none included: every rank's sums join the one
-    all-reduce of :meth:`compute`, which every rank must call.
+    all-reduce of :meth:`compute`, which every rank must call. The Trainer's evaluation keeps one per loader, adds the
+    batches its steps return (:meth:`include`) and reduces the loaders' :meth:`local` vectors together, each read back
+    by :meth:`record`.
 
     Args:
         engine: The strategy's engine: the run's unit (once its training decided it), its ``normalize=`` and
@@ -298,18 +287,48 @@ class EvaluationLoss:
             )
         counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
         read = self._engine.read({"loss": loss, **{k: v for k, v in counts.items() if v is not None}}, batch)
-        unit = self._unit or evaluation_unit(
-            self._engine, read.tokens is not None, read.samples is not None, read.reports_samples,
-            read.documents is not None,
-        )  # fmt: skip
-        weight = {"tokens": read.tokens, "samples": read.samples, "documents": read.documents}.get(unit, 1)
+        unit, weight = evaluation_weight(self._engine, self._unit, read)
         if weight is None:
             raise ValueError(self._missing_count(unit))
+        self.include(read.loss, weight, unit)  # type: ignore[arg-type]  # a tensor loss is read as one
+
+    def include(self, loss: Tensor, weight: Count, unit: str) -> None:
+        """Add one batch already read and checked: ``loss`` weighted by ``weight``, its count of ``unit`` (what
+        :func:`evaluation_weight` gave). No host read."""
         self._unit = unit
         if self._sums is None:
             self._sums = WeightedMean(device=self._device())
-        self._sums.update(read.loss, weight)  # type: ignore[arg-type]  # a tensor loss is read as one
+        self._sums.update(loss, weight)
         self._batches += 1
+
+    def local(self) -> Tensor:
+        """This rank's part of the reduction: :data:`SLOTS` float64 values on the device, all 0 without a batch."""
+        sums = self._sums
+        device = sums.weighted.device if sums is not None else self._device()
+        code = UNIT_CODES.get(self._unit or "", 0.0)
+        host = torch.tensor([float(self._batches > 0), float(self._batches), code, code * code], dtype=torch.float64)
+        parts = sums.parts() if sums is not None else torch.zeros(3, dtype=torch.float64, device=device)
+        return torch.cat((host.to(device, non_blocking=True), parts))
+
+    def record(self, reduced: Sequence[float], subject: str, where: str) -> EvaluationRecord:
+        """The set's record from :meth:`local` summed over the replicas (read on the host), alike on every rank, or
+        :meth:`compute`'s errors (``subject`` names the loss in them, ``where`` the batches' source)."""
+        ranks, batches, codes, squares, weighted, units, negative = reduced
+        if negative:  # an int below zero is refused where it is given
+            raise ValueError(
+                f"A negative `num_tokens` or `num_samples` was reported {where} ({round(negative)} batch counts below"
+                " zero over all replicas). Counts must be >= 0: return the number of supervised units, e.g."
+                " `(labels != -100).sum()`."
+            )
+        if squares * ranks != codes * codes:  # the ranks' unit codes differ (their variance is not 0)
+            raise RuntimeError(
+                f"Ranks weighted their evaluation batches by different units (this rank: {self._unit!r}), so {subject}"
+                " has no single meaning. Report the same count (e.g. `num_tokens=`) on every rank, or set"
+                " `normalize=` on the strategy."
+            )
+        unit = next((name for name, value in UNIT_CODES.items() if ranks and value * ranks == codes), None)
+        loss = weighted / units if units > 0 else math.nan  # a set without any unit is 0/0, said in a warning
+        return EvaluationRecord(loss=loss, unit=unit, units=round(units), batches=round(batches))
 
     def compute(self) -> EvaluationRecord:
         """The set's loss over every replica: one all-reduce of every rank's sums and one host read. Call it on
@@ -319,32 +338,17 @@ class EvaluationLoss:
             ValueError: A count given as a tensor was negative (on every rank alike).
             RuntimeError: Ranks weighted their batches by different units (on every rank alike).
         """
-        sums = self._sums
-        device = sums.weighted.device if sums is not None else self._device()
-        code = UNIT_CODES.get(self._unit or "", 0.0)
-        host = torch.tensor([float(self._batches > 0), float(self._batches), code, code * code], dtype=torch.float64)
-        parts = sums.parts() if sums is not None else torch.zeros(3, dtype=torch.float64, device=device)
-        vector = self._reduce_sum(torch.cat((host.to(device, non_blocking=True), parts)))
-        ranks, batches, codes, squares, weighted, units, negative = vector.tolist()  # the one host read
-        if negative:
-            raise ValueError(negative_message(round(negative), "to `evaluation.add` in this evaluation"))
-        if squares * ranks != codes * codes:  # the ranks' unit codes differ (their variance is not 0)
-            raise RuntimeError(
-                f"Ranks weighted their evaluation batches by different units (this rank: {self._unit!r}), so the set's"
-                " loss has no single meaning. Pass the same count (e.g. `num_tokens=`) to `add` on every rank, or set"
-                " `normalize=` on the strategy."
-            )
-        unit = next((name for name, value in UNIT_CODES.items() if ranks and value * ranks == codes), None)
-        loss = mean_or_nan(weighted, units)
-        if not batches:
+        reduced = self._reduce_sum(self.local()).tolist()  # the one host read
+        record = self.record(reduced, "the set's loss", "to `evaluation.add` in this evaluation")
+        if not record.batches:
             self._engine.warn(
                 "lightning_accum: `evaluation.compute()` is NaN: no batch was added on any replica (an empty set, or"
                 " `add` never called), so the set's loss is 0/0. Add the set's batches with `evaluation.add(loss,"
                 " num_tokens=...)` before `compute()`."
             )
-        elif not units:
-            self._engine.warn(no_unit_message("`evaluation.compute()`", "the set", unit))
-        return EvaluationRecord(loss=loss, unit=unit, units=round(units), batches=round(batches))
+        elif not record.units:
+            self._engine.warn(no_unit_message("`evaluation.compute()`", "the set", record.unit))
+        return record
 
     def _missing_count(self, unit: str) -> str:
         name = f"num_{unit}"

@@ -29,7 +29,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationCheck, AxisLogger
-from lightning_accum.strategies.evaluation import EVALUATION_KEYS, WeightedMean
+from lightning_accum.evaluation_loss import WeightedMean
+from lightning_accum.strategies.evaluation import EVALUATION_KEYS
 
 # Lengths chosen so that batch means and token weighting disagree: long and short sequences in uneven batches.
 LENGTHS = [6, 1, 1, 5, 2, 6, 1, 4, 6, 1, 3, 6, 2, 1, 5, 6, 1, 2, 6, 4]
@@ -215,7 +216,7 @@ def test_torchmetrics_mean_metric_is_not_the_weighted_mean_here() -> None:
     # The reason WeightedMean is kept (its docstring): MeanMetric without a host read per update ignores the weights.
     from torchmetrics.aggregation import MeanMetric
 
-    from lightning_accum.strategies.evaluation import WeightedMean
+    from lightning_accum.evaluation_loss import WeightedMean
 
     ours, theirs = WeightedMean(), MeanMetric(nan_strategy="disable").set_dtype(torch.float64)
     for metric in (ours, theirs):
@@ -223,3 +224,23 @@ def test_torchmetrics_mean_metric_is_not_the_weighted_mean_here() -> None:
         metric.update(torch.tensor(4.0), 1536)
     assert float(ours.compute()) == 3.75
     assert float(theirs.compute()) == 3.5  # unweighted: the day this is 3.75, MeanMetric can replace WeightedMean
+
+
+def test_the_trainers_value_is_fabrics_evaluation_of_the_same_batches_bit_for_bit() -> None:
+    # One implementation (issue #52): each loader of `accum/val_loss` is the `EvaluationLoss` a Fabric loop gets from
+    # `fabric.strategy.evaluation()`, so the two doors give the same float64 value, not merely a close one.
+    examples = make_examples(LENGTHS, seed=11)
+    parts = (examples[:9], examples[9:])
+    loaders = [_loader(parts[0], 4), _loader(parts[1], 3)]
+    model = EvalLM()
+    results = _trainer(precision="64-true", num_sanity_val_steps=0).validate(model, loaders, verbose=False)
+    fabric = L.Fabric(strategy="accum", accelerator="cpu")
+    for index, loader in enumerate(loaders):
+        evaluation = fabric.strategy.evaluation()  # type: ignore[attr-defined]
+        with torch.no_grad():
+            for batch in loader:
+                evaluation.add(model.mean_loss(batch), num_tokens=(batch["labels"] != IGNORE).sum())
+        record = evaluation.compute()
+        assert results[index][f"accum/val_loss/dataloader_idx_{index}"] == record.loss
+        assert results[index][f"accum/val_perplexity/dataloader_idx_{index}"] == record.perplexity
+        assert record.loss == pytest.approx(reference_loss(model, parts[index]), rel=1e-12)

@@ -41,8 +41,6 @@ TO_SPLIT: dict[str, int] = {
     "strategies/slicing.py:BatchSlicer": 251,
     "callbacks/check.py:_restored": 40,
     "group.py:GroupSums.local_vector": 42,
-    "strategies/evaluation.py:ExactEvaluation.step": 33,
-    "strategies/evaluation.py:ExactEvaluation._reduce_and_log": 42,
     "strategies/slicing.py:BatchSlicer._local_slice": 32,
     "strategies/slicing.py:BatchSlicer.backward": 34,
 }

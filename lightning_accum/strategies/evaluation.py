@@ -36,8 +36,9 @@ see the same batches and are counted once), its sums and what it decided: how ma
 followed the contract, its unit. So a rank with no batch at all (an iterable set that is empty there) neither hangs
 nor costs the others their value: every rank logs the loss of the whole set; and replicas that decided differently
 stop with the same error on every rank, as do counts reported below zero as tensors (an int below zero is refused at
-its step). A set with no unit at all gives NaN, said in a warning. The sums and these rules are
-:mod:`lightning_accum.evaluation_loss`'s, which a Fabric loop's ``fabric.strategy.evaluation()`` uses too. Lightning's
+its step). A set with no unit at all gives NaN, said in a warning. Each loader is an
+:class:`~lightning_accum.evaluation_loss.EvaluationLoss`, what a Fabric loop's ``fabric.strategy.evaluation()`` returns:
+the same unit, sums, vector and checks; only their reduction is joined into the loop's one. Lightning's
 ``DistributedSampler`` pads a set whose size is not a multiple of ``D`` with repeated examples, which cannot be told
 apart from the others: a warning says how many are counted twice and what to do.
 
@@ -57,20 +58,17 @@ from torch import Tensor
 
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.evaluation_loss import (
-    WeightedMean,
-    evaluation_unit,
-    mean_or_nan,
-    negative_message,
+    SLOTS,
+    EvaluationLoss,
+    EvaluationRecord,
+    evaluation_weight,
     no_unit_message,
-    perplexity_of,
     repeats_message,
 )
-from lightning_accum.group import UNIT_CODES
-from lightning_accum.microbatch import as_count, parse_step_output, reported_documents
 from lightning_accum.patching import InstancePatch
 from lightning_accum.strategies.adapter import EngineAdapter
 
-__all__ = ["EVALUATION_KEYS", "ExactEvaluation", "WeightedMean", "contract_of"]
+__all__ = ["EVALUATION_KEYS", "ExactEvaluation", "outside_the_contract"]
 
 #: The keys logged per stage: (loss, perplexity). Part of the public contract.
 EVALUATION_KEYS = {
@@ -80,52 +78,68 @@ EVALUATION_KEYS = {
 #: The step each stage's outputs come from, for messages; the module hook the values are logged from.
 _STEP_NAMES = {"validate": "validation_step", "test": "test_step"}
 _EPOCH_END = {"validate": "on_validation_epoch_end", "test": "on_test_epoch_end"}
-#: Per loader in the reduced vector: batches that followed the contract, then `WeightedMean.parts` (Σ w·loss, Σ w,
-#: counts below zero).
-_PER_LOADER = 4
-#: Before the loaders: ranks with a batch, ranks whose steps gave no exact value, ranks with an error, Σ unit code,
-#: Σ code².
-_HEADER = 5
+#: Before the loaders' vectors (each ``SLOTS`` long): ranks with a batch, ranks whose steps gave no exact value, ranks
+#: with an error.
+_HEADER = 3
 
 
-def contract_of(output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None) -> tuple[Any, str | None]:
-    """``((loss, tokens, samples), None)`` when an evaluation step's ``output`` is the training contract (a scalar loss
-    tensor, alone or under ``"loss"``), else ``(None, what it is)`` for the message: anything Lightning accepts from an
-    evaluation step is fine, it is only not weighted.
+def outside_the_contract(output: Any) -> str | None:
+    """What an evaluation step's ``output`` is, for the message, when it is not the training contract (a scalar loss
+    tensor, alone or under ``"loss"``), else ``None``: anything Lightning accepts from an evaluation step is fine, it
+    is only not weighted.
 
     Example:
-        >>> contract_of(torch.zeros(4, 2), None, None)[1]
+        >>> outside_the_contract(torch.zeros(4, 2))
         'a tensor of shape (4, 2) (predictions or per-sample values, not a mean loss)'
-        >>> contract_of({"preds": 1}, None, None)[1]
+        >>> outside_the_contract({"preds": 1})
         "a dict without 'loss' (keys: 'preds')"
     """
     if output is None:
-        return None, "nothing"
+        return "nothing"
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if isinstance(output, Mapping) and loss is None:
         keys = ", ".join(repr(k) for k in list(output)[:6]) or "none"
-        return None, f"a dict without 'loss' (keys: {keys})"
+        return f"a dict without 'loss' (keys: {keys})"
     if not isinstance(loss, Tensor):
         where = "'loss' as " if isinstance(output, Mapping) else ""
-        return None, f"{where}a {type(loss).__name__}, not a tensor"
+        return f"{where}a {type(loss).__name__}, not a tensor"
     if loss.numel() != 1:
-        return None, f"a tensor of shape {tuple(loss.shape)} (predictions or per-sample values, not a mean loss)"
-    return parse_step_output(output, batch, count_tokens), None
+        return f"a tensor of shape {tuple(loss.shape)} (predictions or per-sample values, not a mean loss)"
+    return None
 
 
 class _Run:
     """One evaluation loop (a ``validate`` or ``test`` stage) on this rank: what its steps reported and the sums."""
 
-    __slots__ = ("batches", "broken", "error", "loaders", "stage", "unit", "why")
+    __slots__ = ("adapter", "batches", "broken", "engine", "error", "loaders", "stage", "unit", "why")
 
-    def __init__(self, stage: str) -> None:
-        self.stage = stage
+    def __init__(self, stage: str, engine: AccumulationEngine, adapter: EngineAdapter) -> None:
+        self.stage, self.engine, self.adapter = stage, engine, adapter
         self.unit: str | None = None
         self.why: str | None = None  # why this rank's steps give no exact value (None: they do, or no batch yet)
         self.broken = False  # a later batch did not follow the contract the first ones followed
         self.error: str | None = None  # a later batch dropped the count the first ones reported: raised at the end
         self.batches = 0
-        self.loaders: dict[int, WeightedMean] = {}
+        self.loaders: dict[int, EvaluationLoss] = {}
+
+    def loader(self, index: int) -> EvaluationLoss:
+        """The sums of loader ``index`` (empty until its first batch)."""
+        if index not in self.loaders:
+            strategy = self.adapter.strategy
+            self.loaders[index] = EvaluationLoss(self.engine, self.adapter.reduce_sum, lambda: strategy.root_device)
+        return self.loaders[index]
+
+    @property
+    def inactive(self) -> bool:
+        """This rank's steps give no exact value."""
+        return self.why is not None or self.broken or self.error is not None
+
+    def reduce(self, count: int) -> list[float]:
+        """One all-reduce of this rank's header (ran a batch, gave no exact value, stopped with an error) and the
+        vectors of loaders ``0 .. count - 1`` (:meth:`EvaluationLoss.local`), read on the host once."""
+        header = torch.tensor([self.batches > 0, self.inactive, self.error is not None], dtype=torch.float64)
+        parts = [self.loader(index).local() for index in range(count)]
+        return self.adapter.reduce_sum(torch.cat([header.to(parts[0].device, non_blocking=True), *parts])).tolist()
 
 
 class ExactEvaluation:
@@ -148,14 +162,14 @@ class ExactEvaluation:
         """A new evaluation loop of ``stage`` (``"validate"`` or ``"test"``): fresh sums, and the module's epoch-end
         hook gated so that every rank adds and logs them there (:meth:`end` removes the gate)."""
         self.end()
-        self._run = run = _Run(stage)
+        self._run = run = _Run(stage, engine, adapter)
         if module.trainer.barebones:  # Lightning logs nothing then
             self._run = None
             return
 
         def epoch_end(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            self._reduce_and_log(run, module, engine, adapter)
+            self._reduce_and_log(run, module)
             return result
 
         # A user's own instance-level hook is kept and given back as it was (see `lightning_accum.patching`).
@@ -174,42 +188,31 @@ class ExactEvaluation:
         if run is None:
             return
         run.batches += 1
-        if run.why is not None or run.broken or run.error is not None:
+        if run.inactive:
             return
-        # Lightning passes (batch, batch_idx[, dataloader_idx]) positionally; a direct call may name them.
-        batch = args[0] if args else kwargs.get("batch")
-        loader = int(kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0))
-        read, what = contract_of(output, batch, engine.options.count_tokens)
-        if read is None:
+        what = outside_the_contract(output)
+        if what is not None:
             if run.unit is None:  # the first batch: this evaluation is not on the training's footing
                 run.why = _not_the_contract(run.stage, what)
             else:
                 self._break(run, f"returns {what}")
             return
-        loss, tokens, samples = read
-        counts = {"tokens": tokens, "samples": samples, "documents": reported_documents(output)}
-        if run.unit is None:
-            reported = isinstance(output, Mapping) and output.get("num_samples") is not None
-            unit = evaluation_unit(
-                engine, tokens is not None, samples is not None, reported, counts["documents"] is not None
-            )
-            run.unit = unit
-            run.why = _missing_count(unit, counts, run.stage, engine.normalize)
-            if run.why is not None:
-                return
-        value = counts.get(run.unit, 1)
-        if value is None:  # raised on every rank at the loop's end, so that no rank waits for one that stopped
+        # Lightning passes (batch, batch_idx[, dataloader_idx]) positionally; a direct call may name them.
+        read = engine.read(output, args[0] if args else kwargs.get("batch"))
+        unit, weight = evaluation_weight(engine, run.unit, read)
+        if weight is None and run.unit is None:  # the first batch: a loss without the count of the run's unit
+            run.unit, run.why = unit, _missing_count(unit, run.stage, engine.normalize)
+        elif weight is None:  # raised on every rank at the loop's end, so that no rank waits for one that stopped
             run.error = (
                 f"`{_STEP_NAMES[run.stage]}` reported a loss and its {run.unit} for its first batch but not for batch"
                 f" {run.batches - 1}: every batch of one evaluation must return the same contract"
                 " (`{'loss': loss, 'num_tokens': n}`), or the weighted loss of the set would leave batches out."
                 " Return the count from every call."
             )
-            return
-        metric = run.loaders.get(loader)
-        if metric is None:
-            metric = run.loaders[loader] = WeightedMean(device=loss.device)
-        metric.update(loss, as_count(f"num_{run.unit}", value, loss.device))
+        else:
+            run.unit = unit
+            loader = int(kwargs.get("dataloader_idx", args[2] if len(args) > 2 else 0))
+            run.loader(loader).include(read.loss, weight, unit)  # type: ignore[arg-type]  # the contract has a loss
 
     def _break(self, run: _Run, what: str) -> None:
         run.broken = True
@@ -224,39 +227,32 @@ class ExactEvaluation:
 
     # ------------------------------------------------------------------ the end of the loop
 
-    def _reduce_and_log(self, run: _Run, module: Any, engine: AccumulationEngine, adapter: EngineAdapter) -> None:
-        """Every rank: one all-reduce of what this rank ran and summed, then the same values logged on every rank."""
-        trainer = module.trainer
+    def _reduce_and_log(self, run: _Run, module: Any) -> None:
+        """Every rank: one all-reduce of what this rank ran and each loader's sums, then the same values logged on
+        every rank."""
+        trainer, adapter = module.trainer, run.adapter
         stage, loss_key = run.stage, EVALUATION_KEYS[run.stage][0]
         replicas = adapter.data_parallel_size
         if replicas > 1 and _may_skip_ranks(module, trainer):
             self._finding(run, _SKIPPED_RANKS.format(key=loss_key))
             return
-        loaders = max([*run.loaders, _loader_count(trainer, stage) - 1], default=0) + 1  # alike on every rank
-        device = next(iter(run.loaders.values())).weighted.device if run.loaders else adapter.strategy.root_device
-        values = adapter.reduce_sum(_local_vector(run, loaders, device)).tolist()  # the evaluation's one host read
-        with_batches, inactive, errors, codes, squares = values[:_HEADER]
+        count = max([*run.loaders, _loader_count(trainer, stage) - 1], default=0) + 1  # alike on every rank
+        values = run.reduce(count)  # the evaluation's one collective and one host read
+        with_batches, inactive, errors = values[:_HEADER]
         if not with_batches:
             return  # no rank ran a batch (`limit_val_batches=0`, an empty set): Lightning logs nothing either
         if errors:
             raise ValueError(run.error or f"{int(errors)} other replica(s) stopped this {stage} loop: see their error.")
-        negative = sum(values[_HEADER + _PER_LOADER * index + 3] for index in range(loaders))
-        if negative:
-            raise ValueError(negative_message(round(negative), f"by `{_STEP_NAMES[stage]}` in this {stage} loop"))
+        where, sums = f"by `{_STEP_NAMES[stage]}` in this {stage} loop", values[_HEADER:]
+        records = [
+            run.loader(i).record(sums[SLOTS * i : SLOTS * (i + 1)], f"`{loss_key}`", where) for i in range(count)
+        ]
         if inactive:
             active = with_batches - inactive
             if active:  # some ranks' steps followed the contract and others' did not: a program that differs by rank
                 raise RuntimeError(_disagreement(stage, int(active), int(inactive), int(replicas)))
             self._finding(run, run.why or _ELSEWHERE.format(key=loss_key), say=False)
             return
-        unit_code = codes / with_batches
-        if squares / with_batches != unit_code * unit_code:  # replicas weighted by different units
-            raise RuntimeError(
-                f"Replicas weighted `{_STEP_NAMES[stage]}`'s batches by different units (this rank: {run.unit!r}), so"
-                f" `{loss_key}` has no single meaning. Report the same counts on every rank, or set `normalize=`"
-                " explicitly on the strategy."
-            )
-        unit = next((name for name, value in UNIT_CODES.items() if value == unit_code), None)
         self.findings[stage] = None
         if with_batches < replicas:
             self._say(
@@ -268,32 +264,19 @@ class ExactEvaluation:
                 ),
             )
         self._say_repeats(run, trainer, replicas)
-        for index in range(loaders):
-            at = _HEADER + _PER_LOADER * index
-            batches, weighted, units, _ = values[at : at + _PER_LOADER]
-            if not batches:
-                continue
-            self._log(module, run, unit, weighted, units, index if loaders > 1 else None, device)
+        for index, record in enumerate(records):
+            if record.batches:
+                self._log(module, stage, record, index if count > 1 else None, adapter.strategy.root_device)
 
-    def _log(
-        self,
-        module: Any,
-        run: _Run,
-        unit: str | None,
-        weighted: float,
-        units: float,
-        index: int | None,
-        device: torch.device,
-    ) -> None:
-        loss_key, perplexity_key = EVALUATION_KEYS[run.stage]
+    def _log(self, module: Any, stage: str, record: EvaluationRecord, index: int | None, device: torch.device) -> None:
+        loss_key, perplexity_key = EVALUATION_KEYS[stage]
         suffix = f"/dataloader_idx_{index}" if index is not None else ""
-        loss = mean_or_nan(weighted, units)
-        if not units:
-            self._say(run.stage + ":nan", rank_zero_warn, _nan_message(loss_key + suffix, run.stage, unit))
+        if not record.units:
+            self._say(stage + ":nan", rank_zero_warn, _nan_message(loss_key + suffix, stage, record.unit))
         options = {"on_step": False, "on_epoch": True, "add_dataloader_idx": False, "batch_size": 1}
-        module.log(loss_key + suffix, torch.tensor(loss, dtype=torch.float64, device=device), **options)
-        if unit == "tokens":
-            perplexity = torch.tensor(perplexity_of(loss), dtype=torch.float64, device=device)
+        module.log(loss_key + suffix, torch.tensor(record.loss, dtype=torch.float64, device=device), **options)
+        if record.perplexity is not None:
+            perplexity = torch.tensor(record.perplexity, dtype=torch.float64, device=device)
             module.log(perplexity_key + suffix, perplexity, **options)
 
     def _finding(self, run: _Run, why: str, say: bool = True) -> None:
@@ -333,22 +316,6 @@ def _nan_message(key: str, stage: str, unit: str | None) -> str:
     )
 
 
-def _local_vector(run: _Run, loaders: int, device: torch.device) -> Tensor:
-    """This rank's part of the evaluation's reduced vector: the header (``_HEADER``), then per loader its batches that
-    followed the contract, ``Σ w·loss`` and ``Σ w`` (all zero on a rank that ran no batch)."""
-    vector = torch.zeros(_HEADER + _PER_LOADER * loaders, dtype=torch.float64, device=device)
-    if run.batches:
-        code = UNIT_CODES.get(run.unit or "", 0.0)
-        inactive = run.why is not None or run.broken or run.error is not None
-        header = [1.0, float(inactive), float(run.error is not None), code, code * code]
-        vector[:_HEADER] = torch.tensor(header, dtype=torch.float64)
-        for index, metric in run.loaders.items():
-            at = _HEADER + _PER_LOADER * index
-            vector[at] = 1.0
-            vector[at + 1 : at + _PER_LOADER] = metric.parts()
-    return vector
-
-
 def _loader_count(trainer: Any, stage: str) -> int:
     """The number of loaders of the running evaluation loop (Lightning's batch limit per loader)."""
     if stage == "test":
@@ -385,29 +352,27 @@ def _not_the_contract(stage: str, what: str | None) -> str:
     )
 
 
-def _missing_count(unit: str, counts: Mapping[str, object], stage: str, normalize: str) -> str | None:
-    """Why a step that returns a loss logs no exact loss (``None``: it does); ``counts``: what it reported by unit."""
+def _missing_count(unit: str, stage: str, normalize: str) -> str:
+    """Why a step that returns a loss without its count of ``unit`` logs no exact loss."""
     step, key = _STEP_NAMES[stage], EVALUATION_KEYS[stage][0]
-    if unit == "tokens" and counts["tokens"] is None:
+    if unit == "tokens":
         return (
             f"`{step}` returns a loss without a token count while the run weights by tokens"
             f" (`normalize={normalize!r}`), so `{key}` is not logged. Return `{{'loss': loss, 'num_tokens': n}}`"
             f" from `{step}` (e.g. `n = lightning_accum.supervised_tokens(labels)`), or pass `count_tokens=` to the"
             " strategy."
         )
-    if unit == "documents" and counts["documents"] is None:
+    if unit == "documents":
         return (
             f"`{step}` returns a loss without a document count while the run weights by documents"
             f" (`normalize={normalize!r}`), so `{key}` is not logged. Return"
             f" `lightning_accum.document_mean_loss(logits, labels, position_ids=...)` from `{step}`, as from"
             " `training_step`."
         )
-    if unit == "samples" and counts["samples"] is None:
-        return (
-            f"`{step}` returns a loss but the number of samples of its batch cannot be inferred, so `{key}` is not"
-            f" logged. Return `{{'loss': loss, 'num_samples': n}}` from `{step}`."
-        )
-    return None
+    return (
+        f"`{step}` returns a loss but the number of samples of its batch cannot be inferred, so `{key}` is not"
+        f" logged. Return `{{'loss': loss, 'num_samples': n}}` from `{step}`."
+    )
 
 
 def _disagreement(stage: str, active: int, inactive: int, replicas: int) -> str:
