@@ -91,6 +91,8 @@ def _litgpt(args: list[str], out: Path) -> dict[str, Any]:
     return json.loads((out / "result.json").read_text())  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow  # LitGPT's own commands are the default suite's LitGPT check (tests/test_litgpt_cli.py: the same GPT,
+# exact across splits and on 2 processes, plain LitGPT's split dependence beside it); this loop runs with `-m slow`.
 @pytest.mark.ddp
 @pytest.mark.timeout(300)
 def test_litgpt_recipe_is_exact_across_splits_and_processes_where_litgpts_own_lines_are_not(tmp_path: Path) -> None:
