@@ -25,7 +25,9 @@ LONG_CLASSES: dict[str, str] = {
     " every Lightning hook the package changes in one file, each delegating to a composed part, and the documented"
     " public interface; one longer class reads better than a tower of bases (issue #37). Its one job with logic of its"
     " own, the automatic optimizer step (the closure that closes the group inside the optimizer's step, LBFGS"
-    " re-evaluations), is the composed part `strategies/automatic`",
+    " re-evaluations), is the composed part `strategies/automatic`; the checkpoint hooks' work and the precision"
+    " plugin's clipping are composed parts too (`strategies/checkpoint.TrainerCheckpoint`,"
+    " `strategies/precision_clipping`)",
 }
 #: Functions allowed past FUNCTION_LIMIT, each with its reason.
 LONG_FUNCTIONS: dict[str, str] = {

@@ -13,6 +13,8 @@ part                                                         job
 :class:`~lightning_accum.strategies.manual.ManualGroups`     the manual-optimization API
 :class:`~lightning_accum.strategies.slicing.BatchSlicer`     a loader batch run as slices (``microbatch_size=``)
 :class:`~lightning_accum.strategies.checkpoint.OpenGroupCheckpoint` the package's checkpoint entry and an open group
+:class:`~lightning_accum.strategies.checkpoint.TrainerCheckpoint` ``save_checkpoint`` and ``load_checkpoint``
+:class:`~lightning_accum.strategies.precision_clipping.PrecisionClipping` the precision plugin's clipping, for a run
 :class:`~lightning_accum.strategies.evaluation.ExactEvaluation` ``accum/val_loss`` and ``accum/test_loss``
 :class:`~lightning_accum.strategies.adapter.EngineAdapter`   what differs between one device, DDP and FSDP2/TP
 =========================================================== ===============================================
@@ -51,9 +53,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -66,22 +66,15 @@ from lightning_accum.group import group_position
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
-from lightning_accum.patching import InstancePatch
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
 from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
 from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
 from lightning_accum.strategies.automatic import CLOSURE_EVALUATING, AutomaticSteps, reevaluation_message
-from lightning_accum.strategies.checkpoint import (
-    CHECKPOINT_KEY,
-    OpenGroupCheckpoint,
-    own_slicing,
-    save_without_peers,
-    slicing_state,
-)
+from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, OpenGroupCheckpoint, TrainerCheckpoint
 from lightning_accum.strategies.closing import enabled_scaler
 from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, seam
 from lightning_accum.strategies.evaluation import ExactEvaluation
-from lightning_accum.strategies.reading import read_checkpoint
+from lightning_accum.strategies.precision_clipping import PrecisionClipping
 from lightning_accum.strategies.slicing import BatchSlicer
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
@@ -122,12 +115,13 @@ class ExactAccumulation(Strategy):
         self._slicer = BatchSlicer(microbatch_size, split_batch)
         self._steps = AutomaticSteps()
         self._evaluation = ExactEvaluation()
+        self._checkpoints = TrainerCheckpoint(self, self._core, self._slicer)
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
         self._agreement: Callable[[Trainer], None] | None = None  # the adapter's, before each micro-batch of the fit
         self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
         self._failed = False  # the entry point running raised (Lightning called `on_exception`)
         self._sync_blocked = False  # inside a `block_backward_sync` that blocks FSDP2's reduction (model parallel)
-        self._clipping: list[InstancePatch] = []  # the precision plugin's clip methods, for the run
+        self._clipping = PrecisionClipping()  # the precision plugin's clip methods, for the run
 
     # ------------------------------------------------------------------ the public interface
 
@@ -224,7 +218,7 @@ class ExactAccumulation(Strategy):
         core = self._core
         if core.checkpoint.resumed is not None:
             position = group_position(batch_idx, accumulate)  # the group's micro-batches Lightning ran already
-            core.reopen(self._configuration(), position, self._parameters())
+            core.reopen(self._checkpoints.configuration(), position, self._parameters())
         engine = core.engine
         if engine.microbatches_in_group and group_position(batch_idx, accumulate) == 0:
             # Lightning starts a group (and zeroes the gradient) while the previous one never reached an optimizer
@@ -348,27 +342,6 @@ class ExactAccumulation(Strategy):
             return not model.require_backward_grad_sync  # DDP's own flag, False inside `no_sync`
         return self._sync_blocked
 
-    def _guard_clipping(self, below: Callable[..., Any], optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """The precision plugin's ``clip_gradients`` (``self.clip_gradients``, ``gradient_clip_val=``): inside a
-        manual loop's open group an error, as in a Fabric loop (automatic optimization closes before it clips)."""
-        self._core.refuse_clipping("self.clip_gradients(optimizer, ...)")
-        return below(optimizer, *args, **kwargs)
-
-    def _clip_through_the_adapter(self) -> list[InstancePatch]:
-        """Set on the precision plugin for the run: its ``clip_gradients`` guarded (:meth:`_guard_clipping`), and its
-        clipping by norm and by value the engine adapter's, which a Fabric loop's clipping runs too (over the mesh
-        for FSDP2 and tensor parallelism); a plugin class or instance that clips its own way keeps it."""
-        plugin, adapter = self.precision_plugin, self._core.adapter
-        patches = [InstancePatch(plugin, "clip_gradients", self._guard_clipping)]
-        for name, clip in (("clip_grad_by_norm", adapter.clip_norm), ("clip_grad_by_value", adapter.clip_value)):
-            if getattr(type(plugin), name) is getattr(Precision, name) and name not in vars(plugin):
-
-                def through(optimizer: Optimizer, clip_val: float, clip: Callable[..., Any] = clip) -> None:
-                    clip(plugin.main_params(optimizer), clip_val)
-
-                patches.append(InstancePatch(plugin, name, through, wraps=False))
-        return patches
-
     def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager[Any]:
         """A block whose backward passes do not synchronize gradients over replicas (DDP's ``no_sync``).
 
@@ -418,54 +391,11 @@ class ExactAccumulation(Strategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None) -> None:
-        adapter = self._core.adapter
-        if not adapter.may_write_checkpoint(filepath):
-            return
-        failed = adapter.collectives_failed(self._trainer_ref) if self.data_parallel_replicas > 1 else None
-        try:
-            state = self._package_entry(failed)
-        except Exception as error:
-            # A collective of the entry failed: a peer died since training last reached one (a SIGTERM checkpoint
-            # after another rank was killed, say). The survivors write what they hold, without the peers.
-            failed = adapter.peers_lost_in(error) if failed is None else None
-            if failed is None:
-                raise
-            state = self._package_entry(failed)
-        checkpoint[CHECKPOINT_KEY] = state
-        if failed is not None:
-            save_without_peers(self.checkpoint_io, checkpoint, filepath, adapter.rank, storage_options)
-            return
-        adapter.write_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
-
-    def _package_entry(self, failed: str | None) -> dict[str, Any]:
-        """The package's checkpoint entry (collectives with several replicas unless ``failed`` says why not)."""
-        trainer = self._attached_trainer()
-        # The micro-batch whose step is running, which Lightning runs again on resume (None between micro-batches).
-        running = None
-        if trainer is not None:
-            progress = trainer.fit_loop.epoch_loop.batch_progress.current
-            running = progress.ready if progress.ready > getattr(progress, "processed", progress.ready) else None
-        state = self._core.entry(self._configuration(), self._parameters(), running, failed)
-        if self._slicer.enabled:
-            world = int(getattr(self, "world_size", 1))
-            state["slicing"] = slicing_state(self._slicer.log.state_dict(), world, gather=failed is None)
-        return state
+        self._checkpoints.save(checkpoint, filepath, storage_options, super().save_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:
-        load = super().load_checkpoint
-        # A file that cannot be read: named, with its cause.
-        checkpoint: dict[str, Any] = read_checkpoint(lambda: load(checkpoint_path, weights_only), checkpoint_path, self)
-        if not self._fitting():
-            # `validate` / `test` / `predict(ckpt_path=...)`: Lightning restores the weights only, and so does the
-            # package (the ledger and an open group belong to a fit resuming from the checkpoint, never to a later one).
-            return checkpoint
-        reader = self._core.adapter.distributed_reader(checkpoint_path, self._parameters)
-        state = self._core.checkpoint.load(self._core.engine, checkpoint, str(checkpoint_path), reader)
-        if state is not None and self._slicer.enabled and state.get("slicing") is not None:
-            # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.
-            self._slicer.log.load_state_dict(own_slicing(state["slicing"], self._core.adapter.rank))
-        return checkpoint
+        return self._checkpoints.load(checkpoint_path, weights_only, super().load_checkpoint)
 
     def _parameters(self) -> NamedParameters:
         """The optimized parameters by name, in a fixed order (the same on every replica)."""
@@ -473,36 +403,13 @@ class ExactAccumulation(Strategy):
         assert module is not None
         return optimized_parameters([module], self.optimizers)
 
-    def _fitting(self) -> bool:
-        """Whether the entry point running is ``fit`` (or no Trainer runs the strategy: a direct call)."""
-        trainer = self._attached_trainer()
-        return trainer is None or trainer.state.fn == TrainerFn.FITTING
-
-    def _attached_trainer(self) -> Trainer | None:
-        """The Trainer running this strategy, or ``None`` (a module connected to the strategy without a Trainer, as
-        Lightning's own strategies allow for ``save_checkpoint``)."""
-        if self._trainer_ref is not None:
-            return self._trainer_ref
-        module = self.lightning_module
-        try:
-            return module.trainer if module is not None else None
-        except RuntimeError:  # "... is not attached to a `Trainer`"
-            return None
-
-    def _configuration(self) -> dict[str, Any]:
-        """What the checkpoint's groups depend on (``A`` where a Trainer says it): see
-        :meth:`AccumulationCore.configuration <lightning_accum.strategies.core.AccumulationCore.configuration>`."""
-        trainer = self._attached_trainer()
-        accumulate = None if trainer is None else trainer.accumulate_grad_batches
-        return self._core.configuration(type(self).__name__, accumulate)
-
     # ------------------------------------------------------------------ the run
 
     @override
     def setup(self, trainer: Trainer) -> None:
         self._core.adapter.setup(trainer)
         super().setup(trainer)
-        self._clipping = self._clip_through_the_adapter()
+        self._clipping.install(self.precision_plugin, self._core.adapter, self._core.refuse_clipping)
         self._trainer_ref = trainer
         self._core.manual.reset()
         self._slicer.reset()
@@ -554,9 +461,7 @@ class ExactAccumulation(Strategy):
         self._failed = False
         self._core.end()
         self._core.adapter.teardown()
-        for patch in self._clipping:
-            patch.release()
-        self._clipping = []
+        self._clipping.release()
         self._evaluation.end()
         self._slicer.reset()
         self._trainer_ref = None

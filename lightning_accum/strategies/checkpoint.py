@@ -38,10 +38,13 @@ from typing import Any
 
 import torch
 import torch.distributed
+from lightning.pytorch import Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_accum.engine import AccumulationEngine
+from lightning_accum.strategies.adapter import Write
 from lightning_accum.strategies.entry import (
     CHECKPOINT_KEY,
     DISTRIBUTED_KEY,
@@ -53,13 +56,15 @@ from lightning_accum.strategies.entry import (
     refuse_unknown_meaning,
     validated_state,
 )
-from lightning_accum.strategies.reading import distributed_gradients
+from lightning_accum.strategies.reading import distributed_gradients, read_checkpoint
+from lightning_accum.strategies.slicing import BatchSlicer
 
 __all__ = [
     "CHECKPOINT_KEY",
     "DISTRIBUTED_KEY",
     "FORMAT",
     "OpenGroupCheckpoint",
+    "TrainerCheckpoint",
     "checked_gradients",
     "malformed",
     "own_slicing",
@@ -364,6 +369,86 @@ def save_without_peers(
     partial = f"{path}.rank{rank}.partial"
     checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
     os.replace(partial, path)
+
+
+class TrainerCheckpoint:
+    """The Trainer strategy's ``save_checkpoint`` / ``load_checkpoint``: the entry (with every rank's slicing record)
+    written, by the survivors alone when a peer is lost, and read back by a ``fit`` only. It reads the strategy's
+    ``_trainer_ref``, ``_parameters()`` and Lightning's members; ``core`` is its ``AccumulationCore``."""
+
+    def __init__(self, strategy: Any, core: Any, slicer: BatchSlicer) -> None:
+        self.strategy, self.core, self.slicer = strategy, core, slicer
+
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None, write: Write) -> None:
+        """Add the package's entry to ``checkpoint`` and write it (``write``: Lightning's ``save_checkpoint``)."""
+        adapter = self.core.adapter
+        if not adapter.may_write_checkpoint(filepath):
+            return
+        failed = (
+            adapter.collectives_failed(self.strategy._trainer_ref) if self.core.data_parallel_replicas > 1 else None
+        )
+        try:
+            state = self._entry(failed)
+        except Exception as error:
+            # A collective of the entry failed: a peer died since training last reached one (a SIGTERM checkpoint
+            # after another rank was killed, say). The survivors write what they hold, without the peers.
+            failed = adapter.peers_lost_in(error) if failed is None else None
+            if failed is None:
+                raise
+            state = self._entry(failed)
+        checkpoint[CHECKPOINT_KEY] = state
+        if failed is not None:
+            save_without_peers(self.strategy.checkpoint_io, checkpoint, filepath, adapter.rank, storage_options)
+            return
+        adapter.write_checkpoint(checkpoint, filepath, storage_options, write)
+
+    def _entry(self, failed: str | None) -> dict[str, Any]:
+        """The package's checkpoint entry (collectives with several replicas unless ``failed`` says why not)."""
+        trainer = self.attached_trainer()
+        # The micro-batch whose step is running, which Lightning runs again on resume (None between micro-batches).
+        running = None
+        if trainer is not None:
+            progress = trainer.fit_loop.epoch_loop.batch_progress.current
+            running = progress.ready if progress.ready > getattr(progress, "processed", progress.ready) else None
+        state: dict[str, Any] = self.core.entry(self.configuration(), self.strategy._parameters(), running, failed)
+        if self.slicer.enabled:
+            world = int(getattr(self.strategy, "world_size", 1))
+            state["slicing"] = slicing_state(self.slicer.log.state_dict(), world, gather=failed is None)
+        return state
+
+    def load(self, checkpoint_path: Any, weights_only: bool | None, load: Callable[..., Any]) -> dict[str, Any]:
+        """Read the checkpoint with ``load`` (Lightning's ``load_checkpoint``) and, in a fit, take its entry."""
+        # A file that cannot be read: named, with its cause.
+        checkpoint = read_checkpoint(lambda: load(checkpoint_path, weights_only), checkpoint_path, self.strategy)
+        trainer = self.attached_trainer()  # None: no Trainer runs the strategy (a direct call), read as a fit
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            # `validate` / `test` / `predict(ckpt_path=...)`: Lightning restores the weights only, and so does the
+            # package (the ledger and an open group belong to a fit resuming from the checkpoint, never to a later one).
+            return checkpoint
+        reader = self.core.adapter.distributed_reader(checkpoint_path, self.strategy._parameters)
+        state = self.core.checkpoint.load(self.core.engine, checkpoint, str(checkpoint_path), reader)
+        if state is not None and self.slicer.enabled and state.get("slicing") is not None:
+            # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.
+            self.slicer.log.load_state_dict(own_slicing(state["slicing"], self.core.adapter.rank))
+        return checkpoint
+
+    def attached_trainer(self) -> Trainer | None:
+        """The Trainer running the strategy, or ``None`` (a module connected to the strategy without a Trainer, as
+        Lightning's own strategies allow for ``save_checkpoint``)."""
+        if self.strategy._trainer_ref is not None:
+            return self.strategy._trainer_ref  # type: ignore[no-any-return]
+        module = self.strategy.lightning_module
+        try:
+            return module.trainer if module is not None else None
+        except RuntimeError:  # "... is not attached to a `Trainer`"
+            return None
+
+    def configuration(self) -> dict[str, Any]:
+        """What the checkpoint's groups depend on (``A`` where a Trainer says it): see
+        :meth:`AccumulationCore.configuration <lightning_accum.strategies.core.AccumulationCore.configuration>`."""
+        trainer = self.attached_trainer()
+        accumulate = None if trainer is None else trainer.accumulate_grad_batches
+        return self.core.configuration(type(self.strategy).__name__, accumulate)  # type: ignore[no-any-return]
 
 
 def _announce_changes(written: Mapping[str, Any], now: Mapping[str, Any], position: int) -> None:
