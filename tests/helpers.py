@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+# What the fork server imports before it forks the workers of multi-process tests (tests/conftest.py).
+PRELOADED = ["torch", "lightning", "lightning_accum", "helpers"]
+
 IGNORE = -100
 VOCAB = 11
 SEQ = 6
@@ -334,16 +337,29 @@ def _ddp_worker(rank: int, world_size: int, port: int, fn: Callable[..., None], 
             gc.collect()
 
 
+def forked_ddp(**options: Any) -> Any:
+    """The Trainer's `"accum_ddp_spawn"` strategy with its workers forked by the fork server (tests/conftest.py)."""
+    from lightning_accum import DDPAccumulationStrategy
+
+    return DDPAccumulationStrategy(start_method="forkserver", **options)
+
+
 def run_ddp(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
     """Run `fn(rank, *args)` in `world_size` fresh processes laid out like a torchrun launch.
+
+    The processes are forked by Python's fork server (see tests/conftest.py), not spawned.
 
     The port is free when chosen but only bound seconds later, by rank zero's store: on a shared machine another
     process may take it in between. That start-up failure (nothing of `fn` ran) is retried with a new port.
     """
     for attempt in range(3):
         try:
-            torch.multiprocessing.spawn(
-                _ddp_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True
+            torch.multiprocessing.start_processes(
+                _ddp_worker,
+                args=(world_size, free_port(), fn, args),
+                nprocs=world_size,
+                join=True,
+                start_method="forkserver",
             )
             return
         except torch.multiprocessing.ProcessRaisedException as err:

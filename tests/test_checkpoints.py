@@ -461,7 +461,7 @@ def _two_workers(target: Callable[..., None], folder: Path) -> Iterator[list[Any
     by one); any still alive at the end is killed."""
     from helpers import _ddp_worker, free_port
 
-    context = torch.multiprocessing.get_context("spawn")
+    context = torch.multiprocessing.get_context("forkserver")  # clean processes, forked (tests/conftest.py)
     port = free_port()
     workers = [context.Process(target=_ddp_worker, args=(rank, 2, port, target, (str(folder),))) for rank in (0, 1)]
     for worker in workers:

@@ -24,6 +24,7 @@ from helpers import (
     ResumableLoader,
     TinyLM,
     fit,
+    forked_ddp,
     make_examples,
     make_trainer,
     params_vector,
@@ -390,7 +391,7 @@ def test_two_processes_update_with_the_mean_over_every_replicas_documents(tmp_pa
     (reference_loss(per_replica, UNEQUAL[0:8:2]) + reference_loss(per_replica, UNEQUAL[1:8:2])).div(2).backward()
     averaged = params_vector(per_replica) - 0.5 * torch.cat([p.grad.reshape(-1) for p in per_replica.parameters()])
     recorder = ParamsAfterUpdates(tmp_path, "ddp")
-    fit(model, UNEQUAL, 2, 2, strategy="accum_ddp_spawn", devices=2, callbacks=[recorder], precision="64-true")
+    fit(model, UNEQUAL, 2, 2, strategy=forked_ddp(), devices=2, callbacks=[recorder], precision="64-true")
     ranks = [recorder.load(rank) for rank in (0, 1)]
     for rank in ranks:
         errors = update_errors(start, rank["after"], expected)

@@ -202,7 +202,7 @@ def _second_part(path: str, m: int, accumulate: int, out: str) -> None:
 
 
 def _in_a_new_process(fn: Any, *args: Any) -> None:
-    context = torch.multiprocessing.get_context("spawn")
+    context = torch.multiprocessing.get_context("forkserver")  # a clean process, forked (tests/conftest.py)
     process = context.Process(target=fn, args=args)
     process.start()
     process.join(timeout=240)

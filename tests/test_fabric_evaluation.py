@@ -255,7 +255,7 @@ def _error(call: Any) -> str:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo spawn on Linux/macOS")
 def test_two_processes_give_every_rank_the_float64_loss_of_the_whole_set(tmp_path: Path) -> None:
-    strategy = FabricDDPAccumulationStrategy(start_method="spawn")
+    strategy = FabricDDPAccumulationStrategy(start_method="forkserver")
     L.Fabric(strategy=strategy, devices=2, accelerator="cpu").launch(_worker, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     expected = reference(EXAMPLES)

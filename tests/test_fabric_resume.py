@@ -73,7 +73,7 @@ def _part(
 
 
 def _two_processes(*args: Any, partial_group: str = "rescale") -> tuple[L.Fabric, dict[str, Any]]:
-    strategy = FabricDDPAccumulationStrategy(start_method="spawn", partial_group=partial_group)
+    strategy = FabricDDPAccumulationStrategy(start_method="forkserver", partial_group=partial_group)
     fabric = L.Fabric(strategy=strategy, devices=2, accelerator="cpu")
     return fabric, fabric.launch(_part, *args)
 

@@ -18,7 +18,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import IGNORE, TinyLM, fit, make_examples, random_lengths, token_weighted_grad
+from helpers import IGNORE, TinyLM, fit, forked_ddp, make_examples, random_lengths, token_weighted_grad
 from test_fabric import TinyNet, micro_batches
 
 EXAMPLES = make_examples(random_lengths(16, seed=5), seed=5)
@@ -205,7 +205,7 @@ class ManualScenario(TinyLM):
 
 def through_trainer(scenario: str, devices: int = 1, two_optimizers: bool = False) -> Any:
     module = ManualScenario(scenario, two_optimizers)
-    strategy = "accum" if devices == 1 else "accum_ddp_spawn"
+    strategy: Any = "accum" if devices == 1 else forked_ddp()
     fit(
         module,
         EXAMPLES[:devices],
@@ -236,7 +236,7 @@ def _fabric_worker(fabric: L.Fabric, scenario: str, two_optimizers: bool) -> Any
 def through_fabric(scenario: str, devices: int = 1, two_optimizers: bool = False) -> Any:
     from lightning_accum import FabricDDPAccumulationStrategy
 
-    strategy: Any = "accum" if devices == 1 else FabricDDPAccumulationStrategy(start_method="spawn")
+    strategy: Any = "accum" if devices == 1 else FabricDDPAccumulationStrategy(start_method="forkserver")
     fabric = L.Fabric(strategy=strategy, devices=devices, accelerator="cpu")
     worker = functools.partial(_fabric_worker, scenario=scenario, two_optimizers=two_optimizers)
     if devices == 1:

@@ -308,7 +308,7 @@ def test_fp16_with_a_grad_scaler_slices_give_the_unsplit_update() -> None:
 def test_ddp_out_of_memory_in_the_synchronising_backward_is_a_clear_error_not_a_hang() -> None:
     # A = 1: every batch's last slice synchronises; rank 1 runs out of memory in that backward.
     model = LimitedLM(limit=3, where="backward", ranks=(1,), lr=0.05, seed=5)
-    strategy = DDPAccumulationStrategy(start_method="spawn", microbatch_size="auto", timeout=timedelta(seconds=60))
+    strategy = DDPAccumulationStrategy(start_method="forkserver", microbatch_size="auto", timeout=timedelta(seconds=60))
     with pytest.raises(Exception, match="synchronises gradients over the replicas") as failure:
         fit(model, _examples(16), 8, 1, strategy=strategy, devices=2)
     assert "microbatch_size=4" in str(failure.value)
