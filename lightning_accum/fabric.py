@@ -70,7 +70,7 @@ from lightning_accum.options import AccumulationOptions, validate_choice
 from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_accum.strategies.closing import enabled_scaler
-from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, one_device_property, seam
+from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam, one_device_property, seam
 from lightning_accum.strategies.ddp import DDPAdapter, register_ddp_strings
 from lightning_accum.strategies.model_parallel import (
     MeshAdapter,
@@ -92,7 +92,7 @@ __all__ = [
 _Path = str | Path
 
 
-class FabricExactAccumulation(Strategy):
+class FabricExactAccumulation(Strategy, CoreSeam):
     """The public base of the Fabric accumulation strategies: the Fabric hooks they change, and the manual API.
 
     Listed first in a strategy's bases, so that ``super()`` is Fabric's single-device or DDP strategy. Loops program
@@ -113,15 +113,6 @@ class FabricExactAccumulation(Strategy):
         self._optimizers: list[Optimizer] = []
 
     # ------------------------------------------------------------------ the public interface
-
-    ledger = seam("ledger")
-    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
-    data_parallel_replicas = seam("data_parallel_replicas")
-    group_open = seam("group_open")
-    tensor_parallel_size = seam("tensor_parallel_size")
-    reduce_sum = seam("reduce_sum")
-    add_group_listener = seam("add_group_listener")
-    remove_group_listener = seam("remove_group_listener")
 
     @property
     def gradient_scaler(self) -> torch.amp.GradScaler | None:

@@ -87,10 +87,14 @@ def test_internals_shows_each_strategys_method_resolution_order() -> None:
         for s in strategies
     ]
     assert lines == expected
-    # One package class between each public strategy and Lightning's.
+    # One package class between each public strategy and Lightning's; the seam both doors share only after Lightning's
+    # classes (a facade: the instance keeps the layout of Lightning's strategy).
+    from lightning_accum.strategies.core import CoreSeam
+
     for strategy in strategies:
         ours = [c for c in strategy.__mro__ if c.__module__.startswith("lightning_accum")]
-        assert ours == [strategy, la.ExactAccumulation]
+        assert ours == [strategy, la.ExactAccumulation, CoreSeam]
+        assert strategy.__mro__.index(CoreSeam) > strategy.__mro__.index(la.ExactAccumulation.__mro__[1])
 
 
 def test_internals_shows_each_fabric_strategys_method_resolution_order() -> None:
@@ -107,6 +111,12 @@ def test_internals_shows_each_fabric_strategys_method_resolution_order() -> None
     base = la.FabricExactAccumulation.__mro__[1]  # Fabric's Strategy
     expected = [" → ".join(c.__name__ for c in s.__mro__[: s.__mro__.index(base) + 1]) for s in strategies]
     assert shown.group(1).strip().splitlines() == expected
+    from lightning_accum.strategies.core import CoreSeam
+
+    for strategy in strategies:
+        ours = [c for c in strategy.__mro__ if c.__module__.startswith("lightning_accum")]
+        assert ours == [strategy, la.FabricExactAccumulation, CoreSeam]
+        assert strategy.__mro__.index(CoreSeam) > strategy.__mro__.index(base)
 
 
 def test_internals_lists_every_member_of_the_adapter_interface() -> None:

@@ -72,7 +72,7 @@ from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, o
 from lightning_accum.strategies.automatic import CLOSURE_EVALUATING, AutomaticSteps, reevaluation_message
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, OpenGroupCheckpoint, TrainerCheckpoint
 from lightning_accum.strategies.closing import enabled_scaler
-from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, seam
+from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam
 from lightning_accum.strategies.evaluation import ExactEvaluation
 from lightning_accum.strategies.precision_clipping import PrecisionClipping
 from lightning_accum.strategies.slicing import BatchSlicer
@@ -82,7 +82,7 @@ __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 _Path = str | Path  # what Lightning's checkpoint methods accept
 
 
-class ExactAccumulation(Strategy):
+class ExactAccumulation(Strategy, CoreSeam):
     """The public base of the accumulation strategies: every hook they change, and the interface callbacks use.
 
     Listed first in a strategy's bases so that its hooks wrap the Lightning strategy's own methods (``super()`` is the
@@ -124,15 +124,6 @@ class ExactAccumulation(Strategy):
         self._clipping = PrecisionClipping()  # the precision plugin's clip methods, for the run
 
     # ------------------------------------------------------------------ the public interface
-
-    ledger = seam("ledger")
-    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
-    data_parallel_replicas = seam("data_parallel_replicas")
-    group_open = seam("group_open")
-    tensor_parallel_size = seam("tensor_parallel_size")
-    reduce_sum = seam("reduce_sum")
-    add_group_listener = seam("add_group_listener")
-    remove_group_listener = seam("remove_group_listener")
 
     @property
     def slicing(self) -> SlicingLog:

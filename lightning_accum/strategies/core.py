@@ -10,7 +10,7 @@ what the core holds              for
 the public seam                  ``ledger``, ``engine``, ``data_parallel_replicas``, ``group_open``,
                                  ``tensor_parallel_size``, ``reduce_sum``, ``add_group_listener`` /
                                  ``remove_group_listener``
-                                 (:func:`seam` makes each a member of a front class in one line)
+                                 (written once, :class:`CoreSeam`, a base of both front classes)
 the manual API and its rules     :meth:`~AccumulationCore.accumulate`, :meth:`~AccumulationCore.close_group`, the
                                  backward of a handed-out tensor (:meth:`~AccumulationCore.backward`), clipping
                                  (:meth:`~AccumulationCore.refuse_clipping`): one rulebook, both doors
@@ -48,7 +48,7 @@ from lightning_accum.strategies.checkpoint import OpenGroupCheckpoint
 from lightning_accum.strategies.closing import GroupClosing
 from lightning_accum.strategies.manual import ManualGroups
 
-__all__ = ["CLOSE_GROUP_DOC", "AccumulationCore", "one_device_property", "seam"]
+__all__ = ["CLOSE_GROUP_DOC", "AccumulationCore", "CoreSeam", "one_device_property", "seam"]
 
 #: The documentation of both front classes' ``close_group(optimizer, group_size=None)``.
 CLOSE_GROUP_DOC = """Close the group reported with ``accumulate``, right before ``optimizer.step()`` (manual API).
@@ -361,3 +361,22 @@ def one_device_property(chooser: str) -> Any:
         self._device_given = True
 
     return property(read, write, doc=f"The device {chooser} chose when none was given (read by its connector).")
+
+
+class CoreSeam:
+    """The public seam of both front classes (:class:`~lightning_accum.ExactAccumulation`,
+    :class:`~lightning_accum.fabric.FabricExactAccumulation`), written once: each member the core's, read through
+    ``self._core``. A facade, not a layer: no state, no hook, no ``super()`` call. It comes after the framework's
+    ``Strategy`` in their bases and defines none of its names, so an instance keeps the layout of the framework's
+    strategy and its class can be swapped in place (as Lightning's own tests with ours substituted do)."""
+
+    _core: AccumulationCore
+
+    ledger = seam("ledger")
+    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
+    data_parallel_replicas = seam("data_parallel_replicas")
+    group_open = seam("group_open")
+    tensor_parallel_size = seam("tensor_parallel_size")
+    reduce_sum = seam("reduce_sum")
+    add_group_listener = seam("add_group_listener")
+    remove_group_listener = seam("remove_group_listener")
