@@ -6,8 +6,10 @@ set-up, and a mid-group `fabric.save` / `fabric.load` (sharded folder and full f
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -290,6 +292,42 @@ def test_a_bad_set_up_or_loop_is_a_clear_error(fsdp_runs: Path) -> None:
     assert "after the `parallelize_fn` no parameter is sharded" in errors["unsharded"]
     assert "inside an open accumulation group (1 micro-batch(es) reported)" in errors["clip inside"]
     assert "the group's last backward ran with gradient synchronisation blocked" in errors["last unsynced"]
+
+
+def _unequal_counts_worker(rank: int, folder: str) -> None:
+    """Rank 0 runs a micro-batch more than rank 1 in the group, every backward reduce-scattered, then both close it,
+    under a process-group timeout of 5 s (the processes start together first: the timeout bounds the mismatch only)."""
+    from lightning_accum.fabric_model_parallel import shard_module_lists
+
+    Path(folder, f"ready{rank}").touch()
+    deadline = time.monotonic() + 120
+    while not Path(folder, f"ready{1 - rank}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    timeout = datetime.timedelta(seconds=5)
+    fabric = _fabric(
+        FabricModelParallelAccumulationStrategy(shard_module_lists, tensor_parallel_size=1, timeout=timeout)
+    )
+    model, optimizer = _setup(fabric)
+    group = _plan(rank, 2, 1, 0)[0][: 3 - rank]
+    error = _error(lambda: _train(fabric, model, optimizer, [group], sync=True))
+    _save(folder, "unequal", {"error": error})
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_a_micro_batch_more_on_one_rank_ends_at_the_timeout_with_the_cause_named(tmp_path: Path) -> None:
+    start = time.monotonic()
+    run_ddp(_unequal_counts_worker, str(tmp_path))  # returns once both processes ended
+    seconds = time.monotonic() - start
+    errors = [torch.load(tmp_path / f"unequal-rank{r}.pt", weights_only=True)["error"] for r in range(2)]
+    # Rank 1 waits in the close's all-reduce, rank 0 in its extra forward's all-gather (FSDP2's own, in the loop's
+    # code): the close names the cause and the way out; the forward raises torch's timeout.
+    assert errors[1].startswith("RuntimeError: lightning_accum: a collective failed"), errors[1]
+    assert "ran a different number of micro-batches in this group than another" in errors[1]
+    assert "bounded by the strategy's `timeout=`" in errors[1]
+    assert errors[0].startswith("RuntimeError:"), errors[0]
+    assert seconds < 120, seconds
+    print(f"both processes ended after {seconds:.1f} s")
 
 
 # ---------------------------------------------------------------------------------------------- dp × tp on 4 processes

@@ -40,6 +40,7 @@ from lightning_accum.strategies.adapter import (
     GradientReader,
     NamedParameters,
     Write,
+    collective_failure,
 )
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, DISTRIBUTED_KEY, malformed
@@ -346,6 +347,20 @@ class MeshAdapter(EngineAdapter):
     @override
     def holds_group_sums(self) -> bool:
         return bool(self.strategy.device_mesh["data_parallel"].get_local_rank() == 0)
+
+    @override
+    def unpaired_collectives(self, error: BaseException) -> str | None:
+        failure = collective_failure(error)
+        if failure is None or self.strategy.world_size == 1:
+            return None
+        return (
+            f"lightning_accum: a collective failed ({failure}): the ranks' collectives did not pair up. Under FSDP2"
+            " or tensor parallelism every micro-batch's forward and backward run collectives, so the usual cause is"
+            " a rank that ran a different number of micro-batches in this group than another (a loop counting its"
+            " own micro-batches, or data of unequal length per rank); a rank that died is the other (its own log"
+            " says so). Keep the micro-batch counts equal on every rank (one loader length per rank, `group_size=`"
+            " on a short last group). The wait for the missing partner is bounded by the strategy's `timeout=`."
+        )
 
     @override
     def carried_part(self, parameter: Tensor, carried: Tensor) -> Tensor | None:
