@@ -18,6 +18,7 @@ Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy` lays th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -361,6 +362,14 @@ class MeshAdapter(EngineAdapter):
             " says so). Keep the micro-batch counts equal on every rank (one loader length per rank, `group_size=`"
             " on a short last group). The wait for the missing partner is bounded by the strategy's `timeout=`."
         )
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # The Trainer's door: a rank whose failed collective ran in the module's own code (the forward of a micro-batch
+        # more: FSDP2's all-gather) is told too, once (the close and the backward raise the message themselves).
+        message = self.unpaired_collectives(exception)
+        if message is not None and message != str(exception):
+            warnings.warn(message, UserWarning, stacklevel=1)
 
     @override
     def carried_part(self, parameter: Tensor, carried: Tensor) -> Tensor | None:
