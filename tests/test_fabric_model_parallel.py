@@ -6,8 +6,10 @@ set-up, and a mid-group `fabric.save` / `fabric.load` (sharded folder and full f
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -17,8 +19,9 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import IGNORE, VOCAB, make_examples, random_lengths, run_ddp
+from helpers import IGNORE, VOCAB, ListDataset, make_examples, make_trainer, random_lengths, run_ddp
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
 from lightning_accum import FabricModelParallelAccumulationStrategy
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, DISTRIBUTED_KEY
@@ -290,6 +293,88 @@ def test_a_bad_set_up_or_loop_is_a_clear_error(fsdp_runs: Path) -> None:
     assert "after the `parallelize_fn` no parameter is sharded" in errors["unsharded"]
     assert "inside an open accumulation group (1 micro-batch(es) reported)" in errors["clip inside"]
     assert "the group's last backward ran with gradient synchronisation blocked" in errors["last unsynced"]
+
+
+class _ManualBlocks(L.LightningModule):
+    """The Trainer's manual door to the same loop: one `training_step` runs a group of `3 - rank` micro-batches and
+    closes it (the loader's batch is only the step's occasion)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = Blocks().double()
+
+    def configure_model(self) -> None:
+        from lightning_accum.fabric_model_parallel import shard_module_lists
+
+        shard_module_lists(self.net, self.device_mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        strategy, optimizer = self.trainer.strategy, self.optimizers()
+        for micro in _plan(self.global_rank, 2, 1, 0)[0][: 3 - self.global_rank]:
+            logits = self.net(micro["input_ids"])
+            loss = F.cross_entropy(logits.flatten(0, 1), micro["labels"].flatten(), ignore_index=IGNORE)
+            self.manual_backward(strategy.accumulate(loss, num_tokens=(micro["labels"] != IGNORE).sum()))  # type: ignore[attr-defined]
+        strategy.close_group(optimizer)  # type: ignore[attr-defined]
+        optimizer.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net.parameters(), lr=LR)
+
+
+def _unequal_counts_worker(rank: int, folder: str, door: str) -> None:
+    """Rank 0 runs a micro-batch more than rank 1 in the group, every backward reduce-scattered, then both close it,
+    under a process-group timeout of 5 s (the processes start together first: the timeout bounds the mismatch only)."""
+    from lightning_accum import ModelParallelAccumulationStrategy
+    from lightning_accum.fabric_model_parallel import shard_module_lists
+
+    Path(folder, f"ready{rank}").touch()
+    deadline = time.monotonic() + 120
+    while not Path(folder, f"ready{1 - rank}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    timeout = datetime.timedelta(seconds=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if door == "fabric":
+            strategy = FabricModelParallelAccumulationStrategy(
+                shard_module_lists, tensor_parallel_size=1, timeout=timeout
+            )
+            fabric = _fabric(strategy)
+            model, optimizer = _setup(fabric)
+            group = _plan(rank, 2, 1, 0)[0][: 3 - rank]
+            error = _error(lambda: _train(fabric, model, optimizer, [group], sync=True))
+        else:
+            trainer = make_trainer(
+                strategy=ModelParallelAccumulationStrategy(tensor_parallel_size=1, timeout=timeout), devices=2
+            )
+            error = _error(lambda: trainer.fit(_ManualBlocks(), DataLoader(ListDataset(EXAMPLES[:1]))))
+    said = [str(w.message) for w in caught if "lightning_accum: a collective failed" in str(w.message)]
+    _save(folder, "unequal", {"error": error, "warnings": said})
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("door", ["fabric", "trainer"])
+def test_a_micro_batch_more_on_one_rank_ends_at_the_timeout_with_the_cause_named(tmp_path: Path, door: str) -> None:
+    start = time.monotonic()
+    run_ddp(_unequal_counts_worker, str(tmp_path), door)  # returns once both processes ended
+    seconds = time.monotonic() - start
+    ranks = [torch.load(tmp_path / f"unequal-rank{r}.pt", weights_only=True) for r in range(2)]
+    # Rank 1 waits in the close's all-reduce, rank 0 in its extra forward's all-gather (FSDP2's own, in the loop's
+    # code): the close raises the cause and the way out, the original chained; the forward raises torch's error, and
+    # the Trainer's door (its `on_exception`) warns there with the same message.
+    said = "lightning_accum: a collective failed"
+    assert ranks[1]["error"].startswith(f"RuntimeError: {said}"), ranks[1]["error"]
+    assert "ran a different number of micro-batches in this group than another" in ranks[1]["error"]
+    assert "bounded by the strategy's `timeout=`" in ranks[1]["error"]
+    assert ranks[1]["warnings"] == []  # said once, by the error
+    assert ranks[0]["error"].startswith("RuntimeError:") and said not in ranks[0]["error"], ranks[0]["error"]
+    if door == "trainer":
+        assert len(ranks[0]["warnings"]) == 1 and "micro-batches in this group" in ranks[0]["warnings"][0]
+    else:
+        assert ranks[0]["warnings"] == []  # Fabric has no hook where the loop's own forward fails
+    assert seconds < 120, seconds
+    print(f"both processes ended after {seconds:.1f} s")
 
 
 # ---------------------------------------------------------------------------------------------- dp × tp on 4 processes

@@ -18,6 +18,8 @@ below is the whole interface: an adapter overrides some of them and adds nothing
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ __all__ = [
     "GradientReader",
     "NamedParameters",
     "Write",
+    "collective_failure",
     "ends_group_by_position",
     "optimized_parameters",
 ]
@@ -66,6 +69,45 @@ def ends_group_by_position(trainer: Any) -> bool:
     return (epoch_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
         epoch_loop.batch_progress.is_last_batch
     )
+
+
+#: Where a failed collective raises a plain ``RuntimeError`` (gloo's "Connection closed by peer" is one, not a
+#: ``DistError``): torch.distributed's collectives and DDP's wrapper (its buffer broadcast before a forward).
+_COLLECTIVE_SOURCES = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}nn{os.sep}parallel{os.sep}distributed.py")
+#: The autograd engine: DDP's gradient all-reduce runs in hooks of a synchronising backward and fails there.
+_BACKWARD_SOURCE = f"torch{os.sep}autograd{os.sep}"
+
+
+def collective_failure(exception: BaseException | None, synchronising: bool = False) -> str | None:
+    """A short description when ``exception`` (or one it was raised from) is a failed collective, else ``None``.
+
+    Recognised by its type, a ``torch.distributed.DistError`` (backend, network and store errors), or, for the plain
+    ``RuntimeError`` gloo raises, by where it was raised: inside torch.distributed or DDP's wrapper, or inside the
+    autograd engine during a backward that synchronises gradients over the replicas (``synchronising``). Its text is
+    never read: an HTTP timeout or a ``ValueError`` naming a backend raised by the user's code is not a lost peer.
+    An autograd error of the synchronising backward itself (an in-place modification) would be taken for one: the
+    checkpoint then leaves out the open group and says so, nothing waits and nothing is trained wrongly.
+    """
+    seen = 0
+    while exception is not None and seen < 8:
+        if isinstance(exception, torch.distributed.DistError) or (
+            type(exception) is RuntimeError and _raised_in_collective(exception, synchronising)
+        ):
+            text = str(exception).strip()
+            first = text.splitlines()[0] if text else type(exception).__name__
+            return f"{type(exception).__name__}: {first[:200]}"
+        exception = exception.__cause__ or exception.__context__
+        seen += 1
+    return None
+
+
+def _raised_in_collective(exception: BaseException, synchronising: bool) -> bool:
+    """Whether the innermost frame of ``exception``'s traceback (where it was raised) is a collective's."""
+    frames = traceback.extract_tb(exception.__traceback__)
+    if not frames:
+        return False
+    where = frames[-1].filename
+    return any(source in where for source in _COLLECTIVE_SOURCES) or (synchronising and _BACKWARD_SOURCE in where)
 
 
 class EngineAdapter:
@@ -196,6 +238,11 @@ class EngineAdapter:
 
     def peers_lost_in(self, error: BaseException | None) -> str | None:
         """Why the replicas cannot be reached, when ``error`` is a failed collective (``None``: it is not one)."""
+        return None
+
+    def unpaired_collectives(self, error: BaseException) -> str | None:
+        """What a manual loop's close or backward (either door) raises from ``error`` when it is a failed collective
+        whose likely cause is the engine's to name (``None``: ``error`` reaches the loop as it is)."""
         return None
 
     def may_write_checkpoint(self, filepath: str | Path) -> bool:

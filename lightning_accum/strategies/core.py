@@ -29,7 +29,8 @@ ClosingWorkers`, under each framework's launcher.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -202,20 +203,35 @@ class AccumulationCore:
         GradScaler and every optimizer of the loop (a backward that reached another one's parameters is refused)."""
         self.install_carried()
         sync_matters = self.adapter.sync_matters
-        return self.manual.close(
-            self.engine, self.closing, optimizer, module, scaler, group_size, optimizers, sync_matters
-        )
+        with self._naming_unpaired():
+            return self.manual.close(
+                self.engine, self.closing, optimizer, module, scaler, group_size, optimizers, sync_matters
+            )
 
     def backward(self, tensor: Tensor, run: Callable[[], Any], unsynced: bool = False) -> Any:
         """A manual loop's backward of ``tensor`` through ``run()``: if ``tensor`` is the one :meth:`accumulate`
         handed out, the open group notes when its gradient holds that micro-batch, and whether the door ran it with
         gradient synchronisation blocked (``unsynced``)."""
         ours = self.begin_backward(tensor)
-        result = run()
+        with self._naming_unpaired():
+            result = run()
         self.end_backward(ours)
         if ours:
             self.manual.note_backward(unsynced)
         return result
+
+    @contextmanager
+    def _naming_unpaired(self) -> Generator[None, None, None]:
+        """Around a manual loop's collectives (its close, its backward): a failed one is raised again with what the
+        adapter says of it (:meth:`~lightning_accum.strategies.adapter.EngineAdapter.unpaired_collectives`), chained
+        to the original, so that the rank's own traceback ends with the cause and the way out."""
+        try:
+            yield
+        except Exception as error:
+            message = self.adapter.unpaired_collectives(error)
+            if message is None:
+                raise
+            raise RuntimeError(message) from error
 
     def refuse_clipping(self, call: str) -> None:
         """Either door's clipping (``call`` names it) inside an open group is an error: the gradient is not yet the

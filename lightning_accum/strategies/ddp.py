@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
@@ -22,7 +20,7 @@ from typing_extensions import override
 from lightning_accum._worker_exit import ClosingWorkers, use_launcher
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
-from lightning_accum.strategies.adapter import EngineAdapter, ends_group_by_position
+from lightning_accum.strategies.adapter import EngineAdapter, collective_failure, ends_group_by_position
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 
@@ -163,7 +161,7 @@ class DDPAdapter(EngineAdapter):
 
     @override
     def peers_lost_in(self, error: BaseException | None) -> str | None:
-        failure = _collective_failure(error, self._failed_in_synchronising_batch())
+        failure = collective_failure(error, self._failed_in_synchronising_batch())
         if failure is None or self._peers_lost is not None:
             return failure
         self._peers_lost = failure
@@ -324,45 +322,6 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_ddp_strings(strategy_registry, cls, "")
-
-
-#: Where a failed collective raises a plain ``RuntimeError`` (gloo's "Connection closed by peer" is one, not a
-#: ``DistError``): torch.distributed's collectives and DDP's wrapper (its buffer broadcast before a forward).
-_COLLECTIVE_SOURCES = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}nn{os.sep}parallel{os.sep}distributed.py")
-#: The autograd engine: DDP's gradient all-reduce runs in hooks of a synchronising backward and fails there.
-_BACKWARD_SOURCE = f"torch{os.sep}autograd{os.sep}"
-
-
-def _collective_failure(exception: BaseException | None, synchronising: bool = False) -> str | None:
-    """A short description when ``exception`` (or one it was raised from) is a failed collective, else ``None``.
-
-    Recognised by its type, a ``torch.distributed.DistError`` (backend, network and store errors), or, for the plain
-    ``RuntimeError`` gloo raises, by where it was raised: inside torch.distributed or DDP's wrapper, or inside the
-    autograd engine during a backward that synchronises gradients over the replicas (``synchronising``). Its text is
-    never read: an HTTP timeout or a ``ValueError`` naming a backend raised by the user's code is not a lost peer.
-    An autograd error of the synchronising backward itself (an in-place modification) would be taken for one: the
-    checkpoint then leaves out the open group and says so, nothing waits and nothing is trained wrongly.
-    """
-    seen = 0
-    while exception is not None and seen < 8:
-        if isinstance(exception, torch.distributed.DistError) or (
-            type(exception) is RuntimeError and _raised_in_collective(exception, synchronising)
-        ):
-            text = str(exception).strip()
-            first = text.splitlines()[0] if text else type(exception).__name__
-            return f"{type(exception).__name__}: {first[:200]}"
-        exception = exception.__cause__ or exception.__context__
-        seen += 1
-    return None
-
-
-def _raised_in_collective(exception: BaseException, synchronising: bool) -> bool:
-    """Whether the innermost frame of ``exception``'s traceback (where it was raised) is a collective's."""
-    frames = traceback.extract_tb(exception.__traceback__)
-    if not frames:
-        return False
-    where = frames[-1].filename
-    return any(source in where for source in _COLLECTIVE_SOURCES) or (synchronising and _BACKWARD_SOURCE in where)
 
 
 def _iterable_training_data(trainer: Trainer) -> bool:

@@ -18,6 +18,7 @@ Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy` lays th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +41,7 @@ from lightning_accum.strategies.adapter import (
     GradientReader,
     NamedParameters,
     Write,
+    collective_failure,
 )
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, DISTRIBUTED_KEY, malformed
@@ -346,6 +348,28 @@ class MeshAdapter(EngineAdapter):
     @override
     def holds_group_sums(self) -> bool:
         return bool(self.strategy.device_mesh["data_parallel"].get_local_rank() == 0)
+
+    @override
+    def unpaired_collectives(self, error: BaseException) -> str | None:
+        failure = collective_failure(error)
+        if failure is None or self.strategy.world_size == 1:
+            return None
+        return (
+            f"lightning_accum: a collective failed ({failure}): the ranks' collectives did not pair up. Under FSDP2"
+            " or tensor parallelism every micro-batch's forward and backward run collectives, so the usual cause is"
+            " a rank that ran a different number of micro-batches in this group than another (a loop counting its"
+            " own micro-batches, or data of unequal length per rank); a rank that died is the other (its own log"
+            " says so). Keep the micro-batch counts equal on every rank (one loader length per rank, `group_size=`"
+            " on a short last group). The wait for the missing partner is bounded by the strategy's `timeout=`."
+        )
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # The Trainer's door: a rank whose failed collective ran in the module's own code (the forward of a micro-batch
+        # more: FSDP2's all-gather) is told too, once (the close and the backward raise the message themselves).
+        message = self.unpaired_collectives(exception)
+        if message is not None and message != str(exception):
+            warnings.warn(message, UserWarning, stacklevel=1)
 
     @override
     def carried_part(self, parameter: Tensor, carried: Tensor) -> Tensor | None:
