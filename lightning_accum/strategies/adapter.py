@@ -85,8 +85,9 @@ def collective_failure(exception: BaseException | None, synchronising: bool = Fa
     ``RuntimeError`` gloo raises, by where it was raised: inside torch.distributed or DDP's wrapper, or inside the
     autograd engine during a backward that synchronises gradients over the replicas (``synchronising``). Its text is
     never read: an HTTP timeout or a ``ValueError`` naming a backend raised by the user's code is not a lost peer.
-    An autograd error of the synchronising backward itself (an in-place modification) would be taken for one: the
-    checkpoint then leaves out the open group and says so, nothing waits and nothing is trained wrongly.
+    An autograd error of the synchronising backward itself (an in-place modification) would be taken for one: DDP's
+    checkpoint then leaves out the open group and says so, the mesh engine's message names a collective; nothing waits
+    and nothing is trained wrongly.
     """
     seen = 0
     while exception is not None and seen < 8:
