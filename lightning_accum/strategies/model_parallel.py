@@ -231,7 +231,7 @@ class MeshAdapter(EngineAdapter):
     @override
     def carry_gradients(self, parameters: NamedParameters, unsynced: bool) -> dict[str, Tensor] | None:
         strategy = self.strategy
-        trainer_sync = getattr(strategy, "gradient_sync", None) == "last_microbatch"  # Fabric's loop: `unsynced`
+        trainer_sync = getattr(strategy, "gradient_sync", None) == "last_microbatch"  # Fabric's strategy has none
         if trainer_sync or unsynced:
             # The group's gradient sits unreduced in FSDP2's own accumulators, not in `.grad`: nothing public to save.
             why, fix = (
