@@ -201,7 +201,12 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         entry = self._core.entry(self._configuration(), self._parameters(), running=None, failed=None)
         fabric_save = super().save_checkpoint
         self._core.adapter.write_checkpoint(
-            {**state, CHECKPOINT_KEY: entry}, path, storage_options, lambda s, p, o: fabric_save(p, s, o, filter)
+            {**state, CHECKPOINT_KEY: entry},
+            path,
+            storage_options,
+            lambda s, p, o: fabric_save(p, s, o, filter),
+            sharded_state,
+            self._parameters,
         )
 
     @override
@@ -536,19 +541,6 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
                 " disabled."
             )
         super().save_checkpoint(path, state, storage_options, filter)
-
-    def _unreduced_gradient(self) -> tuple[str, str] | None:
-        """Why the open group's gradient is held unreduced inside FSDP2, and what to do instead, or ``None`` (read by
-        :class:`~lightning_accum.strategies.model_parallel.MeshAdapter` when a checkpoint is written in a group)."""
-        if not self._core.manual.unsynced:
-            return None
-        return (
-            "after backwards inside `fabric.no_backward_sync(model, enabled=True)`",
-            "Save after a group's `optimizer.step()`, or run the micro-batches of a group you save inside without"
-            " `no_backward_sync` (each backward then reduce-scatters its gradient)",
-        )
-
-    _sharded_state = staticmethod(sharded_state)  # the state split as Fabric's distributed save splits it
 
     @classmethod
     @override

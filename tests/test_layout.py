@@ -213,3 +213,78 @@ def test_the_size_check_is_blind_to_joined_lines_and_sees_async_functions(tmp_pa
         f"lambdas.py:Lambdas ({2 * (CLASS_LIMIT // 2 + 1) + 1} statements)",
         f"spread.py:spread ({FUNCTION_LIMIT + 1} statements)",
     ]
+
+
+def _is_strategy(node: ast.AST | None, aliases: set[str]) -> bool:
+    """``self.strategy``, or a local name bound to it."""
+    if isinstance(node, ast.Name):
+        return node.id in aliases
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "strategy"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
+
+
+def _private_reads_of_the_strategy(package: Path) -> list[str]:
+    """What each engine adapter (a class named ``...Adapter``) reads of its strategy that is private:
+    ``self.strategy._name``, ``strategy._name`` through a local bound to it, ``getattr(self.strategy, "_name")``;
+    ``path:Class _name``, with ``()`` where it is called."""
+    reads: list[str] = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name.endswith("Adapter")):
+            nodes = list(ast.walk(cls))
+            aliases = {
+                target.id
+                for node in nodes
+                if isinstance(node, ast.Assign) and _is_strategy(node.value, set())
+                for target in node.targets
+                if isinstance(target, ast.Name)
+            }
+            called = {id(node.func) for node in nodes if isinstance(node, ast.Call)}
+            for node in nodes:
+                name = None
+                if isinstance(node, ast.Attribute) and _is_strategy(node.value, aliases):
+                    name = node.attr
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+                    owner, key = [*node.args, None, None][:2]
+                    if _is_strategy(owner, aliases) and isinstance(key, ast.Constant) and isinstance(key.value, str):
+                        name = key.value
+                if name is not None and name.startswith("_") and not name.startswith("__"):
+                    where = f"{path.relative_to(package).as_posix()}:{cls.name}"
+                    reads.append(f"{where} {name}{'()' if id(node) in called else ''}")
+    return reads
+
+
+def test_the_adapters_call_no_private_method_of_their_strategy() -> None:
+    # Issue #52: the adapter is handed what each door answers its own way (the parameters, whether a backward ran
+    # unsynchronised, the framework's save and its split), as arguments. Of its strategy it reads public members and
+    # only the private attributes of Lightning's and Fabric's strategies that docs/internals.md lists.
+    reads = _private_reads_of_the_strategy(PACKAGE)
+    assert any(read.endswith(" _save_distributed_checkpoint") for read in reads), reads  # the check sees them
+    assert [read for read in reads if read.endswith("()")] == []
+    listed = INTERNALS.read_text().split("## Private names the package relies on", 1)[1]
+    assert [read for read in reads if f".{read.split()[-1]}`" not in listed] == []
+
+
+def test_the_private_read_check_sees_aliases_getattr_and_calls(tmp_path: Path) -> None:
+    package = tmp_path / "lightning_accum"
+    package.mkdir()
+    (package / "planted.py").write_text(
+        "class PlantedAdapter:\n"
+        "    def f(self):\n"
+        "        strategy = self.strategy\n"
+        "        strategy._answer()\n"
+        "        getattr(self.strategy, '_hidden')\n"
+        "        return self.strategy._size, self.strategy.public, type(self.strategy).__name__\n"
+        "class Launcher:\n"
+        "    def g(self):\n"
+        "        return self.strategy._elsewhere\n"
+    )
+    assert sorted(_private_reads_of_the_strategy(package)) == [
+        "planted.py:PlantedAdapter _answer()",
+        "planted.py:PlantedAdapter _hidden",
+        "planted.py:PlantedAdapter _size",
+    ]

@@ -12,8 +12,8 @@ one of three classes:
   :class:`~lightning_accum.ModelParallelAccumulationStrategy`.
 
 The strategy names its adapter's class in ``adapter_type``; the adapter reads the strategy it serves (``self.strategy``:
-its model, mesh, ranks; ``MeshAdapter`` lists what more) and is handed everything else as arguments. Every method
-below is the whole interface: an adapter overrides some of them and adds nothing the strategy calls.
+its public members and the few private ones ``docs/internals.md`` lists) and is handed everything else as arguments.
+Every method below is the whole interface: an adapter overrides some of them and adds nothing the strategy calls.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = [
     "EngineAdapter",
     "GradientReader",
     "NamedParameters",
+    "Split",
     "Write",
     "collective_failure",
     "ends_group_by_position",
@@ -46,6 +47,8 @@ NamedParameters = list[tuple[str, Tensor]]
 GradientReader = Callable[[list[str]], dict[str, Tensor]]
 #: Lightning's ``Strategy.save_checkpoint`` of the strategy underneath.
 Write = Callable[[dict[str, Any], Any, Any], None]
+#: A checkpoint split as its framework's distributed save splits it: the sharded state (taken out) and the metadata.
+Split = Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]]
 
 
 def optimized_parameters(modules: Sequence[Any], optimizers: Sequence[Any] | None) -> NamedParameters:
@@ -197,9 +200,9 @@ class EngineAdapter:
 
     # ------------------------------------------------------------------ a checkpoint written inside a group
 
-    def carry_gradients(self, parameters: NamedParameters) -> dict[str, Tensor] | None:
+    def carry_gradients(self, parameters: NamedParameters, unsynced: bool) -> dict[str, Tensor] | None:
         """The open group's gradient summed over replicas, by parameter name (a collective: every replica calls it);
-        ``None`` where this engine cannot carry it (it says why)."""
+        ``None`` where this engine cannot carry it (it says why); ``unsynced``: a backward of it ran unsynchronised."""
         reduce = self.reduce_sum if self.data_parallel_size > 1 else None
         return summed_gradients(parameters, reduce)
 
@@ -217,9 +220,15 @@ class EngineAdapter:
         return carried.to(device=parameter.device, dtype=parameter.dtype, copy=True)
 
     def write_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any, write: Write
+        self,
+        checkpoint: dict[str, Any],
+        filepath: str | Path,
+        storage_options: Any,
+        write: Write,
+        split: Split,
+        parameters: Callable[[], NamedParameters],
     ) -> None:
-        """Write ``checkpoint`` (with the package's entry): ``write`` is Lightning's own ``save_checkpoint``."""
+        """Write ``checkpoint`` (with the package's entry) with ``write``, the framework's own ``save_checkpoint``."""
         write(checkpoint, filepath, storage_options)
 
     def distributed_reader(self, path: str | Path, parameters: Callable[[], NamedParameters]) -> GradientReader | None:

@@ -371,10 +371,17 @@ def save_without_peers(
     os.replace(partial, path)
 
 
+def _sharded_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's checkpoint split as its distributed save splits it: the module's and the optimizers' state, taken
+    out, and the rest (the metadata file's)."""
+    optimizers = {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
+    return {"state_dict": checkpoint.pop("state_dict"), **optimizers}, checkpoint
+
+
 class TrainerCheckpoint:
     """The Trainer strategy's ``save_checkpoint`` / ``load_checkpoint``: the entry (with every rank's slicing record)
     written, by the survivors alone when a peer is lost, and read back by a ``fit`` only. It reads the strategy's
-    ``_trainer_ref``, ``_parameters()`` and Lightning's members; ``core`` is its ``AccumulationCore``."""
+    ``_trainer_ref`` and Lightning's members; ``core`` is its ``AccumulationCore``."""
 
     def __init__(self, strategy: Any, core: Any, slicer: BatchSlicer) -> None:
         self.strategy, self.core, self.slicer = strategy, core, slicer
@@ -400,7 +407,7 @@ class TrainerCheckpoint:
         if failed is not None:
             save_without_peers(self.strategy.checkpoint_io, checkpoint, filepath, adapter.rank, storage_options)
             return
-        adapter.write_checkpoint(checkpoint, filepath, storage_options, write)
+        adapter.write_checkpoint(checkpoint, filepath, storage_options, write, _sharded_state, self.core.parameters)
 
     def _entry(self, failed: str | None) -> dict[str, Any]:
         """The package's checkpoint entry (collectives with several replicas unless ``failed`` says why not)."""
@@ -410,7 +417,7 @@ class TrainerCheckpoint:
         if trainer is not None:
             progress = trainer.fit_loop.epoch_loop.batch_progress.current
             running = progress.ready if progress.ready > getattr(progress, "processed", progress.ready) else None
-        state: dict[str, Any] = self.core.entry(self.configuration(), self.strategy._parameters(), running, failed)
+        state: dict[str, Any] = self.core.entry(self.configuration(), self.core.parameters(), running, failed)
         if self.slicer.enabled:
             world = int(getattr(self.strategy, "world_size", 1))
             state["slicing"] = slicing_state(self.slicer.log.state_dict(), world, gather=failed is None)
@@ -425,7 +432,7 @@ class TrainerCheckpoint:
             # `validate` / `test` / `predict(ckpt_path=...)`: Lightning restores the weights only, and so does the
             # package (the ledger and an open group belong to a fit resuming from the checkpoint, never to a later one).
             return checkpoint
-        reader = self.core.adapter.distributed_reader(checkpoint_path, self.strategy._parameters)
+        reader = self.core.adapter.distributed_reader(checkpoint_path, self.core.parameters)
         state = self.core.checkpoint.load(self.core.engine, checkpoint, str(checkpoint_path), reader)
         if state is not None and self.slicer.enabled and state.get("slicing") is not None:
             # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.

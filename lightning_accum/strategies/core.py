@@ -303,7 +303,7 @@ class AccumulationCore:
             config,
             running=running,
             failed=failed,
-            carry=lambda: self.adapter.carry_gradients(parameters),
+            carry=lambda: self.adapter.carry_gradients(parameters, self.manual.unsynced),
             parameter_names=[name for name, _ in parameters],
         )
 

@@ -40,6 +40,7 @@ from lightning_accum.strategies.adapter import (
     EngineAdapter,
     GradientReader,
     NamedParameters,
+    Split,
     Write,
     collective_failure,
 )
@@ -121,8 +122,7 @@ class MeshAdapter(EngineAdapter):
     written and read shard by shard.
 
     Of its strategy (the Trainer's or Fabric's) it reads, beyond public members, the mesh sizes and checkpoint form both
-    frameworks keep private (``_data_parallel_size``, ``_tensor_parallel_size``, ``_save_distributed_checkpoint``) and
-    what each door answers its own way: ``_parameters()``, ``_unreduced_gradient()``, ``_sharded_state(checkpoint)``."""
+    frameworks keep private (``_data_parallel_size``, ``_tensor_parallel_size``, ``_save_distributed_checkpoint``)."""
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
@@ -231,12 +231,24 @@ class MeshAdapter(EngineAdapter):
     # ------------------------------------------------------------------ checkpoints
 
     @override
-    def carry_gradients(self, parameters: NamedParameters) -> dict[str, Tensor] | None:
+    def carry_gradients(self, parameters: NamedParameters, unsynced: bool) -> dict[str, Tensor] | None:
         strategy = self.strategy
-        unreduced = strategy._unreduced_gradient()
-        if unreduced is not None:
+        trainer_sync = getattr(strategy, "gradient_sync", None) == "last_microbatch"  # Fabric's strategy has none
+        if trainer_sync or unsynced:
             # The group's gradient sits unreduced in FSDP2's own accumulators, not in `.grad`: nothing public to save.
-            why, fix = unreduced
+            why, fix = (
+                (
+                    "under gradient_sync='last_microbatch'",
+                    "Use gradient_sync='every_microbatch', or write checkpoints at update boundaries (ModelCheckpoint's"
+                    " default)",
+                )
+                if trainer_sync
+                else (
+                    "after backwards inside `fabric.no_backward_sync(model, enabled=True)`",
+                    "Save after a group's `optimizer.step()`, or run the micro-batches of a group you save inside"
+                    " without `no_backward_sync` (each backward then reduce-scatters its gradient)",
+                )
+            )
             rank_zero_warn(
                 f"lightning_accum: this checkpoint is written inside an accumulation group"
                 f" ({strategy.engine.microbatches_in_group} micro-batch(es) so far); {why} the group's gradient is held"
@@ -267,13 +279,20 @@ class MeshAdapter(EngineAdapter):
         return gradients
 
     @override
-    def write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any, write: Write) -> None:
+    def write_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        storage_options: Any,
+        write: Write,
+        split: Split,
+        parameters: Callable[[], NamedParameters],
+    ) -> None:
         group = checkpoint.get(CHECKPOINT_KEY, {}).get("open_group")
         gradients = group.get("gradients") if isinstance(group, dict) else None
         if gradients is None:
             write(checkpoint, filepath, storage_options)
             return
-        parameters = dict(self.strategy._parameters())
         group = dict(group)
         checkpoint[CHECKPOINT_KEY] = {**checkpoint[CHECKPOINT_KEY], "open_group": group}
         if not self.strategy._save_distributed_checkpoint:
@@ -283,18 +302,19 @@ class MeshAdapter(EngineAdapter):
             }
             write(checkpoint, filepath, storage_options)
             return
-        shards = {name: _as_shard(g, parameters.get(name)) for name, g in gradients.items()}
+        by_name = dict(parameters())
+        shards = {name: _as_shard(g, by_name.get(name)) for name, g in gradients.items()}
         del group["gradients"]
         group.update(gradients_stored="distributed", gradient_names=sorted(shards))
-        self._save_distributed(checkpoint, filepath, storage_options, shards)
+        self._save_distributed(checkpoint, filepath, storage_options, shards, split)
 
     def _save_distributed(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None, shards: dict[str, Tensor]
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any, shards: dict[str, Tensor], split: Split
     ) -> None:
         """Lightning's distributed save (``ModelParallelStrategy.save_checkpoint`` with
         ``save_distributed_checkpoint=True``, the Trainer's or Fabric's), with the open group's gradient as one more
-        entry of the sharded state: each rank writes its own shards, nothing is gathered. The strategy splits
-        ``checkpoint`` into what its framework writes sharded and the rest (``_sharded_state``)."""
+        entry of the sharded state: each rank writes its own shards, nothing is gathered. ``split`` splits
+        ``checkpoint`` into what its framework writes sharded and the rest."""
         from lightning.fabric.utilities.load import _METADATA_FILENAME
         from torch.distributed.checkpoint import save
 
@@ -308,7 +328,7 @@ class MeshAdapter(EngineAdapter):
         if path.is_file():
             path.unlink()
         path.mkdir(parents=True, exist_ok=True)
-        state, metadata = self.strategy._sharded_state(checkpoint)
+        state, metadata = split(checkpoint)
         state[DISTRIBUTED_KEY] = shards
         save(state, checkpoint_id=path)
         if self.strategy.global_rank == 0:
@@ -472,24 +492,6 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     def setup_environment(self) -> None:
         derive_mesh_sizes(self, "the Trainer's `devices=` / `num_nodes=`")
         super().setup_environment()
-
-    def _unreduced_gradient(self) -> tuple[str, str] | None:
-        """Why the open group's gradient is held unreduced inside FSDP2 (not in ``.grad``) and what to do instead, or
-        ``None`` (read by :class:`MeshAdapter` when a checkpoint is written inside a group)."""
-        if self.gradient_sync != "last_microbatch":
-            return None
-        return (
-            "under gradient_sync='last_microbatch'",
-            "Use gradient_sync='every_microbatch', or write checkpoints at update boundaries (ModelCheckpoint's"
-            " default)",
-        )
-
-    def _sharded_state(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Lightning's checkpoint split into what its distributed save writes sharded (the module's and the optimizers'
-        state, taken out) and the rest, which goes into the metadata file."""
-        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        return state, checkpoint
 
     @contextmanager
     @override
