@@ -53,20 +53,15 @@ def group_count(record: GroupRecord, axis: str) -> int:
     return 1 if axis == "updates" else int(getattr(record, axis))
 
 
-def no_token_counts_error(who: str) -> RuntimeError:
-    """The error for ``axis="tokens"`` in a run whose ``training_step`` reports no token counts."""
-    return RuntimeError(
-        f"{who}(axis='tokens') needs token counts, but the run reports none. Return"
-        " `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels)}` from `training_step` (shift=False"
-        " when the labels are already aligned with the logits), pass `count_tokens=` to the strategy (e.g."
-        f" `lightning_accum.causal_lm_tokens`), or use `{who}(axis='samples')`."
-    )
-
-
 def no_counts_error(who: str, axis: str) -> RuntimeError:
     """The error for an axis of :data:`REPORTED_AXES` in a run whose ``training_step`` reports none of its counts."""
     if axis == "tokens":
-        return no_token_counts_error(who)
+        return RuntimeError(
+            f"{who}(axis='tokens') needs token counts, but the run reports none. Return"
+            " `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels)}` from `training_step`"
+            " (shift=False when the labels are already aligned with the logits), pass `count_tokens=` to the strategy"
+            f" (e.g. `lightning_accum.causal_lm_tokens`), or use `{who}(axis='samples')`."
+        )
     return RuntimeError(
         f"{who}(axis='documents') needs document counts, but the run reports none. Return"
         " `lightning_accum.document_mean_loss(logits, labels, position_ids=...)` from `training_step` (it reports"
@@ -85,25 +80,21 @@ def check_counts_reported(who: str, axis: str, ledger: AccumulationLedger) -> bo
     return ledger.normalization == axis
 
 
-def _check_shape(warmup: int, total: int, min_ratio: float) -> None:
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"`warmup` must be an int >= 0 (a count on the schedule's axis); got {warmup!r}.")
-    if isinstance(total, bool) or not isinstance(total, int) or total <= 0 or total < warmup:
-        raise ValueError(
-            f"`total` must be a positive int >= `warmup` ({warmup!r}), the count at which the decay ends; got"
-            f" {total!r}. Pass the run's budget on the schedule's axis."
-        )
-    if not 0.0 <= float(min_ratio) <= 1.0:
-        raise ValueError(
-            f"`min_ratio` must be in [0, 1] (the final rate as a fraction of the base); got {min_ratio!r}."
-        )
-
-
 class _WarmupDecay:
     """``lr_lambda`` that rises linearly from 0 to 1 over ``warmup``, then decays to ``min_ratio`` at ``total``."""
 
     def __init__(self, warmup: int, total: int, min_ratio: float = 0.0) -> None:
-        _check_shape(warmup, total, min_ratio)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"`warmup` must be an int >= 0 (a count on the schedule's axis); got {warmup!r}.")
+        if isinstance(total, bool) or not isinstance(total, int) or total <= 0 or total < warmup:
+            raise ValueError(
+                f"`total` must be a positive int >= `warmup` ({warmup!r}), the count at which the decay ends; got"
+                f" {total!r}. Pass the run's budget on the schedule's axis."
+            )
+        if not 0.0 <= float(min_ratio) <= 1.0:
+            raise ValueError(
+                f"`min_ratio` must be in [0, 1] (the final rate as a fraction of the base); got {min_ratio!r}."
+            )
         self.warmup, self.total, self.min_ratio = warmup, total, float(min_ratio)
 
     def decay(self, progress: float) -> float:

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_accum.axis_lr import check_counts_reported, group_count, no_token_counts_error
+from lightning_accum.axis_lr import check_counts_reported, group_count, no_counts_error
 from lightning_accum.callbacks.common import accumulation_strategy, format_count
 from lightning_accum.ledger import AXES, AccumulationLedger, GroupRecord
 from lightning_accum.options import validate_choice
@@ -21,11 +21,6 @@ from lightning_accum.patching import InstancePatch
 from lightning_accum.strategies import ExactAccumulation
 
 __all__ = ["AXES", "AxisLogger", "window_metrics"]
-
-
-def _units(record: GroupRecord, unit: str | None) -> int:
-    """A group's weight in the run's unit (what its loss is averaged over)."""
-    return group_count(record, unit) if unit in ("tokens", "samples", "documents") else record.microbatches
 
 
 def window_metrics(records: Sequence[GroupRecord], unit: str | None) -> dict[str, float]:
@@ -44,7 +39,7 @@ def window_metrics(records: Sequence[GroupRecord], unit: str | None) -> dict[str
     """
     weighted = weight = 0.0
     for record in records:
-        units = _units(record, unit)
+        units = group_count(record, unit) if unit in ("tokens", "samples", "documents") else record.microbatches
         if units > 0 and math.isfinite(record.loss):
             weighted += units * record.loss
             weight += units
@@ -174,7 +169,8 @@ class AxisLogger(Callback):
         # LearningRateMonitor's values per logger, held until the update that uses them closes (see the docstring).
         self._held_rates: dict[int, dict[str, float]] = {}
         self._rate_monitors: list[LearningRateMonitor] = []
-        # Per fit: see `_read_run`; and whether the axis's counts were found (checked until they are).
+        # Per fit: the ledger, whether this rank writes, the optimizer's parameter groups and the cadence (read at the
+        # first update); and whether the axis's counts were found (checked until they are).
         self._run: tuple[AccumulationLedger, bool, list[dict[str, Any]], int] | None = None
         self._counts_checked = False
         self._checked_unit = False
@@ -216,9 +212,7 @@ class AxisLogger(Callback):
         self._offset = 0
         self._window = []
         self._checked_unit = False
-        self._run = None
         self._counts_checked = False
-        self._held_rates = {}
         # `trainer.callbacks`: Lightning's public list, assigned by its callback connector (not declared on the class).
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         self._rate_monitors = [cb for cb in callbacks if isinstance(cb, LearningRateMonitor)]
@@ -255,7 +249,7 @@ class AxisLogger(Callback):
             return
         self._checked_unit = True
         if self.axis == "tokens" and self._ledger(trainer).normalization not in ("tokens", None):
-            raise no_token_counts_error("AxisLogger")
+            raise no_counts_error("AxisLogger", "tokens")
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -304,10 +298,7 @@ class AxisLogger(Callback):
         self._originals[id(logger)] = (logger, patch, not isinstance(logger, WandbLogger))
 
     def _define_wandb_axis(self, logger: WandbLogger) -> None:
-        # W&B plots a key against its `step_metric`; WandbLogger's own definition ("*" against its step key,
-        # `trainer/global_step` or, from Lightning 2.7, `global_step`, made when it creates the run) is replaced by the
-        # axis metric, whatever that key, which every row this callback writes holds
-        # (`step_sync`: W&B adds the latest x to a row logged straight to the run without it).
+        # Replaces WandbLogger's own definition of the charts' x (its step key): see the class docstring.
         run = logger.experiment  # creates the W&B run now if Lightning has not yet
         run.define_metric(self.axis_key)
         run.define_metric("*", step_metric=self.axis_key, step_sync=True)
@@ -367,10 +358,13 @@ class AxisLogger(Callback):
         trainer = self._trainer
         if trainer is None or group.dropped:
             return  # a dropped group is no attempt: nothing is written for it
-        run = self._run
-        if run is None:  # read once per fit, at its first update: what every update of the fit reads
-            run = self._run = self._read_run(trainer)
-        ledger, writes, param_groups, every = run
+        if self._run is None:  # read once per fit, at its first update: what every update of the fit reads
+            optimizers = trainer.optimizers
+            param_groups = optimizers[0].param_groups if optimizers else []
+            # `trainer.log_every_n_steps`: set by Lightning's logger connector (public, not declared on the class).
+            every = int(getattr(trainer, "log_every_n_steps", 1) or 1)
+            self._run = (self._ledger(trainer), trainer.is_global_zero, param_groups, every)
+        ledger, writes, param_groups, every = self._run
         if not self._counts_checked:  # until the run weighs by the axis, whose every later update then counts it
             self._counts_checked = check_counts_reported("AxisLogger", self.axis, ledger)
         if not writes:
@@ -389,14 +383,6 @@ class AxisLogger(Callback):
             record = point | held.get(logger_id, {})
             if record:
                 self._write(logger_id, record, x)
-
-    def _read_run(self, trainer: Trainer) -> tuple[AccumulationLedger, bool, list[dict[str, Any]], int]:
-        """The ledger, whether this rank writes, the optimizer's parameter groups and the cadence, for one fit."""
-        optimizers = trainer.optimizers
-        # `trainer.log_every_n_steps`: set by Lightning's logger connector (public, not declared on the class).
-        every = int(getattr(trainer, "log_every_n_steps", 1) or 1)
-        groups = optimizers[0].param_groups if optimizers else []
-        return self._ledger(trainer), trainer.is_global_zero, groups, every
 
     def _flush(self, trainer: Trainer) -> None:
         """Write the point of the attempted updates since the previous one (none pending: nothing)."""
