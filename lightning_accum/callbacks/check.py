@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import random
 import textwrap
 import warnings
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -247,8 +249,6 @@ class AccumulationCheck(Callback):
                 )
 
         run = _Pass(trainer, module, strategy, optimizer, seed=int(torch.randint(0, 2**31 - 1, (1,)).item()))
-        # Both computations in float32 (autocast off): the check is about the accumulation arithmetic, so the
-        # tolerance stays tight under mixed precision. The run's own "auto" unit hint is given once, by the run.
         with _float32_compute(strategy), _token_hints_muted():
             group, outcome, leaks = self._group_gradient(run, batches)
             everything = self._gather_batches(batches, replicas)
@@ -263,7 +263,7 @@ class AccumulationCheck(Callback):
         rel = float((g - r).norm() / norm) if norm > 0 else float((g - r).norm())
         ratio = float(g.dot(r) / (norm * norm)) if norm > 0 else 1.0
 
-        if outcome is not None and outcome != "apply":
+        if outcome != "apply":
             warnings.append(f"the checked group made no update (outcome: {outcome})")
         for name, shape in leaks:
             errors.append(
@@ -328,12 +328,9 @@ class AccumulationCheck(Callback):
         if self.result is None or trainer.sanity_checking:
             return
         for message in self._evaluation_findings(accumulation_strategy(trainer, "AccumulationCheck")):
-            if plain_evaluation(message):
-                self.result.notes.append(message)
-                rank_zero_info(f"AccumulationCheck: {message}")
-            else:
-                self.result.warnings.append(message)
-                rank_zero_warn(f"AccumulationCheck: {message}")
+            plain = plain_evaluation(message)
+            (self.result.notes if plain else self.result.warnings).append(message)
+            (rank_zero_info if plain else rank_zero_warn)(f"AccumulationCheck: {message}")
 
     def _alternative_weightings(self, run: _Pass, batches: list[Any], reference: Tensor) -> dict[str, float]:
         """Relative error against ``reference`` of the group gradient weighted by other counts.
@@ -377,15 +374,9 @@ class AccumulationCheck(Callback):
         # state so the run reads the data in the order it would without the check.
         generators = _loader_generators(loader)
         states = [g.get_state() for g in generators]
-        batches = []
         try:
             iterator = iter(loader)
-            for _ in range(count):
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    break
-                batches.append(_prepare_batch(trainer, module, batch))
+            batches = [_prepare_batch(trainer, module, batch) for batch in itertools.islice(iterator, count)]
             del iterator
         finally:
             for generator, state in zip(generators, states, strict=True):
@@ -400,7 +391,7 @@ class AccumulationCheck(Callback):
 
     def _group_gradient(
         self, run: _Pass, batches: list[Any]
-    ) -> tuple[list[Tensor], str | None, list[tuple[str, tuple[int, ...]]]]:
+    ) -> tuple[list[Tensor], str, list[tuple[str, tuple[int, ...]]]]:
         """The strategy's own path for one group, on a scratch engine; gradients unscaled."""
         strategy, module, optimizer = run.strategy, run.module, run.optimizer
         scratch = strategy.engine.scratch(on_nonfinite="ignore")
@@ -429,13 +420,12 @@ class AccumulationCheck(Callback):
             return batches
         device = _first_device(batches)
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, _to_cpu(batches))
+        torch.distributed.all_gather_object(gathered, _to_device(batches, torch.device("cpu")))
         return [_to_device(b, device) for rank_batches in gathered for b in rank_batches]
 
     def _batch_gradient(self, run: _Pass, batches: list[Any]) -> list[Tensor]:
         """Gradient of the concatenated batch: plain autograd, no weighting, no scaler, no replica averaging (the
-        strategy's :meth:`~lightning_accum.ExactAccumulation.one_batch_reference`: one batch is training without
-        accumulation, so code that reads ``trainer.accumulate_grad_batches``, e.g. to divide its loss by it, sees 1)."""
+        strategy's :meth:`~lightning_accum.ExactAccumulation.one_batch_reference`)."""
         big = self.collate(batches) if self.collate is not None else concat_microbatches(batches, self.ignore_index)
         with run.strategy.one_batch_reference():
             _reset_for_pass(run.optimizer, run.seed)
@@ -490,10 +480,7 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
         getattr(getattr(loader, "sampler", None), "generator", None),
         getattr(getattr(getattr(loader, "batch_sampler", None), "sampler", None), "generator", None),
     ]
-    unique: dict[int, torch.Generator] = {}
-    for g in candidates:
-        if isinstance(g, torch.Generator):
-            unique[id(g)] = g
+    unique = {id(g): g for g in candidates if isinstance(g, torch.Generator)}
     return list(unique.values())
 
 
@@ -504,18 +491,14 @@ def _float32_compute(strategy: Any) -> Iterator[None]:
 
     Lightning's ``MixedPrecision`` opens its autocast region from its public ``autocast_context_manager()`` inside
     ``training_step``; an autocast region opened around the call would be re-enabled there, so the check replaces
-    that method on the plugin instance for its passes (and removes the replacement after). Other precision plugins
-    are left as they are. ``test_check.py::test_bf16_mixed_correct_count_passes_tight`` fails if this stops working.
+    that method on the plugin instance for its passes. ``test_check.py::test_bf16_mixed_correct_count_passes_tight``
+    fails if this stops working.
     """
     plugin = strategy.precision_plugin
     if not isinstance(plugin, MixedPrecision):
         yield
         return
-
-    def float32() -> torch.autocast:
-        return torch.autocast(plugin.device, enabled=False)
-
-    with patched(plugin, "autocast_context_manager", float32, wraps=False):
+    with patched(plugin, "autocast_context_manager", lambda: torch.autocast(plugin.device, enabled=False), wraps=False):
         yield
 
 
@@ -556,25 +539,14 @@ def _graph_attached(module: LightningModule) -> list[tuple[str, tuple[int, ...]]
                 visit(v, f"{name}[{k!r}]", depth + 1)
 
     for name, value in vars(module).items():
-        if name.startswith("_"):
-            continue
-        visit(value, name, 0)
+        if not name.startswith("_"):
+            visit(value, name, 0)
     return found
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _to_cpu(v) for k, v in obj.items()})  # type: ignore[call-arg]
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj) if isinstance(obj, list) else tuple(_to_cpu(v) for v in obj)
-    return obj
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, Tensor):
-        return obj.to(device)
+        return obj.detach().to(device)
     if isinstance(obj, Mapping):
         return type(obj)({k: _to_device(v, device) for k, v in obj.items()})  # type: ignore[call-arg]
     if isinstance(obj, (list, tuple)):
@@ -603,15 +575,8 @@ def _restored(module: LightningModule, optimizer: Optimizer) -> Iterator[None]:
     rng_cpu = torch.get_rng_state()
     rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     rng_python = random.getstate()
-    try:
-        import numpy
-
-        rng_numpy: Any = numpy.random.get_state()
-    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-        rng_numpy = None
-    # Every submodule in eval mode (BatchNorm excepted: its per-micro-batch statistics are diagnosed as such) and every
-    # dropout probability at 0: what reads `self.training` (Hugging Face's SDPA attention passes `dropout_p` only in
-    # training) and what reads `.p` (a fused kernel given the module's probability) draw no random numbers.
+    rng_numpy = numpy.random.get_state()
+    # BatchNorm keeps its mode: its per-micro-batch statistics are diagnosed as such.
     modes = [(m, m.training) for m in module.modules() if m is not module and not isinstance(m, _BATCHNORM)]
     probabilities = [(m, m.p) for m in module.modules() if isinstance(m, _DROPOUT)]
     fx_name = module._current_fx_name
@@ -639,7 +604,4 @@ def _restored(module: LightningModule, optimizer: Optimizer) -> Iterator[None]:
         if rng_cuda is not None:
             torch.cuda.set_rng_state_all(rng_cuda)
         random.setstate(rng_python)
-        if rng_numpy is not None:
-            import numpy
-
-            numpy.random.set_state(rng_numpy)
+        numpy.random.set_state(rng_numpy)

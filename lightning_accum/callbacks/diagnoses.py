@@ -99,28 +99,22 @@ def diagnose(
 
 def has_ignored_labels(batches: list[Any], ignore_index: int) -> bool:
     """Whether a label or target tensor of ``batches`` holds ``ignore_index``."""
-    found = False
 
-    def visit(obj: Any, key: str = "") -> None:
-        nonlocal found
-        if isinstance(obj, Tensor) and any(w in key.lower() for w in ("label", "target")):
-            found = found or bool((obj == ignore_index).any())
-        elif isinstance(obj, Mapping):
-            for k, v in obj.items():
-                visit(v, str(k))
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                visit(v, key)
+    def holds(obj: Any, key: str = "") -> bool:
+        if isinstance(obj, Tensor):
+            return any(w in key.lower() for w in ("label", "target")) and bool((obj == ignore_index).any())
+        if isinstance(obj, Mapping):
+            return any(holds(v, str(k)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            return any(holds(v, key) for v in obj)
+        return False
 
-    for b in batches:
-        visit(b)
-    return found
+    return any(holds(b) for b in batches)
 
 
 def first_nonfinite(module: LightningModule, grads: list[Tensor]) -> str:
     """The first parameter (in ``named_parameters`` order) whose gradient in ``grads`` is not finite."""
-    names = [n for n, _ in module.named_parameters()]
-    for name, grad in zip(names, grads, strict=False):
+    for (name, _), grad in zip(module.named_parameters(), grads, strict=False):
         if not bool(torch.isfinite(grad).all()):
             return f"`{name}`"
     return "unknown"
@@ -156,8 +150,7 @@ def replica_findings(trainer: Trainer, batches: list[Any]) -> list[str]:
     findings = []
     loader = trainer.train_dataloader
     sampler = getattr(loader, "sampler", None)
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    inner = getattr(batch_sampler, "sampler", None)
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
     if not isinstance(sampler, DistributedSampler) and not isinstance(inner, DistributedSampler):
         findings.append(
             "the training sampler is not a DistributedSampler: make sure every replica reads different examples"
@@ -196,21 +189,8 @@ def passed_notes(microbatches: int, replicas: int, strategy: ExactAccumulation, 
 
 def _fingerprint(batch: Any) -> Tensor:
     """A float64 number that differs between batches of different content (position-weighted sum)."""
-    total: Tensor | None = None
-
-    def visit(obj: Any) -> None:
-        nonlocal total
-        if isinstance(obj, Tensor) and obj.numel() > 0:
-            flat = obj.reshape(-1).to(torch.float64)
-            weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
-            value = (flat * weights).sum()
-            total = value if total is None else total + value
-        elif isinstance(obj, Mapping):
-            for v in obj.values():
-                visit(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                visit(v)
-
-    visit(batch)
-    return total if total is not None else torch.zeros((), dtype=torch.float64)
+    if isinstance(batch, Tensor) and batch.numel() > 0:
+        flat = batch.reshape(-1).to(torch.float64)
+        return (flat * torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)).sum()
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else []
+    return sum((_fingerprint(v) for v in values), torch.zeros((), dtype=torch.float64))
