@@ -172,7 +172,7 @@ class AccumulationReport(Callback):
         self.record: dict[str, Any] | None = None
         #: Where the latest record went (``None`` before one is written, and on ranks other than zero).
         self.written_to: str | None = None
-        self._active = False  # setup ran on an accumulation strategy: the hooks after it have something to record
+        # Set once setup ran on an accumulation strategy: the hooks after it have something to record.
         self._strategy: ExactAccumulation | None = None
         self._reset()
 
@@ -198,9 +198,8 @@ class AccumulationReport(Callback):
                 f"AccumulationReport cannot write its record: {problem}. Pass `path=` a writable folder, or a file name"
                 " ending in `.json` in one (checked before training, so that the run does not end without its record)."
             )
-        self._strategy = strategy
         strategy.add_group_listener(self._on_group)  # once per group
-        self._active = True
+        self._strategy = strategy
 
     def _target(self, trainer: Trainer) -> str:
         """Where the record is written (on rank zero)."""
@@ -209,12 +208,9 @@ class AccumulationReport(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not self._active:  # setup raised or never ran: nothing was attached
-            return
-        if self._strategy is not None:
+        if self._strategy is not None:  # None: setup raised or never ran, nothing was attached
             self._strategy.remove_group_listener(self._on_group)
         self._strategy = None
-        self._active = False
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -235,13 +231,9 @@ class AccumulationReport(Callback):
 
     def _on_group(self, group: GroupRecord, batch_samples: Sequence[int]) -> None:
         if batch_samples:
-            low = high = batch_samples[0]
-            if len(batch_samples) > 1:
-                low, high = min(batch_samples), max(batch_samples)
-            if self._microbatch_min is None or low < self._microbatch_min:
-                self._microbatch_min = low
-            if self._microbatch_max is None or high > self._microbatch_max:
-                self._microbatch_max = high
+            low, high = min(batch_samples), max(batch_samples)
+            self._microbatch_min = low if self._microbatch_min is None else min(low, self._microbatch_min)
+            self._microbatch_max = high if self._microbatch_max is None else max(high, self._microbatch_max)
         if group.dropped:
             return  # not an attempt: its examples are in the ledger's dropped counters
         self._samples_per_update.append(group.samples)
@@ -256,7 +248,7 @@ class AccumulationReport(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if not self._active:
+        if self._strategy is None:
             return  # the run stopped before this callback's setup: no record, and no second error
         status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
         # Other ranks may be gone: no collective here, this rank's values only.
@@ -284,8 +276,7 @@ class AccumulationReport(Callback):
             [v if v >= 0 else None for v in row]
             for row in self._gather(trainer, [-1 if v is None else int(v) for v in mine], gather)
         ]
-        loader = trainer.train_dataloader
-        m = getattr(loader, "batch_size", None)
+        m = getattr(trainer.train_dataloader, "batch_size", None)
         a = trainer.accumulate_grad_batches
         # D counts data-parallel replicas, not devices: the devices of one tensor-parallel group share one replica.
         d, tp = strategy.data_parallel_replicas, strategy.tensor_parallel_size
@@ -294,8 +285,6 @@ class AccumulationReport(Callback):
         wall = time.perf_counter() - self._start if self._start else 0.0
         mins = [row[2] for row in per_rank if row[2] is not None]
         maxs = [row[3] for row in per_rank if row[3] is not None]
-        samples_stats = _stats(self._samples_per_update)
-        tokens_stats = _stats(self._tokens_per_update)
         return {
             "schema": REPORT_SCHEMA,
             "status": status,
@@ -312,15 +301,11 @@ class AccumulationReport(Callback):
             "effective_batch": {
                 "configured": configured,
                 "arithmetic": (f"{m} × {a} × {d} = {configured}" if m is not None else f"? × {a} × {d}") + tp_note,
-                "realized_min": samples_stats["min"],
-                "realized_mean": samples_stats["mean"],
-                "realized_max": samples_stats["max"],
+                **{f"realized_{name}": value for name, value in _stats(self._samples_per_update).items()},
             },
             "tokens": {
                 "total": ledger.tokens,
-                "per_update_min": tokens_stats["min"],
-                "per_update_mean": tokens_stats["mean"],
-                "per_update_max": tokens_stats["max"],
+                **{f"per_update_{name}": value for name, value in _stats(self._tokens_per_update).items()},
             },
             "samples": {"total": ledger.samples},
             "precision": str(trainer.precision),
@@ -361,8 +346,7 @@ class AccumulationReport(Callback):
         otherwise)."""
         if not (ledger.documents or ledger.dropped_documents or ledger.normalization == "documents"):
             return {}
-        stats = _stats(self._documents_per_update)
-        per_update = {f"per_update_{name}": value for name, value in stats.items()}
+        per_update = {f"per_update_{name}": value for name, value in _stats(self._documents_per_update).items()}
         return {"documents": {"total": ledger.documents, **per_update, "dropped": ledger.dropped_documents}}
 
     @staticmethod
@@ -388,8 +372,7 @@ class AccumulationReport(Callback):
         if self._written:
             return
         self._written = True
-        record = self.build(trainer, status, error, gather)
-        self.record = record
+        record = self.record = self.build(trainer, status, error, gather)
         if not trainer.is_global_zero:
             return
         target = self._target(trainer)
