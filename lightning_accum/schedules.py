@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["UpdateSchedules", "bind_schedulers"]
 
-_HOOK = "lr_scheduler_step"
-
 
 class UpdateSchedules:
     """The step-interval schedulers of a fit, advanced when the strategy says an update makes them due.
@@ -77,19 +75,18 @@ class UpdateSchedules:
         if not self.configs:
             return
         taken = {id(c.scheduler) for c in self.configs}
-        due = self._due
 
         def lr_scheduler_step(original: Callable[..., Any], scheduler: Any, metric: Any = None) -> None:
             key = id(scheduler)
             if key not in taken:
                 original(scheduler, metric)  # an epoch-interval or plateau scheduler: Lightning's own call
-            elif key in due:
-                due.discard(key)
+            elif key in self._due:
+                self._due.discard(key)
                 original(scheduler, metric)
 
         for config in self.configs:
             config.frequency = 1  # Lightning asks after every group; the strategy counts the frequency on updates
-        self._gate = InstancePatch(module, _HOOK, lr_scheduler_step)
+        self._gate = InstancePatch(module, "lr_scheduler_step", lr_scheduler_step)
 
     def mark_due(self, is_due: Callable[[int], bool]) -> None:
         """Let Lightning's next call of the hook through for every scheduler for which ``is_due(frequency)``."""

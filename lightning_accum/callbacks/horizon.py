@@ -20,7 +20,6 @@ from lightning_accum.patching import InstancePatch
 
 __all__ = ["UNITS", "Horizon"]
 
-#: Short unit names for the progress bar.
 #: The unit each axis is counted in, as the budget and the progress bars show it.
 UNITS = {"tokens": "tok", "samples": "sp", "updates": "upd", "documents": "doc"}
 

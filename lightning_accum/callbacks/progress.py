@@ -44,10 +44,6 @@ def run_budget(trainer: Trainer, axis: str) -> int | None:
     return None
 
 
-def _duration(seconds: float) -> str:
-    return str(timedelta(seconds=int(seconds)))
-
-
 def progress_line(
     ledger: AccumulationLedger, axis: str, budget: int | None, start_count: int, elapsed: float, epoch: int
 ) -> str:
@@ -65,17 +61,16 @@ def progress_line(
         updates 12 applied, 0 skipped
     """
     count = int(getattr(ledger, AXES[axis]))
-    unit = UNITS[axis]
     parts = [f"epoch {epoch}"]
     if budget:
         parts.append(f"{axis} {count:,}/{budget:,} ({100.0 * count / budget:.1f}%)")
     else:
         parts.append(f"{axis} {count:,}")
     rate = (count - start_count) / elapsed if elapsed > 0 else 0.0
-    parts.append(format_rate(rate, unit))
-    parts.append(f"elapsed {_duration(elapsed)}")
+    parts.append(format_rate(rate, UNITS[axis]))
+    parts.append(f"elapsed {timedelta(seconds=int(elapsed))}")
     if budget and rate > 0:
-        parts.append(f"left {_duration(max(budget - count, 0) / rate)}")
+        parts.append(f"left {timedelta(seconds=int(max(budget - count, 0) / rate))}")
     parts.append(f"updates {ledger.updates_applied} applied, {ledger.skipped_total} skipped")
     last = ledger.last_group
     if last is not None and last.loss == last.loss:  # a finite or infinite loss, not NaN
@@ -111,15 +106,13 @@ class _AxisBar(ProgressBar):
     def _count(self, trainer: Trainer) -> int:
         return int(getattr(self._ledger(trainer), AXES[self.axis]))
 
-    def _line(self, trainer: Trainer) -> str:
-        count, started = self._start
-        return progress_line(
-            self._ledger(trainer), self.axis, self._budget, count, time.monotonic() - started, self._epoch
-        )
-
     def _say(self, trainer: Trainer, extra: str = "") -> None:
         if trainer.is_global_zero:
-            print(self._line(trainer) + extra, flush=True)
+            count, started = self._start
+            line = progress_line(
+                self._ledger(trainer), self.axis, self._budget, count, time.monotonic() - started, self._epoch
+            )
+            print(line + extra, flush=True)
 
     #: Draw the training bar every this many micro-batches.
     _draw_every = 1
