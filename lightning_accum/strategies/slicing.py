@@ -221,12 +221,8 @@ class BatchSlicer:
             if retry_forward:
                 strategy.before_forward_retry()
             outputs: list[Any] = []
-            if not self._attempt(
-                strategy,
-                stop - start,
-                batch_idx,
-                partial(_forward, forward, piece_args, piece_kwargs, self.auto, outputs),
-            ):
+            run = partial(_forward, forward, piece_args, piece_kwargs, self.auto, outputs)
+            if not self._attempt(strategy, stop - start, batch_idx, run):
                 retry_forward = True
                 continue
             output = outputs.pop()
@@ -358,17 +354,13 @@ class BatchSlicer:
     def _attempt(self, strategy: SliceHost, size: int, batch_idx: int, run: Callable[[int], None]) -> bool:
         """``run(size)`` for a slice of ``size`` samples; ``False`` when it ran out of memory under ``"auto"`` (then
         the size is halved, or a slice of one sample is an error)."""
-        phase: str | None = None
-        cause: BaseException | None = None
         try:
             run(size)
+            return True
         except _OutOfMemory as failure:
             phase, cause = failure.phase, _released(failure)
-        if phase is None:
-            return True
-        self._shrink(
-            strategy, size, phase, batch_idx, cause
-        )  # outside the `except` block: the attempt's frames are gone
+        # Outside the `except` block: the attempt's frames are gone.
+        self._shrink(strategy, size, phase, batch_idx, cause)
         return False
 
     def _shrink(
@@ -432,13 +424,13 @@ class BatchSlicer:
         self.install_pending(strategy)
         if not self.auto or final is None:
             return default(tensor)
+        size = final.num_samples - final.start
         if synchronised:
             try:
                 return default(tensor)
             except BaseException as error:
                 if not is_out_of_memory(error):
                     raise
-                size = final.num_samples - final.start
                 raise RuntimeError(
                     f"Out of memory in the backward that synchronises gradients over the replicas (the last slice,"
                     f" {size} sample(s), of the group's last batch; rank {_rank(strategy)}). It cannot be run"
@@ -463,7 +455,6 @@ class BatchSlicer:
             del held
             strategy.engine.retract_microbatch()
             self._parts = []
-            size = final.num_samples - final.start
             batch_idx = _trainer(strategy).fit_loop.epoch_loop.batch_idx
             self._shrink(strategy, size, "backward", batch_idx, failed)
             del failed
