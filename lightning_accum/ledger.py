@@ -146,9 +146,7 @@ class AccumulationLedger:
 
     def state_dict(self) -> dict[str, Any]:
         """The ledger as plain Python data (ints, floats, strings, ``None`` and dicts)."""
-        state = asdict(self)
-        state["updates_skipped"] = dict(self.updates_skipped)
-        return state
+        return asdict(self)  # dicts copied, the last group's record as a dict
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; keys added in later versions are read with defaults (a state written
