@@ -154,9 +154,8 @@ class AccumulationLedger:
         fresh = AccumulationLedger()
         for name in COUNTERS:
             setattr(self, name, int(state.get(name, getattr(fresh, name))))
-        skipped = dict(fresh.updates_skipped)
-        skipped.update({str(k): int(v) for k, v in state.get("updates_skipped", {}).items()})
-        self.updates_skipped = skipped
+        skipped = {str(k): int(v) for k, v in state.get("updates_skipped", {}).items()}
+        self.updates_skipped = {**fresh.updates_skipped, **skipped}
         self.normalization = state.get("normalization")
         last = state.get("last_group")
         self.last_group = GroupRecord(**last) if last is not None else None

@@ -149,7 +149,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     """
     if isinstance(error, torch.OutOfMemoryError):
         return True
-    # RuntimeError and its subclasses (torch.AcceleratorError: "CUDA error: out of memory")
     return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
 
 

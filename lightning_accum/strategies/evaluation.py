@@ -258,10 +258,8 @@ class ExactEvaluation:
             self._say(
                 stage + ":empty",
                 rank_zero_info,
-                (
-                    f"lightning_accum: {int(replicas - with_batches)} of {replicas} replicas ran no {stage} batch;"
-                    f" `{loss_key}` is the loss of the batches the others ran (every rank logs it)."
-                ),
+                f"lightning_accum: {int(replicas - with_batches)} of {replicas} replicas ran no {stage} batch;"
+                f" `{loss_key}` is the loss of the batches the others ran (every rank logs it).",
             )
         self._say_repeats(run, trainer, replicas)
         for index, record in enumerate(records):

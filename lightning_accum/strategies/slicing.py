@@ -90,11 +90,9 @@ class SliceHost(Protocol):
     def agree_slice_count(self, count: int, num_samples: int) -> int:
         """The number of slices every rank cuts this loader batch into (``count``, this rank's own, where ranks need
         not agree)."""
-        ...
 
     def before_forward_retry(self) -> None:
         """Called before the forward path runs again on the same loader batch after an out-of-memory error."""
-        ...
 
 
 @dataclass
@@ -208,8 +206,7 @@ class BatchSlicer:
             piece_args, piece_kwargs = _with_batch(args, kwargs, piece)
             if stop < n:
                 if first_of_group and not released:
-                    # Lightning zeroes the gradient after this step: the previous group's is released now and the
-                    # slices' is kept aside until the last slice's backward (`install_pending`).
+                    # The previous group's gradient is released now, the slices' kept aside until `install_pending`.
                     released = True
                     for p in self._params(strategy):
                         p.grad = None
@@ -269,15 +266,8 @@ class BatchSlicer:
     def _note_part(self, engine: AccumulationEngine, microbatch: Microbatch) -> None:
         loss = microbatch.loss.detach() if microbatch.loss is not None else None
         weight = engine.last_weight if loss is not None else 0
-        self._parts.append(
-            _Part(
-                loss,
-                weight,
-                microbatch.tokens,
-                microbatch.samples if microbatch.reports_samples else None,
-                microbatch.documents,
-            )
-        )
+        samples = microbatch.samples if microbatch.reports_samples else None
+        self._parts.append(_Part(loss, weight, microbatch.tokens, samples, microbatch.documents))
 
     def _local_slice(
         self,
@@ -312,12 +302,11 @@ class BatchSlicer:
             scaler = strategy.gradient_scaler
             scaled = scaler.scale(tensor) if scaler is not None else tensor
             del tensor
+            backward = partial(strategy.precision_plugin.backward, scaled, module, None)
             if not self.auto:
-                strategy.precision_plugin.backward(scaled, module, None)
+                backward()
                 return
-            failed = self._protected_backward(
-                strategy, lambda: strategy.precision_plugin.backward(scaled, module, None)
-            )
+            failed = self._protected_backward(strategy, backward)
             if failed is not None:
                 engine.retract_microbatch()
                 self._parts.pop()
@@ -488,15 +477,9 @@ class BatchSlicer:
         optimizers = strategy.optimizers
         layout = tuple(len(group["params"]) for optimizer in optimizers for group in optimizer.param_groups)
         if self._parameters is None or layout != self._layout:
-            seen: set[int] = set()
-            params: list[Tensor] = []
-            for optimizer in optimizers:
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        if id(p) not in seen:
-                            seen.add(id(p))
-                            params.append(p)
-            self._parameters, self._layout = params, layout
+            # Each parameter once, in the order the optimizers first hold it.
+            by_id = {id(p): p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+            self._parameters, self._layout = list(by_id.values()), layout
         return self._parameters
 
 
