@@ -390,9 +390,7 @@ class BatchSlicer:
     def install_pending(self, strategy: SliceHost) -> None:
         """Put the slices' gradients kept aside at a group's first batch back, after Lightning's ``zero_grad``."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        for p, g in pending:
+        for p, g in pending or ():
             p.grad = g if p.grad is None else p.grad.add_(g)
 
     def backward(
