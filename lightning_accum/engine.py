@@ -537,9 +537,7 @@ def _local_close(
     through the vector (34 tensor operations), 0.41 % this way (8); at ``A = 1`` the vector would cost 4.7 % end to end
     (``benchmarks/RESULTS.md``, issue #28).
     """
-    by_unit = {"tokens": sums.tokens, "samples": sums.samples, "documents": sums.documents}
-    weights = by_unit.get(unit or "")
-    factor = 1.0 if sums.sole else _one_replica_factor(scale, weights, len(sums.losses))
+    factor = 1.0 if sums.sole else _one_replica_factor(scale, sums.weights(unit), len(sums.losses))
     found = rescale_gradients(gradients, factor, check) if gradients and factor is not None else None
     read_scale = scale if isinstance(scale, Tensor) and not sums.sole else None  # a sole c = w is read as a count
     counts = [c for c in (*sums.tokens, *sums.samples, *sums.documents) if isinstance(c, Tensor)]

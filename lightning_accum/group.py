@@ -312,9 +312,8 @@ class GroupSums:
 
 
 def _as_vector(weights: list[Count], device: torch.device) -> Tensor:
-    """The micro-batches' weights as a float64 vector on ``device`` (host ints copied once, without waiting)."""
-    if all(isinstance(w, Tensor) for w in weights):
-        return torch.stack(weights).to(device=device, dtype=torch.float64)  # type: ignore[arg-type]
+    """The micro-batches' weights, not all reported as tensors (:meth:`GroupSums.local_vector` stacks those), as a
+    float64 vector on ``device`` (host ints copied once, without waiting)."""
     if not any(isinstance(w, Tensor) for w in weights):
         return torch.tensor(weights, dtype=torch.float64).to(device, non_blocking=True)
     # ints and tensors mixed: rare

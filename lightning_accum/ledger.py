@@ -146,9 +146,7 @@ class AccumulationLedger:
 
     def state_dict(self) -> dict[str, Any]:
         """The ledger as plain Python data (ints, floats, strings, ``None`` and dicts)."""
-        state = asdict(self)
-        state["updates_skipped"] = dict(self.updates_skipped)
-        return state
+        return asdict(self)  # dicts copied, the last group's record as a dict
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; keys added in later versions are read with defaults (a state written
@@ -156,9 +154,8 @@ class AccumulationLedger:
         fresh = AccumulationLedger()
         for name in COUNTERS:
             setattr(self, name, int(state.get(name, getattr(fresh, name))))
-        skipped = dict(fresh.updates_skipped)
-        skipped.update({str(k): int(v) for k, v in state.get("updates_skipped", {}).items()})
-        self.updates_skipped = skipped
+        skipped = {str(k): int(v) for k, v in state.get("updates_skipped", {}).items()}
+        self.updates_skipped = {**fresh.updates_skipped, **skipped}
         self.normalization = state.get("normalization")
         last = state.get("last_group")
         self.last_group = GroupRecord(**last) if last is not None else None

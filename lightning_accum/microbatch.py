@@ -10,7 +10,7 @@ until the group closes) and nothing imports Lightning.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ __all__ = [
     "choose_unit",
     "refuse_a_finer_unit",
     "infer_num_samples",
+    "nested_tensors",
     "parse_step_output",
     "read_microbatch",
     "reported_documents",
@@ -72,18 +73,21 @@ def infer_num_samples(batch: Any) -> int | None:
                     return None
         else:
             return size
-    sizes = set()
+    sizes = {tensor.shape[0] for tensor in nested_tensors(batch) if tensor.ndim}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def nested_tensors(batch: Any) -> Iterator[Tensor]:
+    """The tensors in ``batch`` and its nested dicts, lists and tuples (walked iteratively: any depth)."""
     pending = [batch]
-    while pending:  # iterative, for nested batches
+    while pending:
         obj = pending.pop()
         if isinstance(obj, Tensor):
-            if obj.ndim:
-                sizes.add(obj.shape[0])
-        elif isinstance(obj, (dict, Mapping)):
+            yield obj
+        elif isinstance(obj, Mapping):
             pending.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
+        elif isinstance(obj, list | tuple):
             pending.extend(obj)
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _as_count_slow(name: str, value: Tensor, device: torch.device) -> Tensor:
@@ -234,20 +238,14 @@ def read_microbatch(
         (2.0, 5, 3, 3, 12)
     """
     loss, tokens, reported = parse_step_output(output, batch, count_tokens, infer_samples=False)
+    # Given by the caller (a slice), else the batch's shapes: a host int, or None.
+    known = num_samples if num_samples is not None else infer_num_samples(batch)
     if loss is None:
-        return Microbatch(None, size=num_samples if num_samples is not None else infer_num_samples(batch), batch=batch)
+        return Microbatch(None, size=known, batch=batch)
     device = loss.device
     tokens_c = as_count("num_tokens", tokens, device) if tokens is not None else None
-    samples_c: Count | None
-    size: int | None
-    if reported is None:  # given by the caller (a slice), else the batch's shapes: a host int, or None
-        samples_c = size = num_samples if num_samples is not None else infer_num_samples(batch)
-    else:
-        samples_c = as_count("num_samples", reported, device)
-        if isinstance(samples_c, int):
-            size = samples_c
-        else:  # a tensor, read at the close: the host's size comes from the caller or the batch's shapes
-            size = num_samples if num_samples is not None else infer_num_samples(batch)
+    samples_c = known if reported is None else as_count("num_samples", reported, device)
+    size = samples_c if isinstance(samples_c, int) else known  # a tensor count is read at the close
     positions = None
     if tokens_c is not None and (type(batch) is dict or isinstance(batch, Mapping)):
         labels = batch.get("labels")
@@ -331,6 +329,21 @@ def weighting_unit(
     return fixed
 
 
+#: What a micro-batch lacks when the run's unit has no count in it, and what to report.
+_MISSING_COUNT = {
+    "documents": "this micro-batch reports no document count. Return"
+    " `lightning_accum.document_mean_loss(logits, labels, position_ids=...)` from `training_step` (its `num_documents`"
+    " counts the documents its loss averages over), or `{'loss': loss, 'num_documents': d}` with `loss` the mean over"
+    " those `d` documents.",
+    "tokens": "this micro-batch reports no token count. Return"
+    " `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels)}` from `training_step` (shift=False when"
+    " the labels are already aligned with the logits), or pass `count_tokens=` to the strategy (e.g."
+    " `lightning_accum.causal_lm_tokens`).",
+    "samples": "the number of samples of this micro-batch cannot be inferred (no tensor, or tensors with different"
+    " leading sizes). Return `{'loss': loss, 'num_samples': n}` from `training_step`.",
+}
+
+
 def unit_weight(
     unit: str, normalize: str, tokens: Count | None, samples: Count | None, documents: Count | None = None
 ) -> Count:
@@ -340,30 +353,9 @@ def unit_weight(
         >>> unit_weight("batches", "batches", None, None)
         1
     """
-    if unit == "documents":
-        if documents is None:
-            raise ValueError(
-                f"The run normalizes by documents (`normalize={normalize!r}`) but this micro-batch reports no"
-                " document count. Return `lightning_accum.document_mean_loss(logits, labels, position_ids=...)` from"
-                " `training_step` (its `num_documents` counts the documents its loss averages over), or"
-                " `{'loss': loss, 'num_documents': d}` with `loss` the mean over those `d` documents."
-            )
-        return documents
-    if unit == "tokens":
-        if tokens is None:
-            raise ValueError(
-                f"The run normalizes by tokens (`normalize={normalize!r}`) but this micro-batch reports no token"
-                " count. Return `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels)}` from"
-                " `training_step` (shift=False when the labels are already aligned with the logits), or pass"
-                " `count_tokens=` to the strategy (e.g. `lightning_accum.causal_lm_tokens`)."
-            )
-        return tokens
-    if unit == "samples":
-        if samples is None:
-            raise ValueError(
-                f"The run normalizes by samples (`normalize={normalize!r}`) but the number of samples of this"
-                " micro-batch cannot be inferred (no tensor, or tensors with different leading sizes). Return"
-                " `{'loss': loss, 'num_samples': n}` from `training_step`."
-            )
-        return samples
-    return 1
+    if unit not in _MISSING_COUNT:
+        return 1
+    count = {"documents": documents, "tokens": tokens, "samples": samples}[unit]
+    if count is None:
+        raise ValueError(f"The run normalizes by {unit} (`normalize={normalize!r}`) but {_MISSING_COUNT[unit]}")
+    return count

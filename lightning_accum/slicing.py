@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_accum.microbatch import infer_num_samples
+from lightning_accum.microbatch import infer_num_samples, nested_tensors
 
 __all__ = [
     "MicrobatchSize",
@@ -61,13 +61,11 @@ def validate_microbatch_size(value: object) -> MicrobatchSize:
         return value  # type: ignore[return-value]
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1:
         return int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`microbatch_size` must be a positive int, 'auto' or None; got {value!r}. Pass e.g. `microbatch_size=4`"
-            " (slices of at most 4 samples), 'auto' (the whole batch, halved after an out-of-memory error) or None"
-            " (no slicing)."
-        )
-    return value
+    raise ValueError(
+        f"`microbatch_size` must be a positive int, 'auto' or None; got {value!r}. Pass e.g. `microbatch_size=4`"
+        " (slices of at most 4 samples), 'auto' (the whole batch, halved after an out-of-memory error) or None"
+        " (no slicing)."
+    )
 
 
 def count_samples(batch: Any, split_batch: SplitBatch | None = None) -> int:
@@ -88,7 +86,7 @@ def count_samples(batch: Any, split_batch: SplitBatch | None = None) -> int:
         except TypeError:
             n = None
     if n is None:
-        shapes = _leading_dimensions(batch)
+        shapes = sorted({int(tensor.shape[0]) if tensor.ndim else 0 for tensor in nested_tensors(batch)})
         raise ValueError(
             "`microbatch_size` cannot cut this batch: its tensors share no leading (sample) dimension"
             f" (leading dimensions found: {shapes or 'none, no tensor'}; batch type {type(batch).__name__})."
@@ -96,20 +94,6 @@ def count_samples(batch: Any, split_batch: SplitBatch | None = None) -> int:
             " batch (and make the batch type define `len()`), or pass `microbatch_size=None`."
         )
     return n
-
-
-def _leading_dimensions(batch: Any) -> list[int]:
-    found: list[int] = []
-    pending = [batch]
-    while pending:
-        obj = pending.pop()
-        if isinstance(obj, Tensor):
-            found.append(int(obj.shape[0]) if obj.ndim else 0)
-        elif isinstance(obj, Mapping):
-            pending.extend(obj.values())
-        elif isinstance(obj, list | tuple):
-            pending.extend(obj)
-    return sorted(set(found))
 
 
 def slice_batch(batch: Any, start: int, stop: int, num_samples: int) -> Any:
@@ -126,7 +110,8 @@ def slice_batch(batch: Any, start: int, stop: int, num_samples: int) -> Any:
     """
     if (type(batch) is list or type(batch) is tuple) and len(batch) == num_samples:
         samples = all(isinstance(item, Mapping) for item in batch)  # a batch that is a list of samples
-        values = type(batch) is list and not _has_tensors(batch)  # per-sample strings or ids (not a tuple: a record)
+        # Per-sample strings or ids (not a tuple: a record).
+        values = type(batch) is list and next(nested_tensors(batch), None) is None
         if samples or values:
             return batch[start:stop]
     if isinstance(batch, Tensor):
@@ -151,19 +136,6 @@ def slice_batch(batch: Any, start: int, stop: int, num_samples: int) -> Any:
     return batch
 
 
-def _has_tensors(values: Sequence[Any]) -> bool:
-    pending = list(values)
-    while pending:
-        obj = pending.pop()
-        if isinstance(obj, Tensor):
-            return True
-        if isinstance(obj, Mapping):
-            pending.extend(obj.values())
-        elif isinstance(obj, list | tuple):
-            pending.extend(obj)
-    return False
-
-
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is an accelerator (or the CPU allocator) running out of memory.
 
@@ -177,7 +149,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     """
     if isinstance(error, torch.OutOfMemoryError):
         return True
-    # RuntimeError and its subclasses (torch.AcceleratorError: "CUDA error: out of memory")
     return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -70,47 +71,23 @@ class _NoUpdate(Exception):  # control flow inside the optimizer step, never see
         self.outcome = outcome
 
 
+@dataclass(slots=True)
 class _Step:
     """One automatic optimizer step: what the group-closing closure needs, read once as the step begins, and the group
     it closed."""
 
-    __slots__ = (
-        "accumulate",
-        "closing",
-        "closure",
-        "ends_epoch",
-        "engine",
-        "host",
-        "module",
-        "optimizer",
-        "outcome",
-        "prepare",
-        "scale_before",
-        "scaler",
-    )
-
-    def __init__(
-        self,
-        host: StepHost,
-        closing: GroupClosing,
-        optimizer: Optimizer,
-        closure: Callable[..., Any],
-        trainer: Trainer,
-        prepare: Callable[[], None],
-    ) -> None:
-        self.host = host
-        self.closing = closing
-        self.optimizer = optimizer
-        self.closure = closure
-        self.prepare = prepare
-        self.engine = host.engine
-        self.scaler = host.gradient_scaler
-        self.module = host.lightning_module
-        # Known before the closure runs: Lightning sets the batch's place in the epoch before its step.
-        self.accumulate = trainer.accumulate_grad_batches
-        self.ends_epoch = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-        self.outcome: GroupOutcome | None = None
-        self.scale_before: Tensor | None = None
+    host: StepHost
+    closing: GroupClosing
+    optimizer: Optimizer
+    closure: Callable[..., Any]
+    prepare: Callable[[], None]
+    engine: AccumulationEngine
+    scaler: torch.amp.GradScaler | None
+    module: LightningModule | None
+    accumulate: int
+    ends_epoch: bool
+    outcome: GroupOutcome | None = None
+    scale_before: Tensor | None = None
 
 
 class AutomaticSteps:
@@ -133,7 +110,12 @@ class AutomaticSteps:
         ``closure`` and then closes the group with ``closing`` on ``host.engine``; ``prepare()`` runs between the two
         (what the close needs first: a carried gradient or a sliced batch's, put back). Returns what Lightning's step
         returns, or the closure's result when the group made no update."""
-        step = self._step = _Step(host, closing, optimizer, closure, trainer, prepare)
+        # Known before the closure runs: Lightning sets the batch's place in the epoch before its step.
+        accumulate = trainer.accumulate_grad_batches
+        ends_epoch = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        engine, scaler, module = host.engine, host.gradient_scaler, host.lightning_module
+        step = _Step(host, closing, optimizer, closure, prepare, engine, scaler, module, accumulate, ends_epoch)
+        self._step = step
         try:
             output = lightning_step(self._closure_then_close)
         except _NoUpdate as stop:

@@ -81,11 +81,6 @@ def _float(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _sum(name: str, value: Any) -> bool:
-    """A carried sum: a finite number, but ``Σ w·loss``, which is whatever the losses were."""
-    return _float(value) if name == "weighted_loss" else _number(value)
-
-
 def _is(kind: type | tuple[type, ...]) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, kind)
 
@@ -107,10 +102,11 @@ def _record(value: Any) -> bool:
 
 
 def _sums(value: Any) -> bool:
+    """The carried sums: finite numbers, but ``Σ w·loss``, which is whatever the losses were."""
     return (
         isinstance(value, Mapping)
         and set(_SUMS) - _SINCE_DOCUMENTS <= set(value) <= set(_SUMS)
-        and all(_sum(k, x) for k, x in value.items())
+        and all((_float if k == "weighted_loss" else _number)(x) for k, x in value.items())
     )
 
 

@@ -258,10 +258,8 @@ class ExactEvaluation:
             self._say(
                 stage + ":empty",
                 rank_zero_info,
-                (
-                    f"lightning_accum: {int(replicas - with_batches)} of {replicas} replicas ran no {stage} batch;"
-                    f" `{loss_key}` is the loss of the batches the others ran (every rank logs it)."
-                ),
+                f"lightning_accum: {int(replicas - with_batches)} of {replicas} replicas ran no {stage} batch;"
+                f" `{loss_key}` is the loss of the batches the others ran (every rank logs it).",
             )
         self._say_repeats(run, trainer, replicas)
         for index, record in enumerate(records):
@@ -281,12 +279,11 @@ class ExactEvaluation:
 
     def _finding(self, run: _Run, why: str, say: bool = True) -> None:
         self.findings[run.stage] = why
-        if say:
-            self._say(run.stage + ":finding", rank_zero_warn, f"lightning_accum: {why}")
-        elif run.why is not None and run.unit is None:  # not the contract at all: one line, not a warning
-            self._say(run.stage + ":finding", rank_zero_info, f"lightning_accum: {why}")
-        elif run.why is not None:  # a loss without the run's count: probably a mistake
-            self._say(run.stage + ":finding", rank_zero_warn, f"lightning_accum: {why}")
+        if not say and run.why is None:
+            return
+        # Not the contract at all: one line, not a warning (a loss without the run's count is probably a mistake).
+        plain = not say and run.unit is None
+        self._say(run.stage + ":finding", rank_zero_info if plain else rank_zero_warn, f"lightning_accum: {why}")
 
     def _say_repeats(self, run: _Run, trainer: Any, replicas: int) -> None:
         loaders = trainer.test_dataloaders if run.stage == "test" else trainer.val_dataloaders

@@ -90,11 +90,9 @@ class SliceHost(Protocol):
     def agree_slice_count(self, count: int, num_samples: int) -> int:
         """The number of slices every rank cuts this loader batch into (``count``, this rank's own, where ranks need
         not agree)."""
-        ...
 
     def before_forward_retry(self) -> None:
         """Called before the forward path runs again on the same loader batch after an out-of-memory error."""
-        ...
 
 
 @dataclass
@@ -208,8 +206,7 @@ class BatchSlicer:
             piece_args, piece_kwargs = _with_batch(args, kwargs, piece)
             if stop < n:
                 if first_of_group and not released:
-                    # Lightning zeroes the gradient after this step: the previous group's is released now and the
-                    # slices' is kept aside until the last slice's backward (`install_pending`).
+                    # The previous group's gradient is released now, the slices' kept aside until `install_pending`.
                     released = True
                     for p in self._params(strategy):
                         p.grad = None
@@ -221,12 +218,8 @@ class BatchSlicer:
             if retry_forward:
                 strategy.before_forward_retry()
             outputs: list[Any] = []
-            if not self._attempt(
-                strategy,
-                stop - start,
-                batch_idx,
-                partial(_forward, forward, piece_args, piece_kwargs, self.auto, outputs),
-            ):
+            run = partial(_forward, forward, piece_args, piece_kwargs, self.auto, outputs)
+            if not self._attempt(strategy, stop - start, batch_idx, run):
                 retry_forward = True
                 continue
             output = outputs.pop()
@@ -273,15 +266,8 @@ class BatchSlicer:
     def _note_part(self, engine: AccumulationEngine, microbatch: Microbatch) -> None:
         loss = microbatch.loss.detach() if microbatch.loss is not None else None
         weight = engine.last_weight if loss is not None else 0
-        self._parts.append(
-            _Part(
-                loss,
-                weight,
-                microbatch.tokens,
-                microbatch.samples if microbatch.reports_samples else None,
-                microbatch.documents,
-            )
-        )
+        samples = microbatch.samples if microbatch.reports_samples else None
+        self._parts.append(_Part(loss, weight, microbatch.tokens, samples, microbatch.documents))
 
     def _local_slice(
         self,
@@ -316,12 +302,11 @@ class BatchSlicer:
             scaler = strategy.gradient_scaler
             scaled = scaler.scale(tensor) if scaler is not None else tensor
             del tensor
+            backward = partial(strategy.precision_plugin.backward, scaled, module, None)
             if not self.auto:
-                strategy.precision_plugin.backward(scaled, module, None)
+                backward()
                 return
-            failed = self._protected_backward(
-                strategy, lambda: strategy.precision_plugin.backward(scaled, module, None)
-            )
+            failed = self._protected_backward(strategy, backward)
             if failed is not None:
                 engine.retract_microbatch()
                 self._parts.pop()
@@ -358,17 +343,13 @@ class BatchSlicer:
     def _attempt(self, strategy: SliceHost, size: int, batch_idx: int, run: Callable[[int], None]) -> bool:
         """``run(size)`` for a slice of ``size`` samples; ``False`` when it ran out of memory under ``"auto"`` (then
         the size is halved, or a slice of one sample is an error)."""
-        phase: str | None = None
-        cause: BaseException | None = None
         try:
             run(size)
+            return True
         except _OutOfMemory as failure:
             phase, cause = failure.phase, _released(failure)
-        if phase is None:
-            return True
-        self._shrink(
-            strategy, size, phase, batch_idx, cause
-        )  # outside the `except` block: the attempt's frames are gone
+        # Outside the `except` block: the attempt's frames are gone.
+        self._shrink(strategy, size, phase, batch_idx, cause)
         return False
 
     def _shrink(
@@ -409,9 +390,7 @@ class BatchSlicer:
     def install_pending(self, strategy: SliceHost) -> None:
         """Put the slices' gradients kept aside at a group's first batch back, after Lightning's ``zero_grad``."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        for p, g in pending:
+        for p, g in pending or ():
             p.grad = g if p.grad is None else p.grad.add_(g)
 
     def backward(
@@ -432,13 +411,13 @@ class BatchSlicer:
         self.install_pending(strategy)
         if not self.auto or final is None:
             return default(tensor)
+        size = final.num_samples - final.start
         if synchronised:
             try:
                 return default(tensor)
             except BaseException as error:
                 if not is_out_of_memory(error):
                     raise
-                size = final.num_samples - final.start
                 raise RuntimeError(
                     f"Out of memory in the backward that synchronises gradients over the replicas (the last slice,"
                     f" {size} sample(s), of the group's last batch; rank {_rank(strategy)}). It cannot be run"
@@ -463,7 +442,6 @@ class BatchSlicer:
             del held
             strategy.engine.retract_microbatch()
             self._parts = []
-            size = final.num_samples - final.start
             batch_idx = _trainer(strategy).fit_loop.epoch_loop.batch_idx
             self._shrink(strategy, size, "backward", batch_idx, failed)
             del failed
@@ -497,15 +475,9 @@ class BatchSlicer:
         optimizers = strategy.optimizers
         layout = tuple(len(group["params"]) for optimizer in optimizers for group in optimizer.param_groups)
         if self._parameters is None or layout != self._layout:
-            seen: set[int] = set()
-            params: list[Tensor] = []
-            for optimizer in optimizers:
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        if id(p) not in seen:
-                            seen.add(id(p))
-                            params.append(p)
-            self._parameters, self._layout = params, layout
+            # Each parameter once, in the order the optimizers first hold it.
+            by_id = {id(p): p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+            self._parameters, self._layout = list(by_id.values()), layout
         return self._parameters
 
 
