@@ -238,14 +238,16 @@ def read_microbatch(
         (2.0, 5, 3, 3, 12)
     """
     loss, tokens, reported = parse_step_output(output, batch, count_tokens, infer_samples=False)
-    # Given by the caller (a slice), else the batch's shapes: a host int, or None.
-    known = num_samples if num_samples is not None else infer_num_samples(batch)
+
+    def known() -> int | None:  # given by the caller (a slice), else the batch's shapes: a host int, or None
+        return num_samples if num_samples is not None else infer_num_samples(batch)
+
     if loss is None:
-        return Microbatch(None, size=known, batch=batch)
+        return Microbatch(None, size=known(), batch=batch)
     device = loss.device
     tokens_c = as_count("num_tokens", tokens, device) if tokens is not None else None
-    samples_c = known if reported is None else as_count("num_samples", reported, device)
-    size = samples_c if isinstance(samples_c, int) else known  # a tensor count is read at the close
+    samples_c = known() if reported is None else as_count("num_samples", reported, device)
+    size = samples_c if isinstance(samples_c, int) else known()  # a tensor count is read at the close
     positions = None
     if tokens_c is not None and (type(batch) is dict or isinstance(batch, Mapping)):
         labels = batch.get("labels")
