@@ -59,16 +59,14 @@ class InstancePatch:
         self.name = name
         self._held = vars(owner).get(name, _MISSING)  # what the instance itself held (not the class's method)
         self.below: Callable[..., Any] = getattr(owner, name)
-        self._replacement = replacement
-        self._wraps = wraps
         self._active = True
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not self._active:  # released under someone else's wrapper: a pass-through
                 return self.below(*args, **kwargs)
-            if self._wraps:
-                return self._replacement(self.below, *args, **kwargs)
-            return self._replacement(*args, **kwargs)
+            if wraps:
+                return replacement(self.below, *args, **kwargs)
+            return replacement(*args, **kwargs)
 
         self.wrapper = wrapper
         object.__setattr__(owner, name, wrapper)  # past `Module.__setattr__`, which has nothing to do with callables

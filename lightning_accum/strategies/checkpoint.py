@@ -44,7 +44,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_accum.engine import AccumulationEngine
-from lightning_accum.strategies.adapter import Write
+from lightning_accum.strategies.adapter import NamedParameters, Write
 from lightning_accum.strategies.entry import (
     CHECKPOINT_KEY,
     DISTRIBUTED_KEY,
@@ -72,8 +72,6 @@ __all__ = [
     "slicing_state",
     "validated_state",
 ]
-
-NamedParameters = list[tuple[str, Tensor]]
 
 
 class OpenGroupCheckpoint:

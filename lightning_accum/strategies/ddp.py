@@ -161,7 +161,12 @@ class DDPAdapter(EngineAdapter):
 
     @override
     def peers_lost_in(self, error: BaseException | None) -> str | None:
-        failure = collective_failure(error, self._failed_in_synchronising_batch())
+        # Whether the micro-batch that was running synchronises gradients in its backward, by Lightning's grouping
+        # (DDP's own flag is reset when Lightning's `no_sync` exits on the exception).
+        synchronising = (
+            self._trainer is not None and self.data_parallel_size > 1 and ends_group_by_position(self._trainer)
+        )
+        failure = collective_failure(error, synchronising)
         if failure is None or self._peers_lost is not None:
             return failure
         self._peers_lost = failure
@@ -178,13 +183,6 @@ class DDPAdapter(EngineAdapter):
         )
         return failure
 
-    def _failed_in_synchronising_batch(self) -> bool:
-        """Whether the micro-batch that was running when training failed synchronises gradients in its backward (by
-        Lightning's grouping: DDP's own flag is reset when Lightning's ``no_sync`` exits on the exception)."""
-        if self._trainer is None or self.data_parallel_size == 1:
-            return False
-        return ends_group_by_position(self._trainer)
-
     # ------------------------------------------------------------------ the run
 
     @override
@@ -195,7 +193,10 @@ class DDPAdapter(EngineAdapter):
     def on_train_start(self, trainer: Any) -> None:
         self._peers_lost = None
         self._checking_data_ends = (
-            self.check_data_ends and _iterable_training_data(trainer) and self.data_parallel_size > 1
+            self.check_data_ends
+            and trainer.train_dataloader is not None
+            and _reads_iterable_data(trainer.train_dataloader)
+            and self.data_parallel_size > 1
         )
         if self._checking_data_ends and torch.distributed.get_backend() != "gloo" and self._flag_group is None:
             # The flag is a host value: summed on the CPU, it never waits for the device (every rank runs this).
@@ -208,16 +209,13 @@ class DDPAdapter(EngineAdapter):
 
     @override
     def microbatch_agreement(self) -> Callable[[Any], None] | None:
-        """Under iterable training data, :meth:`_agree_on_data_end`; nothing otherwise."""
         return self._agree_on_data_end if self._checking_data_ends else None
 
     def _agree_on_data_end(self, trainer: Any) -> None:
-        """At every micro-batch that does not end a group in Lightning's grouping: one all-reduce of "this replica's
-        data ends here", so that data ending inside a group on some replicas only is an error on every replica at once.
-        (At a group's last micro-batch the group's own all-reduce carries the flag.)
-
-        Every replica runs it at the same batch indices, so these collectives pair up as long as the replicas are in
-        step, that is until the first batch where one replica's data ends: the one checked here."""
+        """At every micro-batch that does not end a group in Lightning's grouping (at its last, the group's own
+        all-reduce carries the flag): one all-reduce of "this replica's data ends here", so that data ending inside a
+        group on some replicas only is an error on every replica at once. Every replica runs it at the same batch
+        indices, so these collectives pair up until the first batch where one replica's data ends: the one checked."""
         epoch_loop = trainer.fit_loop.epoch_loop
         batch_idx = epoch_loop.batch_idx
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
@@ -324,23 +322,12 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         register_ddp_strings(strategy_registry, cls, "")
 
 
-def _iterable_training_data(trainer: Trainer) -> bool:
-    """Whether a training loader reads an iterable dataset (whose per-rank length nothing makes equal) or has none."""
-    loaders = trainer.train_dataloader
-    if loaders is None:
-        return False
-    found: list[bool] = []
-
-    def visit(item: Any) -> None:
-        if isinstance(item, dict):
-            for value in item.values():
-                visit(value)
-        elif isinstance(item, list | tuple):
-            for value in item:
-                visit(value)
-        else:
-            dataset = getattr(item, "dataset", None)
-            found.append(isinstance(dataset, IterableDataset) or not hasattr(item, "__len__"))
-
-    visit(loaders)
-    return any(found)
+def _reads_iterable_data(loaders: Any) -> bool:
+    """Whether a loader in ``loaders`` (nested in dicts, lists and tuples) reads an iterable dataset (whose per-rank
+    length nothing makes equal) or has no length."""
+    if isinstance(loaders, dict):
+        return _reads_iterable_data(list(loaders.values()))
+    if isinstance(loaders, list | tuple):
+        return any(_reads_iterable_data(item) for item in loaders)
+    dataset = getattr(loaders, "dataset", None)
+    return isinstance(dataset, IterableDataset) or not hasattr(loaders, "__len__")

@@ -72,7 +72,7 @@ def total_norm(grads: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
 
 
 def _power(tensors: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
-    """``Σ ‖t‖^p`` over ``tensors`` (the max for the infinity norm), in float32 on ``device``."""
+    """``Σ ‖t‖^p`` over ``tensors`` (the max for the infinity norm), in float64 on ``device``."""
     if not tensors:
         return torch.zeros((), device=device, dtype=torch.float64)
     # Each norm in its tensor's precision (half precision in float32), combined in float64.

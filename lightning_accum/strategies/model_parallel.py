@@ -162,7 +162,6 @@ class MeshAdapter(EngineAdapter):
         return Replicas(self.data_parallel_size, self.reduce_sum, check_sum=self._sum_over_mesh)
 
     def _sum_over_mesh(self, tensor: Tensor) -> Tensor:
-        """Sum over every rank of the mesh (the NaN/Inf check of each rank's own gradient shard)."""
         if torch.distributed.is_available() and torch.distributed.is_initialized() and self.strategy.world_size > 1:
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
         return tensor
@@ -306,18 +305,11 @@ class MeshAdapter(EngineAdapter):
         shards = {name: _as_shard(g, by_name.get(name)) for name, g in gradients.items()}
         del group["gradients"]
         group.update(gradients_stored="distributed", gradient_names=sorted(shards))
-        self._save_distributed(checkpoint, filepath, storage_options, shards, split)
-
-    def _save_distributed(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any, shards: dict[str, Tensor], split: Split
-    ) -> None:
-        """Lightning's distributed save (``ModelParallelStrategy.save_checkpoint`` with
-        ``save_distributed_checkpoint=True``, the Trainer's or Fabric's), with the open group's gradient as one more
-        entry of the sharded state: each rank writes its own shards, nothing is gathered. ``split`` splits
-        ``checkpoint`` into what its framework writes sharded and the rest."""
         from lightning.fabric.utilities.load import _METADATA_FILENAME
         from torch.distributed.checkpoint import save
 
+        # Lightning's distributed save (the Trainer's or Fabric's), with the open group's gradient as one more entry of
+        # the sharded state: each rank writes its own shards, nothing is gathered.
         if storage_options is not None:
             name = type(self.strategy).__name__
             raise TypeError(
