@@ -27,6 +27,5 @@ __all__ = [
 
 def register() -> None:
     """Register the strategy strings with Lightning's registry (done on ``import lightning_accum``)."""
-    AccumulationStrategy.register_strategies(StrategyRegistry)
-    DDPAccumulationStrategy.register_strategies(StrategyRegistry)
-    ModelParallelAccumulationStrategy.register_strategies(StrategyRegistry)
+    for strategy in (AccumulationStrategy, DDPAccumulationStrategy, ModelParallelAccumulationStrategy):
+        strategy.register_strategies(StrategyRegistry)

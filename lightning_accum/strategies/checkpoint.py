@@ -423,7 +423,6 @@ class TrainerCheckpoint:
 
     def load(self, checkpoint_path: Any, weights_only: bool | None, load: Callable[..., Any]) -> dict[str, Any]:
         """Read the checkpoint with ``load`` (Lightning's ``load_checkpoint``) and, in a fit, take its entry."""
-        # A file that cannot be read: named, with its cause.
         checkpoint = read_checkpoint(lambda: load(checkpoint_path, weights_only), checkpoint_path, self.strategy)
         trainer = self.attached_trainer()  # None: no Trainer runs the strategy (a direct call), read as a fit
         if trainer is not None and trainer.state.fn != TrainerFn.FITTING:

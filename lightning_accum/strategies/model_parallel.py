@@ -420,9 +420,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             backward each (gradients reduce-scattered by every slice's backward under
             ``gradient_sync="every_microbatch"``, only by the group's last slice under ``"last_microbatch"``): the
             same update, exactly, with lower peak activation memory. Every rank runs the same number of slices (one
-            small CPU all-reduce per loader batch agrees on it); ``"auto"`` is an error here. ``"auto"``:
-            the whole batch, and after an out-of-memory error in a slice's forward or backward, that slice again at
-            half the size (kept for the rest of the run); see ``docs/howto.md``.
+            small CPU all-reduce per loader batch agrees on it); see ``docs/howto.md``. ``"auto"`` is an error here.
         split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
             cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
