@@ -275,9 +275,8 @@ class OpenGroupCheckpoint:
         if group is None:
             return
         _announce_changes(group.get("config") or {}, config, position)
-        per_replica = int(group["microbatches"])
         written_replicas = int(group.get("replicas", config["replicas"]))
-        total = int(group.get("total_microbatches", per_replica * written_replicas))
+        total = int(group.get("total_microbatches", int(group["microbatches"]) * written_replicas))
         if group.get("unknown"):
             if position:
                 engine.note_missing_microbatches(position)
