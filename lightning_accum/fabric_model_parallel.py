@@ -54,7 +54,7 @@ class BackwardSyncNotes(_BackwardSyncControl):
 
     def __init__(self, control: _BackwardSyncControl) -> None:
         self.control = control
-        #: Whether a backward run now leaves its gradient unreduced inside FSDP2.
+        #: Whether synchronisation is blocked now: a backward run leaves its gradient uncombined over the replicas.
         self.blocking = False
 
     @override
