@@ -243,11 +243,10 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         entry = self._core.checkpoint.load(self._core.engine, remainder, str(path), reader)
         remainder.pop(CHECKPOINT_KEY, None)
         # The loop resumes where it saved: the open group continues with the next micro-batch. Its places already
-        # done, for the partial-group test of `close_group(group_size=)`, are the carried micro-batches per replica
-        # of this run (the written count per replica when the number of replicas is the same).
+        # done, for the partial-group test of `close_group(group_size=)`, are the checked entry's micro-batches (all
+        # replicas') per replica of this run: the written count per replica when the number of replicas is the same.
         group = (entry or {}).get("open_group") or {}
-        total = int(group.get("total_microbatches", int(group.get("microbatches", 0)) * int(group.get("replicas", 1))))
-        position = total // max(1, self.data_parallel_replicas)
+        position = int(group.get("total_microbatches", 0)) // max(1, self.data_parallel_replicas)
         config = self._configuration()
         if self._optimizers:
             self._core.reopen(config, position, self._parameters())

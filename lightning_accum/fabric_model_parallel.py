@@ -15,7 +15,7 @@ other Fabric strategies):
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -54,16 +54,13 @@ class BackwardSyncNotes(_BackwardSyncControl):
 
     def __init__(self, control: _BackwardSyncControl) -> None:
         self.control = control
-        #: Whether a backward run now leaves its gradient unreduced inside FSDP2.
+        #: Whether synchronisation is blocked now: a backward run leaves its gradient uncombined over the replicas.
         self.blocking = False
 
     @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return self._noting(self.control.no_backward_sync(module, enabled), enabled)
-
     @contextmanager
-    def _noting(self, context: AbstractContextManager, enabled: bool) -> Generator[None, None, None]:
-        with context:
+    def no_backward_sync(self, module: Module, enabled: bool) -> Generator[None, None, None]:
+        with self.control.no_backward_sync(module, enabled):
             before, self.blocking = self.blocking, enabled
             try:
                 yield

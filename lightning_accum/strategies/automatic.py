@@ -132,7 +132,7 @@ class AutomaticSteps:
         step = self._step
         assert step is not None
         if step.outcome is not None:  # the optimizer evaluates the closure again (LBFGS): same batch, new parameters
-            return self._reevaluate(step, step.accumulate, *args, **kw)
+            return self._reevaluate(step, *args, **kw)
         result = step.closure(*args, **kw)
         step.prepare()
         closing, scaler = step.closing, step.scaler
@@ -145,10 +145,10 @@ class AutomaticSteps:
             raise _NoUpdate(result, outcome)
         return result
 
-    def _reevaluate(self, step: _Step, accumulate: int, *args: Any, **kw: Any) -> Any:
+    def _reevaluate(self, step: _Step, *args: Any, **kw: Any) -> Any:
         """A further evaluation of the closure inside one step: exact on a scratch engine, outside the ledger."""
-        if accumulate > 1:
-            raise RuntimeError(reevaluation_message(type(step.optimizer).__name__, accumulate))
+        if step.accumulate > 1:
+            raise RuntimeError(reevaluation_message(type(step.optimizer).__name__, step.accumulate))
         scratch = step.host.engine.scratch()
         with step.host.use_engine(scratch):
             result = step.closure(*args, **kw)

@@ -291,7 +291,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         remaining micro-batches had no backward, and a last slice's batch that Lightning did not put back."""
         self._core.install_carried()
         if self._slicer.enabled:
-            self._slicer.install_pending(self)
+            self._slicer.install_pending()
 
     # ------------------------------------------------------------------ manual optimization
 

@@ -117,8 +117,7 @@ class GroupClosing:
 
     def scale_now(self, scaler: torch.amp.GradScaler | None) -> Tensor | None:
         """The GradScaler's scale on the device, before its ``update()`` (no host read)."""
-        # `_scale` is private: read on the device before and after the update, it tells a skipped step for every
-        # optimizer, fused ones included, with one host read per update (see docs/internals.md: private names).
+        # `_scale` is private: docs/internals.md (private names) says why it is read and which test guards it.
         return scaler._scale.clone() if scaler is not None and scaler._scale is not None else None
 
     def finish_after_step(

@@ -202,21 +202,33 @@ class AccumulationCore:
         """Close the group over ``optimizer``'s gradients: :data:`CLOSE_GROUP_DOC`, with the front class's ``module``,
         GradScaler and every optimizer of the loop (a backward that reached another one's parameters is refused)."""
         self.install_carried()
-        sync_matters = self.adapter.sync_matters
         with self._naming_unpaired():
             return self.manual.close(
-                self.engine, self.closing, optimizer, module, scaler, group_size, optimizers, sync_matters
+                self.engine, self.closing, optimizer, module, scaler, group_size, optimizers, self.adapter.sync_matters
             )
 
     def backward(self, tensor: Tensor, run: Callable[[], Any], unsynced: bool = False) -> Any:
-        """A manual loop's backward of ``tensor`` through ``run()``: if ``tensor`` is the one :meth:`accumulate`
-        handed out, the open group notes when its gradient holds that micro-batch, and whether the door ran it with
-        gradient synchronisation blocked (``unsynced``)."""
-        ours = self.begin_backward(tensor)
+        """A manual loop's backward of ``tensor`` through ``run()``, after the carried gradient of a resumed group. If
+        ``tensor`` is the one :meth:`accumulate` handed out, the open group notes when its gradient holds that
+        micro-batch, and whether the door ran it with gradient synchronisation blocked (``unsynced``); another tensor
+        with a graph inside the open group is an error."""
+        self.install_carried()
+        ours = self.manual.is_handed_out(tensor)
+        held = self.engine.microbatches_in_group
+        if not ours and held and tensor.requires_grad:
+            raise RuntimeError(
+                f"A backward of a tensor that `strategy.accumulate` did not hand out, while the open group holds {held}"
+                " micro-batch(es) reported with `accumulate`: its gradient would join the group's and be rescaled by"
+                " c · D / W as if it were a weighted micro-batch (or, for the tensor `accumulate` returned, counted"
+                " twice). Back-propagate exactly what `accumulate` returns, once each, until `close_group`; for a"
+                " second loss of the same micro-batch, add it to the loss you pass to `accumulate`."
+            )
+        if ours:
+            self.engine.take_backward_tensor()
         with self._naming_unpaired():
             result = run()
-        self.end_backward(ours)
         if ours:
+            self.engine.backward_finished()
             self.manual.note_backward(unsynced)
         return result
 
@@ -237,29 +249,6 @@ class AccumulationCore:
         """Either door's clipping (``call`` names it) inside an open group is an error: the gradient is not yet the
         group's mean."""
         self.manual.refuse_clipping(self.engine, call)
-
-    def begin_backward(self, tensor: Tensor) -> bool:
-        """Before a manual loop's backward of ``tensor``: the carried gradient of a resumed group goes in first; a
-        tensor the open group did not hand out is an error. Returns whether ``tensor`` is the handed-out one."""
-        self.install_carried()
-        ours = self.manual.is_handed_out(tensor)
-        held = self.engine.microbatches_in_group
-        if not ours and held and tensor.requires_grad:
-            raise RuntimeError(
-                f"A backward of a tensor that `strategy.accumulate` did not hand out, while the open group holds {held}"
-                " micro-batch(es) reported with `accumulate`: its gradient would join the group's and be rescaled by"
-                " c · D / W as if it were a weighted micro-batch (or, for the tensor `accumulate` returned, counted"
-                " twice). Back-propagate exactly what `accumulate` returns, once each, until `close_group`; for a"
-                " second loss of the same micro-batch, add it to the loss you pass to `accumulate`."
-            )
-        if ours:
-            self.engine.take_backward_tensor()
-        return ours
-
-    def end_backward(self, ours: bool) -> None:
-        """After that backward: the handed-out micro-batch's gradient is in the group."""
-        if ours:
-            self.engine.backward_finished()
 
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], scaler: Any, lightning_step: Callable[[], Any]
@@ -362,9 +351,6 @@ def one_device_property(chooser: str) -> Any:
     accelerator instance is accepted as Lightning's is. A device given to the constructor is kept, whatever the
     connector selects, as Lightning's strategy keeps it."""
 
-    def read(self: Any) -> list[torch.device] | None:
-        return None
-
     def write(self: Any, devices: list[torch.device] | None) -> None:
         if not devices or self._device_given:
             return
@@ -376,7 +362,9 @@ def one_device_property(chooser: str) -> Any:
         self._root_device = torch.device(devices[0])  # SingleDeviceStrategy's own (see docs/internals.md)
         self._device_given = True
 
-    return property(read, write, doc=f"The device {chooser} chose when none was given (read by its connector).")
+    return property(
+        lambda self: None, write, doc=f"The device {chooser} chose when none was given (read by its connector)."
+    )
 
 
 class CoreSeam:

@@ -132,17 +132,12 @@ class ManualGroups:
         optimizers: Sequence[Optimizer] = (),
         sync_matters: bool = False,
     ) -> GroupRecord:
-        """Close the group reported with :meth:`accumulate` over ``optimizer``'s gradients; with ``group_size`` (the
-        micro-batches per replica a group should hold), a group that holds fewer is a partial one, and the strategy's
-        ``partial_group=`` policy applies (rescaled with its real denominator, or dropped).
-
+        """Close the group reported with :meth:`accumulate` (:data:`~lightning_accum.strategies.core.CLOSE_GROUP_DOC`).
         ``optimizers``: every optimizer of the loop (a backward that reached another one's parameters is refused);
         ``sync_matters``: whether a last backward with synchronisation blocked leaves the group's gradient uncombined
         (several DDP replicas, FSDP2), which is then refused."""
         self._check_no_step_pending("close_group")
         held = engine.microbatches_in_group
-        if held:
-            self._check_the_groups_gradient(optimizer, optimizers, sync_matters)
         if held == 0:
             last = engine.ledger.last_group
             after = (
@@ -156,6 +151,16 @@ class ManualGroups:
                 "`strategy.close_group` found no micro-batch in the open group. Report each micro-batch with"
                 f" `tensor = strategy.accumulate(loss, num_tokens=...)` and back-propagate it first.{after}"
             )
+        if self.last_unsynced and sync_matters:
+            raise RuntimeError(
+                "`close_group`: the group's last backward ran with gradient synchronisation blocked (inside"
+                " `no_backward_sync`: `fabric.no_backward_sync(model, enabled=True)` in Fabric, the strategy's"
+                " `no_backward_sync()` or DDP's `no_sync()` in a Trainer), so the replicas' gradients were never"
+                " combined (DDP: each replica holds its own; FSDP2: no rank's shard holds the group's gradient) and the"
+                " update would differ per replica or miss the group. Run a group's last micro-batch with"
+                " synchronisation: `enabled=not last`."
+            )
+        _refuse_gradients_of_other_optimizers(optimizer, optimizers)
         self._check_handed_out_used("close_group")
         if group_size is not None and (
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
@@ -188,7 +193,7 @@ class ManualGroups:
     ) -> Any:
         """``optimizer.step()`` in a manual loop: ``lightning_step()`` (Lightning's own) after a group closed as
         "apply", nothing after one that makes no update, Lightning's behaviour when no group was reported."""
-        closed = self._take_closed(optimizer)
+        closed = self.closed
         if closed is None:
             if engine.microbatches_in_group:
                 raise RuntimeError(
@@ -198,27 +203,19 @@ class ManualGroups:
                     " exact weighted mean and records the group."
                 )
             return lightning_step()
+        if closed.optimizer is not optimizer:
+            raise RuntimeError(
+                f"`{type(optimizer).__name__}.step()` was called while the group closed by"
+                f" `strategy.close_group(...)` belongs to another optimizer ({type(closed.optimizer).__name__})."
+                " Close each optimizer's group with `strategy.close_group(that_optimizer)` right before its step."
+            )
+        self.closed = None
         if closed.outcome is None:
             closure()  # the group makes no update; the user's closure (if any) still runs, as step would run it
             return None
         output = lightning_step()
         closing.finish_after_step(engine, closed.outcome, closed.scale_before, scaler)
         return output
-
-    def _check_the_groups_gradient(
-        self, optimizer: Optimizer, optimizers: Sequence[Optimizer], sync_matters: bool
-    ) -> None:
-        """Before a close: the gradient the close rescales must be the group's whole, combined gradient."""
-        if self.last_unsynced and sync_matters:
-            raise RuntimeError(
-                "`close_group`: the group's last backward ran with gradient synchronisation blocked (inside"
-                " `no_backward_sync`: `fabric.no_backward_sync(model, enabled=True)` in Fabric, the strategy's"
-                " `no_backward_sync()` or DDP's `no_sync()` in a Trainer), so the replicas' gradients were never"
-                " combined (DDP: each replica holds its own; FSDP2: no rank's shard holds the group's gradient) and the"
-                " update would differ per replica or miss the group. Run a group's last micro-batch with"
-                " synchronisation: `enabled=not last`."
-            )
-        _refuse_gradients_of_other_optimizers(optimizer, optimizers)
 
     @staticmethod
     def refuse_clipping(engine: AccumulationEngine, call: str) -> None:
@@ -250,19 +247,6 @@ class ManualGroups:
                 " group. Call `self.manual_backward(tensor)` on exactly the tensor `accumulate` returns, once per"
                 " micro-batch, before the next `accumulate` or `close_group`."
             )
-
-    def _take_closed(self, optimizer: Optimizer) -> _Closed | None:
-        closed = self.closed
-        if closed is None:
-            return None
-        if closed.optimizer is not optimizer:
-            raise RuntimeError(
-                f"`{type(optimizer).__name__}.step()` was called while the group closed by"
-                f" `strategy.close_group(...)` belongs to another optimizer ({type(closed.optimizer).__name__})."
-                " Close each optimizer's group with `strategy.close_group(that_optimizer)` right before its step."
-            )
-        self.closed = None
-        return closed
 
 
 def _refuse_gradients_of_other_optimizers(closed: Optimizer, optimizers: Sequence[Optimizer]) -> None:

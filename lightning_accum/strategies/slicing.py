@@ -387,7 +387,7 @@ class BatchSlicer:
 
     # ------------------------------------------------------------------ backward
 
-    def install_pending(self, strategy: SliceHost) -> None:
+    def install_pending(self) -> None:
         """Put the slices' gradients kept aside at a group's first batch back, after Lightning's ``zero_grad``."""
         pending, self._pending = self._pending, None
         for p, g in pending or ():
@@ -408,7 +408,7 @@ class BatchSlicer:
         it is protected and, out of memory, the last slice runs again as smaller slices; a synchronised backward cannot
         be run again (the other replicas are inside its all-reduce): its error says what to do."""
         final, self._final = self._final, None
-        self.install_pending(strategy)
+        self.install_pending()
         if not self.auto or final is None:
             return default(tensor)
         size = final.num_samples - final.start
