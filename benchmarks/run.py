@@ -282,7 +282,7 @@ def timed_parts() -> list[tuple[Any, str]]:
     """
     import lightning_accum.engine as engine_module
     from lightning_accum import AccumulationReport, AxisLogger
-    from lightning_accum.strategies.closing import GroupClosing
+    from lightning_accum.core.closing import GroupClosing
 
     return [
         (GroupClosing, "close"),

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from lightning_accum import AccumulationStrategy
+from lightning_accum.core.closing import GroupClosing
 from lightning_accum.strategies import ExactAccumulation
-from lightning_accum.strategies.closing import GroupClosing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]

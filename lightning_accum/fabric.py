@@ -17,7 +17,7 @@ accumulation strategy it reports each micro-batch and closes each group, and eve
             optimizer.zero_grad()
 
 The arithmetic is the Trainer's, behind the same door: each Fabric strategy holds one
-:class:`~lightning_accum.strategies.core.AccumulationCore` (the engine, the close, the manual API, the checkpoint
+:class:`~lightning_accum.core.core.AccumulationCore` (the engine, the close, the manual API, the checkpoint
 entry, the engine adapter), as the Trainer's strategies do; :class:`FabricExactAccumulation` is the one package layer
 between each public Fabric strategy and Fabric's class and holds only what Fabric's hooks need.
 
@@ -62,23 +62,23 @@ from typing_extensions import override
 
 from lightning_accum._worker_exit import ClosingWorkers, use_launcher
 from lightning_accum.axis_lr import AxisLR
-from lightning_accum.evaluation_loss import repeats_message
-from lightning_accum.fabric_model_parallel import BackwardSyncNotes, shard_module_lists, sharded_state
-from lightning_accum.ledger import AXES, GroupRecord
-from lightning_accum.microbatch import Count
-from lightning_accum.options import AccumulationOptions, validate_choice
-from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
-from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
-from lightning_accum.strategies.closing import enabled_scaler
-from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam, one_device_property, seam
-from lightning_accum.strategies.ddp import DDPAdapter, register_ddp_strings
-from lightning_accum.strategies.model_parallel import (
+from lightning_accum.core.adapter import EngineAdapter, NamedParameters, optimized_parameters
+from lightning_accum.core.closing import enabled_scaler
+from lightning_accum.core.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam, one_device_property, seam
+from lightning_accum.core.ddp import DDPAdapter, register_ddp_strings
+from lightning_accum.core.entry import CHECKPOINT_KEY
+from lightning_accum.core.mesh import (
     MeshAdapter,
     check_mesh_sizes,
     derive_mesh_sizes,
     refuse_unsharded,
 )
-from lightning_accum.strategies.reading import read_checkpoint
+from lightning_accum.core.reading import read_checkpoint
+from lightning_accum.evaluation_loss import repeats_message
+from lightning_accum.fabric_model_parallel import BackwardSyncNotes, shard_module_lists, sharded_state
+from lightning_accum.ledger import AXES, GroupRecord
+from lightning_accum.microbatch import Count
+from lightning_accum.options import AccumulationOptions, validate_choice
 
 __all__ = [
     "FabricAccumulationStrategy",
@@ -101,7 +101,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
     named in :attr:`adapter_type`, as in the Trainer's strategies.
     """
 
-    #: The class of this strategy's :class:`~lightning_accum.strategies.adapter.EngineAdapter`.
+    #: The class of this strategy's :class:`~lightning_accum.core.adapter.EngineAdapter`.
     adapter_type: ClassVar[type[EngineAdapter]] = EngineAdapter
 
     def _init_accumulation(self, options: AccumulationOptions) -> None:
@@ -284,7 +284,6 @@ class FabricExactAccumulation(Strategy, CoreSeam):
                 f"lightning_accum: `teardown` ended the loop inside an accumulation group: its {lost} micro-batch(es)"
                 " on this replica never reached an optimizer step, and the ledger does not count them."
             )
-        self._core.adapter.teardown()
         self._core.end()
         self._modules, self._optimizers = [], []
         super().teardown()
@@ -444,7 +443,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
       whose last backward ran inside it is an error at ``close_group`` (no rank's shard holds the group's gradient).
     * ``fabric.clip_gradients(model, optimizer, max_norm=...)`` (or ``clip_val=``) after ``close_group``: the norm
       of the group's exact gradient over the whole mesh, each parameter counted once, DTensor and plain parameters
-      mixed (:mod:`~lightning_accum.strategies.mesh_clipping`); inside an open group it is an error.
+      mixed (:mod:`~lightning_accum.core.mesh_clipping`); inside an open group it is an error.
     * ``fabric.save(path, state)`` inside a group carries the group (its counters and its gradient): shard by shard
       in the folder's distributed checkpoint (``save_distributed_checkpoint=True``, the default), or gathered whole
       into the one file (``False``); ``fabric.load(path, state)`` resumes it exactly, also under another

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_accum.axis_lr import AxisLR
 from lightning_accum.patching import InstancePatch

@@ -89,7 +89,7 @@ def test_internals_shows_each_strategys_method_resolution_order() -> None:
     assert lines == expected
     # One package class between each public strategy and Lightning's; the seam both doors share only after Lightning's
     # classes (a facade: the instance keeps the layout of Lightning's strategy).
-    from lightning_accum.strategies.core import CoreSeam
+    from lightning_accum.core.core import CoreSeam
 
     for strategy in strategies:
         ours = [c for c in strategy.__mro__ if c.__module__.startswith("lightning_accum")]
@@ -111,7 +111,7 @@ def test_internals_shows_each_fabric_strategys_method_resolution_order() -> None
     base = la.FabricExactAccumulation.__mro__[1]  # Fabric's Strategy
     expected = [" → ".join(c.__name__ for c in s.__mro__[: s.__mro__.index(base) + 1]) for s in strategies]
     assert shown.group(1).strip().splitlines() == expected
-    from lightning_accum.strategies.core import CoreSeam
+    from lightning_accum.core.core import CoreSeam
 
     for strategy in strategies:
         ours = [c for c in strategy.__mro__ if c.__module__.startswith("lightning_accum")]
@@ -120,7 +120,7 @@ def test_internals_shows_each_fabric_strategys_method_resolution_order() -> None
 
 
 def test_internals_lists_every_member_of_the_adapter_interface() -> None:
-    from lightning_accum.strategies.adapter import EngineAdapter
+    from lightning_accum.core.adapter import EngineAdapter
 
     text = (DOCS / "internals.md").read_text().split("Its whole interface:\n\n", 1)[1].split("\n\n", 1)[0]
     members = {name for name in vars(EngineAdapter) if not name.startswith("_")} - {"strategy"}
@@ -176,9 +176,9 @@ def test_the_group_vectors_element_count_is_the_codes() -> None:
 def test_the_adapters_setup_says_it_runs_before_lightnings() -> None:
     import inspect
 
-    from lightning_accum.strategies.adapter import EngineAdapter
     from lightning_accum.strategies.base import ExactAccumulation
+    from lightning_accum.strategies.trainer_side import TrainerSide
 
     source = inspect.getsource(ExactAccumulation.setup)
-    assert source.index("self._core.adapter.setup(trainer)") < source.index("super().setup(trainer)")
-    assert "before Lightning's" in (EngineAdapter.setup.__doc__ or "")
+    assert source.index("self._side.setup(trainer)") < source.index("super().setup(trainer)")
+    assert "before Lightning's" in (TrainerSide.setup.__doc__ or "")

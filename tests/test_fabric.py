@@ -31,7 +31,7 @@ from lightning.fabric.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 
 from lightning_accum import AxisLR, FabricAccumulationStrategy, FabricDDPAccumulationStrategy, log_on_axis
-from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
+from lightning_accum.core.entry import CHECKPOINT_KEY
 
 LR = 0.5
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_accum import FabricModelParallelAccumulationStrategy
-from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, DISTRIBUTED_KEY
+from lightning_accum.core.entry import CHECKPOINT_KEY, DISTRIBUTED_KEY
 
 EXAMPLES = make_examples(random_lengths(24, seed=44), seed=44)  # unequal lengths: the ranks' token counts differ
 GROUP = 8  # examples per update, whatever the split: 3 updates

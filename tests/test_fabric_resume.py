@@ -17,7 +17,7 @@ from test_fabric import LR, TinyNet, stack
 from torch import Tensor
 
 from lightning_accum import FabricDDPAccumulationStrategy
-from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
+from lightning_accum.core.entry import CHECKPOINT_KEY
 
 EXAMPLES = make_examples(random_lengths(24, seed=21), seed=21)
 GROUP = 8  # examples per update, whatever the split

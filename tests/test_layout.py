@@ -101,9 +101,7 @@ def _absolute(node: ast.ImportFrom, path: Path, package: Path) -> str | None:
     y``) resolved against ``path``'s own package."""
     if not node.level:
         return node.module
-    here = ["lightning_accum", *path.relative_to(package).parent.parts]
-    if path.name == "__init__.py":
-        here = ["lightning_accum", *path.relative_to(package).parent.parts]
+    here = ["lightning_accum", *path.relative_to(package).parent.parts]  # a module's package (an __init__'s own)
     base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
     return ".".join([*base, *([node.module] if node.module else [])])
 
@@ -286,4 +284,57 @@ def test_the_private_read_check_sees_aliases_getattr_and_calls(tmp_path: Path) -
         "planted.py:PlantedAdapter _answer()",
         "planted.py:PlantedAdapter _hidden",
         "planted.py:PlantedAdapter _size",
+    ]
+
+
+#: The two doors: the Trainer's (Lightning's loop drives the package) and Fabric's (the user's loop does). Every other
+#: module is the core they share, and imports neither door nor ``lightning.pytorch``.
+TRAINER_DOOR = ("strategies", "callbacks", "schedules")
+FABRIC_DOOR = ("fabric", "fabric_model_parallel")
+
+
+def _door(module: str) -> str | None:
+    top = module.split("/", 1)[0]
+    return "trainer" if top in TRAINER_DOOR else "fabric" if top in FABRIC_DOOR else None
+
+
+def _door_crossings(package: Path) -> list[str]:
+    """Every import that crosses from one door into the other, or from the core into a door or ``lightning.pytorch``
+    (relative imports resolved; imports inside functions and ``TYPE_CHECKING`` blocks included)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        module = _module_name(path, package)
+        door = _door(module)
+        if module == "lightning_accum":
+            continue  # the package's face registers both doors' strategies
+        for imported in sorted(_imports(path, package)):
+            other = _door(imported)
+            if other is not None and other != door:
+                found.append(f"{module} ({door or 'core'}) imports {imported} ({other})")
+        if door != "trainer":
+            pytorch = sorted(
+                {n for n in _imported_names(path, package) if n.split(".")[:2] == ["lightning", "pytorch"]}
+            )
+            found += [f"{module} ({door or 'core'}) imports {name}" for name in pytorch[:1]]
+    return found
+
+
+def test_no_door_imports_the_other_and_the_core_imports_neither() -> None:
+    assert _door_crossings(PACKAGE) == []
+    assert (PACKAGE / "core" / "__init__.py").exists()
+
+
+def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
+    package = tmp_path / "lightning_accum"
+    for folder in ("core", "strategies"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "core" / "manual.py").write_text("from lightning.pytorch import Trainer\n")
+    (package / "core" / "closing.py").write_text("def f():\n    from ..strategies.base import ExactAccumulation\n")
+    (package / "strategies" / "base.py").write_text("from lightning_accum.core.manual import x\n")
+    (package / "fabric.py").write_text("from lightning_accum.strategies.base import ExactAccumulation\n")
+    assert _door_crossings(package) == [
+        "core/closing (core) imports strategies/base (trainer)",
+        "core/manual (core) imports lightning.pytorch",
+        "fabric (fabric) imports strategies/base (trainer)",
     ]

@@ -4,7 +4,7 @@ a Fabric loop alike, with the same error at the point of the mistake.
 Each rule is one scenario, written once against a small `Door` interface and run through both doors: the
 `TrainerDoor` inside a real `Trainer.fit` of a manual LightningModule (`self.manual_backward`, `self.clip_gradients`,
 `strategy.no_backward_sync()`), the `FabricDoor` in a real Fabric loop (`fabric.backward`, `fabric.clip_gradients`,
-`fabric.no_backward_sync(model)`). The rules live in the core (`strategies/manual.py`, `strategies/core.py`); a rule
+`fabric.no_backward_sync(model)`). The rules live in the core (`core/manual.py`, `core/core.py`); a rule
 added at one door only fails here at the other."""
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def _strided_norms(rank: int, folder: str) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from lightning_accum.strategies.mesh_clipping import total_norm
+    from lightning_accum.core.mesh_clipping import total_norm
 
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
@@ -154,7 +154,7 @@ def test_the_norm_counts_a_strided_shard_of_every_rank(tmp_path: Path) -> None:
 
 
 def test_mesh_clipping_equals_torch_on_plain_tensors() -> None:
-    from lightning_accum.strategies.mesh_clipping import clip_grad_norm_, clip_grad_value_, total_norm
+    from lightning_accum.core.mesh_clipping import clip_grad_norm_, clip_grad_value_, total_norm
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]

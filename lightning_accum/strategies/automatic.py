@@ -24,9 +24,9 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_accum.core.closing import GroupClosing
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine
-from lightning_accum.strategies.closing import GroupClosing
 
 __all__ = ["CLOSURE_EVALUATING", "AutomaticSteps", "StepHost", "reevaluation_message"]
 

@@ -8,15 +8,15 @@ underneath. Each hook hands the work to one part:
 part                                                         job
 =========================================================== ===============================================
 :class:`~lightning_accum.engine.AccumulationEngine`          the arithmetic: weights, ``c``, the close, the ledger
-:class:`~lightning_accum.strategies.closing.GroupClosing`    a group closed over an optimizer's gradients
+:class:`~lightning_accum.core.closing.GroupClosing`    a group closed over an optimizer's gradients
 :class:`~lightning_accum.strategies.automatic.AutomaticSteps` the optimizer step of automatic optimization
-:class:`~lightning_accum.strategies.manual.ManualGroups`     the manual-optimization API
+:class:`~lightning_accum.core.manual.ManualGroups`     the manual-optimization API
 :class:`~lightning_accum.strategies.slicing.BatchSlicer`     a loader batch run as slices (``microbatch_size=``)
 :class:`~lightning_accum.strategies.checkpoint.OpenGroupCheckpoint` the package's checkpoint entry and an open group
 :class:`~lightning_accum.strategies.checkpoint.TrainerCheckpoint` ``save_checkpoint`` and ``load_checkpoint``
 :class:`~lightning_accum.strategies.precision_clipping.PrecisionClipping` the precision plugin's clipping, for a run
 :class:`~lightning_accum.strategies.evaluation.ExactEvaluation` ``accum/val_loss`` and ``accum/test_loss``
-:class:`~lightning_accum.strategies.adapter.EngineAdapter`   what differs between one device, DDP and FSDP2/TP
+:class:`~lightning_accum.core.adapter.EngineAdapter`   what differs between one device, DDP and FSDP2/TP
 =========================================================== ===============================================
 
 Lightning's own loop stays (zero_grad at a group's start, ``no_sync`` on non-final micro-batches, the optimizer
@@ -61,6 +61,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accum.core.adapter import EngineAdapter, NamedParameters, optimized_parameters
+from lightning_accum.core.checkpoint import CHECKPOINT_KEY, OpenGroupCheckpoint
+from lightning_accum.core.closing import enabled_scaler
+from lightning_accum.core.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import group_position
 from lightning_accum.ledger import GroupRecord
@@ -68,14 +72,12 @@ from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
 from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
-from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
 from lightning_accum.strategies.automatic import CLOSURE_EVALUATING, AutomaticSteps, reevaluation_message
-from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, OpenGroupCheckpoint, TrainerCheckpoint
-from lightning_accum.strategies.closing import enabled_scaler
-from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam
+from lightning_accum.strategies.checkpoint import TrainerCheckpoint
 from lightning_accum.strategies.evaluation import ExactEvaluation
 from lightning_accum.strategies.precision_clipping import PrecisionClipping
 from lightning_accum.strategies.slicing import BatchSlicer
+from lightning_accum.strategies.trainer_side import TrainerSide
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 
@@ -91,11 +93,14 @@ class ExactAccumulation(Strategy, CoreSeam):
     :attr:`tensor_parallel_size`, :attr:`slicing`, :meth:`add_group_listener` / :meth:`remove_group_listener`,
     :meth:`reduce_sum`, :attr:`gradient_scaler`, :meth:`use_engine` and :meth:`one_batch_reference`; manual loops use
     :meth:`accumulate`, :meth:`close_group` and :meth:`no_backward_sync`. What differs per engine is the strategy's
-    adapter, of the class it names in :attr:`adapter_type` (see :mod:`~lightning_accum.strategies.adapter`).
+    core's adapter, of the class it names in :attr:`adapter_type` (see :mod:`~lightning_accum.core.adapter`), and what
+    only a Trainer asks of an engine its :attr:`side_type` (see :mod:`~lightning_accum.strategies.trainer_side`).
     """
 
-    #: The class of this strategy's :class:`~lightning_accum.strategies.adapter.EngineAdapter`.
+    #: The class of this strategy's :class:`~lightning_accum.core.adapter.EngineAdapter`.
     adapter_type: ClassVar[type[EngineAdapter]] = EngineAdapter
+    #: The class of this strategy's :class:`~lightning_accum.strategies.trainer_side.TrainerSide`.
+    side_type: ClassVar[type[TrainerSide]] = TrainerSide
 
     def _init_accumulation(
         self,
@@ -115,7 +120,8 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._slicer = BatchSlicer(microbatch_size, split_batch)
         self._steps = AutomaticSteps()
         self._evaluation = ExactEvaluation()
-        self._checkpoints = TrainerCheckpoint(self, self._core, self._slicer)
+        self._side = self.side_type(self, self._core.adapter)
+        self._checkpoints = TrainerCheckpoint(self, self._core, self._side, self._slicer)
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
         self._agreement: Callable[[Trainer], None] | None = None  # the adapter's, before each micro-batch of the fit
         self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
@@ -177,11 +183,11 @@ class ExactAccumulation(Strategy, CoreSeam):
 
     def agree_slice_count(self, count: int, num_samples: int) -> int:
         """The slicer's: see :meth:`EngineAdapter.agree_slice_count`."""
-        return self._core.adapter.agree_slice_count(count, num_samples)
+        return self._side.agree_slice_count(count, num_samples)
 
     def before_forward_retry(self) -> None:
         """The slicer's: see :meth:`EngineAdapter.before_forward_retry`."""
-        self._core.adapter.before_forward_retry()
+        self._side.before_forward_retry()
 
     # ------------------------------------------------------------------ hooks of every micro-batch
 
@@ -250,7 +256,7 @@ class ExactAccumulation(Strategy, CoreSeam):
                 loss,
                 optimizer,
                 lambda t: lightning_backward(t, optimizer, *args, **kwargs),
-                synchronised=self._core.adapter.synchronises(self._trainer()),
+                synchronised=self._side.synchronises(self._trainer()),
                 args=args,
                 kwargs=kwargs,
                 lightning_loss=closure_loss,
@@ -398,7 +404,7 @@ class ExactAccumulation(Strategy, CoreSeam):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        self._core.adapter.setup(trainer)
+        self._side.setup(trainer)
         super().setup(trainer)
         self._clipping.install(self.precision_plugin, self._core.adapter, self._core.refuse_clipping)
         self._trainer_ref = trainer
@@ -417,8 +423,8 @@ class ExactAccumulation(Strategy, CoreSeam):
         trainer = self._trainer()
         _check_supported(self, trainer)
         _warn_of_slashes_in_checkpoint_names(trainer)
-        self._core.adapter.on_train_start(trainer)
-        self._agreement = self._core.adapter.microbatch_agreement()
+        self._side.on_train_start(trainer)
+        self._agreement = self._side.microbatch_agreement()
         if trainer.lightning_module.automatic_optimization:
             batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
             self._core.engine.decisions.warn_short_epoch(batches, accumulate, self._core.engine.warn)
@@ -427,11 +433,11 @@ class ExactAccumulation(Strategy, CoreSeam):
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         super().on_exception(exception)
-        self._core.adapter.on_exception(exception)
+        self._side.on_exception(exception)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._core.adapter.peers_lost is not None:
+        if self._side.peers_lost is not None:
             return  # a replica is gone or unreachable: waiting for it would replace the user's error by a second one
         super().barrier(*args, **kwargs)  # type: ignore[safe-super]  # the Lightning strategy underneath defines it
 
@@ -451,7 +457,7 @@ class ExactAccumulation(Strategy, CoreSeam):
             (rank_zero_info if self._failed else rank_zero_warn)(message)
         self._failed = False
         self._core.end()
-        self._core.adapter.teardown()
+        self._side.teardown()
         self._clipping.release()
         self._evaluation.end()
         self._slicer.reset()

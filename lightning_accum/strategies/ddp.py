@@ -13,35 +13,19 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerStatus
-from torch import Tensor
 from torch.utils.data import IterableDataset
 from typing_extensions import override
 
 from lightning_accum._worker_exit import ClosingWorkers, use_launcher
+from lightning_accum.core.adapter import EngineAdapter, collective_failure
+from lightning_accum.core.ddp import DDPAdapter, register_ddp_strings
+from lightning_accum.core.entry import CHECKPOINT_KEY
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
-from lightning_accum.strategies.adapter import EngineAdapter, collective_failure, ends_group_by_position
 from lightning_accum.strategies.base import ExactAccumulation
-from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
+from lightning_accum.strategies.trainer_side import TrainerSide, ends_group_by_position
 
-__all__ = ["DDP_STRINGS", "DDPAccumulationStrategy", "DDPAdapter", "register_ddp_strings"]
-
-#: The DDP strategy strings and their constructor arguments, in Lightning's registry and in Fabric's.
-DDP_STRINGS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("accum_ddp", {"start_method": "popen"}),
-    ("accum_ddp_spawn", {"start_method": "spawn"}),
-    ("accum_ddp_fork", {"start_method": "fork"}),
-    ("accum_ddp_notebook", {"start_method": "fork"}),
-    ("accum_ddp_find_unused_parameters_true", {"start_method": "popen", "find_unused_parameters": True}),
-)
-
-
-def register_ddp_strings(registry: Any, strategy: type, where: str) -> None:
-    """Register :data:`DDP_STRINGS` for ``strategy`` in ``registry`` (Lightning's or Fabric's; ``where``: " in a Fabric
-    loop" or "")."""
-    for name, options in DDP_STRINGS:
-        description = f"Exact gradient accumulation{where} with DDP ({options})"
-        registry.register(name, strategy, description=description, override=True, **options)
+__all__ = ["DDPAccumulationStrategy", "DDPTrainerSide"]
 
 
 class _LedgerReturningLauncher(ClosingWorkers, _MultiProcessingLauncher):
@@ -50,13 +34,13 @@ class _LedgerReturningLauncher(ClosingWorkers, _MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        adapter: DDPAdapter = self._strategy._core.adapter  # type: ignore[attr-defined]  # the strategy is ours
-        adapter.workers_failed = False
+        side: DDPTrainerSide = self._strategy._side  # type: ignore[attr-defined]  # the strategy is ours
+        side.workers_failed = False
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
             # This process's model is the one `fit` was given, untrained: the training state lived in the workers.
-            adapter.workers_failed = True
+            side.workers_failed = True
             raise
 
     @override
@@ -72,13 +56,12 @@ class _LedgerReturningLauncher(ClosingWorkers, _MultiProcessingLauncher):
             trainer.strategy.engine.load_state_dict(extra[CHECKPOINT_KEY])  # type: ignore[attr-defined]
 
 
-class DDPAdapter(EngineAdapter):
-    """DDP's side of an accumulation strategy: ``D`` = the world size, the all-reduce, DDP's own synchronisation flag,
-    lost peers, and data that ends on some replicas only (see :class:`~lightning_accum.strategies.adapter.EngineAdapter`
-    for the interface)."""
+class DDPTrainerSide(TrainerSide):
+    """DDP's Trainer-only side (see :class:`~lightning_accum.strategies.trainer_side.TrainerSide`): DDP's own
+    synchronisation flag, lost peers, data that ends on some replicas only, and a launch whose workers failed."""
 
-    def __init__(self, strategy: Any) -> None:
-        super().__init__(strategy)
+    def __init__(self, strategy: Any, adapter: EngineAdapter) -> None:
+        super().__init__(strategy, adapter)
         #: ``check_data_ends=`` of the strategy (see :class:`DDPAccumulationStrategy`).
         self.check_data_ends = True
         #: Set in the main process of a spawn/fork launch whose workers failed (by the launcher).
@@ -87,22 +70,6 @@ class DDPAdapter(EngineAdapter):
         self._checking_data_ends = False
         self._flag_group: Any = None  # a CPU (gloo) group for the data-end flag when the backend is not gloo
         self._trainer: Any = None
-
-    @property
-    @override
-    def rank(self) -> int:
-        return int(self.strategy.global_rank)
-
-    @property
-    @override
-    def data_parallel_size(self) -> int:
-        return int(self.strategy.num_nodes * self.strategy.num_processes)
-
-    @override
-    def reduce_sum(self, tensor: Tensor) -> Tensor:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-        return tensor
 
     @override
     def synchronises(self, trainer: Any) -> bool:
@@ -164,7 +131,7 @@ class DDPAdapter(EngineAdapter):
         # Whether the micro-batch that was running synchronises gradients in its backward, by Lightning's grouping
         # (DDP's own flag is reset when Lightning's `no_sync` exits on the exception).
         synchronising = (
-            self._trainer is not None and self.data_parallel_size > 1 and ends_group_by_position(self._trainer)
+            self._trainer is not None and self.adapter.data_parallel_size > 1 and ends_group_by_position(self._trainer)
         )
         failure = collective_failure(error, synchronising)
         if failure is None or self._peers_lost is not None:
@@ -196,7 +163,7 @@ class DDPAdapter(EngineAdapter):
             self.check_data_ends
             and trainer.train_dataloader is not None
             and _reads_iterable_data(trainer.train_dataloader)
-            and self.data_parallel_size > 1
+            and self.adapter.data_parallel_size > 1
         )
         if self._checking_data_ends and torch.distributed.get_backend() != "gloo" and self._flag_group is None:
             # The flag is a host value: summed on the CPU, it never waits for the device (every rank runs this).
@@ -224,7 +191,7 @@ class DDPAdapter(EngineAdapter):
         flag = torch.tensor([1 if ends else 0], dtype=torch.int64)  # on the CPU: no device synchronisation
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.SUM, group=self._flag_group)
         ended = int(flag.item())
-        replicas = self.data_parallel_size
+        replicas = self.adapter.data_parallel_size
         if 0 < ended < replicas:
             raise RuntimeError(
                 f"The training data of {ended} of {replicas} replicas ended at batch {batch_idx}"
@@ -261,8 +228,9 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     ``trainer.global_step`` counts attempts, as in Lightning; applied updates are in :attr:`ledger`.
 
     ``D`` is the world size: every process is one data replica (tensor or pipeline parallelism is not
-    part of this strategy). What differs from one device is :class:`DDPAdapter`; besides the package's hooks (all
-    in :class:`~lightning_accum.strategies.base.ExactAccumulation`) this class overrides only DDPStrategy's own
+    part of this strategy). What differs from one device is the core's
+    :class:`~lightning_accum.core.ddp.DDPAdapter` and this door's :class:`DDPTrainerSide`; besides the package's hooks
+    (all in :class:`~lightning_accum.strategies.base.ExactAccumulation`) this class overrides only DDPStrategy's own
     ``_configure_launcher`` (the spawn/fork launcher that brings the ledger back to the main process).
 
     Example:
@@ -276,6 +244,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
 
     strategy_name = "accum_ddp"
     adapter_type = DDPAdapter
+    side_type = DDPTrainerSide
 
     def __init__(
         self,
@@ -299,17 +268,17 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     @property
     def check_data_ends(self) -> bool:
         """See ``check_data_ends=`` above."""
-        return self._ddp_adapter.check_data_ends
+        return self._ddp_side.check_data_ends
 
     @check_data_ends.setter
     def check_data_ends(self, value: bool) -> None:
-        self._ddp_adapter.check_data_ends = bool(value)
+        self._ddp_side.check_data_ends = bool(value)
 
     @property
-    def _ddp_adapter(self) -> DDPAdapter:
-        adapter = self._core.adapter
-        assert isinstance(adapter, DDPAdapter)
-        return adapter
+    def _ddp_side(self) -> DDPTrainerSide:
+        side = self._side
+        assert isinstance(side, DDPTrainerSide)
+        return side
 
     @override
     def _configure_launcher(self) -> None:

@@ -56,6 +56,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_accum.core.adapter import EngineAdapter
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.evaluation_loss import (
     SLOTS,
@@ -66,7 +67,6 @@ from lightning_accum.evaluation_loss import (
     repeats_message,
 )
 from lightning_accum.patching import InstancePatch
-from lightning_accum.strategies.adapter import EngineAdapter
 
 __all__ = ["EVALUATION_KEYS", "ExactEvaluation", "outside_the_contract"]
 

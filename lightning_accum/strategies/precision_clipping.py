@@ -9,8 +9,8 @@ from typing import Any
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
+from lightning_accum.core.adapter import EngineAdapter
 from lightning_accum.patching import InstancePatch
-from lightning_accum.strategies.adapter import EngineAdapter
 
 __all__ = ["PrecisionClipping"]
 

@@ -9,10 +9,10 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
+from lightning_accum.core.core import one_device_property
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.strategies.base import ExactAccumulation
-from lightning_accum.strategies.core import one_device_property
 
 __all__ = ["AccumulationStrategy"]
 

@@ -6,7 +6,7 @@ naming the path, its size and torch's own error (chained as its cause); every ot
 a state that does not fit the model, a remote path) passes through untouched. A folder the strategy cannot read (not a
 checkpoint, or a sharded one it does not read) is refused before the read, with the way out.
 :func:`distributed_gradients` reads the gradient of a group open at a sharded checkpoint. What is read is checked by
-:mod:`~lightning_accum.strategies.entry`. See ``docs/reliability.md``.
+:mod:`~lightning_accum.core.entry`. See ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -15,19 +15,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
-from lightning_accum.strategies.entry import DISTRIBUTED_KEY
+from lightning_accum.core.entry import DISTRIBUTED_KEY
 
-__all__ = ["distributed_gradients", "read_checkpoint"]
+__all__ = ["WAY_OUT", "distributed_gradients", "local_path", "read_checkpoint"]
 
 _Path = str | Path
 
-_WAY_OUT = (
+#: How to resume a sharded checkpoint folder (said by the Trainer door's refusal of a folder).
+WAY_OUT = (
     "Resume it with strategy='accum_fsdp' (or ModelParallelAccumulationStrategy) on a model sharded in"
     " `configure_model`, or write single files with save_distributed_checkpoint=False."
 )
@@ -38,7 +36,7 @@ _READ_ERRORS = (Exception, CheckpointException)
 
 
 def read_checkpoint(
-    read: Callable[[], dict[str, Any]], path: _Path, strategy: Strategy | None = None
+    read: Callable[[], dict[str, Any]], path: _Path, refuse_folder: Callable[[Path], str | None] | None = None
 ) -> dict[str, Any]:
     """``read()`` (Lightning's read of the checkpoint at ``path``), or the package's error for a file that cannot
     be read.
@@ -46,16 +44,16 @@ def read_checkpoint(
     Args:
         read: Reads the checkpoint (the Lightning strategy's ``load_checkpoint``).
         path: The checkpoint's path, as given to ``Trainer.fit(ckpt_path=...)``.
-        strategy: The strategy reading it: whether it reads sharded folders, and into which model. ``None``: no
-            folder is refused before the read.
+        refuse_folder: Why the reading strategy cannot read a local folder at all (``None``: it can try), asked
+            before the read; ``None``: no folder is refused before the read.
 
     Raises:
         ValueError: A folder this strategy cannot read, or a file or folder torch's read failed on (the path, its size
             and torch's error, chained as its cause). Any other error of ``read`` is raised as it was.
     """
-    local = _local(path)
-    if local is not None and local.is_dir() and strategy is not None:
-        refusal = _folder_refusal(local, strategy)
+    local = local_path(path)
+    if local is not None and local.is_dir() and refuse_folder is not None:
+        refusal = refuse_folder(local)
         if refusal is not None:
             raise ValueError(refusal)
     try:
@@ -93,33 +91,7 @@ def _size(path: Path) -> str | None:
     return f"a folder of {len(sizes)} file(s), {sum(sizes)} byte(s)"
 
 
-def _folder_refusal(folder: Path, strategy: Strategy) -> str | None:
-    """Why ``strategy`` cannot read the folder at all (``None``: it can try): Lightning's single-file strategies read
-    files only, and Lightning's model-parallel strategy reads a sharded folder into a sharded (DTensor) model only."""
-    named = f"`ckpt_path={str(folder)!r}`"
-    # A distributed checkpoint written by Lightning: torch's index of the shards, and Lightning's metadata file.
-    if not ((folder / ".metadata").is_file() and (folder / _METADATA_FILENAME).is_file()):
-        return (
-            f"{named} is a folder that is not a checkpoint (no `.metadata` and `{_METADATA_FILENAME}` in it). Give"
-            " `ckpt_path` the checkpoint file (a `.ckpt` written by `Trainer.save_checkpoint` or `ModelCheckpoint`),"
-            " or the folder of a sharded checkpoint."
-        )
-    if not isinstance(strategy, ModelParallelStrategy):
-        return (
-            f"{named} is a sharded (distributed) checkpoint folder; {type(strategy).__name__} reads single files"
-            f" only. {_WAY_OUT}"
-        )
-    module = strategy.model if strategy.model is not None else strategy.lightning_module
-    if module is None or any(isinstance(p, DTensor) for p in module.parameters()):
-        return None
-    return (
-        f"{named} is a sharded (distributed) checkpoint folder, and this run's model has no sharded (DTensor)"
-        f" parameter on its {strategy.world_size} device(s) (Lightning: 'Could not find a distributed model')."
-        f" {_WAY_OUT}"
-    )
-
-
-def _local(path: _Path) -> Path | None:
+def local_path(path: _Path) -> Path | None:
     """``path`` on the local file system, or ``None`` for a remote one (``s3://...``): not looked at."""
     text = str(path)
     if "://" in text and not text.startswith("file://"):

@@ -19,7 +19,7 @@ a loop's exact evaluation        :meth:`~AccumulationCore.evaluation`: a set's w
 the run's configuration          :meth:`~AccumulationCore.configuration`: what a checkpoint's groups depend on
 the checkpoint entry             :meth:`~AccumulationCore.entry` (assembly), :meth:`~AccumulationCore.reopen`,
                                  :meth:`~AccumulationCore.install_carried`, and the parameters by name
-                                 (:func:`~lightning_accum.strategies.adapter.optimized_parameters`)
+                                 (:func:`~lightning_accum.core.adapter.optimized_parameters`)
 the chosen device (one device)   :func:`one_device_property`
 ================================ ===============================================================================
 
@@ -39,15 +39,15 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accum.core.adapter import EngineAdapter, NamedParameters
+from lightning_accum.core.checkpoint import OpenGroupCheckpoint
+from lightning_accum.core.closing import GroupClosing
+from lightning_accum.core.manual import ManualGroups
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.evaluation_loss import EvaluationLoss
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
-from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters
-from lightning_accum.strategies.checkpoint import OpenGroupCheckpoint
-from lightning_accum.strategies.closing import GroupClosing
-from lightning_accum.strategies.manual import ManualGroups
 
 __all__ = ["CLOSE_GROUP_DOC", "AccumulationCore", "CoreSeam", "one_device_property", "seam"]
 
@@ -85,7 +85,7 @@ class AccumulationCore:
 
     Args:
         strategy: The front strategy (the adapter reads its model, mesh and ranks).
-        adapter_type: The class of its :class:`~lightning_accum.strategies.adapter.EngineAdapter`.
+        adapter_type: The class of its :class:`~lightning_accum.core.adapter.EngineAdapter`.
         options: The options its constructor validated.
     """
 
@@ -235,7 +235,7 @@ class AccumulationCore:
     @contextmanager
     def _naming_unpaired(self) -> Generator[None, None, None]:
         """Around a manual loop's collectives (its close, its backward): a failed one is raised again with what the
-        adapter says of it (:meth:`~lightning_accum.strategies.adapter.EngineAdapter.unpaired_collectives`), chained
+        adapter says of it (:meth:`~lightning_accum.core.adapter.EngineAdapter.unpaired_collectives`), chained
         to the original, so that the rank's own traceback ends with the cause and the way out."""
         try:
             yield
@@ -254,7 +254,7 @@ class AccumulationCore:
         self, optimizer: Any, closure: Callable[[], Any], scaler: Any, lightning_step: Callable[[], Any]
     ) -> Any:
         """A manual loop's ``optimizer.step()`` (see :meth:`ManualGroups.optimizer_step
-        <lightning_accum.strategies.manual.ManualGroups.optimizer_step>`)."""
+        <lightning_accum.core.manual.ManualGroups.optimizer_step>`)."""
         return self.manual.optimizer_step(self.engine, self.closing, optimizer, closure, scaler, lightning_step)
 
     # ------------------------------------------------------------------ a loop's evaluation

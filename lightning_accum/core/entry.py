@@ -5,7 +5,7 @@ where the field is, the form it must have, and that form in words, as the error 
 of rules between fields that a table cannot say (:data:`RULES`); :func:`checked_gradients` checks the carried gradient
 against the parameters it is added to, when they are known. Anything wrong is :func:`malformed`'s ``ValueError``,
 naming the key, the expected form and what was found. The file itself is read by
-:mod:`~lightning_accum.strategies.reading`. See ``docs/reliability.md``.
+:mod:`~lightning_accum.core.reading`. See ``docs/reliability.md``.
 """
 
 from __future__ import annotations

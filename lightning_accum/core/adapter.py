@@ -1,19 +1,19 @@
-"""What differs between the engines an accumulation strategy runs on, declared once: :class:`EngineAdapter`.
+"""What differs between the engines an accumulation strategy runs on, for both doors: :class:`EngineAdapter`.
 
-:class:`~lightning_accum.strategies.base.ExactAccumulation` holds every Lightning hook of the package and composes its
-parts (the engine, the close, the manual API, the slicer, the checkpoint, the evaluation). Where one device, DDP and
-FSDP2 / tensor parallelism differ — the replicas a group is summed over, whether a backward synchronises gradients,
-what a checkpoint written inside a group carries and where, lost peers — the strategy asks its adapter, an object of
-one of three classes:
+Both doors' strategies (the Trainer's in :mod:`lightning_accum.strategies`, Fabric's in :mod:`lightning_accum.fabric`)
+compose one :class:`~lightning_accum.core.core.AccumulationCore`. Where one device, DDP and FSDP2 / tensor parallelism
+differ — the replicas a group is summed over, whether gradients are sharded, clipping, what a checkpoint written inside
+a group carries and where — the core asks its adapter, an object of one of three classes:
 
-- :class:`EngineAdapter` (this module; every default is one device's): :class:`~lightning_accum.AccumulationStrategy`;
-- :class:`~lightning_accum.strategies.ddp.DDPAdapter`: :class:`~lightning_accum.DDPAccumulationStrategy`;
-- :class:`~lightning_accum.strategies.model_parallel.MeshAdapter`:
-  :class:`~lightning_accum.ModelParallelAccumulationStrategy`.
+- :class:`EngineAdapter` (this module; every default is one device's);
+- :class:`~lightning_accum.core.ddp.DDPAdapter`;
+- :class:`~lightning_accum.core.mesh.MeshAdapter`.
 
 The strategy names its adapter's class in ``adapter_type``; the adapter reads the strategy it serves (``self.strategy``:
 its public members and the few private ones ``docs/internals.md`` lists) and is handed everything else as arguments.
-Every method below is the whole interface: an adapter overrides some of them and adds nothing the strategy calls.
+Every method below is the whole interface: an adapter overrides some of them and adds nothing the strategy calls. What
+only a Trainer asks of an engine (Lightning's grouping, lost peers, data that ends on one replica, the slice count) is
+the Trainer door's own part, :class:`~lightning_accum.strategies.trainer_side.TrainerSide`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ __all__ = [
     "Split",
     "Write",
     "collective_failure",
-    "ends_group_by_position",
     "optimized_parameters",
 ]
 
@@ -63,15 +62,6 @@ def optimized_parameters(modules: Sequence[Any], optimizers: Sequence[Any] | Non
             (prefix + name, p) for name, p in module.named_parameters() if optimized is None or id(p) in optimized
         ]
     return named
-
-
-def ends_group_by_position(trainer: Any) -> bool:
-    """Whether the running micro-batch is its group's last in Lightning's grouping: its index in the epoch closes a
-    group of ``accumulate_grad_batches``, or it is the epoch's last batch (read from the fit loop's progress)."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    return (epoch_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
-        epoch_loop.batch_progress.is_last_batch
-    )
 
 
 #: Where a failed collective raises a plain ``RuntimeError`` (gloo's "Connection closed by peer" is one, not a
@@ -167,24 +157,6 @@ class EngineAdapter:
         then synchronise."""
         return self.data_parallel_size > 1
 
-    def synchronises(self, trainer: Any) -> bool:
-        """Whether the running backward synchronises gradients over the replicas (a group's last micro-batch, D > 1)."""
-        return self.data_parallel_size > 1 and ends_group_by_position(trainer)
-
-    def microbatch_agreement(self) -> Callable[[Any], None] | None:
-        """What runs before each training micro-batch of the run (not the check's), called with the trainer: an
-        agreement between replicas; ``None`` where there is nothing to agree on, so that no call is made. Read at
-        ``on_train_start``, after :meth:`on_train_start`."""
-        return None
-
-    def agree_slice_count(self, count: int, num_samples: int) -> int:
-        """The number of slices every rank cuts a loader batch of ``num_samples`` into (``microbatch_size=``);
-        ``count`` (this rank's own) where ranks need not agree."""
-        return count
-
-    def before_forward_retry(self) -> None:
-        """Called before the forward path runs again on the same loader batch after an out-of-memory error."""
-
     # ------------------------------------------------------------------ clipping, after the group's close
 
     def clip_norm(
@@ -235,42 +207,7 @@ class EngineAdapter:
         """Reads a carried gradient from a distributed checkpoint's shards at ``path`` (``None``: single files only)."""
         return None
 
-    # ------------------------------------------------------------------ faults
-
-    @property
-    def peers_lost(self) -> str | None:
-        """Why the replicas cannot be reached, once a collective failed (``None``: they can, or there is one)."""
-        return None
-
-    def collectives_failed(self, trainer: Any) -> str | None:
-        """Why the replicas cannot be reached for a collective now, found without trying one."""
-        return None
-
-    def peers_lost_in(self, error: BaseException | None) -> str | None:
-        """Why the replicas cannot be reached, when ``error`` is a failed collective (``None``: it is not one)."""
-        return None
-
     def unpaired_collectives(self, error: BaseException) -> str | None:
         """What a manual loop's close or backward (either door) raises from ``error`` when it is a failed collective
         whose likely cause is the engine's to name (``None``: ``error`` reaches the loop as it is)."""
         return None
-
-    def may_write_checkpoint(self, filepath: str | Path) -> bool:
-        """Whether this process writes a checkpoint Lightning asks for (the main process of a launch whose workers
-        failed holds no trained state)."""
-        return True
-
-    # ------------------------------------------------------------------ the run
-
-    def setup(self, trainer: Any) -> None:
-        """The strategy's ``setup``, before Lightning's: ``configure_model`` ran (a sharded model is sharded), the model
-        is not yet wrapped (DDP), moved to its device or given its optimizers."""
-
-    def on_train_start(self, trainer: Any) -> None:
-        """The strategy's ``on_train_start``."""
-
-    def on_exception(self, exception: BaseException) -> None:
-        """The strategy's ``on_exception``: Lightning is handling ``exception``."""
-
-    def teardown(self) -> None:
-        """The strategy's ``teardown``, before Lightning's."""

@@ -32,12 +32,12 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accum.core.adapter import NamedParameters
+from lightning_accum.core.closing import GroupClosing
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.microbatch import Count
-from lightning_accum.strategies.adapter import NamedParameters
-from lightning_accum.strategies.closing import GroupClosing
 
 __all__ = ["ManualGroups"]
 
@@ -132,7 +132,7 @@ class ManualGroups:
         optimizers: Sequence[Optimizer] = (),
         sync_matters: bool = False,
     ) -> GroupRecord:
-        """Close the group reported with :meth:`accumulate` (:data:`~lightning_accum.strategies.core.CLOSE_GROUP_DOC`).
+        """Close the group reported with :meth:`accumulate` (:data:`~lightning_accum.core.core.CLOSE_GROUP_DOC`).
         ``optimizers``: every optimizer of the loop (a backward that reached another one's parameters is refused);
         ``sync_matters``: whether a last backward with synchronisation blocked leaves the group's gradient uncombined
         (several DDP replicas, FSDP2), which is then refused."""

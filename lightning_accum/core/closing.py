@@ -1,7 +1,7 @@
 """Closing a group over an optimizer's gradients, and completing its record once the optimizer ran.
 
 Shared by automatic optimization (the strategy's closure, inside the optimizer's ``step``) and the manual API
-(:mod:`~lightning_accum.strategies.manual`):
+(:mod:`~lightning_accum.core.manual`):
 
 * :meth:`GroupClosing.close`: the engine's close over the optimizer's gradients, grouped by device and dtype from a
   layout kept for the run (one fused kernel each). Without a GradScaler the rescale also checks for NaN/Inf in the
@@ -14,7 +14,7 @@ Shared by automatic optimization (the strategy's closure, inside the optimizer's
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -25,9 +25,19 @@ from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.gradients import GradientsByKind, scaler_skipped
 from lightning_accum.ledger import GroupRecord
-from lightning_accum.schedules import UpdateSchedules
 
-__all__ = ["GroupClosing", "enabled_scaler"]
+__all__ = ["GroupClosing", "Schedules", "enabled_scaler"]
+
+
+class Schedules(Protocol):
+    """The step-interval schedules a Trainer's run hands the close (:class:`~lightning_accum.schedules.UpdateSchedules`;
+    a Fabric loop steps its own schedulers)."""
+
+    configs: list[Any]
+
+    def mark_due(self, due: Callable[[int], bool]) -> None: ...
+
+    def release(self) -> None: ...
 
 
 def _as_is(tensor: Tensor) -> Tensor:
@@ -54,7 +64,7 @@ class GroupClosing:
         #: This rank, named beside a non-finite gradient where each rank checks its own shard (``None`` elsewhere).
         self.rank: int | None = None
         #: The step-interval schedules that follow updates (automatic optimization), set by the strategy's ``setup``.
-        self.schedules: UpdateSchedules | None = None
+        self.schedules: Schedules | None = None
         self._layout: tuple[Optimizer, tuple[tuple[int, int], ...], list[tuple[Any, list[Tensor]]]] | None = None
 
     def reset(self) -> None:
