@@ -206,14 +206,35 @@ class AccumulationEngine:
 
     # ------------------------------------------------------------------ options and binding
 
-    normalize = property(lambda self: self.options.normalize, doc="See :class:`AccumulationOptions`.")
-    count_tokens = property(lambda self: self.options.count_tokens, doc="See :class:`AccumulationOptions`.")
-    partial_group = property(lambda self: self.options.partial_group, doc="See :class:`AccumulationOptions`.")
-    schedule_on = property(lambda self: self.options.schedule_on, doc="See :class:`AccumulationOptions`.")
-    on_nonfinite = property(lambda self: self.options.on_nonfinite, doc="See :class:`AccumulationOptions`.")
-    max_consecutive_skips = property(
-        lambda self: self.options.max_consecutive_skips, doc="See :class:`AccumulationOptions`."
-    )
+    @property
+    def normalize(self) -> str:
+        """See :class:`AccumulationOptions`."""
+        return self.options.normalize
+
+    @property
+    def count_tokens(self) -> Callable[[Any], Count] | None:
+        """See :class:`AccumulationOptions`."""
+        return self.options.count_tokens
+
+    @property
+    def partial_group(self) -> str:
+        """See :class:`AccumulationOptions`."""
+        return self.options.partial_group
+
+    @property
+    def schedule_on(self) -> str:
+        """See :class:`AccumulationOptions`."""
+        return self.options.schedule_on
+
+    @property
+    def on_nonfinite(self) -> str:
+        """See :class:`AccumulationOptions`."""
+        return self.options.on_nonfinite
+
+    @property
+    def max_consecutive_skips(self) -> int | None:
+        """See :class:`AccumulationOptions`."""
+        return self.options.max_consecutive_skips
 
     def bind(
         self,
@@ -255,7 +276,10 @@ class AccumulationEngine:
         """Micro-batches of the open group on this replica."""
         return self._sums.microbatches
 
-    holds_sole_microbatch = property(lambda self: self._sums.sole, doc="The open group holds a ``sole=True`` one.")
+    @property
+    def holds_sole_microbatch(self) -> bool:
+        """The open group holds a ``sole=True`` one."""
+        return self._sums.sole
 
     def read(self, output: Any, batch: Any, num_samples: int | None = None) -> Microbatch:
         """Read a step's ``output`` for ``batch`` once (:func:`~lightning_accum.microbatch.read_microbatch`, with

@@ -64,7 +64,7 @@ from lightning_accum._worker_exit import ClosingWorkers, use_launcher
 from lightning_accum.axis_lr import AxisLR
 from lightning_accum.core.adapter import EngineAdapter, NamedParameters, optimized_parameters
 from lightning_accum.core.closing import enabled_scaler
-from lightning_accum.core.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam, one_device_property, seam
+from lightning_accum.core.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam, one_device_property
 from lightning_accum.core.ddp import DDPAdapter, register_ddp_strings
 from lightning_accum.core.entry import CHECKPOINT_KEY
 from lightning_accum.core.mesh import (
@@ -74,7 +74,7 @@ from lightning_accum.core.mesh import (
     refuse_unsharded,
 )
 from lightning_accum.core.reading import read_checkpoint
-from lightning_accum.evaluation_loss import repeats_message
+from lightning_accum.evaluation_loss import EvaluationLoss, repeats_message
 from lightning_accum.fabric_model_parallel import BackwardSyncNotes, shard_module_lists, sharded_state
 from lightning_accum.ledger import AXES, GroupRecord
 from lightning_accum.microbatch import Count
@@ -119,8 +119,23 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         """The enabled GradScaler of the precision plugin (``precision="16-mixed"``), or ``None``."""
         return enabled_scaler(self.precision)
 
-    accumulate = seam("accumulate")
-    evaluation = seam("evaluation")
+    def accumulate(
+        self,
+        loss: Tensor,
+        num_tokens: Count | None = None,
+        num_samples: Count | None = None,
+        batch: Any = None,
+        group_size: int | None = None,
+        num_documents: Count | None = None,
+    ) -> Tensor:
+        return self._core.accumulate(loss, num_tokens, num_samples, batch, group_size, num_documents)
+
+    accumulate.__doc__ = AccumulationCore.accumulate.__doc__
+
+    def evaluation(self) -> EvaluationLoss:
+        return self._core.evaluation()
+
+    evaluation.__doc__ = AccumulationCore.evaluation.__doc__
 
     def close_group(self, optimizer: Optimizer, group_size: int | None = None) -> GroupRecord:
         inner = optimizer.optimizer if is_wrapped(optimizer) else optimizer  # type: ignore[attr-defined]

@@ -49,7 +49,7 @@ from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 
-__all__ = ["CLOSE_GROUP_DOC", "AccumulationCore", "CoreSeam", "one_device_property", "seam"]
+__all__ = ["CLOSE_GROUP_DOC", "AccumulationCore", "CoreSeam", "one_device_property"]
 
 #: The documentation of both front classes' ``close_group(optimizer, group_size=None)``.
 CLOSE_GROUP_DOC = """Close the group reported with ``accumulate``, right before ``optimizer.step()`` (manual API).
@@ -327,21 +327,6 @@ class AccumulationCore:
         self._reopen_later = None
 
 
-def seam(name: str, doc: str | None = None) -> Any:
-    """A front strategy's member ``name``: the core's, read through ``self._core`` (documented once, there; ``doc``
-    for a plain attribute of the core)."""
-    member = getattr(AccumulationCore, name, None)
-    if member is None or isinstance(member, property):
-        return property(lambda self: getattr(self._core, name), doc=doc or getattr(member, "__doc__", None))
-
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._core, name)(*args, **kwargs)
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = member.__doc__
-    return method
-
-
 def one_device_property(chooser: str) -> Any:
     """The ``parallel_devices`` of a one-device strategy (set by ``chooser``'s connector: "the Trainer", "Fabric"):
     the device chosen when none was given to the constructor, one device only.
@@ -362,9 +347,10 @@ def one_device_property(chooser: str) -> Any:
         self._root_device = torch.device(devices[0])  # SingleDeviceStrategy's own (see docs/internals.md)
         self._device_given = True
 
-    return property(
-        lambda self: None, write, doc=f"The device {chooser} chose when none was given (read by its connector)."
-    )
+    def read(self: Any) -> None:
+        return None
+
+    return property(read, write, doc=f"The device {chooser} chose when none was given (read by its connector).")
 
 
 class CoreSeam:
@@ -376,11 +362,40 @@ class CoreSeam:
 
     _core: AccumulationCore
 
-    ledger = seam("ledger")
-    engine = seam("engine", "The object that does the arithmetic and holds the options given to the strategy.")
-    data_parallel_replicas = seam("data_parallel_replicas")
-    group_open = seam("group_open")
-    tensor_parallel_size = seam("tensor_parallel_size")
-    reduce_sum = seam("reduce_sum")
-    add_group_listener = seam("add_group_listener")
-    remove_group_listener = seam("remove_group_listener")
+    @property
+    def ledger(self) -> AccumulationLedger:
+        """Exact global counters of the run (identical on every rank); see :class:`AccumulationLedger`."""
+        return self._core.ledger
+
+    @property
+    def engine(self) -> AccumulationEngine:
+        """The object that does the arithmetic and holds the options given to the strategy."""
+        return self._core.engine
+
+    @property
+    def data_parallel_replicas(self) -> int:
+        """``D``: the number of replicas that see different data and whose gradients are averaged."""
+        return self._core.data_parallel_replicas
+
+    @property
+    def group_open(self) -> bool:
+        """Whether an accumulation group is open (see :attr:`AccumulationCore.group_open`)."""
+        return self._core.group_open
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The devices that share one model replica (1 without tensor parallelism)."""
+        return self._core.tensor_parallel_size
+
+    def reduce_sum(self, tensor: Tensor) -> Tensor:
+        """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
+        return self._core.reduce_sum(tensor)
+
+    def add_group_listener(self, listener: Callable[..., None]) -> None:
+        """Call ``listener(record, batch_samples)`` after every closed group (applied, skipped or dropped); see
+        :meth:`GroupDecisions.add_listener <lightning_accum.decision.GroupDecisions.add_listener>`."""
+        self._core.add_group_listener(listener)
+
+    def remove_group_listener(self, listener: Callable[..., None]) -> None:
+        """Stop calling ``listener``."""
+        self._core.remove_group_listener(listener)

@@ -204,10 +204,12 @@ class ExactAccumulation(Strategy, CoreSeam):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._automatic():
+        # The hooks of every micro-batch read the module and the Trainer inline: no package call on the hot path.
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
             self._core.checkpoint.warn_manual()
             return super().training_step(*args, **kwargs)  # Lightning's behaviour; see `accumulate`
-        trainer = self._trainer()
+        trainer = self._trainer_ref if self._trainer_ref is not None else self._trainer()
         if self._agreement is not None and not self._aside:
             self._agreement(trainer)
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx  # the index Lightning's hooks of this batch receive
@@ -238,9 +240,11 @@ class ExactAccumulation(Strategy, CoreSeam):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        self._core.install_carried()
+        if self._core.checkpoint.carried is not None:  # a resumed group's gradient, added before its first backward
+            self._core.install_carried()
         lightning_backward = super().backward
-        if not self._automatic():
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
             # `manual_backward`: the tensor is back-propagated as given (the open group notes `accumulate`'s).
             return self._core.backward(  # type: ignore[no-any-return]
                 closure_loss,
@@ -277,7 +281,8 @@ class ExactAccumulation(Strategy, CoreSeam):
         **kwargs: Any,
     ) -> Any:
         lightning_step = super().optimizer_step
-        if not self._automatic():
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
             return self._core.optimizer_step(
                 optimizer, closure, self.gradient_scaler, lambda: lightning_step(optimizer, closure, model, **kwargs)
             )
@@ -287,7 +292,7 @@ class ExactAccumulation(Strategy, CoreSeam):
             self._core.closing,
             optimizer,
             closure,
-            self._trainer(),
+            self._trainer_ref if self._trainer_ref is not None else self._trainer(),
             self._before_close,
             lambda closure_then_close: lightning_step(optimizer, closure_then_close, model, **kwargs),
         )
@@ -295,7 +300,8 @@ class ExactAccumulation(Strategy, CoreSeam):
     def _before_close(self) -> None:
         """What a group's close needs first, after Lightning's closure: the gradient of a resumed group whose
         remaining micro-batches had no backward, and a last slice's batch that Lightning did not put back."""
-        self._core.install_carried()
+        if self._core.checkpoint.carried is not None:
+            self._core.install_carried()
         if self._slicer.enabled:
             self._slicer.install_pending()
 
@@ -406,7 +412,9 @@ class ExactAccumulation(Strategy, CoreSeam):
     def setup(self, trainer: Trainer) -> None:
         self._side.setup(trainer)
         super().setup(trainer)
-        self._clipping.install(self.precision_plugin, self._core.adapter, self._core.refuse_clipping)
+        manual = trainer.lightning_module is not None and not trainer.lightning_module.automatic_optimization
+        refuse = self._core.refuse_clipping if manual else None  # automatic optimization clips after the close only
+        self._clipping.install(self.precision_plugin, self._core.adapter, refuse)
         self._trainer_ref = trainer
         self._core.manual.reset()
         self._slicer.reset()

@@ -23,14 +23,17 @@ class PrecisionClipping:
     def __init__(self) -> None:
         self._patches: list[InstancePatch] = []
 
-    def install(self, plugin: Precision, adapter: EngineAdapter, refuse: Callable[[str], None]) -> None:
-        """Set the methods on ``plugin`` for the run; ``refuse(call)`` raises inside an open group."""
+    def install(self, plugin: Precision, adapter: EngineAdapter, refuse: Callable[[str], None] | None) -> None:
+        """Set the methods on ``plugin`` for the run; ``refuse(call)`` raises inside an open group (a manual loop's;
+        ``None`` in automatic optimization, whose clipping runs after the group's close: no guard is installed)."""
+        self._patches = []
+        if refuse is not None:
 
-        def guard(below: Callable[..., Any], optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-            refuse("self.clip_gradients(optimizer, ...)")
-            return below(optimizer, *args, **kwargs)
+            def guard(below: Callable[..., Any], optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+                refuse("self.clip_gradients(optimizer, ...)")
+                return below(optimizer, *args, **kwargs)
 
-        self._patches = [InstancePatch(plugin, "clip_gradients", guard)]
+            self._patches.append(InstancePatch(plugin, "clip_gradients", guard))
         for name, clip in (("clip_grad_by_norm", adapter.clip_norm), ("clip_grad_by_value", adapter.clip_value)):
             if getattr(type(plugin), name) is getattr(Precision, name) and name not in vars(plugin):
 

@@ -142,24 +142,21 @@ class BatchSlicer:
         self._pending: list[tuple[Tensor, Tensor]] | None = None
         self._final: _Final | None = None
         self._parts: list[_Part] = []
-        self._suspended = False
-
-    @property
-    def enabled(self) -> bool:
-        return self.log.configured is not None and not self._suspended
+        #: Whether loader batches are cut into slices (an attribute, read twice per micro-batch on the hot path).
+        self.enabled = self.log.configured is not None
 
     @contextmanager
     def aside(self, enabled: bool) -> Iterator[None]:
         """A block run on another engine (``use_engine``): the run's record and running batch are kept aside, and
         slicing is off unless ``enabled``."""
-        saved = (self.log, self._pending, self._final, self._parts, self._suspended)
+        saved = (self.log, self._pending, self._final, self._parts, self.enabled)
         self.log = dataclasses.replace(self.log, slice_sizes=dict(self.log.slice_sizes), retries=list(self.log.retries))
         self._pending, self._final, self._parts = None, None, []
-        self._suspended = self._suspended or not enabled
+        self.enabled = self.enabled and enabled
         try:
             yield
         finally:
-            self.log, self._pending, self._final, self._parts, self._suspended = saved
+            self.log, self._pending, self._final, self._parts, self.enabled = saved
 
     @property
     def auto(self) -> bool:

@@ -1,0 +1,55 @@
+"""lightning_accum.core.core: the core both doors compose, and the public seam both front classes take from it."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from torch import Tensor
+
+from lightning_accum import AccumulationLedger, AccumulationStrategy, DDPAccumulationStrategy
+from lightning_accum.core.core import CoreSeam
+from lightning_accum.engine import AccumulationEngine
+from lightning_accum.evaluation_loss import EvaluationLoss
+from lightning_accum.fabric import FabricAccumulationStrategy, FabricExactAccumulation
+
+#: What a type checker must see of the seam: each member's return type, never ``Any``.
+SEAM = {
+    "ledger": AccumulationLedger,
+    "engine": AccumulationEngine,
+    "data_parallel_replicas": int,
+    "group_open": bool,
+    "tensor_parallel_size": int,
+    "reduce_sum": Tensor,
+    "add_group_listener": type(None),
+    "remove_group_listener": type(None),
+}
+
+
+def _returns(owner: type, name: str) -> object:
+    member = owner.__dict__[name]
+    function = member.fget if isinstance(member, property) else member
+    return typing.get_type_hints(function, globalns=vars(__import__(function.__module__, fromlist=["_"])))["return"]
+
+
+@pytest.mark.parametrize("name", sorted(SEAM))
+def test_the_seam_is_typed_for_type_checkers(name: str) -> None:
+    # Real properties and methods on the one seam class (not members built by name at import): mypy and users' type
+    # checkers see the types, and each front class of both doors inherits them.
+    assert _returns(CoreSeam, name) == SEAM[name]
+    for front in (AccumulationStrategy, DDPAccumulationStrategy, FabricAccumulationStrategy):
+        assert getattr(front, name) is getattr(CoreSeam, name)
+
+
+def test_fabrics_manual_api_is_typed() -> None:
+    assert _returns(FabricExactAccumulation, "accumulate") == Tensor
+    assert _returns(FabricExactAccumulation, "evaluation") == EvaluationLoss
+    assert "num_tokens" in (FabricExactAccumulation.accumulate.__doc__ or "")
+
+
+def test_the_engines_options_are_plain_properties() -> None:
+    engine = AccumulationEngine()
+    for name in ("normalize", "partial_group", "schedule_on", "on_nonfinite", "max_consecutive_skips"):
+        member = AccumulationEngine.__dict__[name]
+        assert isinstance(member, property) and member.fget.__name__ == name  # a def, not a lambda
+        assert getattr(engine, name) == getattr(engine.options, name)
