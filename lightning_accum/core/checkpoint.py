@@ -228,16 +228,6 @@ class OpenGroupCheckpoint:
         self.resumed = group
         return state
 
-    def warn_manual(self) -> None:
-        """In manual optimization an open group is not carried over: say so once, at the first step."""
-        group, self.resumed = self.resumed, None
-        if group and int(group.get("microbatches", 0)):
-            rank_zero_warn(
-                f"lightning_accum: the checkpoint was written inside a group of {group['microbatches']} micro-batch(es)"
-                " reported with `strategy.accumulate`; with manual optimization that group is not carried over:"
-                " write checkpoints between groups."
-            )
-
     # ------------------------------------------------------------------ resuming
 
     def reopen(

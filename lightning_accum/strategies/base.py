@@ -207,7 +207,10 @@ class ExactAccumulation(Strategy, CoreSeam):
         # The hooks of every micro-batch read the module and the Trainer inline: no package call on the hot path.
         module = self.lightning_module
         if module is not None and not module.automatic_optimization:
-            self._core.checkpoint.warn_manual()
+            if self._core.checkpoint.resumed is not None:
+                # A manual loop resumes at the micro-batch after the checkpoint, as a Fabric loop does: the group it
+                # was written in is reopened there (position 0) and closed by the loop's own `close_group`.
+                self._core.reopen(self._checkpoints.configuration(), 0, self._parameters())
             return super().training_step(*args, **kwargs)  # Lightning's behaviour; see `accumulate`
         trainer = self._trainer_ref if self._trainer_ref is not None else self._trainer()
         if self._agreement is not None and not self._aside:
