@@ -121,7 +121,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._steps = AutomaticSteps()
         self._evaluation = ExactEvaluation()
         self._side = self.side_type(self, self._core.adapter)
-        self._checkpoints = TrainerCheckpoint(self, self._core, self._side, self._slicer)
+        self._checkpoints = TrainerCheckpoint(self, self._core, self._side, self._slicer, self._attached_trainer)
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
         self._agreement: Callable[[Trainer], None] | None = None  # the adapter's, before each micro-batch of the fit
         self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
@@ -192,11 +192,21 @@ class ExactAccumulation(Strategy, CoreSeam):
     # ------------------------------------------------------------------ hooks of every micro-batch
 
     def _trainer(self) -> Trainer:
+        """The Trainer running the strategy: the one accessor (the hot path reads ``_trainer_ref`` inline)."""
+        trainer = self._attached_trainer()
+        assert trainer is not None, "the strategy runs without a Trainer"
+        return trainer
+
+    def _attached_trainer(self) -> Trainer | None:
+        """The Trainer running the strategy (set at ``setup``; before it, the module's), or ``None`` (a module
+        connected to the strategy without a Trainer, as Lightning's own strategies allow for ``save_checkpoint``)."""
         if self._trainer_ref is not None:
             return self._trainer_ref
         module = self.lightning_module
-        assert module is not None
-        return module.trainer
+        try:
+            return module.trainer if module is not None else None
+        except RuntimeError:  # "... is not attached to a `Trainer`"
+            return None
 
     def _automatic(self) -> bool:
         module = self.lightning_module

@@ -96,17 +96,22 @@ def _sharded_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str
 class TrainerCheckpoint:
     """The Trainer strategy's ``save_checkpoint`` / ``load_checkpoint``: the entry (with every rank's slicing record)
     written, by the survivors alone when a peer is lost, and read back by a ``fit`` only. It reads the strategy's
-    ``_trainer_ref`` and Lightning's members; ``core`` is its ``AccumulationCore``."""
+    Lightning's public members and is handed the rest: ``core`` (its ``AccumulationCore``), ``side`` (its
+    ``TrainerSide``), the slicer and the strategy's accessor of its Trainer."""
 
-    def __init__(self, strategy: Any, core: Any, side: TrainerSide, slicer: BatchSlicer) -> None:
+    def __init__(
+        self, strategy: Any, core: Any, side: TrainerSide, slicer: BatchSlicer, trainer: Callable[[], Trainer | None]
+    ) -> None:
         self.strategy, self.core, self.side, self.slicer = strategy, core, side, slicer
+        #: The Trainer running the strategy, or ``None`` (the strategy's one accessor, handed in).
+        self.trainer = trainer
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None, write: Write) -> None:
         """Add the package's entry to ``checkpoint`` and write it (``write``: Lightning's ``save_checkpoint``)."""
         adapter, side = self.core.adapter, self.side
         if not side.may_write_checkpoint(filepath):
             return
-        failed = side.collectives_failed(self.strategy._trainer_ref) if self.core.data_parallel_replicas > 1 else None
+        failed = side.collectives_failed(self.trainer()) if self.core.data_parallel_replicas > 1 else None
         try:
             state = self._entry(failed)
         except Exception as error:
@@ -124,7 +129,7 @@ class TrainerCheckpoint:
 
     def _entry(self, failed: str | None) -> dict[str, Any]:
         """The package's checkpoint entry (collectives with several replicas unless ``failed`` says why not)."""
-        trainer = self.attached_trainer()
+        trainer = self.trainer()
         # The micro-batch whose step is running, which Lightning runs again on resume (None between micro-batches).
         running = None
         if trainer is not None:
@@ -143,7 +148,7 @@ class TrainerCheckpoint:
             checkpoint_path,
             lambda folder: folder_refusal(folder, self.strategy),
         )
-        trainer = self.attached_trainer()  # None: no Trainer runs the strategy (a direct call), read as a fit
+        trainer = self.trainer()  # None: no Trainer runs the strategy (a direct call), read as a fit
         if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
             # `validate` / `test` / `predict(ckpt_path=...)`: Lightning restores the weights only, and so does the
             # package (the ledger and an open group belong to a fit resuming from the checkpoint, never to a later one).
@@ -155,20 +160,9 @@ class TrainerCheckpoint:
             self.slicer.log.load_state_dict(own_slicing(state["slicing"], self.core.adapter.rank))
         return checkpoint
 
-    def attached_trainer(self) -> Trainer | None:
-        """The Trainer running the strategy, or ``None`` (a module connected to the strategy without a Trainer, as
-        Lightning's own strategies allow for ``save_checkpoint``)."""
-        if self.strategy._trainer_ref is not None:
-            return self.strategy._trainer_ref  # type: ignore[no-any-return]
-        module = self.strategy.lightning_module
-        try:
-            return module.trainer if module is not None else None
-        except RuntimeError:  # "... is not attached to a `Trainer`"
-            return None
-
     def configuration(self) -> dict[str, Any]:
         """What the checkpoint's groups depend on (``A`` where a Trainer says it): see
         :meth:`AccumulationCore.configuration <lightning_accum.core.core.AccumulationCore.configuration>`."""
-        trainer = self.attached_trainer()
+        trainer = self.trainer()
         accumulate = None if trainer is None else trainer.accumulate_grad_batches
         return self.core.configuration(type(self.strategy).__name__, accumulate)  # type: ignore[no-any-return]
