@@ -119,19 +119,6 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         """The enabled GradScaler of the precision plugin (``precision="16-mixed"``), or ``None``."""
         return enabled_scaler(self.precision)
 
-    def accumulate(
-        self,
-        loss: Tensor,
-        num_tokens: Count | None = None,
-        num_samples: Count | None = None,
-        batch: Any = None,
-        group_size: int | None = None,
-        num_documents: Count | None = None,
-    ) -> Tensor:
-        return self._core.accumulate(loss, num_tokens, num_samples, batch, group_size, num_documents)
-
-    accumulate.__doc__ = AccumulationCore.accumulate.__doc__
-
     def evaluation(self) -> EvaluationLoss:
         return self._core.evaluation()
 

@@ -21,6 +21,7 @@ SEAM = {
     "group_open": bool,
     "tensor_parallel_size": int,
     "reduce_sum": Tensor,
+    "accumulate": Tensor,
     "add_group_listener": type(None),
     "remove_group_listener": type(None),
 }
@@ -41,10 +42,10 @@ def test_the_seam_is_typed_for_type_checkers(name: str) -> None:
         assert getattr(front, name) is getattr(CoreSeam, name)
 
 
-def test_fabrics_manual_api_is_typed() -> None:
-    assert _returns(FabricExactAccumulation, "accumulate") == Tensor
+def test_the_manual_api_is_typed_and_written_once_for_both_doors() -> None:
     assert _returns(FabricExactAccumulation, "evaluation") == EvaluationLoss
-    assert "num_tokens" in (FabricExactAccumulation.accumulate.__doc__ or "")
+    assert "num_tokens" in (CoreSeam.accumulate.__doc__ or "")
+    assert "accumulate" not in vars(FabricExactAccumulation)  # the seam's, at both doors
 
 
 def test_the_engines_options_are_plain_properties() -> None:

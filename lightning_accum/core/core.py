@@ -80,6 +80,10 @@ CLOSE_GROUP_DOC = """Close the group reported with ``accumulate``, right before 
         """
 
 
+def _manual() -> bool:
+    return False
+
+
 class AccumulationCore:
     """The parts of one accumulation strategy, whichever framework runs it.
 
@@ -100,6 +104,8 @@ class AccumulationCore:
         self._reopen_later: Callable[[], None] | None = None  # a loaded group waiting for its optimizer (Fabric)
         #: The optimized parameters by name (set by each front class): a group opens on them without a gradient.
         self.parameters: Callable[[], NamedParameters] = list
+        #: Whether the loop runs automatic optimization (a Trainer's, set by its door): the manual API is refused there.
+        self.automatic: Callable[[], bool] = _manual
 
     # ------------------------------------------------------------------ the public seam
 
@@ -184,6 +190,11 @@ class AccumulationCore:
             TypeError: ``loss`` is not a tensor.
             ValueError: Under ``normalize="auto"``, counts of a finer unit than the one the run fixed.
         """
+        if self.automatic():
+            raise RuntimeError(
+                "`strategy.accumulate` is for manual optimization (`automatic_optimization = False`). In automatic"
+                " optimization return `{'loss': loss, 'num_tokens': n}` from `training_step`: the strategy weights it."
+            )
         self.reopen_deferred()
         counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
         opening = None if self.group_open else self.parameters
@@ -201,6 +212,11 @@ class AccumulationCore:
     ) -> GroupRecord:
         """Close the group over ``optimizer``'s gradients: :data:`CLOSE_GROUP_DOC`, with the front class's ``module``,
         GradScaler and every optimizer of the loop (a backward that reached another one's parameters is refused)."""
+        if self.automatic():
+            raise RuntimeError(
+                "`strategy.close_group` is for manual optimization (`automatic_optimization = False`); in automatic"
+                " optimization the strategy closes every group itself."
+            )
         self.install_carried()
         with self._naming_unpaired():
             return self.manual.close(
@@ -390,6 +406,19 @@ class CoreSeam:
     def reduce_sum(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
         return self._core.reduce_sum(tensor)
+
+    def accumulate(
+        self,
+        loss: Tensor,
+        num_tokens: Count | None = None,
+        num_samples: Count | None = None,
+        batch: Any = None,
+        group_size: int | None = None,
+        num_documents: Count | None = None,
+    ) -> Tensor:
+        return self._core.accumulate(loss, num_tokens, num_samples, batch, group_size, num_documents)
+
+    accumulate.__doc__ = AccumulationCore.accumulate.__doc__
 
     def add_group_listener(self, listener: Callable[..., None]) -> None:
         """Call ``listener(record, batch_samples)`` after every closed group (applied, skipped or dropped); see

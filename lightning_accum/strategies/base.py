@@ -68,7 +68,6 @@ from lightning_accum.core.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSea
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import group_position
 from lightning_accum.ledger import GroupRecord
-from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
 from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
@@ -117,6 +116,7 @@ class ExactAccumulation(Strategy, CoreSeam):
             )
         self._core = AccumulationCore(self, self.adapter_type, options)
         self._core.parameters = self._parameters
+        self._core.automatic = self._automatic  # the manual API is refused in automatic optimization
         self._slicer = BatchSlicer(microbatch_size, split_batch)
         self._steps = AutomaticSteps()
         self._evaluation = ExactEvaluation()
@@ -320,30 +320,7 @@ class ExactAccumulation(Strategy, CoreSeam):
 
     # ------------------------------------------------------------------ manual optimization
 
-    def accumulate(
-        self,
-        loss: Tensor,
-        num_tokens: Count | None = None,
-        num_samples: Count | None = None,
-        batch: Any = None,
-        group_size: int | None = None,
-        num_documents: Count | None = None,
-    ) -> Tensor:
-        if self._automatic():
-            raise RuntimeError(
-                "`strategy.accumulate` is for manual optimization (`automatic_optimization = False`). In automatic"
-                " optimization return `{'loss': loss, 'num_tokens': n}` from `training_step`: the strategy weights it."
-            )
-        return self._core.accumulate(loss, num_tokens, num_samples, batch, group_size, num_documents)
-
-    accumulate.__doc__ = AccumulationCore.accumulate.__doc__
-
     def close_group(self, optimizer: Optimizer | LightningOptimizer, group_size: int | None = None) -> GroupRecord:
-        if self._automatic():
-            raise RuntimeError(
-                "`strategy.close_group` is for manual optimization (`automatic_optimization = False`); in automatic"
-                " optimization the strategy closes every group itself."
-            )
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         return self._core.close_group(inner, self.lightning_module, self.gradient_scaler, group_size, self.optimizers)
 
