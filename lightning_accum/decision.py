@@ -62,6 +62,9 @@ class GroupOutcome:
     record: GroupRecord
     scaled: bool = False
     batch_samples: list[int] = field(default_factory=list)
+    #: Parameters that held a nonzero gradient when the (manual) group opened, over all replicas: the manual API
+    #: refuses such a group at its close.
+    stale: int = 0
 
 
 def check_agreement(
@@ -323,7 +326,9 @@ class GroupDecisions:
                 raise RuntimeError(message)
             warn(message)
         factor = reduced.group_scale_times_d / reduced.units if action == "apply" else 1.0
-        return GroupOutcome(action, factor, record, scaled=scaled, batch_samples=sums.batch_samples)
+        return GroupOutcome(
+            action, factor, record, scaled=scaled, batch_samples=sums.batch_samples, stale=reduced.stale
+        )
 
     def _say_once(self, kind: str, say: Say, message: str) -> None:
         if kind not in self._said:

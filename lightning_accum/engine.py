@@ -419,6 +419,7 @@ class AccumulationEngine:
         gradients: Sequence[Tensor] | GradientsByKind | None = None,
         check_gradients: bool = False,
         describe_nonfinite: Callable[[], str] | None = None,
+        stale: Tensor | None = None,
     ) -> GroupOutcome:
         """Reduce the group's sums over replicas (one all-reduce, one host read) and decide what to do.
 
@@ -435,6 +436,9 @@ class AccumulationEngine:
                 kernel GradScaler unscales with; checked before multiplying), for ``on_nonfinite`` "skip" and
                 "raise". Every replica checks the same averaged gradient, so all take the same decision.
             describe_nonfinite: Names the first offending parameter, for ``on_nonfinite="raise"``.
+            stale: A manual group that opened on gradients already there: how many of them are nonzero (a device
+                scalar), read with the group's values (:attr:`GroupOutcome.stale
+                <lightning_accum.decision.GroupOutcome.stale>`, summed over the replicas).
 
         Raises:
             ValueError: A reported count was negative (on every replica alike, so none of them hangs).
@@ -442,6 +446,7 @@ class AccumulationEngine:
                 under ``on_nonfinite="raise"``.
         """
         sums, unit = self._sums, self.ledger.normalization
+        sums.stale = stale
         scale = self._group_scale if self._group_scale is not None else accumulate * (self.reference_weight or 1.0)
         if self.replicas.alone and sums.carried_nothing:  # nothing to sum: the values read as they are
             reduced, nonfinite = _local_close(sums, unit, ends_epoch, scale, gradients, check_gradients)
@@ -565,16 +570,19 @@ def _local_close(
     found = rescale_gradients(gradients, factor, check) if gradients and factor is not None else None
     read_scale = scale if isinstance(scale, Tensor) and not sums.sole else None  # a sole c = w is read as a count
     counts = [c for c in (*sums.tokens, *sums.samples, *sums.documents) if isinstance(c, Tensor)]
+    stale = sums.stale
     items = [
         *sums.losses,
         *([found] if found is not None else []),
         *([read_scale] if read_scale is not None else []),
+        *([stale] if stale is not None else []),
         *counts,
     ]
     read, exact_below = _read_once(items)
     losses = [next(read) for _ in sums.losses]
     nonfinite = found is not None and next(read) > 0
     read_c = next(read) if read_scale is not None else None
+    stale_count = round(next(read)) if stale is not None else 0
     tokens, samples, documents = (
         [c if not isinstance(c, Tensor) else _exact(next(read), c, exact_below) for c in kind]
         for kind in (sums.tokens, sums.samples, sums.documents)
@@ -598,6 +606,7 @@ def _local_close(
         ended=int(ends_epoch),
         excess=sum(p is not None and c > p for c, p in zip(tokens, sums.positions, strict=True)),
         documents=sum(documents),
+        stale=stale_count,
     )
     return reduced, nonfinite
 

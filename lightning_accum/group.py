@@ -63,6 +63,7 @@ class Slot(IntEnum):
     DOCUMENTS_HI = 12
     DOCUMENTS_LO = 13
     UNIT_CODE_SQUARED = 14  #: its square: with the sum of the codes, replicas agree iff the codes' variance is 0
+    STALE = 15  #: parameters that held a nonzero gradient when a manual group opened (see :attr:`GroupSums.stale`)
 
 
 VECTOR_SIZE = len(Slot)
@@ -120,6 +121,7 @@ class ReducedGroup:
     excess: int = 0
     documents: int = 0
     unit_code_squared: float = 0.0
+    stale: int = 0
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> ReducedGroup:
@@ -136,6 +138,7 @@ class ReducedGroup:
             excess=round(values[Slot.EXCESS]),
             documents=int(values[Slot.DOCUMENTS_HI]) * COUNT_SPLIT + int(values[Slot.DOCUMENTS_LO]),
             unit_code_squared=values[Slot.UNIT_CODE_SQUARED],
+            stale=round(values[Slot.STALE]),
         )
 
 
@@ -172,6 +175,10 @@ class GroupSums:
         #: The group holds one micro-batch known to be its only one, back-propagated as its loss (``c = w``; see
         #: :meth:`AccumulationEngine.add_microbatch`).
         self.sole = False
+        #: A manual group that opened on gradients already there (zeroed in place, or stale): how many of them hold a
+        #: nonzero value, counted on the device when it opened, given to the close and read with its values (no host
+        #: read of its own): a gradient zeroed in place is harmless, a stale one an error at the close.
+        self.stale: Tensor | None = None
 
     @property
     def carried_nothing(self) -> bool:
@@ -246,7 +253,10 @@ class GroupSums:
         for slot, value in (*(extra or {}).items(), *self.carried.items()):
             host[slot] += value
         host[Slot.EXCESS] += self.host_excess()
-        parts: list[tuple[tuple[Slot, ...], Tensor]] = []  # device values and the slots they are added to
+        # Device values and the slots they are added to (first: the count of stale gradients, where one was given).
+        parts: list[tuple[tuple[Slot, ...], Tensor]] = (
+            [] if self.stale is None else [((Slot.STALE,), self.stale.to(device, torch.float64).reshape(1))]
+        )
         if isinstance(group_scale, Tensor):
             parts.append(((Slot.GROUP_SCALE,), group_scale.to(device=device, dtype=torch.float64).reshape(1)))
         else:

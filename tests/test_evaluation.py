@@ -244,3 +244,46 @@ def test_the_trainers_value_is_fabrics_evaluation_of_the_same_batches_bit_for_bi
         assert results[index][f"accum/val_loss/dataloader_idx_{index}"] == record.loss
         assert results[index][f"accum/val_perplexity/dataloader_idx_{index}"] == record.perplexity
         assert record.loss == pytest.approx(reference_loss(model, parts[index]), rel=1e-12)
+
+
+def _loop_state(strategy: Any) -> dict[str, str]:
+    """What the strategy's own parts hold between entry points, shape only (``None``, a type, a container's size): the
+    run's records (the ledger, the evaluation findings, the messages said once) are not loop state."""
+
+    def shape(value: Any) -> str:
+        if value is None or isinstance(value, bool | int | float | str):
+            return repr(value)
+        if isinstance(value, list | dict | set | tuple):
+            return f"{type(value).__name__}[{len(value)}]"
+        return type(value).__name__
+
+    parts = {
+        "strategy": {k: getattr(strategy, k) for k in ("_trainer_ref", "_agreement", "_aside", "_failed")},
+        "evaluation": {k: v for k, v in vars(strategy._evaluation).items() if k not in ("findings", "_said")},
+        "manual": vars(strategy._core.manual),
+        "checkpoint": vars(strategy._core.checkpoint),
+        "core": {"_reopen_later": strategy._core._reopen_later},
+    }
+    return {f"{part}.{name}": shape(value) for part, values in parts.items() for name, value in values.items()}
+
+
+@pytest.mark.parametrize("entry", ["validate", "test", "fit"])
+def test_an_evaluation_ends_with_its_loop_and_the_trainer_and_the_model_pickle(entry: str) -> None:
+    # Before: the evaluation's run stayed on the strategy after its loop, holding a lambda: `pickle.dumps(trainer)` and
+    # Lightning's own `test_model_torch_save` failed with "Can't pickle local object '_Run.loader.<locals>.<lambda>'".
+    import io
+    import pickle
+
+    examples = make_examples(LENGTHS[:8], seed=4)
+    model = EvalLM()
+    trainer = _trainer(max_steps=2, val_check_interval=2)
+    before = _loop_state(trainer.strategy)
+    if entry == "fit":
+        trainer.fit(model, _loader(examples, 2), _loader(examples, 4))
+    else:
+        getattr(trainer, entry)(model, _loader(examples, 4))
+    assert "accum/val_loss" in trainer.callback_metrics or "accum/test_loss" in trainer.callback_metrics
+    assert _loop_state(trainer.strategy) == before
+    pickle.dumps(trainer)
+    torch.save(model, io.BytesIO())
+    torch.save(trainer.model, io.BytesIO())

@@ -82,14 +82,17 @@ class GroupClosing:
         accumulate: int,
         ends_epoch: bool,
         scaler: torch.amp.GradScaler | None,
+        stale: Tensor | None = None,
     ) -> GroupOutcome:
-        """Close the open group over ``optimizer``'s gradients: one all-reduce, the rescale, the decision."""
+        """Close the open group over ``optimizer``'s gradients: one all-reduce, the rescale, the decision (``stale``:
+        see :meth:`AccumulationEngine.close_group <lightning_accum.engine.AccumulationEngine.close_group>`)."""
         return engine.close_group(
             accumulate=accumulate,
             ends_epoch=ends_epoch,
             gradients=self.gradients_by_kind(optimizer),
             check_gradients=scaler is None and engine.options.on_nonfinite != "ignore",
             describe_nonfinite=lambda: self.first_nonfinite(optimizer, module),
+            stale=stale,
         )
 
     def gradients_by_kind(self, optimizer: Optimizer) -> GradientsByKind:

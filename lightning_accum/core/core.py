@@ -75,8 +75,11 @@ CLOSE_GROUP_DOC = """Close the group reported with ``accumulate``, right before 
             RuntimeError: In a Trainer's automatic optimization, with no micro-batch reported since the last close,
                 while the previous group's ``optimizer.step()`` has not run, while the tensor the last
                 ``accumulate`` returned was never back-propagated, after a group whose last backward ran without
-                gradient synchronisation where that matters (several DDP replicas, FSDP2), or after a backward that
-                reached another optimizer's parameters.
+                gradient synchronisation where that matters (several DDP replicas, FSDP2), after a backward that
+                reached another optimizer's parameters, when the group's gradients changed outside the strategy
+                (``zero_grad()`` inside the group, torch's own ``loss.backward()``), or when the group opened on a
+                nonzero gradient already there (a backward before its first ``accumulate``, a ``zero_grad`` forgotten
+                after a step; a gradient zeroed in place is fine).
         """
 
 
@@ -184,9 +187,9 @@ class AccumulationCore:
 
         Raises:
             RuntimeError: In a Trainer's automatic optimization (return the counts from ``training_step`` there),
-                while a closed group waits for its ``optimizer.step()``, while the tensor the previous call returned
-                was never back-propagated, or when a group opens on parameters that already hold a gradient (a
-                backward before its first ``accumulate``, a ``zero_grad`` forgotten after a step).
+                while a closed group waits for its ``optimizer.step()``, or while the tensor the previous call returned
+                was never back-propagated. (A group that opens on a nonzero gradient already there, from a backward
+                before its first ``accumulate`` or a ``zero_grad`` forgotten after a step, is refused at its close.)
             TypeError: ``loss`` is not a tensor.
             ValueError: Under ``normalize="auto"``, counts of a finer unit than the one the run fixed.
         """
@@ -199,7 +202,7 @@ class AccumulationCore:
         counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
         opening = None if self.group_open else self.parameters
         return self.manual.accumulate(
-            self.engine, loss, counts, batch, group_size, self.data_parallel_replicas, opening
+            self.engine, loss, counts, batch, group_size, self.data_parallel_replicas, opening, self.closing.local
         )
 
     def close_group(
@@ -240,12 +243,13 @@ class AccumulationCore:
                 " second loss of the same micro-batch, add it to the loss you pass to `accumulate`."
             )
         if ours:
+            self.manual.check_untouched(self.engine, "backward")
             self.engine.take_backward_tensor()
         with self._naming_unpaired():
             result = run()
         if ours:
             self.engine.backward_finished()
-            self.manual.note_backward(unsynced)
+            self.manual.note_backward(unsynced, self.parameters)
         return result
 
     @contextmanager

@@ -19,6 +19,13 @@ AccumulationReport, AxisLR) see every group as in automatic optimization.
 Every tensor ``accumulate`` hands out must be back-propagated before the next ``accumulate`` or the group's close:
 its micro-batch counts in the group's denominator, so a gradient missing from the group would under-weight the
 update silently. The strategy knows which tensor it handed out and says so instead.
+
+The open group owns its parameters' gradients: between two of its backwards nothing else may change them. Each
+backward notes every gradient's identity and version counter (host values, no device read); the next backward and
+the close compare, so that ``zero_grad()`` inside the group (a group abandoned without a close), torch's own
+``loss.backward()`` or an in-place edit is an error naming what changed, never an update that counts micro-batches
+whose gradient is gone. A group that opens on gradients already there counts, on the device, those that are nonzero:
+the close's one host read tells a gradient zeroed in place (harmless) from a stale one (an error).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.microbatch import Count
+
+Marks = list[tuple[int, int] | None]
 
 __all__ = ["ManualGroups"]
 
@@ -59,17 +68,45 @@ class ManualGroups:
         self.closed: _Closed | None = None
         self.last_unsynced = False  # the open group's latest backward ran with gradient synchronisation blocked
         self.unsynced = False  # ... one of its backwards did (its gradient may be held unreduced inside FSDP2)
+        self._unwatch()
 
     def reset(self) -> None:
         self.handed_out = None
         self.closed = None
         self.last_unsynced = self.unsynced = False
+        self._unwatch()
 
-    def note_backward(self, unsynced: bool) -> None:
+    def _unwatch(self) -> None:
+        self._watched: NamedParameters = []  # the open group's parameters, whose gradients it owns
+        self._marks: Marks | None = None  # each gradient's (id, version) after the group's last backward
+        self._held: list[Tensor | None] = []  # those gradients, kept so that no new one reuses an id
+        self._opened_on: list[str] = []  # the parameters that held a gradient when the group opened
+        self._stale: Tensor | None = None  # how many of them are nonzero, counted on the device (read by the close)
+
+    def _mark(self) -> None:
+        self._held = [p.grad for _, p in self._watched]
+        self._marks = _marks_of(self._watched)
+
+    def note_backward(self, unsynced: bool, parameters: Callable[[], NamedParameters]) -> None:
         """The handed-out tensor was back-propagated, with gradient synchronisation blocked or not (as the door that
-        ran it saw: Fabric's ``no_backward_sync``, DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``)."""
+        ran it saw: Fabric's ``no_backward_sync``, DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``); the
+        group's gradients are marked as this backward left them (``parameters``: the group's, where it did not open
+        with an ``accumulate``, as one reopened from a checkpoint)."""
         self.last_unsynced = unsynced
         self.unsynced = self.unsynced or unsynced
+        if not self._watched:
+            self._watched = parameters()
+        self._mark()
+
+    def check_untouched(self, engine: AccumulationEngine, call: str) -> None:
+        """Refuse a group whose gradients changed since its last backward (or its opening) other than through the
+        strategy: compared on the host, by each gradient's identity and version counter."""
+        marks = self._marks
+        if marks is None:
+            return
+        now = _marks_of(self._watched)
+        if now != marks:
+            raise RuntimeError(_touched_message(call, engine.microbatches_in_group, self._watched, marks, now))
 
     def accumulate(
         self,
@@ -80,13 +117,13 @@ class ManualGroups:
         group_size: int | None,
         replicas: int,
         opening: Callable[[], NamedParameters] | None = None,
+        local: Callable[[Tensor], Tensor] = lambda grad: grad,
     ) -> Tensor:
         """Record one micro-batch in the open group; return ``loss · w / c`` (see ``ExactAccumulation.accumulate``).
-        ``opening``: the micro-batch opens a group, on these parameters (none of which may hold a gradient yet)."""
+        ``opening``: the micro-batch opens a group, on these parameters (a gradient already there must be zero: told
+        at the close); ``local``: the part of a gradient this rank holds (a DTensor's shard)."""
         self._check_no_step_pending("accumulate")
         self._check_handed_out_used("accumulate")
-        if opening is not None:
-            _refuse_a_gradient_already_there(opening())
         if not isinstance(loss, Tensor):
             raise TypeError(
                 f"`strategy.accumulate(loss=...)` takes the micro-batch's mean loss as a tensor, got"
@@ -108,6 +145,11 @@ class ManualGroups:
                 " real size (or None) to `accumulate`."
             )
         output = {"loss": loss, **{key: value for key, value in counts.items() if value is not None}}
+        if opening is not None:
+            self._unwatch()
+            self._watched = opening()
+            self._opened_on, self._stale = _nonzero_gradients(self._watched, local, engine.device)
+            self._mark()
         tensor = engine.add_microbatch(output, batch, accumulate=group_size, sole=sole)
         assert tensor is not None  # a tensor loss always gives one
         self.handed_out = tensor
@@ -160,6 +202,7 @@ class ManualGroups:
                 " update would differ per replica or miss the group. Run a group's last micro-batch with"
                 " synchronisation: `enabled=not last`."
             )
+        self.check_untouched(engine, "close_group")
         _refuse_gradients_of_other_optimizers(optimizer, optimizers)
         self._check_handed_out_used("close_group")
         if group_size is not None and (
@@ -173,8 +216,14 @@ class ManualGroups:
                 " group size you run."
             )
         accumulate = group_size if group_size is not None else held
-        outcome = closing.close(engine, optimizer, module, accumulate, ends_epoch=False, scaler=scaler)
+        outcome = closing.close(
+            engine, optimizer, module, accumulate, ends_epoch=False, scaler=scaler, stale=self._stale
+        )
         self.last_unsynced = self.unsynced = False
+        opened_on = self._opened_on
+        self._unwatch()
+        if outcome.stale:
+            raise RuntimeError(_stale_message(outcome.stale, opened_on))
         if outcome.action != "apply":
             optimizer.zero_grad(set_to_none=True)
             self.closed = _Closed(optimizer, None)
@@ -266,18 +315,70 @@ def _refuse_gradients_of_other_optimizers(closed: Optimizer, optimizers: Sequenc
             )
 
 
-def _refuse_a_gradient_already_there(parameters: NamedParameters) -> None:
-    """A group opens on parameters without a gradient: one already there (a backward before the group's first
-    ``accumulate``, or a ``zero_grad`` forgotten after the last step) would join the group's and be rescaled with it,
-    the seed's "examples of the previous update contribute". Told on the host (``grad is not None``): no device read."""
-    held = [name for name, p in parameters if p.grad is not None]
-    if held:
-        names = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
-        raise RuntimeError(
-            f"`accumulate`: a new accumulation group opens while {len(held)} optimized parameter(s) already hold a"
-            f" gradient ({names}): a backward ran before the group's first `accumulate` (back-propagate only what"
-            " `accumulate` returns), or `optimizer.zero_grad()` was not called after the last `optimizer.step()`."
-            " That gradient would join the group's and be rescaled with it: the examples of another update would"
-            " contribute to this one. Call `optimizer.zero_grad()` (set_to_none=True, torch's default) after each step;"
-            " a gradient zeroed in place (`set_to_none=False`) cannot be told from a stale one without a device read."
-        )
+def _marks_of(parameters: NamedParameters) -> Marks:
+    """Each parameter's gradient as a host mark: its identity and version counter (``None`` without one)."""
+    return [(id(g), g._version) if (g := p.grad) is not None else None for _, p in parameters]
+
+
+def _nonzero_gradients(
+    parameters: NamedParameters, local: Callable[[Tensor], Tensor], device: torch.device
+) -> tuple[list[str], Tensor | None]:
+    """The parameters that hold a gradient when a group opens, and how many of them hold a nonzero one, counted on
+    ``device`` (``None`` when none holds a gradient: nothing to count, the usual case after ``zero_grad()``)."""
+    held = [(name, grad) for name, p in parameters if (grad := p.grad) is not None]
+    if not held:
+        return [], None
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for _, grad in held:
+        count += local(grad).ne(0).any().to(device, non_blocking=True)
+    return [name for name, _ in held], count
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _stale_message(count: int, names: list[str]) -> str:
+    return (
+        f"`close_group`: the group opened while {count} optimized parameter(s) already held a nonzero gradient (among"
+        f" {_names(names)}): a backward ran before the group's first `accumulate` (back-propagate only what"
+        " `accumulate` returns), or `optimizer.zero_grad()` was not called after the last `optimizer.step()`. That"
+        " gradient joined the group's and was rescaled with it: the examples of another update would contribute to"
+        " this one, so the close stops here. Call `optimizer.zero_grad()` after each step (a gradient zeroed in place,"
+        " `set_to_none=False`, is fine)."
+    )
+
+
+def _touched_message(call: str, held: int, parameters: NamedParameters, before: Marks, after: Marks) -> str:
+    """What changed the open group's gradients outside the strategy, told from the marks (and, on this error path
+    only, a read of the gradients changed in place: zeroed, or added to)."""
+    kinds: dict[str, list[str]] = {}
+    for (name, p), old, new in zip(parameters, before, after, strict=True):
+        if old == new:
+            continue
+        if new is None or (old is not None and old[0] != new[0]):
+            kind = "cleared"
+        elif old is None:
+            kind = "added"
+        else:
+            kind = "zeroed" if not bool(p.grad.ne(0).any()) else "added"  # type: ignore[union-attr]
+        kinds.setdefault(kind, []).append(name)
+    what = {
+        "cleared": "set to None (`optimizer.zero_grad()` or `model.zero_grad()` inside the group: a group abandoned"
+        " without `close_group`)",
+        "zeroed": "zeroed in place (`zero_grad(set_to_none=False)` inside the group)",
+        "added": "added to by a backward that did not go through the strategy (torch's own `loss.backward()`) or"
+        " changed in place",
+    }
+    found = "; ".join(
+        f"{len(names)} parameter gradient(s) {what[kind]}, e.g. {_names(names)}" for kind, names in kinds.items()
+    )
+    return (
+        f"`{call}`: the gradient of the open accumulation group ({held} micro-batch(es) reported with `accumulate`)"
+        f" changed outside the strategy since its last backward: {found}. Every reported micro-batch counts in the"
+        " group's denominator, so the update would weigh micro-batches whose gradient is gone, or a gradient no"
+        " `accumulate` reported. Back-propagate exactly what `accumulate` returns, through"
+        " `self.manual_backward(tensor)` (Trainer) or `fabric.backward(tensor)` (Fabric) instead of `loss.backward()`,"
+        " and call `optimizer.zero_grad()` only after `close_group(optimizer)` and `optimizer.step()`: a group is"
+        " not abandoned halfway, close it (with `group_size=` for a partial group) and step."
+    )

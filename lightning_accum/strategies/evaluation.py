@@ -176,7 +176,9 @@ class ExactEvaluation:
         self._gate = InstancePatch(module, _EPOCH_END[stage], epoch_end)
 
     def end(self) -> None:
-        """Remove the epoch-end gate (the strategy's ``on_validation_end`` / ``on_test_end`` and ``teardown``)."""
+        """End the loop's run and remove the epoch-end gate (the strategy's ``on_validation_end`` / ``on_test_end`` and
+        ``teardown``): nothing of one evaluation stays on the strategy (a Trainer pickles after it)."""
+        self._run = None
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.release()
