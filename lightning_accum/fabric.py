@@ -280,13 +280,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
     def teardown(self) -> None:
         # Fabric never calls it: `fabric.strategy.teardown()` is the documented end of a loop's state on the strategy
         # (its modules and optimizers, an open or carried group; the ledger stays, the run's record).
-        lost = self._core.engine.discard_open_group()
-        if lost:
-            rank_zero_info(
-                f"lightning_accum: `teardown` ended the loop inside an accumulation group: its {lost} micro-batch(es)"
-                " on this replica never reached an optimizer step, and the ledger does not count them."
-            )
-        self._core.end()
+        self._core.end("`teardown` ended the loop", rank_zero_info)
         self._modules, self._optimizers = [], []
         super().teardown()
 

@@ -260,9 +260,7 @@ def _loop_state(strategy: Any) -> dict[str, str]:
     parts = {
         "strategy": {k: getattr(strategy, k) for k in ("_trainer_ref", "_agreement", "_aside", "_failed")},
         "evaluation": {k: v for k, v in vars(strategy._evaluation).items() if k not in ("findings", "_said")},
-        "manual": vars(strategy._core.manual),
-        "checkpoint": vars(strategy._core.checkpoint),
-        "core": {"_reopen_later": strategy._core._reopen_later},
+        "group": {k: v for k, v in vars(strategy._core.group).items() if k != "engine"},
     }
     return {f"{part}.{name}": shape(value) for part, values in parts.items() for name, value in values.items()}
 

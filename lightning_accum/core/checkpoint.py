@@ -50,6 +50,7 @@ from lightning_accum.core.entry import (
     refuse_unknown_meaning,
     validated_state,
 )
+from lightning_accum.core.lifecycle import GroupLifecycle
 from lightning_accum.core.reading import distributed_gradients
 from lightning_accum.engine import AccumulationEngine
 
@@ -65,22 +66,11 @@ __all__ = [
 
 
 class OpenGroupCheckpoint:
-    """The package's checkpoint entry of a run, and the group it carries from the writing run to the resumed one."""
+    """The package's checkpoint entry of a run, and the group it carries from the writing run to the resumed one: the
+    operations; the group's state (read and waiting, its carried gradient) is the lifecycle's."""
 
-    def __init__(self) -> None:
-        #: The checkpoint's open group, until the first micro-batch of the resumed run reopens it.
-        self.resumed: dict[str, Any] | None = None
-        #: The carried gradient by parameter name, until the first backward after the reopen adds it.
-        self.carried: dict[str, Tensor] | None = None
-        self._targets: NamedParameters = []  # the parameters `carried` is added to
-        #: The checkpoint's entry of that group as it was read, written again by a checkpoint taken before the reopen.
-        self._pending_entry: tuple[int, dict[str, Any] | None, dict[str, Any] | None] | None = None
-
-    def reset(self) -> None:
-        """Forget a checkpoint's group not yet reopened or installed: it belongs to the fit that loaded it."""
-        self.resumed = self.carried = None
-        self._targets = []
-        self._pending_entry = None
+    def __init__(self, group: GroupLifecycle) -> None:
+        self.group = group
 
     # ------------------------------------------------------------------ writing
 
@@ -108,11 +98,11 @@ class OpenGroupCheckpoint:
         state = engine.state_dict()
         state["format"] = FORMAT
         state["config"] = config
-        if self.resumed is not None and self._pending_entry is not None:
+        if self.group.loaded is not None and self.group.pending_entry is not None:
             # Written after a resume and before the first micro-batch reopened the checkpoint's group (a signal, an
             # exception checkpoint when the first fetch fails): nothing ran since, so the group, and the configuration
             # it was formed under, are the ones read.
-            state["open_group_microbatches"], group, written_config = self._pending_entry
+            state["open_group_microbatches"], group, written_config = self.group.pending_entry
             state["open_group"] = group
             state["config"] = written_config or config
             return state
@@ -199,7 +189,7 @@ class OpenGroupCheckpoint:
         Returns:
             The checked entry, or ``None`` when the checkpoint has none (announced).
         """
-        self._pending_entry = None
+        self.group.pending_entry = None
         if CHECKPOINT_KEY not in checkpoint:
             rank_zero_warn(
                 f"lightning_accum: the checkpoint {path!r} holds no {CHECKPOINT_KEY!r} entry (written by another"
@@ -207,7 +197,7 @@ class OpenGroupCheckpoint:
                 " it was written inside an accumulation group, the micro-batches of that group before it are not in"
                 " its update (the group is closed as a full one, not dropped as a partial one)."
             )
-            self.resumed = {"microbatches": 0, "unknown": True}
+            self.group.loaded = {"microbatches": 0, "unknown": True}
             return None
         state = validated_state(checkpoint[CHECKPOINT_KEY])
         written_group = state.get("open_group")
@@ -223,9 +213,9 @@ class OpenGroupCheckpoint:
         group = dict(written_group or {"microbatches": 0})
         _honour_normalize(engine, written_unit, group)
         config = dict(state.get("config") or {})
-        self._pending_entry = (int(group["microbatches"]), written_group, config)
+        self.group.pending_entry = (int(group["microbatches"]), written_group, config)
         group["config"] = config  # checked against the loop's position at the reopen
-        self.resumed = group
+        self.group.loaded = group
         return state
 
     # ------------------------------------------------------------------ resuming
@@ -251,7 +241,7 @@ class OpenGroupCheckpoint:
                 all-reduce and DDP's average add the others').
             parameters: The optimized parameters by name, to check the carried gradient against.
         """
-        group, self.resumed = self.resumed, None
+        group, self.group.loaded = self.group.loaded, None
         if group is None:
             return
         _announce_changes(group.get("config") or {}, config, position)
@@ -274,8 +264,8 @@ class OpenGroupCheckpoint:
         if "gradients" in group:
             gradients = checked_gradients(group, parameters)
             engine.resume_open_group(group, holds_sums=holds_sums, position=position, total=total)
-            self.carried = gradients  # each strategy's `part` says what of it each rank adds (see `install`)
-            self._targets = list(parameters)
+            self.group.carried = gradients  # each strategy's `part` says what of it each rank adds (see `install`)
+            self.group.targets = list(parameters)
             rank_zero_info(
                 f"lightning_accum: resumed inside an accumulation group; its first {total} micro-batch(es) (over all"
                 " replicas) come from the checkpoint (gradient and counters), so the group closes exactly."
@@ -305,8 +295,8 @@ class OpenGroupCheckpoint:
             part: The strategy's share of this rank, given a parameter and its carried gradient (the replicas' sum):
                 the tensor to add to the parameter's gradient, or ``None`` for nothing.
         """
-        gradients, self.carried = self.carried, None
-        parameters, self._targets = self._targets, []
+        gradients, self.group.carried = self.group.carried, None
+        parameters, self.group.targets = self.group.targets, []
         if not gradients:
             return
         for name, p in parameters:

@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 from lightning_accum.core.adapter import EngineAdapter, NamedParameters
 from lightning_accum.core.checkpoint import OpenGroupCheckpoint
 from lightning_accum.core.closing import GroupClosing
+from lightning_accum.core.lifecycle import GroupLifecycle
 from lightning_accum.core.manual import ManualGroups
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.evaluation_loss import EvaluationLoss
@@ -102,13 +103,30 @@ class AccumulationCore:
         self.engine.bind(info=rank_zero_info, warn=rank_zero_warn)
         shards = type(self.adapter).local_gradient is not EngineAdapter.local_gradient  # else the gradient itself
         self.closing = GroupClosing(local=self.adapter.local_gradient) if shards else GroupClosing()
-        self.manual = ManualGroups()
-        self.checkpoint = OpenGroupCheckpoint()
-        self._reopen_later: Callable[[], None] | None = None  # a loaded group waiting for its optimizer (Fabric)
+        self._own(self.engine)
         #: The optimized parameters by name (set by each front class): a group opens on them without a gradient.
         self.parameters: Callable[[], NamedParameters] = list
         #: Whether the loop runs automatic optimization (a Trainer's, set by its door): the manual API is refused there.
         self.automatic: Callable[[], bool] = _manual
+
+    def _own(self, engine: AccumulationEngine) -> None:
+        """Run on ``engine``, with a lifecycle of its own and the operations on it."""
+        self.engine = engine
+        #: The one owner of the group's lifecycle (:mod:`~lightning_accum.core.lifecycle`).
+        self.group = GroupLifecycle(engine)
+        self.manual = ManualGroups(self.group)
+        self.checkpoint = OpenGroupCheckpoint(self.group)
+
+    @contextmanager
+    def aside(self, engine: AccumulationEngine) -> Generator[None, None, None]:
+        """Run on ``engine`` (e.g. :meth:`AccumulationEngine.scratch`) inside the block, with a lifecycle of its own:
+        the run's engine, open group and a checkpoint's group waiting are left untouched, and given back after."""
+        saved = self.engine, self.group, self.manual, self.checkpoint
+        self._own(engine)
+        try:
+            yield
+        finally:
+            self.engine, self.group, self.manual, self.checkpoint = saved
 
     # ------------------------------------------------------------------ the public seam
 
@@ -130,14 +148,9 @@ class AccumulationCore:
     @property
     def group_open(self) -> bool:
         """Whether an accumulation group is open: micro-batches reported since the last close, or a group carried
-        over from a checkpoint that has not been closed yet (also before its first new micro-batch)."""
-        resumed = self.checkpoint.resumed or {}
-        return bool(
-            self.engine.microbatches_in_group
-            or self.engine.carried_microbatches
-            or int(resumed.get("microbatches", 0))
-            or self._reopen_later is not None
-        )
+        over from a checkpoint that has not been closed yet (also before its first new micro-batch); one read of the
+        lifecycle (:attr:`GroupLifecycle.group_open <lightning_accum.core.lifecycle.GroupLifecycle.group_open>`)."""
+        return self.group.group_open
 
     def reduce_sum(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
@@ -312,7 +325,7 @@ class AccumulationCore:
             config,
             running=running,
             failed=failed,
-            carry=lambda: self.adapter.carry_gradients(parameters, self.manual.unsynced),
+            carry=lambda: self.adapter.carry_gradients(parameters, self.group.unsynced),
             parameter_names=[name for name, _ in parameters],
         )
 
@@ -324,27 +337,26 @@ class AccumulationCore:
         """A group loaded before the loop set up its optimizer (FSDP2's order: ``setup_module``, ``load``,
         ``setup_optimizers``): ``reopen()`` runs at the loop's next ``accumulate``, backward, close or save, when the
         parameters it was carried for are known."""
-        self._reopen_later = reopen
+        self.group.reopen_later = reopen
 
     def reopen_deferred(self) -> None:
         """Run a reopen :meth:`reopen_when_used` deferred, once."""
-        reopen, self._reopen_later = self._reopen_later, None
+        reopen, self.group.reopen_later = self.group.reopen_later, None
         if reopen is not None:
             reopen()
 
     def install_carried(self) -> None:
         """A group resumed from a checkpoint: its gradient is added before the loop's first backward (or close)."""
         self.reopen_deferred()
-        if self.checkpoint.carried is not None:
+        if self.group.carried is not None:
             self.checkpoint.install(self.adapter.carried_part)
 
-    def end(self) -> None:
-        """The entry point that ran the strategy ends: its manual state and a checkpoint's group not yet reopened
-        end with it (a group a fit left open is the front class's to discard: it says why)."""
+    def end(self, why: str, say: Callable[[str], None] | None = None, then: str = "") -> int:
+        """The entry point that ran the strategy ends, and the group with it: both doors' teardowns call this (see
+        :meth:`GroupLifecycle.end <lightning_accum.core.lifecycle.GroupLifecycle.end>`); the close's per-run layout
+        and schedules end too. Returns the micro-batches discarded on this replica."""
         self.closing.reset()
-        self.manual.reset()
-        self.checkpoint.reset()
-        self._reopen_later = None
+        return self.group.end(why, say, then)
 
 
 def one_device_property(chooser: str) -> Any:

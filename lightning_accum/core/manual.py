@@ -31,7 +31,6 @@ the close's one host read tells a gradient zeroed in place (harmless) from a sta
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,72 +40,46 @@ from torch.optim import Optimizer
 
 from lightning_accum.core.adapter import NamedParameters
 from lightning_accum.core.closing import GroupClosing
-from lightning_accum.decision import GroupOutcome
+from lightning_accum.core.lifecycle import Closed, GroupLifecycle, Marks
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.microbatch import Count
 
-Marks = list[tuple[int, int] | None]
-
 __all__ = ["ManualGroups"]
 
 
-@dataclass
-class _Closed:
-    """A group closed by ``close_group`` whose ``optimizer.step()`` has not run yet."""
-
-    optimizer: Optimizer
-    outcome: GroupOutcome | None  # None: the group makes no update, the step is answered by doing nothing
-    scale_before: Tensor | None = None  # the GradScaler's scale, read on the device (no host read)
-
-
 class ManualGroups:
-    """What a manual loop has reported and closed: the tensor handed out, the group waiting for its step."""
+    """The manual API's operations on the group: what a manual loop reports, closes and steps. Its state (the tensor
+    handed out, the group waiting for its step, the gradients the group owns) is the lifecycle's."""
 
-    def __init__(self) -> None:
-        self.handed_out: Tensor | None = None  # the last tensor `accumulate` returned, until it is back-propagated
-        self.closed: _Closed | None = None
-        self.last_unsynced = False  # the open group's latest backward ran with gradient synchronisation blocked
-        self.unsynced = False  # ... one of its backwards did (its gradient may be held unreduced inside FSDP2)
-        self._unwatch()
-
-    def reset(self) -> None:
-        self.handed_out = None
-        self.closed = None
-        self.last_unsynced = self.unsynced = False
-        self._unwatch()
-
-    def _unwatch(self) -> None:
-        self._watched: NamedParameters = []  # the open group's parameters, whose gradients it owns
-        self._marks: Marks | None = None  # each gradient's (id, version) after the group's last backward
-        self._held: list[Tensor | None] = []  # those gradients, kept so that no new one reuses an id
-        self._opened_on: list[str] = []  # the parameters that held a gradient when the group opened
-        self._stale: Tensor | None = None  # how many of them are nonzero, counted on the device (read by the close)
+    def __init__(self, group: GroupLifecycle) -> None:
+        self.group = group
 
     def _mark(self) -> None:
-        self._held = [p.grad for _, p in self._watched]
-        self._marks = _marks_of(self._watched)
+        group = self.group
+        group.held = [p.grad for _, p in group.watched]
+        group.marks = _marks_of(group.watched)
 
     def note_backward(self, unsynced: bool, parameters: Callable[[], NamedParameters]) -> None:
         """The handed-out tensor was back-propagated, with gradient synchronisation blocked or not (as the door that
         ran it saw: Fabric's ``no_backward_sync``, DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``); the
         group's gradients are marked as this backward left them (``parameters``: the group's, where it did not open
         with an ``accumulate``, as one reopened from a checkpoint)."""
-        self.last_unsynced = unsynced
-        self.unsynced = self.unsynced or unsynced
-        if not self._watched:
-            self._watched = parameters()
+        self.group.last_unsynced = unsynced
+        self.group.unsynced = self.group.unsynced or unsynced
+        if not self.group.watched:
+            self.group.watched = parameters()
         self._mark()
 
     def check_untouched(self, engine: AccumulationEngine, call: str) -> None:
         """Refuse a group whose gradients changed since its last backward (or its opening) other than through the
         strategy: compared on the host, by each gradient's identity and version counter."""
-        marks = self._marks
+        marks = self.group.marks
         if marks is None:
             return
-        now = _marks_of(self._watched)
+        now = _marks_of(self.group.watched)
         if now != marks:
-            raise RuntimeError(_touched_message(call, engine.microbatches_in_group, self._watched, marks, now))
+            raise RuntimeError(_touched_message(call, engine.microbatches_in_group, self.group.watched, marks, now))
 
     def accumulate(
         self,
@@ -146,21 +119,21 @@ class ManualGroups:
             )
         output = {"loss": loss, **{key: value for key, value in counts.items() if value is not None}}
         if opening is not None:
-            self._unwatch()
-            self._watched = opening()
-            self._opened_on, self._stale = _nonzero_gradients(self._watched, local, engine.device)
+            self.group.unwatch()
+            self.group.watched = opening()
+            self.group.opened_on, self.group.stale = _nonzero_gradients(self.group.watched, local, engine.device)
             self._mark()
         tensor = engine.add_microbatch(output, batch, accumulate=group_size, sole=sole)
         assert tensor is not None  # a tensor loss always gives one
-        self.handed_out = tensor
+        self.group.handed_out = tensor
         return tensor
 
     def is_handed_out(self, tensor: Tensor) -> bool:
         """Whether ``tensor``, about to be back-propagated, is the one :meth:`accumulate` handed out last (then no
         longer outstanding)."""
-        if self.handed_out is None or tensor is not self.handed_out:
+        if self.group.handed_out is None or tensor is not self.group.handed_out:
             return False
-        self.handed_out = None
+        self.group.handed_out = None
         return True
 
     def close(
@@ -193,7 +166,7 @@ class ManualGroups:
                 "`strategy.close_group` found no micro-batch in the open group. Report each micro-batch with"
                 f" `tensor = strategy.accumulate(loss, num_tokens=...)` and back-propagate it first.{after}"
             )
-        if self.last_unsynced and sync_matters:
+        if self.group.last_unsynced and sync_matters:
             raise RuntimeError(
                 "`close_group`: the group's last backward ran with gradient synchronisation blocked (inside"
                 " `no_backward_sync`: `fabric.no_backward_sync(model, enabled=True)` in Fabric, the strategy's"
@@ -217,18 +190,18 @@ class ManualGroups:
             )
         accumulate = group_size if group_size is not None else held
         outcome = closing.close(
-            engine, optimizer, module, accumulate, ends_epoch=False, scaler=scaler, stale=self._stale
+            engine, optimizer, module, accumulate, ends_epoch=False, scaler=scaler, stale=self.group.stale
         )
-        self.last_unsynced = self.unsynced = False
-        opened_on = self._opened_on
-        self._unwatch()
+        self.group.last_unsynced = self.group.unsynced = False
+        opened_on = self.group.opened_on
+        self.group.unwatch()
         if outcome.stale:
             raise RuntimeError(_stale_message(outcome.stale, opened_on))
         if outcome.action != "apply":
             optimizer.zero_grad(set_to_none=True)
-            self.closed = _Closed(optimizer, None)
+            self.group.closed = Closed(optimizer, None)
             return closing.finish(engine, outcome, applied=False)
-        self.closed = _Closed(optimizer, outcome, closing.scale_now(scaler))
+        self.group.closed = Closed(optimizer, outcome, closing.scale_now(scaler))
         return outcome.record
 
     def optimizer_step(
@@ -242,7 +215,7 @@ class ManualGroups:
     ) -> Any:
         """``optimizer.step()`` in a manual loop: ``lightning_step()`` (Lightning's own) after a group closed as
         "apply", nothing after one that makes no update, Lightning's behaviour when no group was reported."""
-        closed = self.closed
+        closed = self.group.closed
         if closed is None:
             if engine.microbatches_in_group:
                 raise RuntimeError(
@@ -258,7 +231,7 @@ class ManualGroups:
                 f" `strategy.close_group(...)` belongs to another optimizer ({type(closed.optimizer).__name__})."
                 " Close each optimizer's group with `strategy.close_group(that_optimizer)` right before its step."
             )
-        self.closed = None
+        self.group.closed = None
         if closed.outcome is None:
             closure()  # the group makes no update; the user's closure (if any) still runs, as step would run it
             return None
@@ -280,8 +253,8 @@ class ManualGroups:
             )
 
     def _check_no_step_pending(self, what: str) -> None:
-        if self.closed is not None:
-            name = type(self.closed.optimizer).__name__
+        if self.group.closed is not None:
+            name = type(self.group.closed.optimizer).__name__
             raise RuntimeError(
                 f"`strategy.{what}` was called while the group closed by `strategy.close_group({name})` still waits"
                 f" for its update. Call `optimizer.step()` right after `close_group` (it applies or skips the update"
@@ -289,7 +262,7 @@ class ManualGroups:
             )
 
     def _check_handed_out_used(self, what: str) -> None:
-        if self.handed_out is not None:
+        if self.group.handed_out is not None:
             raise RuntimeError(
                 f"`strategy.{what}` was called while the tensor the last `strategy.accumulate(...)` returned was never"
                 " back-propagated: its micro-batch counts in the group's denominator, but its gradient is not in the"

@@ -62,7 +62,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum.core.adapter import EngineAdapter, NamedParameters, optimized_parameters
-from lightning_accum.core.checkpoint import CHECKPOINT_KEY, OpenGroupCheckpoint
+from lightning_accum.core.checkpoint import CHECKPOINT_KEY
 from lightning_accum.core.closing import enabled_scaler
 from lightning_accum.core.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam
 from lightning_accum.engine import AccumulationEngine
@@ -155,14 +155,13 @@ class ExactAccumulation(Strategy, CoreSeam):
         the run's ledger, open group and pending resume are not touched. ``slicing=False``: a batch given to
         ``training_step`` in the block is run whole even with ``microbatch_size=`` (for a plain-autograd
         reference); with ``True`` it is cut as in the run (the slicing record is not touched either way)."""
-        core = self._core
-        saved = core.engine, core.checkpoint, self._aside
-        core.engine, core.checkpoint, self._aside = engine, OpenGroupCheckpoint(), True
-        with self._slicer.aside(enabled=slicing):
+        saved = self._aside
+        self._aside = True
+        with self._core.aside(engine), self._slicer.aside(enabled=slicing):
             try:
                 yield engine
             finally:
-                core.engine, core.checkpoint, self._aside = saved
+                self._aside = saved
 
     @contextmanager
     def one_batch_reference(self) -> Iterator[AccumulationEngine]:
@@ -217,7 +216,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         # The hooks of every micro-batch read the module and the Trainer inline: no package call on the hot path.
         module = self.lightning_module
         if module is not None and not module.automatic_optimization:
-            if self._core.checkpoint.resumed is not None:
+            if self._core.group.loaded is not None:
                 # A manual loop resumes at the micro-batch after the checkpoint, as a Fabric loop does: the group it
                 # was written in is reopened there (position 0) and closed by the loop's own `close_group`.
                 self._core.reopen(self._checkpoints.configuration(), 0, self._parameters())
@@ -228,7 +227,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx  # the index Lightning's hooks of this batch receive
         accumulate = trainer.accumulate_grad_batches
         core = self._core
-        if core.checkpoint.resumed is not None:
+        if core.group.loaded is not None:
             position = group_position(batch_idx, accumulate)  # the group's micro-batches Lightning ran already
             core.reopen(self._checkpoints.configuration(), position, self._parameters())
         engine = core.engine
@@ -253,7 +252,7 @@ class ExactAccumulation(Strategy, CoreSeam):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._core.checkpoint.carried is not None:  # a resumed group's gradient, added before its first backward
+        if self._core.group.carried is not None:  # a resumed group's gradient, added before its first backward
             self._core.install_carried()
         lightning_backward = super().backward
         module = self.lightning_module
@@ -313,7 +312,7 @@ class ExactAccumulation(Strategy, CoreSeam):
     def _before_close(self) -> None:
         """What a group's close needs first, after Lightning's closure: the gradient of a resumed group whose
         remaining micro-batches had no backward, and a last slice's batch that Lightning did not put back."""
-        if self._core.checkpoint.carried is not None:
+        if self._core.group.carried is not None:
             self._core.install_carried()
         if self._slicer.enabled:
             self._slicer.install_pending()
@@ -406,7 +405,6 @@ class ExactAccumulation(Strategy, CoreSeam):
         refuse = self._core.refuse_clipping if manual else None  # automatic optimization clips after the close only
         self._clipping.install(self.precision_plugin, self._core.adapter, refuse)
         self._trainer_ref = trainer
-        self._core.manual.reset()
         self._slicer.reset()
         self._core.engine.bind(self.root_device, self._core.adapter.replicas())
         self._core.closing.rank = self._core.adapter.shard_rank()
@@ -442,19 +440,16 @@ class ExactAccumulation(Strategy, CoreSeam):
     @override
     def teardown(self) -> None:
         # What one entry point made ends with it: a group the fit left open (it stopped inside it: an exception, a
-        # stop requested mid-group) and a checkpoint's group not yet reopened never reach a later fit.
-        lost = self._core.engine.discard_open_group()
-        if lost and not self._aside:
-            message = (
-                f"lightning_accum: the fit stopped inside an accumulation group: its {lost} micro-batch(es) on this"
-                " replica never reached an optimizer step. Their gradient is discarded and the ledger does not count"
-                " them; a checkpoint written before the stop (OnExceptionCheckpoint, a SIGTERM checkpoint) carries"
-                " them, and `trainer.fit(..., ckpt_path=...)` from it finishes the group exactly."
-            )
-            # After an exception the exception tells why (a warning turned into an error would replace it).
-            (rank_zero_info if self._failed else rank_zero_warn)(message)
+        # stop requested mid-group) and a checkpoint's group not yet reopened never reach a later fit. After an
+        # exception the exception tells why (a warning turned into an error would replace it).
+        say = None if self._aside else rank_zero_info if self._failed else rank_zero_warn
+        self._core.end(
+            "the fit stopped",
+            say,
+            " A checkpoint written before the stop (OnExceptionCheckpoint, a SIGTERM checkpoint) carries them, and"
+            " `trainer.fit(..., ckpt_path=...)` from it finishes the group exactly.",
+        )
         self._failed = False
-        self._core.end()
         self._side.teardown()
         self._clipping.release()
         self._evaluation.end()
