@@ -44,6 +44,7 @@ from lightning_accum.core.checkpoint import OpenGroupCheckpoint
 from lightning_accum.core.closing import GroupClosing
 from lightning_accum.core.lifecycle import GroupLifecycle
 from lightning_accum.core.manual import ManualGroups
+from lightning_accum.core.rules import refuse
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.evaluation_loss import EvaluationLoss
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
@@ -207,9 +208,11 @@ class AccumulationCore:
             ValueError: Under ``normalize="auto"``, counts of a finer unit than the one the run fixed.
         """
         if self.automatic():
-            raise RuntimeError(
-                "`strategy.accumulate` is for manual optimization (`automatic_optimization = False`). In automatic"
-                " optimization return `{'loss': loss, 'num_tokens': n}` from `training_step`: the strategy weights it."
+            refuse(
+                "manual_api_in_automatic_optimization",
+                call="accumulate",
+                instead="In automatic optimization return `{'loss': loss, 'num_tokens': n}` from `training_step`: the"
+                " strategy weights it.",
             )
         self.reopen_deferred()
         counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
@@ -229,9 +232,10 @@ class AccumulationCore:
         """Close the group over ``optimizer``'s gradients: :data:`CLOSE_GROUP_DOC`, with the front class's ``module``,
         GradScaler and every optimizer of the loop (a backward that reached another one's parameters is refused)."""
         if self.automatic():
-            raise RuntimeError(
-                "`strategy.close_group` is for manual optimization (`automatic_optimization = False`); in automatic"
-                " optimization the strategy closes every group itself."
+            refuse(
+                "manual_api_in_automatic_optimization",
+                call="close_group",
+                instead="In automatic optimization the strategy closes every group itself.",
             )
         self.install_carried()
         with self._naming_unpaired():
@@ -248,13 +252,7 @@ class AccumulationCore:
         ours = self.manual.is_handed_out(tensor)
         held = self.engine.microbatches_in_group
         if not ours and held and tensor.requires_grad:
-            raise RuntimeError(
-                f"A backward of a tensor that `strategy.accumulate` did not hand out, while the open group holds {held}"
-                " micro-batch(es) reported with `accumulate`: its gradient would join the group's and be rescaled by"
-                " c · D / W as if it were a weighted micro-batch (or, for the tensor `accumulate` returned, counted"
-                " twice). Back-propagate exactly what `accumulate` returns, once each, until `close_group`; for a"
-                " second loss of the same micro-batch, add it to the loss you pass to `accumulate`."
-            )
+            refuse("foreign_backward", held=held)
         if ours:
             self.manual.check_untouched(self.engine, "backward")
             self.engine.take_backward_tensor()

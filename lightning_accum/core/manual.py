@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from lightning_accum.core.adapter import NamedParameters
 from lightning_accum.core.closing import GroupClosing
 from lightning_accum.core.lifecycle import Closed, GroupLifecycle, Marks
+from lightning_accum.core.rules import refuse
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.microbatch import Count
@@ -79,7 +80,12 @@ class ManualGroups:
             return
         now = _marks_of(self.group.watched)
         if now != marks:
-            raise RuntimeError(_touched_message(call, engine.microbatches_in_group, self.group.watched, marks, now))
+            refuse(
+                "gradient_changed_outside",
+                call=call,
+                held=engine.microbatches_in_group,
+                found=_what_changed(self.group.watched, marks, now),
+            )
 
     def accumulate(
         self,
@@ -98,10 +104,7 @@ class ManualGroups:
         self._check_no_step_pending("accumulate")
         self._check_handed_out_used("accumulate")
         if not isinstance(loss, Tensor):
-            raise TypeError(
-                f"`strategy.accumulate(loss=...)` takes the micro-batch's mean loss as a tensor, got"
-                f" {type(loss).__name__}."
-            )
+            refuse("loss_not_a_tensor", kind=type(loss).__name__)
         # `group_size=1` declares the group's only micro-batch: on one replica it is back-propagated as it is (c = w,
         # the close's factor exactly 1), as the Trainer's `A = 1` is, so the update is the plain loop's bit for bit.
         sole = group_size == 1 and not isinstance(group_size, bool)
@@ -109,14 +112,9 @@ class ManualGroups:
             last = engine.ledger.last_group
             group_size = max(1, last.microbatches // replicas) if last is not None else 1
         elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"`group_size` must be a positive int or None, got {group_size!r}.")
+            refuse("group_size_not_positive", group_size=group_size)
         if engine.holds_sole_microbatch:
-            raise RuntimeError(
-                "`strategy.accumulate`: the open group already holds a micro-batch reported with `group_size=1` (its"
-                " group's only one, back-propagated as it is), so no other micro-batch can join it. Call"
-                " `close_group(optimizer)` after each micro-batch reported with `group_size=1`, or pass the group's"
-                " real size (or None) to `accumulate`."
-            )
+            refuse("sole_microbatch_joined")
         output = {"loss": loss, **{key: value for key, value in counts.items() if value is not None}}
         if opening is not None:
             self.group.unwatch()
@@ -162,32 +160,18 @@ class ManualGroups:
                 if last is not None
                 else ""
             )
-            raise RuntimeError(
-                "`strategy.close_group` found no micro-batch in the open group. Report each micro-batch with"
-                f" `tensor = strategy.accumulate(loss, num_tokens=...)` and back-propagate it first.{after}"
-            )
+            refuse("close_without_microbatches", after=after)
         if self.group.last_unsynced and sync_matters:
-            raise RuntimeError(
-                "`close_group`: the group's last backward ran with gradient synchronisation blocked (inside"
-                " `no_backward_sync`: `fabric.no_backward_sync(model, enabled=True)` in Fabric, the strategy's"
-                " `no_backward_sync()` or DDP's `no_sync()` in a Trainer), so the replicas' gradients were never"
-                " combined (DDP: each replica holds its own; FSDP2: no rank's shard holds the group's gradient) and the"
-                " update would differ per replica or miss the group. Run a group's last micro-batch with"
-                " synchronisation: `enabled=not last`."
-            )
+            refuse("last_backward_unsynced")
         self.check_untouched(engine, "close_group")
         _refuse_gradients_of_other_optimizers(optimizer, optimizers)
         self._check_handed_out_used("close_group")
         if group_size is not None and (
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
         ):
-            raise ValueError(f"`group_size` must be a positive int or None, got {group_size!r}.")
+            refuse("group_size_not_positive", group_size=group_size)
         if group_size is not None and held > group_size:
-            raise ValueError(
-                f"`strategy.close_group(..., group_size={group_size})`: the open group holds {held} micro-batches,"
-                f" more than a group of {group_size}. Close each group after its last micro-batch, or pass the"
-                " group size you run."
-            )
+            refuse("group_size_exceeded", group_size=group_size, held=held)
         accumulate = group_size if group_size is not None else held
         outcome = closing.close(
             engine, optimizer, module, accumulate, ends_epoch=False, scaler=scaler, stale=self.group.stale
@@ -196,7 +180,7 @@ class ManualGroups:
         opened_on = self.group.opened_on
         self.group.unwatch()
         if outcome.stale:
-            raise RuntimeError(_stale_message(outcome.stale, opened_on))
+            refuse("stale_gradient_at_opening", count=outcome.stale, names=_names(opened_on))
         if outcome.action != "apply":
             optimizer.zero_grad(set_to_none=True)
             self.group.closed = Closed(optimizer, None)
@@ -218,18 +202,13 @@ class ManualGroups:
         closed = self.group.closed
         if closed is None:
             if engine.microbatches_in_group:
-                raise RuntimeError(
-                    f"`{type(optimizer).__name__}.step()` was called while {engine.microbatches_in_group}"
-                    " micro-batch(es) reported with `strategy.accumulate` wait in an open group. Call"
-                    " `strategy.close_group(optimizer)` before `optimizer.step()`: it rescales the gradient to the"
-                    " exact weighted mean and records the group."
-                )
+                refuse("step_inside_open_group", optimizer=type(optimizer).__name__, held=engine.microbatches_in_group)
             return lightning_step()
         if closed.optimizer is not optimizer:
-            raise RuntimeError(
-                f"`{type(optimizer).__name__}.step()` was called while the group closed by"
-                f" `strategy.close_group(...)` belongs to another optimizer ({type(closed.optimizer).__name__})."
-                " Close each optimizer's group with `strategy.close_group(that_optimizer)` right before its step."
+            refuse(
+                "step_of_another_optimizer",
+                optimizer=type(optimizer).__name__,
+                closed=type(closed.optimizer).__name__,
             )
         self.group.closed = None
         if closed.outcome is None:
@@ -245,30 +224,15 @@ class ManualGroups:
         before, the gradient is ``Σ (w / c) · ∇loss``, and a norm of it clips by another factor (silently wrong)."""
         held = engine.microbatches_in_group
         if held:
-            raise RuntimeError(
-                f"`{call}` was called inside an open accumulation group ({held} micro-batch(es) reported): its"
-                " gradient is not yet the group's mean, so the norm and the clip would be of another gradient. Call"
-                " `close_group(optimizer)` first (it rescales the gradient to the exact weighted mean), then clip, then"
-                " `optimizer.step()`."
-            )
+            refuse("clipping_inside_open_group", call=call, held=held)
 
     def _check_no_step_pending(self, what: str) -> None:
         if self.group.closed is not None:
-            name = type(self.group.closed.optimizer).__name__
-            raise RuntimeError(
-                f"`strategy.{what}` was called while the group closed by `strategy.close_group({name})` still waits"
-                f" for its update. Call `optimizer.step()` right after `close_group` (it applies or skips the update"
-                " and records it), then start the next group."
-            )
+            refuse("step_pending", call=what, optimizer=type(self.group.closed.optimizer).__name__)
 
     def _check_handed_out_used(self, what: str) -> None:
         if self.group.handed_out is not None:
-            raise RuntimeError(
-                f"`strategy.{what}` was called while the tensor the last `strategy.accumulate(...)` returned was never"
-                " back-propagated: its micro-batch counts in the group's denominator, but its gradient is not in the"
-                " group. Call `self.manual_backward(tensor)` on exactly the tensor `accumulate` returns, once per"
-                " micro-batch, before the next `accumulate` or `close_group`."
-            )
+            refuse("handed_out_not_backpropagated", call=what)
 
 
 def _refuse_gradients_of_other_optimizers(closed: Optimizer, optimizers: Sequence[Optimizer]) -> None:
@@ -279,13 +243,7 @@ def _refuse_gradients_of_other_optimizers(closed: Optimizer, optimizers: Sequenc
         if other is closed:
             continue
         if any(p.grad is not None and id(p) not in mine for g in other.param_groups for p in g["params"]):
-            raise RuntimeError(
-                f"`close_group({type(closed).__name__})`: the group's backward also reached the parameters of another"
-                f" optimizer ({type(other).__name__}), and the close rescales only the gradients of the one it is given"
-                " to the group's exact mean: the other's step would apply `Σ (w / c) · ∇loss`. Give the parameters one"
-                " optimizer (a parameter group each, e.g. for different learning rates), or set the other optimizer's"
-                " gradients to None (`zero_grad()`) if they belong to another loss."
-            )
+            refuse("another_optimizers_gradient", closed=type(closed).__name__, other=type(other).__name__)
 
 
 def _marks_of(parameters: NamedParameters) -> Marks:
@@ -311,18 +269,7 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
-def _stale_message(count: int, names: list[str]) -> str:
-    return (
-        f"`close_group`: the group opened while {count} optimized parameter(s) already held a nonzero gradient (among"
-        f" {_names(names)}): a backward ran before the group's first `accumulate` (back-propagate only what"
-        " `accumulate` returns), or `optimizer.zero_grad()` was not called after the last `optimizer.step()`. That"
-        " gradient joined the group's and was rescaled with it: the examples of another update would contribute to"
-        " this one, so the close stops here. Call `optimizer.zero_grad()` after each step (a gradient zeroed in place,"
-        " `set_to_none=False`, is fine)."
-    )
-
-
-def _touched_message(call: str, held: int, parameters: NamedParameters, before: Marks, after: Marks) -> str:
+def _what_changed(parameters: NamedParameters, before: Marks, after: Marks) -> str:
     """What changed the open group's gradients outside the strategy, told from the marks (and, on this error path
     only, a read of the gradients changed in place: zeroed, or added to)."""
     kinds: dict[str, list[str]] = {}
@@ -343,15 +290,6 @@ def _touched_message(call: str, held: int, parameters: NamedParameters, before: 
         "added": "added to by a backward that did not go through the strategy (torch's own `loss.backward()`) or"
         " changed in place",
     }
-    found = "; ".join(
+    return "; ".join(
         f"{len(names)} parameter gradient(s) {what[kind]}, e.g. {_names(names)}" for kind, names in kinds.items()
-    )
-    return (
-        f"`{call}`: the gradient of the open accumulation group ({held} micro-batch(es) reported with `accumulate`)"
-        f" changed outside the strategy since its last backward: {found}. Every reported micro-batch counts in the"
-        " group's denominator, so the update would weigh micro-batches whose gradient is gone, or a gradient no"
-        " `accumulate` reported. Back-propagate exactly what `accumulate` returns, through"
-        " `self.manual_backward(tensor)` (Trainer) or `fabric.backward(tensor)` (Fabric) instead of `loss.backward()`,"
-        " and call `optimizer.zero_grad()` only after `close_group(optimizer)` and `optimizer.step()`: a group is"
-        " not abandoned halfway, close it (with `group_size=` for a partial group) and step."
     )
