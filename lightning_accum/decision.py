@@ -32,6 +32,7 @@ __all__ = [
     "raised_reference",
     "schedule_due",
     "short_epoch_message",
+    "units_agree",
 ]
 
 Action = Literal["apply", "skip", "drop"]
@@ -67,6 +68,19 @@ class GroupOutcome:
     stale: int = 0
 
 
+def units_agree(codes: float, squares: float, count: int) -> bool:
+    """Whether ``count`` replicas, each adding its unit's :data:`~lightning_accum.group.UNIT_CODES` code, used one unit:
+    ``codes`` is the sum of their codes and ``squares`` the sum of the codes' squares, so they agree iff the codes'
+    variance is 0 (the sum alone lets tokens, samples and batches on three replicas pass). The one test of both the
+    training's groups and the evaluation's sets.
+
+    Example:
+        >>> units_agree(codes=2.0, squares=2.0, count=2), units_agree(codes=4.0, squares=10.0, count=2)
+        (True, False)
+    """
+    return squares * count == codes * codes
+
+
 def check_agreement(
     reduced: ReducedGroup, microbatches: int, replicas: int, ends_epoch: bool, unit: str | None
 ) -> None:
@@ -100,9 +114,9 @@ def check_agreement(
             " make the iterable dataset yield equally many batches on every rank."
         )
     codes = reduced.unit_code
-    if codes != UNIT_CODES.get(unit or "", 0.0) * replicas or reduced.unit_code_squared * replicas != codes * codes:
-        # The codes' sum and the sum of their squares: equal codes on every replica iff their variance is 0, so every
-        # replica raises alike (the sum alone let tokens, samples and batches on three replicas pass on one).
+    if codes != UNIT_CODES.get(unit or "", 0.0) * replicas or not units_agree(
+        codes, reduced.unit_code_squared, replicas
+    ):
         raise RuntimeError(
             f"Replicas weight micro-batches by different units (this replica: {unit!r}). Report `num_tokens` on"
             " every rank, or set `normalize=` explicitly on the strategy."

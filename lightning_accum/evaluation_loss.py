@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
+from lightning_accum.decision import units_agree
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import UNIT_CODES
 from lightning_accum.microbatch import Count, Microbatch, choose_unit, refuse_a_finer_unit
@@ -97,21 +98,22 @@ def evaluation_weight(engine: AccumulationEngine, unit: str | None, read: Microb
     """The unit an evaluation weights its batches by, and ``read``'s count of it (``None``: not reported). The unit is
     ``unit`` once the evaluation's first batch fixed it; else the run's (``engine``'s, once its training decided it);
     else the one ``normalize=`` chooses from ``read`` (under ``"auto"``: documents when reported; else tokens when
-    reported, unless the batch reports its samples itself; else samples; else one per batch). Under ``"auto"`` a first
-    batch that reports a more specific unit than the run's is an error naming both (:func:`refuse_a_finer_unit`).
+    reported, unless the batch reports its samples itself; else samples; else one per batch). Under ``"auto"`` any
+    batch that reports a more specific unit than the one fixed (the run's, or the evaluation's first batch's) is an
+    error naming both (:func:`refuse_a_finer_unit`), as a training micro-batch is: a set weighted partly by one unit
+    and partly by another has no single meaning.
 
     Example:
         >>> engine = AccumulationEngine()
         >>> evaluation_weight(engine, None, engine.read({"loss": torch.tensor(2.0), "num_tokens": 5}, torch.zeros(3)))
         ('tokens', 5)
     """
-    if unit is None:
-        has_tokens = read.tokens is not None and not read.reports_samples
-        unit = choose_unit(engine.normalize, has_tokens, read.samples is not None, read.documents is not None)[0]
-        fixed = engine.ledger.normalization
-        if fixed is not None:
-            refuse_a_finer_unit(fixed, engine.normalize, unit, "this evaluation batch")
-            unit = fixed
+    has_tokens = read.tokens is not None and not read.reports_samples
+    reported = choose_unit(engine.normalize, has_tokens, read.samples is not None, read.documents is not None)[0]
+    fixed = unit if unit is not None else engine.ledger.normalization
+    if fixed is not None:
+        refuse_a_finer_unit(fixed, engine.normalize, reported, "this evaluation batch")
+    unit = fixed if fixed is not None else reported
     return unit, {"tokens": read.tokens, "samples": read.samples, "documents": read.documents}.get(unit, 1)
 
 
@@ -320,7 +322,7 @@ class EvaluationLoss:
                 " zero over all replicas). Counts must be >= 0: return the number of supervised units, e.g."
                 " `(labels != -100).sum()`."
             )
-        if squares * ranks != codes * codes:  # the ranks' unit codes differ (their variance is not 0)
+        if not units_agree(codes, squares, round(ranks)):
             raise RuntimeError(
                 f"Ranks weighted their evaluation batches by different units (this rank: {self._unit!r}), so {subject}"
                 " has no single meaning. Report the same count (e.g. `num_tokens=`) on every rank, or set"

@@ -149,6 +149,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
 
     @override
     def setup_module(self, module: Module) -> Any:  # Module, or the engine's wrapper of it (DDP)
+        self._refuse_a_group_left_open("fabric.setup_module")
         self._modules.append(module)
         # Bound again: a one-device loop need not call `fabric.launch()`, which sets the environment up.
         self._core.engine.bind(self.root_device, self._core.adapter.replicas())
@@ -156,6 +157,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._refuse_a_group_left_open("fabric.setup_optimizers")
         self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
 
@@ -232,13 +234,18 @@ class FabricExactAccumulation(Strategy, CoreSeam):
             # state (the ledger, an open group) resumes only with the optimizer the group was carried for.
             _say_group_not_resumed(remainder.get(CHECKPOINT_KEY), str(path))
             return remainder
-        if self._core.group_open:
+        held = self._core.engine.microbatches_in_group
+        if held or self._core.manual.closed is not None:
             raise RuntimeError(
                 f"`fabric.load({str(path)!r}, state)` was called while an accumulation group is open in the running"
-                " loop: the checkpoint's ledger and group would replace the group's micro-batches already reported."
-                " Load before the loop's first `accumulate` (or after a `close_group` and its `optimizer.step()`),"
-                " or load the weights alone (`fabric.load(path, {'model': model})`)."
+                f" loop ({held} micro-batch(es) reported since the last close, or a closed group waiting for its"
+                " `optimizer.step()`): the checkpoint's ledger and group would replace them. Load before the loop's"
+                " first `accumulate` (or after a `close_group` and its `optimizer.step()`), or load the weights alone"
+                " (`fabric.load(path, {'model': model})`)."
             )
+        # Nothing reported yet: what an earlier load put there (a group not used yet) is replaced by this one.
+        self._core.engine.discard_open_group()
+        self._core.end()
         # `fabric.load(path, state)` with an optimizer, and `ckpt = fabric.load(path)` too: the loop resumes, the
         # ledger and an open group with it (the package's entry is not part of what is returned).
         reader = self._core.adapter.distributed_reader(path, self._parameters)  # a group's gradient in shards
@@ -248,9 +255,10 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         # done, for the partial-group test of `close_group(group_size=)`, are the checked entry's micro-batches (all
         # replicas') per replica of this run: the written count per replica when the number of replicas is the same.
         group = (entry or {}).get("open_group") or {}
-        position = int(group.get("total_microbatches", 0)) // max(1, self.data_parallel_replicas)
+        total = int(group.get("total_microbatches", 0))
+        position = total // max(1, self.data_parallel_replicas)
         config = self._configuration()
-        if self._optimizers:
+        if self._optimizers or not total:  # a checkpoint written between groups carries nothing to wait for
             self._core.reopen(config, position, self._parameters())
         else:  # loaded before `setup_optimizers`: the group waits for the parameters its optimizer holds
             self._core.reopen_when_used(lambda: self._core.reopen(config, position, self._parameters()))
@@ -291,6 +299,19 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         control; see :class:`~lightning_accum.fabric_model_parallel.BackwardSyncNotes`)."""
         self._sync = BackwardSyncNotes(self._backward_sync_control)  # type: ignore[attr-defined,arg-type]
         self._backward_sync_control = self._sync
+
+    def _refuse_a_group_left_open(self, call: str) -> None:
+        """A model or optimizer set up while a group holds micro-batches: an earlier loop ended inside it (a close over
+        the new optimizer would find the old model's gradients and take them for another optimizer's)."""
+        held = self._core.engine.microbatches_in_group
+        if held:
+            raise RuntimeError(
+                f"`{call}` was called while an accumulation group holds {held} micro-batch(es) reported with"
+                " `accumulate` and not closed: an earlier loop ended inside its group (its gradient is still on that"
+                " loop's parameters). Close the group (`close_group(optimizer)`, then `optimizer.step()`) before a loop"
+                " ends, or end the earlier loop with `fabric.strategy.teardown()` (the group is discarded, the ledger"
+                " keeps what it counted; `optimizer.zero_grad()` too if the next loop trains the same model)."
+            )
 
     def _parameters(self) -> NamedParameters:
         """The optimized parameters by name (a second module's names prefixed by its place in ``fabric.setup``);

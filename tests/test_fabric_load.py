@@ -105,3 +105,57 @@ def test_teardown_ends_what_a_loop_left_on_the_strategy(mid_group: Path) -> None
     train(fabric, model, optimizer, micro_batches(EXAMPLES[:16], M), A)
     reference = sgd_reference(TinyNet(), _groups(EXAMPLES[:16], 8), lr=LR)
     torch.testing.assert_close(params_vector(model), reference, rtol=0, atol=1e-12)
+
+
+@pytest.fixture
+def between_groups(tmp_path: Path) -> Path:
+    """A checkpoint written after the first group's close and step (no group open)."""
+    path = tmp_path / "between.ckpt"
+    fabric = _fabric()
+    model, optimizer = fabric.setup(*_model_and_optimizer())
+    train(fabric, model, optimizer, micro_batches(EXAMPLES, M), A, stop=A)
+    assert not fabric.strategy.group_open
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    return path
+
+
+@pytest.mark.parametrize("written", ["mid_group", "between_groups"])
+@pytest.mark.parametrize("order", ["after fabric.setup", "between setup_module and setup_optimizers"])
+def test_the_same_file_loaded_twice_before_training_resumes_once(
+    written: str, order: str, request: pytest.FixtureRequest
+) -> None:
+    # Before: the second load was refused ("would replace the group's micro-batches already reported", none were),
+    # and a file written between groups left `group_open` True with no group open when loaded before
+    # `setup_optimizers`.
+    path, start = request.getfixturevalue(written), STOP if written == "mid_group" else A
+    fabric = _fabric()
+    model, optimizer = _model_and_optimizer(seed=99)
+    if order == "after fabric.setup":
+        model, optimizer = fabric.setup(model, optimizer)
+    else:
+        model = fabric.setup_module(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(2):
+        fabric.load(path, {"model": model, "optimizer": optimizer})
+        assert fabric.strategy.group_open == (written == "mid_group")
+    if order != "after fabric.setup":
+        optimizer = fabric.setup_optimizers(optimizer)
+    train(fabric, model, optimizer, micro_batches(EXAMPLES, M), A, start=start)
+    reference = sgd_reference(TinyNet(), _groups(EXAMPLES, 8), lr=LR)
+    torch.testing.assert_close(params_vector(model), reference, rtol=0, atol=1e-12)
+    assert (fabric.strategy.ledger.updates_applied, fabric.strategy.ledger.samples) == (3, 24)
+
+
+def test_a_group_left_open_by_an_earlier_loop_is_named_at_the_next_setup() -> None:
+    # Before: the second loop's close said its backward "also reached the parameters of another optimizer", the first
+    # loop's, whose gradient was the group left open.
+    fabric = _fabric()
+    model, optimizer = fabric.setup(*_model_and_optimizer())
+    train(fabric, model, optimizer, micro_batches(EXAMPLES, M), A, stop=2)  # the loop ends inside its first group
+    with pytest.raises(RuntimeError, match=r"`fabric.setup_module` was called while an accumulation group holds 2"):
+        fabric.setup(*_model_and_optimizer())
+    fabric.strategy.teardown()  # the way out the error names
+    model, optimizer = fabric.setup(*_model_and_optimizer())
+    train(fabric, model, optimizer, micro_batches(EXAMPLES[:16], M), A)
+    reference = sgd_reference(TinyNet(), _groups(EXAMPLES[:16], 8), lr=LR)
+    torch.testing.assert_close(params_vector(model), reference, rtol=0, atol=1e-12)

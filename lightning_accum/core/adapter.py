@@ -69,6 +69,10 @@ def optimized_parameters(modules: Sequence[Any], optimizers: Sequence[Any] | Non
 _COLLECTIVE_SOURCES = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}nn{os.sep}parallel{os.sep}distributed.py")
 #: The autograd engine: DDP's gradient all-reduce runs in hooks of a synchronising backward and fails there.
 _BACKWARD_SOURCE = f"torch{os.sep}autograd{os.sep}"
+#: What a backend's own error names (gloo's begin with the path of its source file, NCCL's name it): raised in the
+#: autograd engine, where autograd's own errors of the user's graph (an in-place modification) are raised too, the one
+#: sign that the gradient all-reduce failed, not the graph.
+_BACKEND_NAMES = ("gloo", "nccl", "NCCL", "ProcessGroup", "c10d")
 
 
 def collective_failure(exception: BaseException | None, synchronising: bool = False) -> str | None:
@@ -76,11 +80,10 @@ def collective_failure(exception: BaseException | None, synchronising: bool = Fa
 
     Recognised by its type, a ``torch.distributed.DistError`` (backend, network and store errors), or, for the plain
     ``RuntimeError`` gloo raises, by where it was raised: inside torch.distributed or DDP's wrapper, or inside the
-    autograd engine during a backward that synchronises gradients over the replicas (``synchronising``). Its text is
-    never read: an HTTP timeout or a ``ValueError`` naming a backend raised by the user's code is not a lost peer.
-    An autograd error of the synchronising backward itself (an in-place modification) would be taken for one: DDP's
-    checkpoint then leaves out the open group and says so, the mesh engine's message names a collective; nothing waits
-    and nothing is trained wrongly.
+    autograd engine during a backward that synchronises gradients over the replicas (``synchronising``). Only in that
+    last place, where autograd raises the user's own graph errors too (an in-place modification), is its text read:
+    it must name a communication backend (:data:`_BACKEND_NAMES`). Elsewhere it is never read: an HTTP timeout or a
+    ``ValueError`` naming a backend raised by the user's code is not a lost peer.
     """
     seen = 0
     while exception is not None and seen < 8:
@@ -101,7 +104,9 @@ def _raised_in_collective(exception: BaseException, synchronising: bool) -> bool
     if not frames:
         return False
     where = frames[-1].filename
-    return any(source in where for source in _COLLECTIVE_SOURCES) or (synchronising and _BACKWARD_SOURCE in where)
+    if any(source in where for source in _COLLECTIVE_SOURCES):
+        return True
+    return synchronising and _BACKWARD_SOURCE in where and any(name in str(exception) for name in _BACKEND_NAMES)
 
 
 class EngineAdapter:

@@ -201,7 +201,11 @@ class ExactEvaluation:
             return
         # Lightning passes (batch, batch_idx[, dataloader_idx]) positionally; a direct call may name them.
         read = engine.read(output, args[0] if args else kwargs.get("batch"))
-        unit, weight = evaluation_weight(engine, run.unit, read)
+        try:
+            unit, weight = evaluation_weight(engine, run.unit, read)
+        except ValueError as error:  # a finer unit than the one fixed: raised on every rank at the loop's end
+            run.error = str(error)
+            return
         if weight is None and run.unit is None:  # the first batch: a loss without the count of the run's unit
             run.unit, run.why = unit, _missing_count(unit, run.stage, engine.normalize)
         elif weight is None:  # raised on every rank at the loop's end, so that no rank waits for one that stopped
