@@ -149,7 +149,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
 
     @override
     def setup_module(self, module: Module) -> Any:  # Module, or the engine's wrapper of it (DDP)
-        self._refuse_a_group_left_open("fabric.setup_module")
+        self._core.refuse_a_group_left_open("fabric.setup_module")
         self._modules.append(module)
         # Bound again: a one-device loop need not call `fabric.launch()`, which sets the environment up.
         self._core.engine.bind(self.root_device, self._core.adapter.replicas())
@@ -157,7 +157,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        self._refuse_a_group_left_open("fabric.setup_optimizers")
+        self._core.refuse_a_group_left_open("fabric.setup_optimizers")
         self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
 
@@ -235,7 +235,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
             _say_group_not_resumed(remainder.get(CHECKPOINT_KEY), str(path))
             return remainder
         held = self._core.engine.microbatches_in_group
-        if held or self._core.manual.closed is not None:
+        if held or self._core.group.closed is not None:
             raise RuntimeError(
                 f"`fabric.load({str(path)!r}, state)` was called while an accumulation group is open in the running"
                 f" loop ({held} micro-batch(es) reported since the last close, or a closed group waiting for its"
@@ -244,8 +244,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
                 " (`fabric.load(path, {'model': model})`)."
             )
         # Nothing reported yet: what an earlier load put there (a group not used yet) is replaced by this one.
-        self._core.engine.discard_open_group()
-        self._core.end()
+        self._core.group.end("a new `fabric.load`")
         # `fabric.load(path, state)` with an optimizer, and `ckpt = fabric.load(path)` too: the loop resumes, the
         # ledger and an open group with it (the package's entry is not part of what is returned).
         reader = self._core.adapter.distributed_reader(path, self._parameters)  # a group's gradient in shards
@@ -299,19 +298,6 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         control; see :class:`~lightning_accum.fabric_model_parallel.BackwardSyncNotes`)."""
         self._sync = BackwardSyncNotes(self._backward_sync_control)  # type: ignore[attr-defined,arg-type]
         self._backward_sync_control = self._sync
-
-    def _refuse_a_group_left_open(self, call: str) -> None:
-        """A model or optimizer set up while a group holds micro-batches: an earlier loop ended inside it (a close over
-        the new optimizer would find the old model's gradients and take them for another optimizer's)."""
-        held = self._core.engine.microbatches_in_group
-        if held:
-            raise RuntimeError(
-                f"`{call}` was called while an accumulation group holds {held} micro-batch(es) reported with"
-                " `accumulate` and not closed: an earlier loop ended inside its group (its gradient is still on that"
-                " loop's parameters). Close the group (`close_group(optimizer)`, then `optimizer.step()`) before a loop"
-                " ends, or end the earlier loop with `fabric.strategy.teardown()` (the group is discarded, the ledger"
-                " keeps what it counted; `optimizer.zero_grad()` too if the next loop trains the same model)."
-            )
 
     def _parameters(self) -> NamedParameters:
         """The optimized parameters by name (a second module's names prefixed by its place in ``fabric.setup``);

@@ -276,6 +276,13 @@ class AccumulationCore:
                 raise
             raise RuntimeError(message) from error
 
+    def refuse_a_group_left_open(self, call: str) -> None:
+        """A model or optimizer set up (``call``) while a group holds micro-batches: an earlier loop ended inside it (a
+        close over the new optimizer would find the old model's gradients and take them for another optimizer's)."""
+        held = self.engine.microbatches_in_group
+        if held:
+            refuse("group_left_open_at_setup", call=call, held=held)
+
     def refuse_clipping(self, call: str) -> None:
         """Either door's clipping (``call`` names it) inside an open group is an error: the gradient is not yet the
         group's mean."""

@@ -167,6 +167,17 @@ _RULES = (
         " its step.",
     ),
     Rule(
+        "group_left_open_at_setup",
+        "a model or optimizer set up while a group holds micro-batches an earlier loop reported and never closed (a"
+        " Fabric loop's `setup_module` / `setup_optimizers`; a Trainer's entry point ends its group at its teardown)",
+        RuntimeError,
+        "`{call}` was called while an accumulation group holds {held} micro-batch(es) reported with `accumulate` and"
+        " not closed: an earlier loop ended inside its group (its gradient is still on that loop's parameters). Close"
+        " the group (`close_group(optimizer)`, then `optimizer.step()`) before a loop ends, or end the earlier loop"
+        " with `fabric.strategy.teardown()` (the group is discarded, the ledger keeps what it counted;"
+        " `optimizer.zero_grad()` too if the next loop trains the same model).",
+    ),
+    Rule(
         "clipping_inside_open_group",
         "clipping (`self.clip_gradients`, `fabric.clip_gradients`) while micro-batches wait in an open group",
         RuntimeError,
