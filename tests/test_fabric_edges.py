@@ -82,17 +82,6 @@ def test_group_size_one_is_the_plain_loop_bit_for_bit() -> None:
     assert torch.equal(_a_loop_at_one_micro_batch_per_update("accum", 1), plain)
 
 
-def test_a_second_micro_batch_in_a_group_declared_of_one_is_an_error() -> None:
-    fabric = _fabric()
-    model, _ = fabric.setup(*_model_and_optimizer())
-    first, second = micro_batches(EXAMPLES, 2)[:2]
-    loss, tokens = _loss(model, first)
-    fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens, group_size=1))
-    loss, tokens = _loss(model, second)
-    with pytest.raises(RuntimeError, match=r"reported with `group_size=1`.*Call `close_group\(optimizer\)`"):
-        fabric.strategy.accumulate(loss, num_tokens=tokens, group_size=1)
-
-
 def test_the_one_device_strategies_take_the_device_first_as_lightnings_do() -> None:
     from lightning.fabric.accelerators import CPUAccelerator
 
