@@ -340,3 +340,42 @@ def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
         "core/manual (core) imports lightning.pytorch",
         "fabric (fabric) imports strategies/base (trainer)",
     ]
+
+
+#: Where the tests of a module live when no `tests/test_<module>.py` is named after it: the feature file that proves
+#: its behaviour through the doors users drive (one place to look, kept true by the test below).
+TESTS_OF: dict[str, str] = {
+    "_worker_exit": "test_spawn_stress.py",
+    "callbacks/common": "test_axis_logger.py",
+    "callbacks/diagnoses": "test_check.py",
+    "callbacks/rich_columns": "test_progress.py",
+    "carry": "test_checkpoints.py",
+    "core/adapter": "test_strategies.py",
+    "core/checkpoint": "test_checkpoints.py",
+    "core/closing": "test_mixed_precision.py",
+    "core/entry": "test_checkpoints.py",
+    "core/mesh": "test_model_parallel.py",
+    "core/mesh_clipping": "test_tensor_parallel_runs.py",
+    "core/reading": "test_checkpoints.py",
+    "core/rules": "test_rulebook.py",
+    "decision": "test_engine.py",
+    "evaluation_loss": "test_fabric_evaluation.py",
+    "gradients": "test_engine.py",
+    "group": "test_engine.py",
+    "microbatch": "test_units.py",
+    "options": "test_strategies.py",
+    "strategies/automatic": "test_strategies.py",
+    "strategies/base": "test_strategies.py",
+    "strategies/checkpoint": "test_checkpoints.py",
+    "strategies/precision_clipping": "test_strategies.py",
+    "strategies/single": "test_strategies.py",
+    "strategies/trainer_side": "test_ddp_agreement.py",
+}
+
+
+def test_every_module_has_its_tests_found_by_name() -> None:
+    tests = ROOT / "tests"
+    modules = [_module_name(p) for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py"]
+    unnamed = [m for m in modules if not (tests / f"test_{m.rsplit('/', 1)[-1]}.py").exists()]
+    assert sorted(TESTS_OF) == unnamed, "a module without tests/test_<module>.py needs its row in TESTS_OF"
+    assert [f for f in TESTS_OF.values() if not (tests / f).exists()] == []
