@@ -311,8 +311,8 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
     """Exact accumulation in a Fabric loop on one device (``L.Fabric(strategy="accum")``).
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options of
-            exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
+            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`
             (``partial_group`` and ``schedule_on`` are the loop's to apply in Fabric: the loop decides when a group
             closes and when a scheduler steps).
         device: The device; by default the one Fabric's accelerator selects.
@@ -336,6 +336,7 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        global_order: bool = False,
         **kwargs: Any,
     ) -> None:
         self._init_accumulation(AccumulationOptions.pick(locals()))
@@ -386,7 +387,7 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     per group.
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: See
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: See
             :class:`FabricAccumulationStrategy`.
         **kwargs: Passed to Fabric's ``DDPStrategy`` (``start_method``, ``process_group_backend``, ``timeout``, ...).
 
@@ -409,6 +410,7 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        global_order: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -462,7 +464,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         tensor_parallel_size: The devices sharing one model replica, or ``"auto"``. With both ``"auto"``, Fabric's
             sizes (``D`` = number of nodes); with one of them an int, the other is the world size divided by it
             (``"accum_fsdp"``: ``tensor_parallel_size=1``, FSDP2 over every device).
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: See
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: See
             :class:`FabricAccumulationStrategy`.
         **kwargs: Passed to Fabric's ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
             ``process_group_backend``, ``timeout``).
@@ -490,6 +492,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        global_order: bool = False,
         **kwargs: Any,
     ) -> None:
         check_mesh_sizes(data_parallel_size, tensor_parallel_size)

@@ -16,6 +16,7 @@ part                                                         job
 :class:`~lightning_accum.strategies.checkpoint.TrainerCheckpoint` ``save_checkpoint`` and ``load_checkpoint``
 :class:`~lightning_accum.strategies.precision_clipping.PrecisionClipping` the precision plugin's clipping, for a run
 :class:`~lightning_accum.strategies.evaluation.ExactEvaluation` ``accum/val_loss`` and ``accum/test_loss``
+:func:`~lightning_accum.strategies.global_order.install_global_order` the training loader's order (``global_order=``)
 :class:`~lightning_accum.strategies.adapter.EngineAdapter`   what differs between one device, DDP and FSDP2/TP
 =========================================================== ===============================================
 
@@ -54,6 +55,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -74,6 +76,7 @@ from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY, OpenGroupCheck
 from lightning_accum.strategies.closing import enabled_scaler
 from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam
 from lightning_accum.strategies.evaluation import ExactEvaluation
+from lightning_accum.strategies.global_order import install_global_order
 from lightning_accum.strategies.precision_clipping import PrecisionClipping
 from lightning_accum.strategies.slicing import BatchSlicer
 
@@ -377,6 +380,16 @@ class ExactAccumulation(Strategy, CoreSeam):
     def on_test_end(self) -> None:
         self._evaluation.end()
         super().on_test_end()
+
+    # ------------------------------------------------------------------ data
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self._trainer()
+        if not self._core.engine.options.global_order or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        return install_global_order(dataloader, trainer, getattr(self, "distributed_sampler_kwargs", None))
 
     # ------------------------------------------------------------------ checkpoints
 
