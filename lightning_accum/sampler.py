@@ -147,7 +147,7 @@ class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
         return self.length // self.num_replicas
 
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
-        """Where the epoch's order stands: ``{"epoch", "position", "seed", "shuffle", "length"}``, plain ints and a bool.
+        """Where the epoch's order stands: ``{"epoch", "position", "seed", "shuffle", "length"}`` (ints, a bool).
 
         Args:
             position: The global position the epoch has consumed up to (examples of all replicas from the epoch's
@@ -193,9 +193,7 @@ class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
         self._resume = (state["epoch"], state["position"])
 
 
-def global_order_for(
-    loader: DataLoader, num_replicas: int, rank: int, seed: int
-) -> GlobalOrderSampler | None:  # type: ignore[type-arg]
+def global_order_for(loader: DataLoader, num_replicas: int, rank: int, seed: int) -> GlobalOrderSampler | None:  # type: ignore[type-arg]
     """The :class:`GlobalOrderSampler` to read ``loader``'s data with, or ``None`` where ``loader`` keeps its own.
 
     Replaced: torch's ``DistributedSampler`` itself (the one Lightning or Fabric puts in; its ``shuffle`` and ``seed``
@@ -214,7 +212,8 @@ def global_order_for(
     if type(sampler) is DistributedSampler:
         # Its layout is the strategy's (Lightning and Fabric build it from the data-parallel ranks) or the user's.
         replicas, own_rank = int(sampler.num_replicas), int(sampler.rank)
-        return GlobalOrderSampler(dataset, replicas, own_rank, shuffle=bool(sampler.shuffle), seed=int(sampler.seed))
+        shuffle, seed = bool(sampler.shuffle), int(sampler.seed)
+        return GlobalOrderSampler(dataset, replicas, own_rank, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
     if num_replicas == 1 and isinstance(sampler, RandomSampler):
         if sampler.replacement or sampler.num_samples != len(dataset):  # type: ignore[arg-type]
             return None

@@ -47,19 +47,19 @@ def install_global_order(loader: Any, trainer: Trainer, layout: Mapping[str, int
         return ours  # a loader that saves its own position (torchdata's StatefulDataLoader) keeps doing so
     batch_size = int(ours.batch_size or 1)
     # Plain attributes of the loader made for this fit (not the user's object): Lightning's test for a resumable loader.
-    setattr(ours, "state_dict", lambda: sampler.state_dict(_processed(trainer) * batch_size * sampler.num_replicas))
-    setattr(ours, "load_state_dict", lambda state: _resume(sampler, state, trainer, batch_size))
+    ours.state_dict = lambda: sampler.state_dict(_processed(trainer) * batch_size * sampler.num_replicas)
+    ours.load_state_dict = lambda state: _resume(sampler, state, trainer, batch_size)
     return ours
 
 
 def _processed(trainer: Trainer) -> int:
     """The micro-batches of this epoch Lightning's loop has processed on each replica (the index it resumes at)."""
-    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
 
 
 def _resume(sampler: GlobalOrderSampler, state: Mapping[str, Any], trainer: Trainer, batch_size: int) -> None:
     sampler.load_state_dict(state)
-    epoch = int(trainer.fit_loop.epoch_progress.current.processed)
+    epoch = int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
     position, processed = state["position"], _processed(trainer)
     expected = processed * batch_size * sampler.num_replicas
     if state["epoch"] == epoch and position and position != expected:

@@ -401,8 +401,8 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
 
     Args:
         normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
-            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`. The NaN/Inf
-            check of each rank's shard is summed over the whole mesh, so every rank takes the same decision.
+            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
+            The NaN/Inf check of each rank's shard is summed over the whole mesh, so every rank takes the same decision.
         gradient_sync: ``"every_microbatch"`` (default, FSDP2's own behaviour): every micro-batch's backward
             reduce-scatters its gradient, and each rank holds only its sharded gradient between micro-batches (least
             memory, ``A`` reduce-scatters per update). ``"last_microbatch"``: the non-final micro-batches run with
