@@ -39,6 +39,7 @@ each block of every ``ModuleList`` and on the root (:func:`~lightning_accum.fabr
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -53,6 +54,7 @@ from lightning.fabric.strategies import (
     Strategy,
 )
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.utilities.data import _update_dataloader
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor
@@ -67,6 +69,7 @@ from lightning_accum.fabric_model_parallel import BackwardSyncNotes, shard_modul
 from lightning_accum.ledger import AXES, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions, validate_choice
+from lightning_accum.sampler import global_order_for
 from lightning_accum.strategies.adapter import EngineAdapter, NamedParameters, optimized_parameters
 from lightning_accum.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_accum.strategies.closing import enabled_scaler
@@ -175,7 +178,17 @@ class FabricExactAccumulation(Strategy, CoreSeam):
             )
             if message is not None:
                 rank_zero_warn(message)
-        return super().process_dataloader(dataloader)
+        dataloader = super().process_dataloader(dataloader)
+        if not self._core.engine.options.global_order:
+            return dataloader
+        # `global_order=True`: a shuffled loader (in a loop, the training one) reads a GlobalOrderSampler in place of
+        # Fabric's distributed sampler or its own RandomSampler; in-order loaders keep theirs (`global_order_for`).
+        layout = getattr(self, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        sampler = global_order_for(dataloader, layout["num_replicas"], layout["rank"], seed, in_order=False)
+        if sampler is None or sampler is dataloader.sampler:
+            return dataloader
+        return _update_dataloader(dataloader, sampler)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

@@ -193,7 +193,13 @@ class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
         self._resume = (state["epoch"], state["position"])
 
 
-def global_order_for(loader: DataLoader, num_replicas: int, rank: int, seed: int) -> GlobalOrderSampler | None:  # type: ignore[type-arg]
+def global_order_for(
+    loader: DataLoader,  # type: ignore[type-arg]
+    num_replicas: int,
+    rank: int,
+    seed: int,
+    in_order: bool = True,
+) -> GlobalOrderSampler | None:
     """The :class:`GlobalOrderSampler` to read ``loader``'s data with, or ``None`` where ``loader`` keeps its own.
 
     Replaced: torch's ``DistributedSampler`` itself (the one Lightning or Fabric puts in; its ``shuffle`` and ``seed``
@@ -201,6 +207,8 @@ def global_order_for(loader: DataLoader, num_replicas: int, rank: int, seed: int
     ``SequentialSampler`` (in order). A ``GlobalOrderSampler`` already there is dealt to ``num_replicas`` (its own
     ``shuffle`` and ``seed`` kept). Everything else keeps its order: an iterable dataset, a batch sampler of the
     user's, another sampler (a weighted one, a sampler with replacement, Lightning's wrapper of a custom sampler).
+    ``in_order=False`` keeps the unshuffled ones too (a Fabric loop's evaluation loaders: their tail must not be left
+    out).
     """
     sampler = getattr(loader, "sampler", None)
     dataset = getattr(loader, "dataset", None)
@@ -209,7 +217,9 @@ def global_order_for(loader: DataLoader, num_replicas: int, rank: int, seed: int
     if isinstance(sampler, GlobalOrderSampler):
         sampler.set_replicas(num_replicas, rank)
         return sampler
-    if type(sampler) is DistributedSampler:
+    if not in_order and not isinstance(sampler, RandomSampler | DistributedSampler):
+        return None
+    if type(sampler) is DistributedSampler and (in_order or sampler.shuffle):
         # Its layout is the strategy's (Lightning and Fabric build it from the data-parallel ranks) or the user's.
         replicas, own_rank = int(sampler.num_replicas), int(sampler.rank)
         shuffle, seed = bool(sampler.shuffle), int(sampler.seed)

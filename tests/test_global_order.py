@@ -222,3 +222,21 @@ def test_a_resume_with_another_examples_per_slot_is_refused_and_bad_options_are_
         AccumulationStrategy(global_order="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"`global_order` must be a bool, got 1"):
         DDPAccumulationStrategy(global_order=1)  # type: ignore[arg-type]
+
+
+def test_a_fabric_loops_shuffled_loader_reads_the_global_order_and_its_in_order_loaders_keep_theirs() -> None:
+    from lightning.fabric import Fabric
+    from torch.utils.data import SequentialSampler
+
+    from lightning_accum import FabricAccumulationStrategy
+
+    examples = _examples(12)
+    fabric = Fabric(strategy=FabricAccumulationStrategy(global_order=True), accelerator="cpu")
+    train, evaluation = fabric.setup_dataloaders(_loader(examples, 4), DataLoader(ListDataset(examples), batch_size=4))
+    assert isinstance(train.sampler, GlobalOrderSampler) and (train.sampler.shuffle, train.sampler.seed) == (True, 0)
+    order = GlobalOrderSampler(examples, seed=0).order()
+    ids = torch.stack([e["input_ids"] for e in examples])
+    assert torch.equal(torch.cat([batch["input_ids"] for batch in train]), ids[order])
+    assert isinstance(evaluation.sampler, SequentialSampler)
+    plain = Fabric(strategy="accum", accelerator="cpu").setup_dataloaders(_loader(examples, 4))
+    assert not isinstance(plain.sampler, GlobalOrderSampler)
