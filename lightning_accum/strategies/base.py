@@ -386,8 +386,10 @@ class ExactAccumulation(Strategy, CoreSeam):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
+        if not self._core.engine.options.global_order:
+            return dataloader
         trainer = self._trainer()
-        if not self._core.engine.options.global_order or trainer.state.stage != RunningStage.TRAINING:
+        if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         return install_global_order(dataloader, trainer, getattr(self, "distributed_sampler_kwargs", None))
 
