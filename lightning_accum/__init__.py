@@ -9,6 +9,7 @@ strategy registry, and the same strings but the last one with Fabric's (``L.Fabr
 Layout (each module imports only the ones above it)::
 
     options, devices, microbatch         what the user chose; the float64 device check; a micro-batch
+    sampler                              one seeded order of the data dealt to the replicas (GlobalOrderSampler)
     tokens, documents, ledger            supervised tokens; the mean over packed documents; the counters
     group, gradients, decision           a group's sums; the kernels; what to do with a closed group
     engine                               the arithmetic of a run, composed of the above (no Lightning)
@@ -48,6 +49,7 @@ from lightning_accum.fabric import (
 from lightning_accum.fabric import register as register_fabric
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.options import AccumulationOptions
+from lightning_accum.sampler import GlobalOrderSampler
 from lightning_accum.strategies import (
     AccumulationStrategy,
     DDPAccumulationStrategy,
@@ -77,6 +79,7 @@ __all__ = [
     "FabricDDPAccumulationStrategy",
     "FabricExactAccumulation",
     "FabricModelParallelAccumulationStrategy",
+    "GlobalOrderSampler",
     "GroupRecord",
     "Horizon",
     "ModelParallelAccumulationStrategy",

@@ -39,6 +39,7 @@ each block of every ``ModuleList`` and on the root (:func:`~lightning_accum.fabr
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -53,6 +54,7 @@ from lightning.fabric.strategies import (
     Strategy,
 )
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.utilities.data import _update_dataloader
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor
@@ -79,6 +81,7 @@ from lightning_accum.fabric_model_parallel import BackwardSyncNotes, shard_modul
 from lightning_accum.ledger import AXES, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions, validate_choice
+from lightning_accum.sampler import global_order_for
 
 __all__ = [
     "FabricAccumulationStrategy",
@@ -179,7 +182,17 @@ class FabricExactAccumulation(Strategy, CoreSeam):
             )
             if message is not None:
                 rank_zero_warn(message)
-        return super().process_dataloader(dataloader)
+        dataloader = super().process_dataloader(dataloader)
+        if not self._core.engine.options.global_order:
+            return dataloader
+        # `global_order=True`: a shuffled loader (in a loop, the training one) reads a GlobalOrderSampler in place of
+        # Fabric's distributed sampler or its own RandomSampler; in-order loaders keep theirs (`global_order_for`).
+        layout = getattr(self, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        sampler = global_order_for(dataloader, layout["num_replicas"], layout["rank"], seed, in_order=False)
+        if sampler is None or sampler is dataloader.sampler:
+            return dataloader
+        return _update_dataloader(dataloader, sampler)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -313,8 +326,8 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
     """Exact accumulation in a Fabric loop on one device (``L.Fabric(strategy="accum")``).
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options of
-            exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
+            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`
             (``partial_group`` and ``schedule_on`` are the loop's to apply in Fabric: the loop decides when a group
             closes and when a scheduler steps).
         device: The device; by default the one Fabric's accelerator selects.
@@ -338,6 +351,7 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        global_order: bool = False,
         **kwargs: Any,
     ) -> None:
         self._init_accumulation(AccumulationOptions.pick(locals()))
@@ -388,7 +402,7 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     per group.
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: See
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: See
             :class:`FabricAccumulationStrategy`.
         **kwargs: Passed to Fabric's ``DDPStrategy`` (``start_method``, ``process_group_backend``, ``timeout``, ...).
 
@@ -411,6 +425,7 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        global_order: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -464,7 +479,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         tensor_parallel_size: The devices sharing one model replica, or ``"auto"``. With both ``"auto"``, Fabric's
             sizes (``D`` = number of nodes); with one of them an int, the other is the world size divided by it
             (``"accum_fsdp"``: ``tensor_parallel_size=1``, FSDP2 over every device).
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: See
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: See
             :class:`FabricAccumulationStrategy`.
         **kwargs: Passed to Fabric's ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
             ``process_group_backend``, ``timeout``).
@@ -492,6 +507,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        global_order: bool = False,
         **kwargs: Any,
     ) -> None:
         check_mesh_sizes(data_parallel_size, tensor_parallel_size)

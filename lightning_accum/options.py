@@ -60,6 +60,11 @@ class AccumulationOptions:
             ``"raise"`` an error, or ``"ignore"`` it (update anyway).
         max_consecutive_skips: Stop with an error after this many consecutive skipped updates; ``None`` never
             stops.
+        global_order: ``True``: the training data is read in one seeded order dealt to the replicas
+            (:class:`~lightning_accum.sampler.GlobalOrderSampler` in place of Lightning's or Fabric's distributed
+            sampler, and of a shuffling or in-order loader's sampler on one device), so that group ``g`` holds the
+            positions ``[g·B, (g+1)·B)`` of that order at any ``m``, ``A``, ``D``, without padding, resumable
+            mid-epoch; ``False`` (the default): the loaders' samplers stay Lightning's (see ``docs/howto.md``).
 
     Example:
         >>> AccumulationOptions(partial_group="drop").partial_group
@@ -76,6 +81,7 @@ class AccumulationOptions:
     schedule_on: str = "applied"
     on_nonfinite: str = "skip"
     max_consecutive_skips: int | None = 100
+    global_order: bool = False
 
     @classmethod
     def pick(cls, values: Mapping[str, Any]) -> AccumulationOptions:
@@ -98,6 +104,11 @@ class AccumulationOptions:
             raise ValueError(
                 f"`max_consecutive_skips` must be a positive int or None, got {limit!r}."
                 " Pass e.g. `max_consecutive_skips=100`, or None to never stop."
+            )
+        if not isinstance(self.global_order, bool):
+            raise TypeError(
+                f"`global_order` must be a bool, got {self.global_order!r}. Pass True to read the training data in one"
+                " seeded order dealt to the replicas, or False to keep Lightning's samplers."
             )
         if self.count_tokens is not None and not callable(self.count_tokens):
             raise TypeError(

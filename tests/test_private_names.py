@@ -146,3 +146,24 @@ def test_every_guard_named_in_the_private_names_table_exists() -> None:
     assert len(named) > 10
     missing = [f"{path}::{test}" for path, test in named if f"def {test}(" not in (ROOT / path).read_text()]
     assert not missing, missing
+
+
+def test_lightnings_and_fabrics_update_dataloader_recreate_a_loader_around_another_sampler() -> None:
+    # `global_order=True` re-creates the training loader with a GlobalOrderSampler through the helper Lightning and
+    # Fabric use to inject their distributed sampler: the loader's class and arguments kept, the sampler replaced.
+    from lightning.fabric.utilities.data import _update_dataloader as fabrics
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader as lightnings
+    from torch.utils.data import DataLoader
+
+    from lightning_accum import GlobalOrderSampler
+
+    class Loader(DataLoader):  # type: ignore[type-arg]
+        pass
+
+    data = list(range(10))
+    sampler = GlobalOrderSampler(data, num_replicas=2, rank=1, shuffle=False)
+    for made in (lightnings(Loader(data, batch_size=3, shuffle=True), sampler, mode=RunningStage.TRAINING),
+                 fabrics(Loader(data, batch_size=3, shuffle=True), sampler)):  # fmt: skip
+        assert type(made) is Loader and made.sampler is sampler and made.batch_size == 3
+        assert [b.tolist() for b in made] == [[1, 3, 5], [7, 9]]

@@ -16,6 +16,7 @@ part                                                         job
 :class:`~lightning_accum.strategies.checkpoint.TrainerCheckpoint` ``save_checkpoint`` and ``load_checkpoint``
 :class:`~lightning_accum.strategies.precision_clipping.PrecisionClipping` the precision plugin's clipping, for a run
 :class:`~lightning_accum.strategies.evaluation.ExactEvaluation` ``accum/val_loss`` and ``accum/test_loss``
+:func:`~lightning_accum.strategies.global_order.install_global_order` the training loader's order (``global_order=``)
 :class:`~lightning_accum.core.adapter.EngineAdapter`   what differs between one device, DDP and FSDP2/TP
 =========================================================== ===============================================
 
@@ -54,6 +55,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -74,6 +76,7 @@ from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
 from lightning_accum.strategies.automatic import CLOSURE_EVALUATING, AutomaticSteps, reevaluation_message
 from lightning_accum.strategies.checkpoint import TrainerCheckpoint
 from lightning_accum.strategies.evaluation import ExactEvaluation
+from lightning_accum.strategies.global_order import install_global_order
 from lightning_accum.strategies.precision_clipping import PrecisionClipping
 from lightning_accum.strategies.slicing import BatchSlicer
 from lightning_accum.strategies.trainer_side import TrainerSide
@@ -378,6 +381,18 @@ class ExactAccumulation(Strategy, CoreSeam):
     def on_test_end(self) -> None:
         self._evaluation.end()
         super().on_test_end()
+
+    # ------------------------------------------------------------------ data
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        if not self._core.engine.options.global_order:
+            return dataloader
+        trainer = self._trainer()
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        return install_global_order(dataloader, trainer, getattr(self, "distributed_sampler_kwargs", None))
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -210,8 +210,8 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     a small float64 vector. Lightning's ``no_sync`` stays on non-final micro-batches (forward included).
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options of
-            exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
+            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
         check_data_ends: With an iterable training dataset (whose per-rank length nothing makes equal): before each
             micro-batch that does not end a group, agree over the replicas whether any replica's data ends there,
             so that data ending inside a group on some replicas only is a prompt error on every rank instead of a
@@ -255,6 +255,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        global_order: bool = False,
         check_data_ends: bool = True,
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,

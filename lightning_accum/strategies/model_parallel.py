@@ -98,9 +98,9 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     and the optimizer.
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options of
-            exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`. The NaN/Inf
-            check of each rank's shard is summed over the whole mesh, so every rank takes the same decision.
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
+            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
+            The NaN/Inf check of each rank's shard is summed over the whole mesh, so every rank takes the same decision.
         gradient_sync: ``"every_microbatch"`` (default, FSDP2's own behaviour): every micro-batch's backward
             reduce-scatters its gradient, and each rank holds only its sharded gradient between micro-batches (least
             memory, ``A`` reduce-scatters per update). ``"last_microbatch"``: the non-final micro-batches run with
@@ -152,6 +152,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        global_order: bool = False,
         gradient_sync: Literal["every_microbatch", "last_microbatch"] = "every_microbatch",
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",

@@ -26,8 +26,8 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
     a dict with ``"num_tokens"`` (supervised tokens) and/or ``"num_samples"``.
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options of
-            exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
+        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
+            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
         device: The device; by default the one the Trainer's accelerator selects.
         microbatch_size: ``None`` (default), an int, or ``"auto"``: run each loader batch as exact slices (see
             :class:`~lightning_accum.strategies.slicing.BatchSlicer` and ``docs/howto.md``).
@@ -59,6 +59,7 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         schedule_on: str = "applied",
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
+        global_order: bool = False,
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
         **kwargs: Any,

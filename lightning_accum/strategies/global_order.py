@@ -1,0 +1,73 @@
+"""``global_order=True`` in a Trainer: the training loader reads one seeded order, dealt to the replicas, resumable.
+
+Lightning puts its ``DistributedSampler`` into the training loader before it hands the loader to the strategy's
+``process_dataloader``; there the strategy puts a :class:`~lightning_accum.sampler.GlobalOrderSampler` in its place
+(chosen by :func:`~lightning_accum.sampler.global_order_for`), re-creating the loader with Lightning's own helper, as
+Lightning does when it injects its sampler. The loader it returns is resumable in Lightning's convention (it has
+``state_dict`` / ``load_state_dict``, so Lightning saves its state in the fit loop's checkpoint and gives it back on a
+resume): the state is the sampler's, at the global position the loop has processed — the micro-batches Lightning
+counts as processed in the epoch, times ``m·D`` — which a resumed run continues from, at any ``D``. The position must be
+where the resumed run's own count of micro-batches puts it (the same ``m·D``), or Lightning's grouping by batch index
+and its count of the epoch's batches would not match the data: such a resume is refused, naming both.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import DataLoader
+
+from lightning_accum.sampler import GlobalOrderSampler, global_order_for
+
+__all__ = ["install_global_order"]
+
+
+def install_global_order(loader: Any, trainer: Trainer, layout: Mapping[str, int] | None) -> Any:
+    """The training ``loader`` reading a :class:`GlobalOrderSampler` (a new loader, resumable mid-epoch), or ``loader``
+    itself where it keeps its own order (see :func:`~lightning_accum.sampler.global_order_for`).
+
+    Args:
+        loader: What Lightning hands the strategy's ``process_dataloader`` for the training stage.
+        trainer: The Trainer (its loop's count of processed micro-batches is the position a checkpoint saves).
+        layout: The strategy's ``distributed_sampler_kwargs`` (``num_replicas``, ``rank``), ``None`` on one device.
+    """
+    if not isinstance(loader, DataLoader):
+        return loader
+    replicas, rank = (layout["num_replicas"], layout["rank"]) if layout else (1, 0)
+    sampler = global_order_for(loader, replicas, rank, seed=int(os.getenv("PL_GLOBAL_SEED", "0")))
+    if sampler is None:
+        return loader
+    ours = _update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
+    if hasattr(ours, "state_dict") or hasattr(ours, "load_state_dict"):
+        return ours  # a loader that saves its own position (torchdata's StatefulDataLoader) keeps doing so
+    batch_size = int(ours.batch_size or 1)
+    # Plain attributes of the loader made for this fit (not the user's object): Lightning's test for a resumable loader.
+    ours.state_dict = lambda: sampler.state_dict(_processed(trainer) * batch_size * sampler.num_replicas)
+    ours.load_state_dict = lambda state: _resume(sampler, state, trainer, batch_size)
+    return ours
+
+
+def _processed(trainer: Trainer) -> int:
+    """The micro-batches of this epoch Lightning's loop has processed on each replica (the index it resumes at)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
+
+
+def _resume(sampler: GlobalOrderSampler, state: Mapping[str, Any], trainer: Trainer, batch_size: int) -> None:
+    sampler.load_state_dict(state)
+    epoch = int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+    position, processed = state["position"], _processed(trainer)
+    expected = processed * batch_size * sampler.num_replicas
+    if state["epoch"] == epoch and position and position != expected:
+        raise ValueError(
+            f"The checkpoint's training data stands at global position {position} of epoch {epoch}, but this run"
+            f" resumes after {processed} micro-batches of {batch_size} examples on each of {sampler.num_replicas}"
+            f" replicas, position {expected}: Lightning's grouping and its count of the epoch's batches would not match"
+            " the data. Resume mid-epoch with the same examples per micro-batch slot over all replicas (m × D) as the"
+            " run that wrote it (another D with m changed to keep m × D is exact), or from a checkpoint written at the"
+            " end of an epoch."
+        )
