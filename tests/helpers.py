@@ -42,6 +42,10 @@ def make_examples(lengths: Sequence[int], seed: int = 0) -> list[dict[str, Tenso
     return examples
 
 
+#: Seven examples, for tests that watch where Lightning's groups start and end.
+EXAMPLES_FOR_GROUPING = make_examples([3, 1, 4, 1, 5, 2, 6])
+
+
 def random_lengths(n: int, seed: int = 0, low: int = 1) -> list[int]:
     gen = torch.Generator().manual_seed(seed + 1000)
     return torch.randint(low, SEQ + 1, (n,), generator=gen).tolist()
