@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pickle
 
+import lightning as L
 import pytest
+import torch
+from helpers import TinyLM, hand_trail, make_examples, params_vector, random_lengths, relative_error
 
 from lightning_accum import AccumulationLedger, BatchSchedule
 from lightning_accum.batch_schedule import GroupSize, as_schedule, parse_count, parse_stages
@@ -117,3 +120,31 @@ def test_group_size_is_the_position_inside_groups_that_start_at_its_phase() -> N
     assert 7 / size == 7 / 3 and size + 1 == 4
     assert pickle.loads(pickle.dumps(size)) % 1 == 0 and 7 % pickle.loads(pickle.dumps(size)) == 1
     assert 5 % GroupSize(4) == 5 % 4
+
+
+def test_a_fabric_loop_ramps_with_two_changed_lines_and_matches_the_float64_hand_loop() -> None:
+    examples = make_examples(random_lengths(40, seed=7), seed=7)
+    schedule = BatchSchedule({0: 4, 30: 8, 120: 16}, axis="tokens")
+    expected = hand_trail(TinyLM(lr=0.5, seed=7), examples, schedule, epochs=2, lr=0.5)
+    for m in (4, 2):
+        fabric = L.Fabric(strategy="accum", accelerator="cpu", devices=1, loggers=[])
+        module = TinyLM(lr=0.5, seed=7)
+        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))
+        trail = []
+        for _ in range(2):
+            batches = [examples[i : i + m] for i in range(0, len(examples), m)]
+            for index, rows in enumerate(batches):
+                batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+                # The two lines a ramp changes: the group's size from the ledger, and the group's end from it.
+                A = schedule.microbatches(fabric.strategy.ledger, microbatch_size=m, replicas=fabric.world_size)
+                is_accumulating = fabric.strategy.engine.microbatches_in_group + 1 < A and index + 1 < len(batches)
+                with fabric.no_backward_sync(model, enabled=is_accumulating):
+                    loss = module.mean_loss(batch)
+                    fabric.backward(fabric.strategy.accumulate(loss, num_tokens=(batch["labels"] != -100).sum()))
+                if not is_accumulating:
+                    fabric.strategy.close_group(optimizer, group_size=A)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    trail.append(params_vector(module))
+        assert len(trail) == len(expected)
+        assert max(relative_error(p, e) for p, e in zip(trail, expected, strict=True)) < 1e-5, m

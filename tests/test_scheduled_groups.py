@@ -3,7 +3,6 @@ group from a hand loop that applies the stages; the errors; the stages reached."
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -11,17 +10,18 @@ import lightning as L
 import pytest
 import torch
 from helpers import (
-    IGNORE,
     ListDataset,
     RankStridedSampler,
     TinyLM,
+    group_tokens,
+    hand_groups,
+    hand_trail,
     make_examples,
     make_trainer,
     params_vector,
     random_lengths,
     relative_error,
     run_ddp,
-    token_weighted_grad,
 )
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch import Tensor
@@ -35,43 +35,6 @@ EXAMPLES = make_examples(random_lengths(40, seed=59), seed=59)
 STAGES = {0: 4, 30: 8, 120: 16}
 EPOCHS = 2
 LR = 0.5
-
-
-def _tokens(group: list[dict[str, Tensor]]) -> int:
-    return int(sum(int((e["labels"] != IGNORE).sum()) for e in group))
-
-
-def hand_groups(schedule: BatchSchedule, epochs: int = EPOCHS) -> list[list[dict[str, Tensor]]]:
-    """The groups a hand loop forms: at each group's start the stage of the tokens seen so far; an epoch's last group
-    holds what remains (the partial-group policy "rescale": its real tokens)."""
-    groups, seen = [], 0
-    for _ in range(epochs):
-        start = 0
-        while start < len(EXAMPLES):
-            size = schedule.stage_at(seen).samples
-            group = EXAMPLES[start : start + size]
-            groups.append(group)
-            seen += _tokens(group)
-            start += size
-    return groups
-
-
-def hand_trail(model: torch.nn.Module, schedule: BatchSchedule, lr: float = LR) -> list[Tensor]:
-    """float64 SGD: one token-weighted update per hand group (at the stage's learning-rate factor); the parameters
-    after each update."""
-    ref = copy.deepcopy(model).double()
-    trail, seen = [], 0
-    for group in hand_groups(schedule):
-        factor = schedule.lr_factor(schedule.stage_at(seen))
-        grad = token_weighted_grad(ref, group)
-        with torch.no_grad():
-            offset = 0
-            for p in ref.parameters():
-                p -= lr * factor * grad[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-        seen += _tokens(group)
-        trail.append(params_vector(ref))
-    return trail
 
 
 class UpdateTrail(L.Callback):
@@ -117,8 +80,8 @@ def test_three_stages_give_the_same_updates_at_every_split_and_each_is_the_float
     tmp_path: Path,
 ) -> None:
     schedule = BatchSchedule(STAGES, axis="tokens")
-    expected = hand_trail(TinyLM(lr=LR, seed=59), schedule)
-    groups = hand_groups(schedule)
+    expected = hand_trail(TinyLM(lr=LR, seed=59), EXAMPLES, schedule, EPOCHS, LR)
+    groups = hand_groups(EXAMPLES, schedule, EPOCHS)
     assert {len(g) for g in groups} == {4, 8, 16} and len(groups[-1]) < 16  # every stage, and a partial last group
     runs = {}
     for m in (4, 2):
@@ -133,16 +96,16 @@ def test_three_stages_give_the_same_updates_at_every_split_and_each_is_the_float
     for (m, d), (params, sizes, stages) in runs.items():
         assert len(params) == len(expected), (m, d)
         # Each group's size in micro-batches per replica is its target B / (m · D) (the partial one keeps its target).
-        targets = [schedule.stage_at(sum(_tokens(g) for g in groups[:i])).samples for i in range(len(groups))]
+        targets = [schedule.stage_at(sum(group_tokens(g) for g in groups[:i])).samples for i in range(len(groups))]
         assert sizes == [b // (m * d) for b in targets], (m, d)
         worst[(m, d)] = max(relative_error(p, e) for p, e in zip(params, expected, strict=True))
         assert worst[(m, d)] < 1e-5, (m, d, worst)
         # The stages reached, with the tokens and updates each one's groups consumed (the hand loop's).
         by_stage: dict[int, list[int]] = {}
         for i, group in enumerate(groups):
-            index = schedule.stage_at(sum(_tokens(g) for g in groups[:i])).index
+            index = schedule.stage_at(sum(group_tokens(g) for g in groups[:i])).index
             by_stage.setdefault(index, [0, 0])
-            by_stage[index][0] += _tokens(group)
+            by_stage[index][0] += group_tokens(group)
             by_stage[index][1] += 1
         assert [(s["stage"], s["tokens"], s["updates"]) for s in stages] == [(k, *v) for k, v in by_stage.items()]
     print("max relative error per (m, D) against the float64 hand loop:", worst)
@@ -150,7 +113,7 @@ def test_three_stages_give_the_same_updates_at_every_split_and_each_is_the_float
 
 def test_the_stage_learning_rate_factor_applies_to_its_updates_only() -> None:
     schedule = BatchSchedule(STAGES, axis="tokens", lr_scaling="sqrt")
-    expected = hand_trail(TinyLM(lr=LR, seed=59), schedule)
+    expected = hand_trail(TinyLM(lr=LR, seed=59), EXAMPLES, schedule, EPOCHS, LR)
     trainer, trail = _fit(AccumulationStrategy(batch_schedule=schedule), batch_size=2)
     assert max(relative_error(p, e) for p, e in zip(trail.params, expected, strict=True)) < 1e-5
     assert trainer.optimizers[0].param_groups[0]["lr"] == LR  # the factor never stays in the optimizer
