@@ -3,6 +3,7 @@ group from a hand loop that applies the stages; the errors; the stages reached."
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +145,39 @@ def test_errors_before_and_at_the_first_batch() -> None:
     trainer = make_trainer(strategy=AccumulationStrategy(batch_schedule=STAGES), max_epochs=1)
     with pytest.raises(RuntimeError, match=r"BatchSchedule\(axis='tokens'\) needs token counts"):
         trainer.fit(model, DataLoader(ListDataset(EXAMPLES), batch_size=2))
+
+
+def test_the_ramp_is_on_tensorboards_tokens_axis_and_in_the_report(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_accum import AccumulationReport, AxisLogger
+    from lightning_accum.callbacks.report import format_report
+
+    schedule = BatchSchedule(STAGES, axis="tokens")
+    report = AccumulationReport(path=str(tmp_path / "report.json"))
+    logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    callbacks = [AxisLogger(axis="tokens"), report]
+    trainer, _trail = _fit(
+        AccumulationStrategy(batch_schedule=schedule),
+        batch_size=2,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+    )
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    batch = [(e.step, e.value) for e in events.Scalars("accum/global_batch")]
+    stage = [int(e.value) for e in events.Scalars("accum/batch_stage")]
+    # One point per update at the tokens seen after it, holding that update's stage batch.
+    groups = hand_groups(EXAMPLES, schedule, EPOCHS)
+    seen = [sum(group_tokens(g) for g in groups[: i + 1]) for i in range(len(groups))]
+    targets = [schedule.stage_at(x - group_tokens(g)).samples for x, g in zip(seen, groups, strict=True)]
+    assert batch == [(x, float(b)) for x, b in zip(seen, targets, strict=True)]
+    assert stage == [schedule.stage_at(x - group_tokens(g)).index for x, g in zip(seen, groups, strict=True)]
+    record = trainer.strategy.batch_stages
+    assert [s["stage"] for s in record] == [0, 1, 2] and sum(
+        s["tokens"] for s in record
+    ) == trainer.strategy.ledger.tokens
+    text = format_report(report.build(trainer, "completed", None, gather=False))
+    assert re.search(r"batch_schedule\.stages\[2\] +from 120 tokens: 16 samples/update, \d+ updates", text)

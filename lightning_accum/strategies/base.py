@@ -143,8 +143,9 @@ class ExactAccumulation(Strategy, CoreSeam):
     @property
     def batch_stages(self) -> list[dict[str, int]]:
         """Per stage of :attr:`batch_schedule` the fit reached, in order: ``stage`` (its index), ``threshold``,
-        ``samples_per_update`` (its batch), and what its groups consumed: ``attempts``, ``updates`` (applied),
-        ``samples``, ``tokens`` (over all replicas; a dropped partial group adds nothing). Empty without a schedule."""
+        ``samples_per_update`` (its batch; ``tokens_per_update`` too for a batch stated in tokens), and what its
+        groups consumed: ``attempts``, ``updates`` (applied), ``samples``, ``tokens`` (over all replicas; a
+        dropped partial group adds nothing). Empty without a schedule."""
         return [dict(stage) for stage in self._scheduled.stages]
 
     @property

@@ -121,6 +121,7 @@ class ScheduledGroups:
         if not self.stages or self.stages[-1]["stage"] != stage.index:
             self.stages.append(
                 {"stage": stage.index, "threshold": stage.threshold, "samples_per_update": stage.samples}
+                | ({} if stage.tokens is None else {"tokens_per_update": stage.tokens})
                 | {"updates": 0, "attempts": 0, "samples": 0, "tokens": 0}
             )
 
