@@ -15,6 +15,7 @@ Layout (each module imports only the ones above it)::
     engine                               the arithmetic of a run, composed of the above (no Lightning)
     evaluation_loss                      a set's loss weighted by its units over every replica (both doors)
     schedules, axis_lr                   schedulers that follow applied updates; rates as a function of tokens
+    batch_schedule                       the global batch as a function of tokens (stages of A)
     strategies/                          Lightning's hooks adapted to the engine (base, single, ddp, model_parallel)
     callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon, the progress bars
     fabric_model_parallel, fabric        the same parts in Fabric loops (FabricExactAccumulation and its strategies)
@@ -27,6 +28,7 @@ Example:
 """
 
 from lightning_accum.axis_lr import AxisLR, warmup_cosine, warmup_linear
+from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.callbacks import (
     AccumulationCheck,
     AccumulationCheckError,
@@ -71,6 +73,7 @@ __all__ = [
     "AxisLogger",
     "AxisProgressBar",
     "AxisRichProgressBar",
+    "BatchSchedule",
     "DDPAccumulationStrategy",
     "EvaluationLoss",
     "EvaluationRecord",

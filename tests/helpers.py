@@ -42,6 +42,10 @@ def make_examples(lengths: Sequence[int], seed: int = 0) -> list[dict[str, Tenso
     return examples
 
 
+#: Seven examples, for tests that watch where Lightning's groups start and end.
+EXAMPLES_FOR_GROUPING = make_examples([3, 1, 4, 1, 5, 2, 6])
+
+
 def random_lengths(n: int, seed: int = 0, low: int = 1) -> list[int]:
     gen = torch.Generator().manual_seed(seed + 1000)
     return torch.randint(low, SEQ + 1, (n,), generator=gen).tolist()
@@ -171,6 +175,46 @@ def sgd_reference(
                 p -= lr * velocity[offset : offset + n].view_as(p)
                 offset += n
     return params_vector(ref)
+
+
+def group_tokens(group: list[dict[str, Tensor]]) -> int:
+    return int(sum(int((e["labels"] != IGNORE).sum()) for e in group))
+
+
+def hand_groups(examples: list[dict[str, Tensor]], schedule: Any, epochs: int) -> list[list[dict[str, Tensor]]]:
+    """The groups a hand loop forms under a `BatchSchedule` on tokens, `epochs` passes over `examples` in order: at
+    each group's start the stage of the tokens seen so far; an epoch's last group holds what remains (the
+    partial-group policy "rescale": its real tokens)."""
+    groups, seen = [], 0
+    for _ in range(epochs):
+        start = 0
+        while start < len(examples):
+            size = schedule.stage_at(seen).samples
+            group = examples[start : start + size]
+            groups.append(group)
+            seen += group_tokens(group)
+            start += size
+    return groups
+
+
+def hand_trail(
+    model: nn.Module, examples: list[dict[str, Tensor]], schedule: Any, epochs: int, lr: float
+) -> list[Tensor]:
+    """float64 SGD: one token-weighted update per hand group (at the stage's learning-rate factor); the parameters
+    after each update."""
+    ref = copy.deepcopy(model).double()
+    trail, seen = [], 0
+    for group in hand_groups(examples, schedule, epochs):
+        factor = schedule.lr_factor(schedule.stage_at(seen))
+        grad = token_weighted_grad(ref, group)
+        with torch.no_grad():
+            offset = 0
+            for p in ref.parameters():
+                p -= lr * factor * grad[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        seen += group_tokens(group)
+        trail.append(params_vector(ref))
+    return trail
 
 
 def relative_error(actual: Tensor, expected: Tensor) -> float:

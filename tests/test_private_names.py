@@ -140,6 +140,36 @@ def test_the_slicers_protected_backward_is_lightnings_strategy_backward() -> Non
     assert copied == lightning
 
 
+def test_lightnings_grouping_reads_the_position_modulo_accumulate_grad_batches() -> None:
+    # `_AutomaticOptimization._make_zero_grad_fn` zeroes at `batch_idx % A == 0` and
+    # `_TrainingEpochLoop._accumulated_batches_reached` steps at `batch_progress.current.ready % A == 0`, the position
+    # on the left: so a `GroupSize` (whose `__rmod__` Python asks first) decides both, on Lightning's own strategy.
+    import lightning as L
+    from helpers import EXAMPLES_FOR_GROUPING, ListDataset, TinyLM
+    from torch.utils.data import DataLoader
+
+    from lightning_accum.batch_schedule import GroupSize
+
+    class Record(L.Callback):
+        def __init__(self) -> None:
+            self.zeroed: list[int] = []
+            self.stepped: list[int] = []
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            trainer.accumulate_grad_batches = GroupSize(3, phase=1)  # groups [0], [1, 2, 3], [4, 5, 6]
+
+        def on_before_zero_grad(self, trainer: L.Trainer, *args: object) -> None:
+            self.zeroed.append(trainer.fit_loop.epoch_loop.batch_idx)
+
+        def on_before_optimizer_step(self, trainer: L.Trainer, *args: object) -> None:
+            self.stepped.append(trainer.fit_loop.epoch_loop.batch_idx)
+
+    record = Record()
+    trainer = make_trainer(strategy="auto", callbacks=[record])
+    trainer.fit(TinyLM(), DataLoader(ListDataset(EXAMPLES_FOR_GROUPING), batch_size=1))
+    assert record.stepped == [0, 3, 6] and record.zeroed == [1, 4]  # batch 0 closes the group before it
+
+
 def test_every_guard_named_in_the_private_names_table_exists() -> None:
     section = (ROOT / "docs" / "internals.md").read_text().split("## Private names the package relies on", 1)[1]
     named = re.findall(r"`(tests/[\w/]+\.py|benchmarks/[\w/]+\.py)::(\w+)", section)

@@ -117,13 +117,20 @@ class AxisLogger(Callback):
     ``accum/documents_per_update``  documents          mean per attempted update         summed
     ``accum/skipped_updates``       updates (total)    skipped so far                    same on every rank
     ``accum/grad_scale``            GradScaler scale   the window's last update's scale  same on every rank
+    ``accum/global_batch``          samples            the window's last update's stage  same on every rank
+                                                       batch (``batch_schedule=``)
+    ``accum/global_batch_tokens``   tokens             the same, stated in tokens        same on every rank
+    ``accum/batch_stage``           stage index        the window's last update's stage  same on every rank
     =============================== ================== ================================= ===================
 
     ``accum/<axis>`` is ``accum/tokens``, ``accum/samples``, ``accum/documents`` or ``accum/updates``, the only key
     written without the once-per-x rule (it is x). ``accum/loss`` is written only when the window holds a group with
     units and a finite loss; ``accum/documents_per_update`` only where the steps report documents
     (:func:`~lightning_accum.document_mean_loss`); ``accum/lr`` is one key per parameter group when there are
-    several; ``accum/grad_scale`` only with a GradScaler. With ``axis="updates"`` x counts *applied* updates. The
+    several; ``accum/grad_scale`` only with a GradScaler; ``accum/global_batch`` and ``accum/batch_stage`` only
+    under a strategy's ``batch_schedule=`` (the scheduled batch, beside the realized ``samples_per_update``),
+    ``accum/global_batch_tokens`` only for a schedule stated in tokens (``batch_unit="tokens"``). With
+    ``axis="updates"`` x counts *applied* updates. The
     progress bar shows the tokens (or samples; documents with ``axis="documents"``) seen and the skipped updates.
 
     Several fits (e.g. two training stages, each with a new Trainer) logged by this callback to the same logger
@@ -166,6 +173,7 @@ class AxisLogger(Callback):
         self._offset = 0  # added to the ledger's count in this fit (see "Several fits" above)
         self._window: list[GroupRecord] = []
         self._window_lrs: list[float] = []
+        self._window_stage: dict[str, int] | None = None  # under `batch_schedule=`: the last update's stage
         # LearningRateMonitor's values per logger, held until the update that uses them closes (see the docstring).
         self._held_rates: dict[int, dict[str, float]] = {}
         self._rate_monitors: list[LearningRateMonitor] = []
@@ -371,6 +379,8 @@ class AxisLogger(Callback):
             self._held_rates = {}  # another rank: its loggers write nothing
             return
         self._window.append(group)
+        stages = getattr(trainer.strategy, "batch_stages", None)  # the stage of the group closing is the last one
+        self._window_stage = stages[-1] if stages else None
         # The schedules advance after the listeners: this is the rate the update used.
         self._window_lrs = [lr if type(lr := pg["lr"]) is float else float(lr) for pg in param_groups]
         # LearningRateMonitor's values read for this update land at its x, in one record with the point (if any).
@@ -407,4 +417,10 @@ class AxisLogger(Callback):
         metrics[f"{self.prefix}skipped_updates"] = ledger.skipped_total
         if records[-1].grad_scale is not None:
             metrics[f"{self.prefix}grad_scale"] = records[-1].grad_scale
+        stage = self._window_stage
+        if stage is not None:
+            metrics[f"{self.prefix}global_batch"] = stage["samples_per_update"]
+            metrics[f"{self.prefix}batch_stage"] = stage["stage"]
+            if stage.get("tokens_per_update") is not None:
+                metrics[f"{self.prefix}global_batch_tokens"] = stage["tokens_per_update"]
         return metrics

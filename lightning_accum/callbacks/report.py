@@ -337,6 +337,7 @@ class AccumulationReport(Callback):
                 "samples_per_second": ledger.samples / wall if wall > 0 else None,
             },
             **self._documents(ledger),
+            **_batch_stages(strategy),
             **self._slicing(trainer, strategy, gather),
             "ledger": _finite_or_none(ledger.state_dict()),
         }
@@ -388,6 +389,15 @@ class AccumulationReport(Callback):
                 markdown = "\n".join("    " + line for line in table.splitlines())  # preformatted in TensorBoard
                 logger.experiment.add_text("accum/report", markdown, global_step=int(ledger_axis(record)))
                 logger.experiment.flush()
+
+
+def _batch_stages(strategy: ExactAccumulation) -> dict[str, Any]:
+    """Under ``batch_schedule=``: the schedule and the stages the fit reached, each with what its groups consumed
+    (absent without a schedule)."""
+    schedule = strategy.batch_schedule
+    if schedule is None:
+        return {}
+    return {"batch_schedule": {"schedule": repr(schedule), "axis": schedule.axis, "stages": strategy.batch_stages}}
 
 
 def _unwritable(target: str) -> str | None:
@@ -499,6 +509,15 @@ def format_report(record: dict[str, Any]) -> str:
             if key == "memory" and isinstance(inner, list):
                 shown = _fmt(inner) if sub == "peak_predates_fit" else _mib(inner)
                 rows.append((name + " (per rank)", shown))
+            elif key == "batch_schedule" and sub == "stages":
+                rows += [
+                    (
+                        f"{name}[{st['stage']}]",
+                        f"from {st['threshold']:,} {value['axis']}: {st['samples_per_update']:,} samples/update,"
+                        f" {st['updates']:,} updates, {st['tokens']:,} tokens, {st['samples']:,} samples",
+                    )
+                    for st in inner
+                ]
             elif sub == "per_rank" and isinstance(inner, list):
                 rows.append((name, "; ".join(_fmt(r) for r in inner)))
             else:

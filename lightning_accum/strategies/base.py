@@ -45,7 +45,7 @@ constructor validates them once into an ``AccumulationOptions`` and hands that o
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, ClassVar
@@ -63,6 +63,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accum.batch_schedule import BatchSchedule, as_schedule
 from lightning_accum.core.adapter import EngineAdapter, NamedParameters, optimized_parameters
 from lightning_accum.core.checkpoint import CHECKPOINT_KEY
 from lightning_accum.core.closing import enabled_scaler
@@ -78,6 +79,7 @@ from lightning_accum.strategies.checkpoint import TrainerCheckpoint
 from lightning_accum.strategies.evaluation import ExactEvaluation
 from lightning_accum.strategies.global_order import install_global_order
 from lightning_accum.strategies.precision_clipping import PrecisionClipping
+from lightning_accum.strategies.scheduled_groups import ScheduledGroups
 from lightning_accum.strategies.slicing import BatchSlicer
 from lightning_accum.strategies.trainer_side import TrainerSide
 
@@ -109,6 +111,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         options: AccumulationOptions,
         microbatch_size: MicrobatchSize = None,
         split_batch: SplitBatch | None = None,
+        batch_schedule: BatchSchedule | Mapping[int, int] | str | None = None,
     ) -> None:
         """Set up the parts from the options the constructor validated (before Lightning's ``__init__``)."""
         if microbatch_size is not None and options.normalize == "batches":
@@ -131,6 +134,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._failed = False  # the entry point running raised (Lightning called `on_exception`)
         self._sync_blocked = False  # inside a `block_backward_sync` that blocks FSDP2's reduction (model parallel)
         self._clipping = PrecisionClipping()  # the precision plugin's clip methods, for the run
+        self._scheduled = ScheduledGroups(as_schedule(batch_schedule))  # the groups' sizes under `batch_schedule=`
 
     # ------------------------------------------------------------------ the public interface
 
@@ -139,6 +143,19 @@ class ExactAccumulation(Strategy, CoreSeam):
         """This rank's record of ``microbatch_size=``: the size in force, realized slice sizes, out-of-memory retries
         (see :class:`~lightning_accum.slicing.SlicingLog`)."""
         return self._slicer.log
+
+    @property
+    def batch_schedule(self) -> BatchSchedule | None:
+        """The schedule of the global batch given as ``batch_schedule=``, or ``None``."""
+        return self._scheduled.schedule
+
+    @property
+    def batch_stages(self) -> list[dict[str, int]]:
+        """Per stage of :attr:`batch_schedule` the fit reached, in order: ``stage`` (its index), ``threshold``,
+        ``samples_per_update`` (its batch; ``tokens_per_update`` too for a batch stated in tokens), and what its
+        groups consumed: ``attempts``, ``updates`` (applied), ``samples``, ``tokens`` (over all replicas; a
+        dropped partial group adds nothing). Empty without a schedule."""
+        return [dict(stage) for stage in self._scheduled.stages]
 
     @property
     def evaluation_findings(self) -> dict[str, str | None]:
@@ -301,15 +318,18 @@ class ExactAccumulation(Strategy, CoreSeam):
             return self._core.optimizer_step(
                 optimizer, closure, self.gradient_scaler, lambda: lightning_step(optimizer, closure, model, **kwargs)
             )
+        if self._scheduled.schedule is not None:  # the stage's learning-rate factor, if any
+            with self._scheduled.scaled_lr(optimizer):
+                return self._automatic_step(optimizer, closure, lambda c: lightning_step(optimizer, c, model, **kwargs))
+        return self._automatic_step(optimizer, closure, lambda c: lightning_step(optimizer, c, model, **kwargs))
+
+    def _automatic_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], lightning_step: Callable[[Callable[..., Any]], Any]
+    ) -> Any:
         # The group closes inside the optimizer's step, right after Lightning's closure (see `strategies/automatic`).
+        trainer = self._trainer_ref if self._trainer_ref is not None else self._trainer()
         return self._steps.optimizer_step(
-            self,
-            self._core.closing,
-            optimizer,
-            closure,
-            self._trainer_ref if self._trainer_ref is not None else self._trainer(),
-            self._before_close,
-            lambda closure_then_close: lightning_step(optimizer, closure_then_close, model, **kwargs),
+            self, self._core.closing, optimizer, closure, trainer, self._before_close, lightning_step
         )
 
     def _before_close(self) -> None:
@@ -433,12 +453,24 @@ class ExactAccumulation(Strategy, CoreSeam):
         super().on_train_start()
         trainer = self._trainer()
         _check_supported(self, trainer)
+        self._scheduled.start(trainer)
+        self._core.add_group_listener(self._scheduled.on_group)
         _warn_of_slashes_in_checkpoint_names(trainer)
         self._side.on_train_start(trainer)
         self._agreement = self._side.microbatch_agreement()
         if trainer.lightning_module.automatic_optimization:
             batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
             self._core.engine.decisions.warn_short_epoch(batches, accumulate, self._core.engine.warn)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._scheduled.schedule is not None:  # a group's first batch: its size from the ledger's stage
+            core = self._core
+            resumed, split = core.group.loaded, self._slicer.split_batch
+            self._scheduled.batch_start(
+                self._trainer(), batch, batch_idx, core.ledger, self.data_parallel_replicas, resumed, split
+            )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -467,6 +499,9 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._failed = False
         self._side.teardown()
         self._clipping.release()
+        self._core.remove_group_listener(self._scheduled.on_group)
+        if self._trainer_ref is not None:
+            self._scheduled.end(self._trainer_ref)
         self._evaluation.end()
         self._slicer.reset()
         self._trainer_ref = None

@@ -17,6 +17,7 @@ from torch.utils.data import IterableDataset
 from typing_extensions import override
 
 from lightning_accum._worker_exit import ClosingWorkers, use_launcher
+from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.core.adapter import EngineAdapter, collective_failure
 from lightning_accum.core.ddp import DDPAdapter, register_ddp_strings
 from lightning_accum.core.entry import CHECKPOINT_KEY
@@ -220,6 +221,9 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
             turns it off for data you know to be sharded evenly. Map-style data is never checked this way (its
             sampler gives every rank the same length).
         microbatch_size, split_batch: Exact slices of each loader batch: see :class:`AccumulationStrategy`.
+        batch_schedule: The global batch by tokens, samples or updates: a :class:`~lightning_accum.BatchSchedule`, or
+            its stages (a dict or Megatron's string form, on tokens); each group's size is set at its start (see
+            :mod:`~lightning_accum.strategies.scheduled_groups`). Leave ``accumulate_grad_batches`` unset with it.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``find_unused_parameters``, ``process_group_backend``, ...).
 
@@ -259,10 +263,11 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         check_data_ends: bool = True,
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
+        batch_schedule: BatchSchedule | dict[int, int] | str | None = None,
         **kwargs: Any,
     ) -> None:
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
-        self._init_accumulation(options, microbatch_size, split_batch)
+        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule)
         super().__init__(**kwargs)
         self.check_data_ends = check_data_ends
 

@@ -18,6 +18,7 @@ import torch.distributed
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
+from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.core.mesh import (
     GRADIENT_SYNC_MODES,
     MeshAdapter,
@@ -121,6 +122,9 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             small CPU all-reduce per loader batch agrees on it); see ``docs/howto.md``. ``"auto"`` is an error here.
         split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
             cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
+        batch_schedule: The global batch by tokens, samples or updates: a :class:`~lightning_accum.BatchSchedule`, or
+            its stages (a dict or Megatron's string form, on tokens); each group's size is set at its start (see
+            :mod:`~lightning_accum.strategies.scheduled_groups`). Leave ``accumulate_grad_batches`` unset with it.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
             (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
@@ -158,6 +162,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         tensor_parallel_size: Literal["auto"] | int = "auto",
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
+        batch_schedule: BatchSchedule | dict[int, int] | str | None = None,
         **kwargs: Any,
     ) -> None:
         if gradient_sync not in GRADIENT_SYNC_MODES:
@@ -167,7 +172,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             )
         check_mesh_sizes(data_parallel_size, tensor_parallel_size)
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
-        self._init_accumulation(options, microbatch_size, split_batch)
+        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.gradient_sync = gradient_sync
         if microbatch_size == "auto":

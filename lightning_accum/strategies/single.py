@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
+from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.core.core import one_device_property
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
@@ -32,6 +33,9 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         microbatch_size: ``None`` (default), an int, or ``"auto"``: run each loader batch as exact slices (see
             :class:`~lightning_accum.strategies.slicing.BatchSlicer` and ``docs/howto.md``).
         split_batch: ``(batch, start, stop) -> batch`` for a batch type the strategy cannot slice itself.
+        batch_schedule: The global batch by tokens, samples or updates: a :class:`~lightning_accum.BatchSchedule`, or
+            its stages (a dict or Megatron's string form, on tokens); each group's size is set at its start (see
+            :mod:`~lightning_accum.strategies.scheduled_groups`). Leave ``accumulate_grad_batches`` unset with it.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
     ``trainer.global_step`` keeps Lightning's meaning (one per optimizer-step call: attempts, so
@@ -62,10 +66,11 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         global_order: bool = False,
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
+        batch_schedule: BatchSchedule | dict[int, int] | str | None = None,
         **kwargs: Any,
     ) -> None:
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
-        self._init_accumulation(options, microbatch_size, split_batch)
+        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule)
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._device_given = device is not None
 

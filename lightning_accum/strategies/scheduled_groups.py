@@ -1,0 +1,153 @@
+"""A batch schedule in a Trainer: the size of each group set at its start, where Lightning's grouping reads it.
+
+Decision: the schedule is a strategy argument (``batch_schedule=``), not a callback. The group's size is the
+strategy's arithmetic (its target ``A`` is the partial-group policy's denominator, the checkpoint's configuration and
+the entry's open group record it), the strategy's options reach LightningCLI's config and ``--help``, and a callback
+would run its ``on_train_batch_start`` among the user's callbacks, in an order nobody controls.
+
+Lightning decides where a group starts (its ``zero_grad``) and ends (its optimizer step, the last backward's gradient
+synchronisation) from the batch's position in the epoch modulo ``trainer.accumulate_grad_batches``. At each group's
+first batch (the strategy's ``on_train_batch_start``, which Lightning calls after the callbacks' and before the batch
+runs) :class:`ScheduledGroups` reads the group's stage from the ledger and sets that attribute to a
+:class:`~lightning_accum.batch_schedule.GroupSize`: an int, the group's size, whose modulo counts from the group's first
+batch. So Lightning's own checks end the group after exactly its scheduled number of micro-batches, and the group that
+crosses a threshold finishes at its own size. An epoch's last group still ends at the epoch's last batch, and the
+partial-group policy compares it with its own target size.
+
+The stage of a group is a function of the ledger's position at its start, so a resumed run finds it again; a
+checkpoint written inside a group carries the group's size, which the resumed run keeps for that group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from torch.optim import Optimizer
+
+from lightning_accum.axis_lr import check_counts_reported
+from lightning_accum.batch_schedule import BatchSchedule, GroupSize, Stage
+from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.slicing import SplitBatch, count_samples
+
+__all__ = ["ScheduledGroups"]
+
+
+class ScheduledGroups:
+    """The groups of a fit under a :class:`~lightning_accum.BatchSchedule`: their sizes, their learning-rate factor,
+    and what each stage reached has consumed."""
+
+    def __init__(self, schedule: BatchSchedule | None) -> None:
+        self.schedule = schedule
+        self.microbatch_size: int | None = None  # m: the samples of the fit's first batch on one replica
+        self.stage: Stage | None = None  # the stage of the open group
+        self.stages: list[dict[str, int]] = []  # per stage reached: what its groups consumed
+        self._counts_checked = False
+        self._given = 1
+
+    def start(self, trainer: Trainer) -> None:
+        """Refuse what cannot share the groups with the schedule; forget the previous fit's batch size."""
+        self.microbatch_size, self.stage, self._counts_checked = None, None, False
+        self.stages = []
+        if self.schedule is None:
+            return
+        self._given = trainer.accumulate_grad_batches  # the Trainer's own value, given back by `end`
+        if not trainer.lightning_module.automatic_optimization:
+            raise ValueError(
+                f"`batch_schedule={self.schedule!r}` sets the groups of automatic optimization, but this"
+                " LightningModule sets `automatic_optimization = False`. In a manual loop ask the schedule for each"
+                " group's size, `schedule.microbatches(self.trainer.strategy.ledger, m, D)`, and pass it to"
+                " `close_group(optimizer, group_size=...)`; or remove `batch_schedule=`."
+            )
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # assigned by its callback connector
+        if any(isinstance(c, GradientAccumulationScheduler) for c in callbacks):
+            raise ValueError(
+                "`batch_schedule=` and Lightning's `GradientAccumulationScheduler` (or `accumulate_grad_batches={...}`)"
+                " would both set `accumulate_grad_batches`. Keep one: state the epochs' sizes as a schedule on"
+                " samples, or remove `batch_schedule=`."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"`batch_schedule=` sets each group's size, but the Trainer has"
+                f" `accumulate_grad_batches={trainer.accumulate_grad_batches}`. Remove `accumulate_grad_batches` from"
+                " the Trainer (the schedule's batches divided by m × D are the sizes)."
+            )
+
+    def end(self, trainer: Trainer) -> None:
+        """Give the Trainer back its own ``accumulate_grad_batches`` (the fit's groups end with it)."""
+        if isinstance(trainer.accumulate_grad_batches, GroupSize):
+            trainer.accumulate_grad_batches = self._given
+
+    def batch_start(
+        self,
+        trainer: Trainer,
+        batch: Any,
+        batch_idx: int,
+        ledger: AccumulationLedger,
+        replicas: int,
+        resumed: dict[str, Any] | None,
+        split_batch: SplitBatch | None,
+    ) -> None:
+        """Before a training batch: at a group's first batch, set ``trainer.accumulate_grad_batches`` to the size of
+        the stage the ledger is in (at the fit's first batch a group resumed from a checkpoint keeps its size)."""
+        schedule = self.schedule
+        if schedule is None:
+            return
+        first = self.microbatch_size is None
+        if first:
+            self.microbatch_size = count_samples(batch, split_batch)
+            schedule.check(self.microbatch_size, replicas)
+            done = int(resumed.get("microbatches", 0)) if resumed else 0
+            if done:  # the checkpoint's group: its size as written, its first batch `done` batches back
+                size = int(resumed.get("accumulate") or (resumed.get("config") or {}).get("accumulate") or 1)  # type: ignore[union-attr]
+                trainer.accumulate_grad_batches = GroupSize(size, phase=batch_idx - done)
+                self._enter(schedule.stage_at(ledger))
+                return
+        elif batch_idx and batch_idx % trainer.accumulate_grad_batches:
+            return  # inside a group: its size stays
+        if not self._counts_checked and ledger.updates_attempted:
+            self._counts_checked = check_counts_reported("BatchSchedule", schedule.axis, ledger)
+        assert self.microbatch_size is not None
+        stage = schedule.stage_at(ledger)
+        size = stage.samples // (self.microbatch_size * replicas)
+        trainer.accumulate_grad_batches = GroupSize(size, phase=batch_idx)
+        self._enter(stage)
+
+    def _enter(self, stage: Stage) -> None:
+        self.stage = stage
+        if not self.stages or self.stages[-1]["stage"] != stage.index:
+            self.stages.append(
+                {"stage": stage.index, "threshold": stage.threshold, "samples_per_update": stage.samples}
+                | ({} if stage.tokens is None else {"tokens_per_update": stage.tokens})
+                | {"updates": 0, "attempts": 0, "samples": 0, "tokens": 0}
+            )
+
+    def on_group(self, record: GroupRecord, batch_samples: Sequence[int]) -> None:
+        """Listener of closed groups: add a group to its stage's record (a dropped partial group adds nothing)."""
+        if not self.stages or record.dropped:
+            return
+        spent = self.stages[-1]
+        spent["attempts"] += 1
+        spent["updates"] += int(record.applied)
+        spent["samples"] += record.samples
+        spent["tokens"] += record.tokens
+
+    @contextmanager
+    def scaled_lr(self, optimizer: Optimizer) -> Iterator[None]:
+        """The learning rates of ``optimizer`` times the open group's stage factor (``lr_scaling``) for the update
+        only; what the user's scheduler set is given back after it, so no scheduler reads the factor back."""
+        factor = 1.0 if self.schedule is None or self.stage is None else self.schedule.lr_factor(self.stage)
+        if factor == 1.0:
+            yield
+            return
+        rates = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+        try:
+            yield
+        finally:
+            for group, rate in zip(optimizer.param_groups, rates, strict=True):
+                group["lr"] = rate

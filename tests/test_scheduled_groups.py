@@ -1,0 +1,183 @@
+"""A batch schedule in a Trainer: the same updates at every split, each the float64 token-weighted gradient of its
+group from a hand loop that applies the stages; the errors; the stages reached."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from helpers import (
+    ListDataset,
+    RankStridedSampler,
+    TinyLM,
+    group_tokens,
+    hand_groups,
+    hand_trail,
+    make_examples,
+    make_trainer,
+    params_vector,
+    random_lengths,
+    relative_error,
+    run_ddp,
+)
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_accum import BatchSchedule, DDPAccumulationStrategy
+from lightning_accum.strategies import AccumulationStrategy
+
+EXAMPLES = make_examples(random_lengths(40, seed=59), seed=59)
+#: Three stages on the tokens axis: 4, then 8, then 16 samples per update (about 140 tokens per epoch of 40).
+STAGES = {0: 4, 30: 8, 120: 16}
+EPOCHS = 2
+LR = 0.5
+
+
+class UpdateTrail(L.Callback):
+    """The parameters after each update, and each group's size, saved to `path` at the fit's end when given."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self.params: list[Tensor] = []
+        self.sizes: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.strategy.ledger.updates_attempted > len(self.params):  # type: ignore[attr-defined]
+            self.params.append(params_vector(pl_module))
+            self.sizes.append(int(trainer.accumulate_grad_batches))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.path is not None:
+            stages = trainer.strategy.batch_stages  # type: ignore[attr-defined]
+            torch.save(
+                {"params": self.params, "sizes": self.sizes, "stages": stages}, f"{self.path}-{trainer.global_rank}.pt"
+            )
+
+
+def _fit(strategy: Any, batch_size: int, devices: int = 1, trail: UpdateTrail | None = None, **kw: Any) -> Any:
+    model = TinyLM(lr=LR, seed=59)
+    trail = trail or UpdateTrail()
+    trainer = make_trainer(
+        strategy=strategy, devices=devices, max_epochs=EPOCHS, callbacks=[trail, *kw.pop("callbacks", [])], **kw
+    )
+    sampler = RankStridedSampler(len(EXAMPLES)) if devices > 1 else None
+    trainer.fit(model, DataLoader(ListDataset(EXAMPLES), batch_size=batch_size, sampler=sampler))
+    return trainer, trail
+
+
+def _ddp_run(rank: int, folder: str) -> None:
+    strategy = DDPAccumulationStrategy(batch_schedule=BatchSchedule(STAGES, axis="tokens"))
+    _fit(strategy, batch_size=1, devices=2, trail=UpdateTrail(f"{folder}/d2"))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_three_stages_give_the_same_updates_at_every_split_and_each_is_the_float64_group_gradient(
+    tmp_path: Path,
+) -> None:
+    schedule = BatchSchedule(STAGES, axis="tokens")
+    expected = hand_trail(TinyLM(lr=LR, seed=59), EXAMPLES, schedule, EPOCHS, LR)
+    groups = hand_groups(EXAMPLES, schedule, EPOCHS)
+    assert {len(g) for g in groups} == {4, 8, 16} and len(groups[-1]) < 16  # every stage, and a partial last group
+    runs = {}
+    for m in (4, 2):
+        trainer, trail = _fit(AccumulationStrategy(batch_schedule=schedule), batch_size=m)
+        runs[(m, 1)] = trail.params, trail.sizes, trainer.strategy.batch_stages
+        assert trainer.accumulate_grad_batches == 1 and type(trainer.accumulate_grad_batches) is int  # given back
+    run_ddp(_ddp_run, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"d2-{r}.pt", weights_only=True) for r in (0, 1)]
+    runs[(1, 2)] = ranks[0]["params"], ranks[0]["sizes"], ranks[0]["stages"]
+    assert torch.equal(torch.stack(ranks[0]["params"]), torch.stack(ranks[1]["params"]))
+    worst = {}
+    for (m, d), (params, sizes, stages) in runs.items():
+        assert len(params) == len(expected), (m, d)
+        # Each group's size in micro-batches per replica is its target B / (m · D) (the partial one keeps its target).
+        targets = [schedule.stage_at(sum(group_tokens(g) for g in groups[:i])).samples for i in range(len(groups))]
+        assert sizes == [b // (m * d) for b in targets], (m, d)
+        worst[(m, d)] = max(relative_error(p, e) for p, e in zip(params, expected, strict=True))
+        assert worst[(m, d)] < 1e-5, (m, d, worst)
+        # The stages reached, with the tokens and updates each one's groups consumed (the hand loop's).
+        by_stage: dict[int, list[int]] = {}
+        for i, group in enumerate(groups):
+            index = schedule.stage_at(sum(group_tokens(g) for g in groups[:i])).index
+            by_stage.setdefault(index, [0, 0])
+            by_stage[index][0] += group_tokens(group)
+            by_stage[index][1] += 1
+        assert [(s["stage"], s["tokens"], s["updates"]) for s in stages] == [(k, *v) for k, v in by_stage.items()]
+    print("max relative error per (m, D) against the float64 hand loop:", worst)
+
+
+def test_the_stage_learning_rate_factor_applies_to_its_updates_only() -> None:
+    schedule = BatchSchedule(STAGES, axis="tokens", lr_scaling="sqrt")
+    expected = hand_trail(TinyLM(lr=LR, seed=59), EXAMPLES, schedule, EPOCHS, LR)
+    trainer, trail = _fit(AccumulationStrategy(batch_schedule=schedule), batch_size=2)
+    assert max(relative_error(p, e) for p, e in zip(trail.params, expected, strict=True)) < 1e-5
+    assert trainer.optimizers[0].param_groups[0]["lr"] == LR  # the factor never stays in the optimizer
+
+
+def test_a_schedule_on_samples_from_a_string_in_the_strategy() -> None:
+    schedule = BatchSchedule("0:4 16:8 48:16", axis="samples")
+    trainer, trail = _fit(AccumulationStrategy(batch_schedule=schedule), batch_size=2)
+    ledger = trainer.strategy.ledger
+    assert ledger.samples == EPOCHS * len(EXAMPLES)
+    # Samples 0-15: 4 groups of 4; 16-47: groups of 8 (three in epoch 1, one in epoch 2); from 48 on, groups of 16.
+    assert trail.sizes == [2, 2, 2, 2, 4, 4, 4, 4, 8, 8]
+
+
+def test_errors_before_and_at_the_first_batch() -> None:
+    schedule = BatchSchedule({0: 4, 30: 6, 120: 16}, axis="tokens")
+    with pytest.raises(
+        ValueError, match=r"stage 1 \(from 30 tokens\) holds 6 samples .* m × D = 4 × 1 = 4 .* Use 4 or 8"
+    ):
+        _fit(AccumulationStrategy(batch_schedule=schedule), batch_size=4)
+    with pytest.raises(ValueError, match=r"but the Trainer has `accumulate_grad_batches=2`\. Remove"):
+        _fit(AccumulationStrategy(batch_schedule=STAGES), batch_size=2, accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match=r"`GradientAccumulationScheduler` .* would both set"):
+        _fit(
+            AccumulationStrategy(batch_schedule=STAGES), batch_size=2, callbacks=[GradientAccumulationScheduler({0: 1})]
+        )
+    model = TinyLM(lr=LR, seed=59, report="samples")
+    trainer = make_trainer(strategy=AccumulationStrategy(batch_schedule=STAGES), max_epochs=1)
+    with pytest.raises(RuntimeError, match=r"BatchSchedule\(axis='tokens'\) needs token counts"):
+        trainer.fit(model, DataLoader(ListDataset(EXAMPLES), batch_size=2))
+
+
+def test_the_ramp_is_on_tensorboards_tokens_axis_and_in_the_report(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_accum import AccumulationReport, AxisLogger
+    from lightning_accum.callbacks.report import format_report
+
+    schedule = BatchSchedule(STAGES, axis="tokens")
+    report = AccumulationReport(path=str(tmp_path / "report.json"))
+    logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    callbacks = [AxisLogger(axis="tokens"), report]
+    trainer, _trail = _fit(
+        AccumulationStrategy(batch_schedule=schedule),
+        batch_size=2,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+    )
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    batch = [(e.step, e.value) for e in events.Scalars("accum/global_batch")]
+    stage = [int(e.value) for e in events.Scalars("accum/batch_stage")]
+    # One point per update at the tokens seen after it, holding that update's stage batch.
+    groups = hand_groups(EXAMPLES, schedule, EPOCHS)
+    seen = [sum(group_tokens(g) for g in groups[: i + 1]) for i in range(len(groups))]
+    targets = [schedule.stage_at(x - group_tokens(g)).samples for x, g in zip(seen, groups, strict=True)]
+    assert batch == [(x, float(b)) for x, b in zip(seen, targets, strict=True)]
+    assert stage == [schedule.stage_at(x - group_tokens(g)).index for x, g in zip(seen, groups, strict=True)]
+    record = trainer.strategy.batch_stages
+    assert [s["stage"] for s in record] == [0, 1, 2] and sum(
+        s["tokens"] for s in record
+    ) == trainer.strategy.ledger.tokens
+    text = format_report(report.build(trainer, "completed", None, gather=False))
+    assert re.search(r"batch_schedule\.stages\[2\] +from 120 tokens: 16 samples/update, \d+ updates", text)
