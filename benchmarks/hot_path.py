@@ -18,7 +18,7 @@ from typing import Any
 
 import lightning as L
 
-import lightning_accum  # noqa: F401  (registers the strategy strings)
+import lightning_accum  # registers the strategy strings
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests")]
@@ -46,14 +46,27 @@ class PackageCalls(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         sys.setprofile(None)
-        self.counts.append(((batch_idx + 1) % self.accumulate == 0, self._count))
+        self.counts.append(((batch_idx + 1) % trainer.accumulate_grad_batches == 0, self._count))
 
 
-def measure(accumulate: int = 4, groups: int = 6) -> dict[str, int]:
-    """The median package calls of a non-final and of a last micro-batch, after the first group (set-up)."""
+def measure(accumulate: int = 4, groups: int = 6, scheduled: bool = False) -> dict[str, int]:
+    """The median package calls of a non-final and of a last micro-batch, after the first group (set-up);
+    ``scheduled``: under a batch schedule of one stage of groups of ``accumulate`` (the cost per micro-batch)."""
     calls = PackageCalls(accumulate)
     examples = make_examples(random_lengths(2 * accumulate * groups))
-    fit(TinyLM(), examples, batch_size=2, accumulate=accumulate, callbacks=[calls])
+    strategy: Any = "accum"
+    if scheduled:
+        strategy = lightning_accum.AccumulationStrategy(
+            batch_schedule=lightning_accum.BatchSchedule({0: 2 * accumulate}, axis="samples")
+        )
+    fit(
+        TinyLM(),
+        examples,
+        batch_size=2,
+        accumulate=1 if scheduled else accumulate,
+        strategy=strategy,
+        callbacks=[calls],
+    )
     later = calls.counts[accumulate:]
     return {
         "non_final": int(statistics.median(n for last, n in later if not last)),
@@ -62,4 +75,4 @@ def measure(accumulate: int = 4, groups: int = 6) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure()))
+    print(json.dumps({"fixed": measure(), "scheduled": measure(scheduled=True)}))

@@ -181,3 +181,17 @@ def test_the_ramp_is_on_tensorboards_tokens_axis_and_in_the_report(tmp_path: Pat
     ) == trainer.strategy.ledger.tokens
     text = format_report(report.build(trainer, "completed", None, gather=False))
     assert re.search(r"batch_schedule\.stages\[2\] +from 120 tokens: 16 samples/update, \d+ updates", text)
+
+
+def test_a_schedule_costs_no_host_read_per_micro_batch_and_one_per_update() -> None:
+    # The stage is read from the ledger's host counters at a group's first batch: no device read is added. The
+    # counter classifies micro-batches by `trainer.accumulate_grad_batches`, the scheduled group's size.
+    from host_reads import MicroBatchSyncCounter
+
+    counter = MicroBatchSyncCounter()
+    trainer, _ = _fit(AccumulationStrategy(batch_schedule=BatchSchedule(STAGES, axis="tokens")), 2, callbacks=[counter])
+    ledger = trainer.strategy.ledger
+    assert len(trainer.strategy.batch_stages) == 3  # every stage reached
+    assert counter.non_final_batches > 0 and counter.non_final.package_ops > 0
+    assert counter.non_final.hits == []
+    assert len(counter.final.hits) == ledger.updates_attempted and all("tolist" in h for h in counter.final.hits)

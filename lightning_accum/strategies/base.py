@@ -466,11 +466,8 @@ class ExactAccumulation(Strategy, CoreSeam):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self._scheduled.schedule is not None:  # a group's first batch: its size from the ledger's stage
-            core = self._core
-            resumed, split = core.group.loaded, self._slicer.split_batch
-            self._scheduled.batch_start(
-                self._trainer(), batch, batch_idx, core.ledger, self.data_parallel_replicas, resumed, split
-            )
+            trainer = self._trainer_ref if self._trainer_ref is not None else self._trainer()
+            self._scheduled.batch_start(trainer, batch, batch_idx, self._core, self._slicer.split_batch)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_accum.axis_lr import check_counts_reported
 from lightning_accum.batch_schedule import BatchSchedule, GroupSize, Stage
-from lightning_accum.ledger import AccumulationLedger, GroupRecord
+from lightning_accum.ledger import GroupRecord
 from lightning_accum.slicing import SplitBatch, count_samples
 
 __all__ = ["ScheduledGroups"]
@@ -82,32 +82,28 @@ class ScheduledGroups:
             trainer.accumulate_grad_batches = self._given
 
     def batch_start(
-        self,
-        trainer: Trainer,
-        batch: Any,
-        batch_idx: int,
-        ledger: AccumulationLedger,
-        replicas: int,
-        resumed: dict[str, Any] | None,
-        split_batch: SplitBatch | None,
+        self, trainer: Trainer, batch: Any, batch_idx: int, core: Any, split_batch: SplitBatch | None
     ) -> None:
         """Before a training batch: at a group's first batch, set ``trainer.accumulate_grad_batches`` to the size of
-        the stage the ledger is in (at the fit's first batch a group resumed from a checkpoint keeps its size)."""
+        the stage the ledger is in (at the fit's first batch a group resumed from a checkpoint keeps its size).
+        ``core``: the strategy's core (its ledger, ``D``, a checkpoint's group), read at a group's first batch only."""
         schedule = self.schedule
         if schedule is None:
             return
         first = self.microbatch_size is None
+        if not first and batch_idx and batch_idx % trainer.accumulate_grad_batches:
+            return  # inside a group: its size stays
+        ledger, replicas = core.ledger, core.data_parallel_replicas
         if first:
             self.microbatch_size = count_samples(batch, split_batch)
             schedule.check(self.microbatch_size, replicas)
+            resumed = core.group.loaded
             done = int(resumed.get("microbatches", 0)) if resumed else 0
             if done:  # the checkpoint's group: its size as written, its first batch `done` batches back
                 size = int(resumed.get("accumulate") or (resumed.get("config") or {}).get("accumulate") or 1)  # type: ignore[union-attr]
                 trainer.accumulate_grad_batches = GroupSize(size, phase=batch_idx - done)
                 self._enter(schedule.stage_at(ledger))
                 return
-        elif batch_idx and batch_idx % trainer.accumulate_grad_batches:
-            return  # inside a group: its size stays
         if not self._counts_checked and ledger.updates_attempted:
             self._counts_checked = check_counts_reported("BatchSchedule", schedule.axis, ledger)
         assert self.microbatch_size is not None
