@@ -195,3 +195,45 @@ def test_a_schedule_costs_no_host_read_per_micro_batch_and_one_per_update() -> N
     assert counter.non_final_batches > 0 and counter.non_final.package_ops > 0
     assert counter.non_final.hits == []
     assert len(counter.final.hits) == ledger.updates_attempted and all("tolist" in h for h in counter.final.hits)
+
+
+class _SavesAt(L.Callback):
+    """Writes a checkpoint from `on_train_batch_end` of one batch (epoch, index): between micro-batches."""
+
+    def __init__(self, path: str, epoch: int, batch_idx: int) -> None:
+        self.path, self.at = path, (epoch, batch_idx)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
+        if (trainer.current_epoch, i) == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize(("epoch", "batch_idx"), [(0, 11), (1, 12)], ids=["stage-2-mid-group", "stage-3-mid-group"])
+def test_a_resume_inside_a_stage_and_a_group_continues_the_same_schedule(
+    tmp_path: Path, epoch: int, batch_idx: int
+) -> None:
+    # The stage is a function of the ledger's position, which the checkpoint carries, and a group open at the
+    # checkpoint keeps its size: the resumed run forms the same groups and ends on the uninterrupted run's parameters.
+    from helpers import ResumableLoader
+
+    def run(path: str | None = None, save: L.Callback | None = None) -> tuple[Any, TinyLM, UpdateTrail]:
+        model = TinyLM(lr=LR, seed=59)
+        trail = UpdateTrail()
+        trainer = make_trainer(
+            strategy=AccumulationStrategy(batch_schedule=BatchSchedule(STAGES, axis="tokens")),
+            max_epochs=EPOCHS,
+            callbacks=[trail, *([save] if save else [])],
+        )
+        trainer.fit(model, ResumableLoader(ListDataset(EXAMPLES), batch_size=2), ckpt_path=path)
+        return trainer, model, trail
+
+    whole, whole_model, _ = run()
+    path = str(tmp_path / "mid.ckpt")
+    run(save=_SavesAt(path, epoch, batch_idx))
+    entry = torch.load(path, weights_only=True)["lightning_accum"]
+    assert entry["open_group_microbatches"] > 0  # written inside a group
+    resumed, model, _ = run(path)
+    assert relative_error(params_vector(model), params_vector(whole_model)) < 1e-6
+    assert resumed.strategy.ledger == whole.strategy.ledger  # type: ignore[attr-defined]
