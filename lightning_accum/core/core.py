@@ -85,6 +85,10 @@ CLOSE_GROUP_DOC = """Close the group reported with ``accumulate``, right before 
         """
 
 
+def _manual() -> bool:  # a module-level function, not a lambda: a spawn launch pickles the strategy
+    return False
+
+
 class AccumulationCore:
     """The parts of one accumulation strategy, whichever framework runs it.
 
@@ -104,7 +108,7 @@ class AccumulationCore:
         #: The optimized parameters by name (set by each front class): a group opens on them without a gradient.
         self.parameters: Callable[[], NamedParameters] = list
         #: Whether the loop runs automatic optimization (a Trainer's, set by its door): the manual API is refused there.
-        self.automatic: Callable[[], bool] = lambda: False
+        self.automatic: Callable[[], bool] = _manual
 
     def _own(self, engine: AccumulationEngine) -> None:
         """Run on ``engine``, with a lifecycle of its own and the operations on it."""
