@@ -9,7 +9,7 @@ replicas, in which case the carried micro-batches count where Lightning's groupi
 
 Pure functions over plain values: the engine composes them (:meth:`AccumulationEngine.open_group_state
 <lightning_accum.engine.AccumulationEngine.open_group_state>`, :meth:`~lightning_accum.engine.AccumulationEngine.
-resume_open_group`); the checkpoint entry around them is :mod:`lightning_accum.strategies.checkpoint`.
+resume_open_group`); the checkpoint entry around them is :mod:`lightning_accum.core.checkpoint`.
 """
 
 from __future__ import annotations

@@ -388,13 +388,9 @@ class GroupDecisions:
             warn(message)
 
     def add_listener(self, listener: GroupListener) -> None:
-        """Call ``listener(record, batch_samples)`` after every group is added to the ledger (by :meth:`finish`):
-        updates, skipped attempts and dropped groups alike (``record.dropped``).
-
-        ``batch_samples`` are the group's micro-batch sizes known on the host (see :attr:`GroupOutcome.batch_samples`).
-        This is how the callbacks act once per group without a hook on every micro-batch. Adding a listener twice
-        has no effect.
-        """
+        """Call ``listener(record, batch_samples)`` (:attr:`GroupOutcome.batch_samples`) after every group is added to
+        the ledger: updates, skipped attempts and dropped groups alike (``record.dropped``). How the callbacks act once
+        per group without a hook on every micro-batch; adding a listener twice has no effect."""
         if listener not in self.listeners:
             self.listeners.append(listener)
 

@@ -289,14 +289,8 @@ class AccumulationEngine:
     def add_microbatch(
         self, output: Any, batch: Any, accumulate: int, continues: bool = False, sole: bool = False
     ) -> Tensor | None:
-        """Read one micro-batch's ``training_step`` output and record it: :meth:`record` of :meth:`read`.
-
-        Args:
-            output: What ``training_step`` returned: a loss tensor, a mapping with ``"loss"`` and optionally
-                ``"num_tokens"`` / ``"num_samples"``, or ``None``.
-            batch: The micro-batch (used for ``count_tokens`` and to infer the number of samples).
-            accumulate, continues, sole: See :meth:`record`.
-        """
+        """Read one micro-batch's ``training_step`` ``output`` for ``batch`` and record it: :meth:`record` of
+        :meth:`read`."""
         return self.record(self.read(output, batch), accumulate, continues, sole)
 
     def record(
@@ -489,12 +483,8 @@ class AccumulationEngine:
     # ------------------------------------------------------------------ groups across a checkpoint
 
     def open_group_state(self) -> dict[str, Any]:
-        """The open group's counters summed over replicas, for a checkpoint written inside a group
-        (:func:`~lightning_accum.carry.carried_state`).
-
-        A collective with several replicas (every replica must call it, as every replica takes part in writing a
-        checkpoint); one host read. The gradient accumulated so far is saved by the strategy next to it.
-        """
+        """The open group's counters summed over replicas (:func:`~lightning_accum.carry.carried_state`), for a
+        checkpoint written inside a group: a collective with several replicas, one host read."""
         vector = self.replicas.sum_(self._sums.local_vector(self.device, self.ledger.normalization))
         return carried_state(self._sums.microbatches, vector.tolist(), self._group_scale, self.group_consistent)
 
@@ -516,8 +506,7 @@ class AccumulationEngine:
     def discard_open_group(self) -> int:
         """Forget the open group (its gradient was discarded by ``zero_grad``); return its micro-batch count."""
         count = self._sums.microbatches
-        self._sums = GroupSums()
-        self._group_scale = None
+        self._sums, self._group_scale = GroupSums(), None
         return count
 
     def note_missing_microbatches(self, count: int) -> None:

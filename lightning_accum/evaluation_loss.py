@@ -7,11 +7,9 @@ objective applied to the whole set. A mean of batch means (LitGPT's ``validate()
 
 * :class:`WeightedMean` keeps one rank's sums on the device (``Σ w·loss`` in float64, ``Σ w`` and the count of
   negative tensor counts in int64).
-* :class:`EvaluationLoss` is one set: its unit, its sums, this rank's float64 vector and the checks of the reduced one
-  (counts below zero, replicas of different units, NaN for a set without units) for an :class:`EvaluationRecord`, the
-  same on every rank. ``fabric.strategy.evaluation()`` returns one (:meth:`~EvaluationLoss.compute`: one all-reduce,
-  one host read); the Trainer's ``accum/val_loss`` (:class:`~lightning_accum.strategies.evaluation.ExactEvaluation`)
-  keeps one per loader, their vectors joined in the loop's one reduction.
+* :class:`EvaluationLoss` is one set, reduced to an :class:`EvaluationRecord` that is the same on every rank (returned
+  by ``fabric.strategy.evaluation()``; the Trainer's ``accum/val_loss``,
+  :class:`~lightning_accum.strategies.evaluation.ExactEvaluation`, keeps one per loader).
 * :func:`evaluation_weight`, :func:`perplexity_of` and :func:`no_unit_message`: the rules both doors follow (the unit
   and a batch's weight in it, the perplexity, the words for a set without units).
 
@@ -261,16 +259,10 @@ class EvaluationLoss:
         batch: Any = None,
         num_documents: Count | None = None,
     ) -> None:
-        """Add one batch of this rank: ``loss``, its mean over its units, and their count, as for ``accumulate``.
-
-        ``num_tokens`` (its supervised tokens; ``None``: the strategy's ``count_tokens`` reads ``batch``) and
-        ``num_samples`` (``None``: inferred from ``batch``'s shapes), and ``num_documents`` (the documents of a packed
-        batch, e.g. ``document_mean_loss``'s) are checked as ``accumulate`` checks them (an int
-        or a 0-d integer tensor, >= 0; a tensor stays on the device and its sign is checked by :meth:`compute`). The
-        unit is the run's (its training's), else the first batch's under ``normalize=`` (``"auto"``: documents if
-        reported, else tokens, else samples, else each batch counts 1); every later batch must report the same count.
-        Nothing is read on the host: the loss is detached and summed in float64 on the strategy's device (a loss on
-        another device is copied there).
+        """Add one batch of this rank: ``loss``, its mean over its units, and their count, read and checked as for
+        ``accumulate`` (a tensor count stays on the device, its sign checked by :meth:`compute`). The unit is
+        :func:`evaluation_weight`'s; every later batch must report the same count. Nothing is read on the host: the
+        loss is detached and summed in float64 on the strategy's device (a loss on another device is copied there).
 
         Raises:
             TypeError: ``loss`` is not a tensor, or a count is not an integer (the messages of ``accumulate``).

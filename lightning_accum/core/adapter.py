@@ -12,7 +12,8 @@ a group carries and where — the core asks its adapter, an object of one of thr
 The strategy names its adapter's class in ``adapter_type``; the adapter reads the strategy it serves (``self.strategy``:
 its public members and the few private ones ``docs/internals.md`` lists) and is handed everything else as arguments.
 Every method below is the whole interface: an adapter overrides some of them and adds nothing the strategy calls. What
-only a Trainer asks of an engine (Lightning's grouping, lost peers, data that ends on one replica, the slice count) is
+only a Trainer asks, because Lightning runs the loop (which micro-batch ends a group in Lightning's grouping, lost peers
+seen from its exception handling, data that ends on some replicas only, the slice count, the checks at ``setup``), is
 the Trainer door's own part, :class:`~lightning_accum.strategies.trainer_side.TrainerSide`.
 """
 
@@ -110,11 +111,7 @@ def _raised_in_collective(exception: BaseException, synchronising: bool) -> bool
 
 
 class EngineAdapter:
-    """The engine-specific side of an accumulation strategy; each default is what one device does.
-
-    Args:
-        strategy: The Lightning strategy this adapter serves.
-    """
+    """The engine-specific side of the accumulation ``strategy`` it serves; each default is what one device does."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy

@@ -83,11 +83,10 @@ class OpenGroupCheckpoint:
         carry: Callable[[], dict[str, Tensor] | None],
         parameter_names: list[str],
     ) -> dict[str, Any]:
-        """The checkpoint's entry: the engine's state, ``config`` and, inside a group, the group.
+        """The checkpoint's entry: ``engine``'s state, ``config`` (:meth:`AccumulationCore.configuration
+        <lightning_accum.core.core.AccumulationCore.configuration>`) and, inside a group, the group.
 
         Args:
-            engine: The run's engine.
-            config: What the groups depend on (``accumulate``, ``replicas``, ``normalize``, ``partial_group``).
             running: The micro-batch of the epoch (counted from 1) whose step is running while the checkpoint is written
                 (Lightning runs it again on resume), or ``None``.
             failed: Why the replicas cannot be reached for a collective (then the group's gradient is not carried).
@@ -177,10 +176,9 @@ class OpenGroupCheckpoint:
         path: str,
         read_distributed: Callable[[list[str]], dict[str, Tensor]] | None = None,
     ) -> dict[str, Any] | None:
-        """Restore the engine from ``checkpoint``'s entry, checked first; keep its open group for :meth:`reopen`.
+        """Restore ``engine`` from ``checkpoint``'s entry, checked first; keep its open group for :meth:`reopen`.
 
         Args:
-            engine: The run's engine.
             checkpoint: The loaded checkpoint (a distributed checkpoint's metadata file, for a folder).
             path: Where it was read from (named in messages).
             read_distributed: Reads the open group's gradient of the given parameters from a distributed checkpoint's
@@ -232,8 +230,7 @@ class OpenGroupCheckpoint:
         say which micro-batches are lost.
 
         Args:
-            engine: The run's engine.
-            config: The resumed run's configuration (as in :meth:`entry`).
+            engine, config: The run's engine and configuration (as in :meth:`entry`).
             position: The micro-batches of the group the resumed run does not run again (Lightning's grouping: the
                 first micro-batch's index in its epoch modulo ``A``; a Fabric loop resumes at the micro-batch after
                 the one it saved at: 0).

@@ -85,7 +85,7 @@ CLOSE_GROUP_DOC = """Close the group reported with ``accumulate``, right before 
         """
 
 
-def _manual() -> bool:
+def _manual() -> bool:  # a module-level function, not a lambda: a spawn launch pickles the strategy
     return False
 
 
@@ -132,19 +132,9 @@ class AccumulationCore:
     # ------------------------------------------------------------------ the public seam
 
     @property
-    def ledger(self) -> AccumulationLedger:
-        """Exact global counters of the run (identical on every rank); see :class:`AccumulationLedger`."""
-        return self.engine.ledger
-
-    @property
     def data_parallel_replicas(self) -> int:
         """``D``: the number of replicas that see different data and whose gradients are averaged."""
         return self.adapter.data_parallel_size
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        """The devices that share one model replica (1 without tensor parallelism)."""
-        return self.adapter.tensor_parallel_size
 
     @property
     def group_open(self) -> bool:
@@ -152,19 +142,6 @@ class AccumulationCore:
         over from a checkpoint that has not been closed yet (also before its first new micro-batch); one read of the
         lifecycle (:attr:`GroupLifecycle.group_open <lightning_accum.core.lifecycle.GroupLifecycle.group_open>`)."""
         return self.group.group_open
-
-    def reduce_sum(self, tensor: Tensor) -> Tensor:
-        """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
-        return self.adapter.reduce_sum(tensor)
-
-    def add_group_listener(self, listener: Callable[..., None]) -> None:
-        """Call ``listener(record, batch_samples)`` after every closed group (applied, skipped or dropped); see
-        :meth:`GroupDecisions.add_listener <lightning_accum.decision.GroupDecisions.add_listener>`."""
-        self.engine.decisions.add_listener(listener)
-
-    def remove_group_listener(self, listener: Callable[..., None]) -> None:
-        """Stop calling ``listener``."""
-        self.engine.decisions.remove_listener(listener)
 
     # ------------------------------------------------------------------ the manual API
 
@@ -402,7 +379,7 @@ class CoreSeam:
     @property
     def ledger(self) -> AccumulationLedger:
         """Exact global counters of the run (identical on every rank); see :class:`AccumulationLedger`."""
-        return self._core.ledger
+        return self._core.engine.ledger
 
     @property
     def engine(self) -> AccumulationEngine:
@@ -422,11 +399,11 @@ class CoreSeam:
     @property
     def tensor_parallel_size(self) -> int:
         """The devices that share one model replica (1 without tensor parallelism)."""
-        return self._core.tensor_parallel_size
+        return self._core.adapter.tensor_parallel_size
 
     def reduce_sum(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` in place over the data-parallel replicas (a collective when ``D > 1``); return it."""
-        return self._core.reduce_sum(tensor)
+        return self._core.adapter.reduce_sum(tensor)
 
     def accumulate(
         self,
@@ -444,8 +421,8 @@ class CoreSeam:
     def add_group_listener(self, listener: Callable[..., None]) -> None:
         """Call ``listener(record, batch_samples)`` after every closed group (applied, skipped or dropped); see
         :meth:`GroupDecisions.add_listener <lightning_accum.decision.GroupDecisions.add_listener>`."""
-        self._core.add_group_listener(listener)
+        self._core.engine.decisions.add_listener(listener)
 
     def remove_group_listener(self, listener: Callable[..., None]) -> None:
         """Stop calling ``listener``."""
-        self._core.remove_group_listener(listener)
+        self._core.engine.decisions.remove_listener(listener)

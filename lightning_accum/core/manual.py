@@ -11,10 +11,8 @@ wants exact weighting reports each micro-batch and closes each group itself::
     optimizer.step()                                   # applied, or skipped by the strategy / the GradScaler
     optimizer.zero_grad()
 
-The update of ``optimizer.step()`` goes through the strategy's ``optimizer_step`` as usual: after a group that closed
-as "apply" it runs (the GradScaler may still skip it) and the record is completed and added to the ledger; after a
-group that closed as "skip" (non-finite without a scaler, or no unit at all) it does nothing. Listeners (AxisLogger,
-AccumulationReport, AxisLR) see every group as in automatic optimization.
+What ``optimizer.step()`` does after the close is :data:`~lightning_accum.core.core.CLOSE_GROUP_DOC`'s; listeners
+(AxisLogger, AccumulationReport, AxisLR) see every group as in automatic optimization.
 
 Every tensor ``accumulate`` hands out must be back-propagated before the next ``accumulate`` or the group's close:
 its micro-batch counts in the group's denominator, so a gradient missing from the group would under-weight the

@@ -107,13 +107,10 @@ def refuse_unsharded(model: Module | None, strategy: Any, sharded_by: str, how: 
 
 
 class MeshAdapter(EngineAdapter):
-    """FSDP2's and tensor parallelism's side of the core (see :class:`~lightning_accum.core.adapter.EngineAdapter` for
-    the interface): ``D`` = the data-parallel mesh size, the counts summed over the data-parallel group, the local
-    gradient shards (rescaled and checked, the check summed over the whole mesh), clipping over the mesh, and a
-    checkpoint's open group written and read shard by shard.
-
-    Of its strategy (the Trainer's or Fabric's) it reads, beyond public members, the mesh sizes and checkpoint form both
-    frameworks keep private (``_data_parallel_size``, ``_tensor_parallel_size``, ``_save_distributed_checkpoint``)."""
+    """FSDP2's and tensor parallelism's side of the core (the module says what differs from DDP; the interface is
+    :class:`~lightning_accum.core.adapter.EngineAdapter`'s), with clipping over the mesh and a checkpoint's open group
+    written and read shard by shard. Of its strategy (the Trainer's or Fabric's) it reads, beyond public members, the
+    private ``_data_parallel_size``, ``_tensor_parallel_size`` and ``_save_distributed_checkpoint``."""
 
     def _mesh_size(self, dimension: str, given: Literal["auto"] | int) -> int:
         try:

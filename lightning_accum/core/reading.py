@@ -39,13 +39,8 @@ def read_checkpoint(
     read: Callable[[], dict[str, Any]], path: _Path, refuse_folder: Callable[[Path], str | None] | None = None
 ) -> dict[str, Any]:
     """``read()`` (Lightning's read of the checkpoint at ``path``), or the package's error for a file that cannot
-    be read.
-
-    Args:
-        read: Reads the checkpoint (the Lightning strategy's ``load_checkpoint``).
-        path: The checkpoint's path, as given to ``Trainer.fit(ckpt_path=...)``.
-        refuse_folder: Why the reading strategy cannot read a local folder at all (``None``: it can try), asked
-            before the read; ``None``: no folder is refused before the read.
+    be read. ``refuse_folder``, asked before the read, says why the reading strategy cannot read a local folder at all
+    (``None``: it can try); without it no folder is refused before the read.
 
     Raises:
         ValueError: A folder this strategy cannot read, or a file or folder torch's read failed on (the path, its size

@@ -1,8 +1,5 @@
-"""The Trainer strategy's checkpoints: :class:`TrainerCheckpoint` (``save_checkpoint`` / ``load_checkpoint``: the
-package's entry with every rank's slicing record, written by the survivors alone when a peer is lost, read back by a
-``fit`` only; Lightning's checkpoint split as its distributed save splits it). The entry and the open group's lifecycle
-are the core's (:mod:`lightning_accum.core.checkpoint`).
-"""
+"""The Trainer strategy's checkpoints, :class:`TrainerCheckpoint`; the entry and the open group's lifecycle are the
+core's (:mod:`lightning_accum.core.checkpoint`)."""
 
 from __future__ import annotations
 

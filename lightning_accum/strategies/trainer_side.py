@@ -1,15 +1,8 @@
-"""What only a Trainer asks of an engine, beside the core's adapter: :class:`TrainerSide`.
-
-The core's :class:`~lightning_accum.core.adapter.EngineAdapter` answers what both doors ask (the replicas, the
-gradients' layout, clipping, a mid-group checkpoint). A Trainer asks more, because Lightning runs the loop: which
-micro-batch ends a group in Lightning's grouping, lost peers seen from Lightning's exception handling, data that ends on
-some replicas only, the slice count of ``microbatch_size=``, the checks at ``setup``. Each Trainer strategy composes one
-of three classes, named in its ``side_type``: :class:`TrainerSide` (one device; every default),
-:class:`~lightning_accum.strategies.ddp.DDPTrainerSide`, :class:`~lightning_accum.strategies.model_parallel.MeshSide`.
-
-A Fabric loop has no such part: the loop is the user's. What a Fabric user meets instead (a lost peer is torch's own
-error; data that ends on one rank waits until ``timeout=``) is listed in ``docs/concepts.md``'s deliberate
-differences.
+"""What only a Trainer asks of an engine, beside the core's adapter (:mod:`lightning_accum.core.adapter`, which
+says why the two are apart): :class:`TrainerSide` (one device; every default),
+:class:`~lightning_accum.strategies.ddp.DDPTrainerSide` or :class:`~lightning_accum.strategies.model_parallel.MeshSide`,
+named in the strategy's ``side_type``. A Fabric loop has no such part (the loop is the user's): what a Fabric user
+meets instead is listed in ``docs/concepts.md``'s deliberate differences.
 """
 
 from __future__ import annotations
@@ -33,12 +26,8 @@ def ends_group_by_position(trainer: Any) -> bool:
 
 
 class TrainerSide:
-    """The Trainer-only side of an engine; each default is what one device does.
-
-    Args:
-        strategy: The Trainer strategy this part serves.
-        adapter: The strategy's core adapter (the replicas, the all-reduce).
-    """
+    """The Trainer-only side of an engine, serving ``strategy`` beside its core ``adapter``; each default is what one
+    device does."""
 
     def __init__(self, strategy: Any, adapter: EngineAdapter) -> None:
         self.strategy, self.adapter = strategy, adapter
