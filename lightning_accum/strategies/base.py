@@ -454,7 +454,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         trainer = self._trainer()
         _check_supported(self, trainer)
         self._scheduled.start(trainer)
-        self._core.add_group_listener(self._scheduled.on_group)
+        self.add_group_listener(self._scheduled.on_group)
         _warn_of_slashes_in_checkpoint_names(trainer)
         self._side.on_train_start(trainer)
         self._agreement = self._side.microbatch_agreement()
@@ -496,7 +496,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._failed = False
         self._side.teardown()
         self._clipping.release()
-        self._core.remove_group_listener(self._scheduled.on_group)
+        self.remove_group_listener(self._scheduled.on_group)
         if self._trainer_ref is not None:
             self._scheduled.end(self._trainer_ref)
         self._evaluation.end()

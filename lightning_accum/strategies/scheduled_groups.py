@@ -93,7 +93,7 @@ class ScheduledGroups:
         first = self.microbatch_size is None
         if not first and batch_idx and batch_idx % trainer.accumulate_grad_batches:
             return  # inside a group: its size stays
-        ledger, replicas = core.ledger, core.data_parallel_replicas
+        ledger, replicas = core.engine.ledger, core.data_parallel_replicas
         if first:
             self.microbatch_size = count_samples(batch, split_batch)
             schedule.check(self.microbatch_size, replicas)
