@@ -140,6 +140,27 @@ def test_the_slicers_protected_backward_is_lightnings_strategy_backward() -> Non
     assert copied == lightning
 
 
+def test_lightning_opens_mixed_precision_autocast_in_forward_context() -> None:
+    # AccumulationCheck's float32 passes replace the plugin's `forward_context` on the instance (callbacks/check.py's
+    # `_float32_compute`): Lightning's strategy enters `precision_plugin.train_step_context()` around the step, which
+    # enters `forward_context()`, where `MixedPrecision` opens its autocast region (through `autocast_context_manager`
+    # up to 2.6, by itself from 2.7: Lightning's PR #21616). Should Lightning open it anywhere else, the check's
+    # passes would run in 16 bits again, silently.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_accum.callbacks.check import _float32_compute
+
+    assert "self.precision_plugin.train_step_context()" in inspect.getsource(Strategy.training_step)
+    for precision, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)):
+        strategy = AccumulationStrategy(precision_plugin=MixedPrecision(precision, "cpu"))
+        with strategy.precision_plugin.train_step_context():
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == dtype
+        with _float32_compute(strategy), strategy.precision_plugin.train_step_context():
+            assert not torch.is_autocast_enabled("cpu")
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+        assert "forward_context" not in vars(strategy.precision_plugin)
+
+
 def test_every_guard_named_in_the_private_names_table_exists() -> None:
     section = (ROOT / "docs" / "internals.md").read_text().split("## Private names the package relies on", 1)[1]
     named = re.findall(r"`(tests/[\w/]+\.py|benchmarks/[\w/]+\.py)::(\w+)", section)
