@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -167,6 +168,32 @@ def test_the_fit_loop_sets_up_the_training_data_in_setup_data() -> None:
     trainer = make_trainer(strategy="accum")
     assert callable(getattr(trainer.fit_loop, "setup_data", None))
     assert inspect.signature(trainer.fit_loop.setup_data).parameters == {}
+
+
+def test_lightning_takes_remote_checkpoint_paths_where_the_package_says_it_does(tmp_path: Path) -> None:
+    # strategies/reading.py reads whether Lightning's model-parallel strategies take fsspec URLs from the presence of
+    # `lightning.fabric.utilities.cloud_io._resolve_path`, which they resolve every path through from 2.7 (2.6 makes a
+    # local `Path` of it): the two must agree for the Trainer's strategy and Fabric's.
+    from lightning.fabric.strategies import model_parallel as fabric_model_parallel
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_accum.strategies.reading import LIGHTNING_TAKES_REMOTE_FOLDERS
+
+    for source in (
+        inspect.getsource(ModelParallelStrategy.save_checkpoint),
+        inspect.getsource(fabric_model_parallel.ModelParallelStrategy.save_checkpoint),
+    ):
+        assert ("_resolve_path(" in source) == LIGHTNING_TAKES_REMOTE_FOLDERS
+    # torch's fsspec reader of a distributed checkpoint (the package reads an open group's stored dtypes and shapes
+    # from a remote folder with it, as Lightning's `_get_distributed_checkpoint_reader` does).
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    with warnings.catch_warnings():  # torch says it saves in one process (no process group here)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        save({"g": torch.ones(3, dtype=torch.float64)}, storage_writer=FileSystemWriter(tmp_path))
+    stored = FsspecReader(f"file://{tmp_path}").read_metadata().state_dict_metadata["g"]
+    assert tuple(stored.size) == (3,) and stored.properties.dtype == torch.float64
 
 
 def test_every_guard_named_in_the_private_names_table_exists() -> None:
