@@ -27,6 +27,7 @@ from helpers import (
     torchrun_two_nodes,
 )
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning_accum.core.reading import LIGHTNING_TAKES_REMOTE_FOLDERS
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -354,6 +355,47 @@ def test_checkpoints_carry_the_ledger_and_the_open_group_and_resume_exactly(tmp_
     assert "resumed inside an accumulation group, but the checkpoint does not carry" in said
     ledger = _load(str(tmp_path), "inside-last-resumed")[0]["ledger"]
     assert ledger["microbatches"] == 8 - 2  # the epoch's 8 micro-batches, less the one lost on each replica
+
+
+def _remote_runs(rank: int, folder: str) -> None:
+    # One process (FSDP2 over one device): a checkpoint written inside a group into a sharded folder at an fsspec URL
+    # (in-memory storage, and a `file://` URL), resumed from that URL.
+    examples = make_examples(UNEQUAL[:8], seed=3)
+
+    def fit(name: str, callbacks: list[L.Callback], ckpt: str | None = None) -> None:
+        strategy = ModelParallelAccumulationStrategy(tensor_parallel_size=1, save_distributed_checkpoint=True)
+        trainer = make_trainer(
+            strategy=strategy, devices=1, accumulate_grad_batches=2, max_epochs=2, callbacks=[Record(folder, name)]
+        )
+        trainer.callbacks.extend(callbacks)
+        loader = ResumableLoader(ListDataset(examples), batch_size=2, sampler=RankStridedSampler(len(examples)))
+        trainer.fit(ShardedLM("fsdp", optimizer="adamw"), loader, ckpt_path=ckpt)
+
+    fit("whole", [])
+    for url in ("memory://accum/inside.ckpt", f"file://{folder}/inside.ckpt"):
+        kind = url.split(":")[0]
+        if not LIGHTNING_TAKES_REMOTE_FOLDERS:
+            # A Lightning whose model-parallel strategy takes local paths only (2.6): refused, nothing written.
+            with pytest.raises(ValueError, match=r"inside.ckpt'.*local paths only.*Give a local path"):
+                fit(f"inside-{kind}", [SaveAt(url, batch_idx=2)])
+            continue
+        fit(f"inside-{kind}", [SaveAt(url, batch_idx=2)])
+        fit(f"resumed-{kind}", [], ckpt=url)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_a_mid_group_sharded_save_at_an_fsspec_url_resumes_exactly_where_lightning_takes_one(tmp_path: Path) -> None:
+    run_ddp(_remote_runs, str(tmp_path), world_size=1)
+    whole = torch.load(tmp_path / "whole-rank0.pt", weights_only=True)
+    if not LIGHTNING_TAKES_REMOTE_FOLDERS:
+        assert not (tmp_path / "inside.ckpt").exists() and not Path("file:").exists() and not Path("memory:").exists()
+        return
+    assert (tmp_path / "inside.ckpt" / "meta.pt").is_file()  # the file:// URL is the local folder
+    for kind in ("memory", "file"):
+        resumed = torch.load(tmp_path / f"resumed-{kind}-rank0.pt", weights_only=True)
+        assert relative_error(resumed["params"], whole["params"]) < 1e-6, kind
+        assert _counts(resumed["ledger"]) == _counts(whole["ledger"]), kind
 
 
 def test_strategy_strings_sizes_and_argument_errors() -> None:

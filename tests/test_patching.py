@@ -176,7 +176,7 @@ def test_every_entry_point_gives_back_the_instances_it_touched(tmp_path: Any, fa
         assert vars(module)["lr_scheduler_step"].__name__ == "<lambda>"  # ...and is the user's lambda
         bar = trainer.progress_bar_callback
         assert "get_metrics" not in vars(bar)
-        assert not {"clip_grad_by_norm", "clip_grad_by_value", "autocast_context_manager"} & set(
+        assert not {"clip_grad_by_norm", "clip_grad_by_value", "forward_context"} & set(
             vars(trainer.strategy.precision_plugin)
         )
         assert not {"log", "log_dict"} & set(vars(module))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -168,6 +169,60 @@ def test_lightnings_grouping_reads_the_position_modulo_accumulate_grad_batches()
     trainer = make_trainer(strategy="auto", callbacks=[record])
     trainer.fit(TinyLM(), DataLoader(ListDataset(EXAMPLES_FOR_GROUPING), batch_size=1))
     assert record.stepped == [0, 3, 6] and record.zeroed == [1, 4]  # batch 0 closes the group before it
+
+
+def test_lightning_opens_mixed_precision_autocast_in_forward_context() -> None:
+    # AccumulationCheck's float32 passes replace the plugin's `forward_context` on the instance (callbacks/check.py's
+    # `_float32_compute`): Lightning's strategy enters `precision_plugin.train_step_context()` around the step, which
+    # enters `forward_context()`, where `MixedPrecision` opens its autocast region (through `autocast_context_manager`
+    # up to 2.6, by itself from 2.7: Lightning's PR #21616). Should Lightning open it anywhere else, the check's
+    # passes would run in 16 bits again, silently.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_accum.callbacks.check import _float32_compute
+
+    assert "self.precision_plugin.train_step_context()" in inspect.getsource(Strategy.training_step)
+    for precision, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)):
+        strategy = AccumulationStrategy(precision_plugin=MixedPrecision(precision, "cpu"))
+        with strategy.precision_plugin.train_step_context():
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == dtype
+        with _float32_compute(strategy), strategy.precision_plugin.train_step_context():
+            assert not torch.is_autocast_enabled("cpu")
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+        assert "forward_context" not in vars(strategy.precision_plugin)
+
+
+def test_the_fit_loop_sets_up_the_training_data_in_setup_data() -> None:
+    # The accumulation strategies run the fit loop's `setup_data` with Lightning's short-epoch warning (PR #21811)
+    # muted, the package's own being shown instead (strategies/base.py); without the method both would be shown.
+    trainer = make_trainer(strategy="accum")
+    assert callable(getattr(trainer.fit_loop, "setup_data", None))
+    assert inspect.signature(trainer.fit_loop.setup_data).parameters == {}
+
+
+def test_lightning_takes_remote_checkpoint_paths_where_the_package_says_it_does(tmp_path: Path) -> None:
+    # core/reading.py reads whether Lightning's model-parallel strategies take fsspec URLs from the presence of
+    # `lightning.fabric.utilities.cloud_io._resolve_path`, which they resolve every path through from 2.7 (2.6 makes a
+    # local `Path` of it): the two must agree for the Trainer's strategy and Fabric's.
+    from lightning.fabric.strategies import model_parallel as fabric_model_parallel
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning_accum.core.reading import LIGHTNING_TAKES_REMOTE_FOLDERS
+
+    for source in (
+        inspect.getsource(ModelParallelStrategy.save_checkpoint),
+        inspect.getsource(fabric_model_parallel.ModelParallelStrategy.save_checkpoint),
+    ):
+        assert ("_resolve_path(" in source) == LIGHTNING_TAKES_REMOTE_FOLDERS
+    # torch's fsspec reader of a distributed checkpoint (the package reads an open group's stored dtypes and shapes
+    # from a remote folder with it, as Lightning's `_get_distributed_checkpoint_reader` does).
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    with warnings.catch_warnings():  # torch says it saves in one process (no process group here)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        save({"g": torch.ones(3, dtype=torch.float64)}, storage_writer=FileSystemWriter(tmp_path))
+    stored = FsspecReader(f"file://{tmp_path}").read_metadata().state_dict_metadata["g"]
+    assert tuple(stored.size) == (3,) and stored.properties.dtype == torch.float64
 
 
 def test_every_guard_named_in_the_private_names_table_exists() -> None:

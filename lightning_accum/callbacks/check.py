@@ -489,16 +489,18 @@ def _float32_compute(strategy: Any) -> Iterator[None]:
     """Autocast off for the check's passes under mixed precision ("16-mixed", "bf16-mixed"), so that both
     gradients are computed in float32 (the weights already are) and compared with a tight tolerance.
 
-    Lightning's ``MixedPrecision`` opens its autocast region from its public ``autocast_context_manager()`` inside
-    ``training_step``; an autocast region opened around the call would be re-enabled there, so the check replaces
-    that method on the plugin instance for its passes. ``test_check.py::test_bf16_mixed_correct_count_passes_tight``
-    fails if this stops working.
+    Lightning opens its autocast region in the precision plugin's public ``forward_context()``, which the strategy's
+    ``training_step`` enters (through ``train_step_context()``); an autocast region opened around the call would be
+    re-enabled there, so the check replaces that method on the plugin instance for its passes. (Up to Lightning 2.6
+    ``forward_context`` entered ``autocast_context_manager()``, which the check used to replace; from 2.7 it opens
+    autocast itself.) ``test_private_names.py::test_lightning_opens_mixed_precision_autocast_in_forward_context``
+    fails if Lightning opens it elsewhere.
     """
     plugin = strategy.precision_plugin
     if not isinstance(plugin, MixedPrecision):
         yield
         return
-    with patched(plugin, "autocast_context_manager", lambda: torch.autocast(plugin.device, enabled=False), wraps=False):
+    with patched(plugin, "forward_context", lambda: torch.autocast(plugin.device, enabled=False), wraps=False):
         yield
 
 

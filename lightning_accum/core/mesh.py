@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -39,6 +40,7 @@ from lightning_accum.core.adapter import (
 )
 from lightning_accum.core.entry import CHECKPOINT_KEY, DISTRIBUTED_KEY, malformed
 from lightning_accum.core.mesh_clipping import clip_grad_norm_, clip_grad_value_, local_part
+from lightning_accum.core.reading import checkpoint_location
 from lightning_accum.engine import Replicas
 
 __all__ = [
@@ -104,6 +106,31 @@ def refuse_unsharded(model: Module | None, strategy: Any, sharded_by: str, how: 
         " sharded (no `fully_shard` module, no DTensor parameter): every device would train its own unsynchronized"
         f" copy. {how}; or use strategy='accum_ddp' for a model that fits one device."
     )
+
+
+def _save_sharded(folder: Path | str, state: dict[str, Any], metadata: dict[str, Any], rank: int) -> None:
+    """Each rank's shards of ``state`` into ``folder`` and, from rank zero, ``metadata`` into Lightning's metadata file:
+    the layout of Lightning's distributed save, at a local path or a remote (fsspec) URL."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+    from torch.distributed.checkpoint import save
+
+    if isinstance(folder, Path):
+        if folder.is_file():
+            folder.unlink()
+        folder.mkdir(parents=True, exist_ok=True)
+        save(state, checkpoint_id=folder)
+        if rank == 0:
+            torch.save(metadata, folder / _METADATA_FILENAME)
+        return
+    # A remote URL, where Lightning's own sharded save takes one: torch writes the shards through fsspec (and makes the
+    # folder where the storage has folders).
+    fs = get_filesystem(folder)
+    if fs.isfile(folder):
+        fs.rm(folder)
+    save(state, checkpoint_id=folder)
+    if rank == 0:
+        with fs.open(f"{folder.rstrip('/')}/{_METADATA_FILENAME}", "wb") as file:
+            torch.save(metadata, file)
 
 
 class MeshAdapter(EngineAdapter):
@@ -235,6 +262,7 @@ class MeshAdapter(EngineAdapter):
         split: Split,
         parameters: Callable[[], NamedParameters],
     ) -> None:
+        checkpoint_location(filepath)  # a remote URL on a Lightning that would write it as a local path: refused
         group = checkpoint.get(CHECKPOINT_KEY, {}).get("open_group")
         gradients = group.get("gradients") if isinstance(group, dict) else None
         if gradients is None:
@@ -253,9 +281,6 @@ class MeshAdapter(EngineAdapter):
         shards = {name: _as_shard(g, by_name.get(name)) for name, g in gradients.items()}
         del group["gradients"]
         group.update(gradients_stored="distributed", gradient_names=sorted(shards))
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
-        from torch.distributed.checkpoint import save
-
         # Lightning's distributed save (the Trainer's or Fabric's), with the open group's gradient as one more entry of
         # the sharded state: each rank writes its own shards, nothing is gathered.
         if storage_options is not None:
@@ -264,27 +289,25 @@ class MeshAdapter(EngineAdapter):
                 f"`{name}.save_checkpoint(..., storage_options=...)` is not supported because `{name}` does not use"
                 " the `CheckpointIO`."
             )
-        path = Path(self.strategy.broadcast(filepath))
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
         state, metadata = split(checkpoint)
         state[DISTRIBUTED_KEY] = shards
-        save(state, checkpoint_id=path)
-        if self.strategy.global_rank == 0:
-            torch.save(metadata, path / _METADATA_FILENAME)
+        _save_sharded(
+            checkpoint_location(self.strategy.broadcast(filepath)), state, metadata, self.strategy.global_rank
+        )
 
     @override
     def distributed_reader(self, path: Any, parameters: Callable[[], NamedParameters]) -> GradientReader | None:
-        folder = Path(path)
-        if not folder.is_dir():
+        folder = checkpoint_location(path)
+        if not (folder.is_dir() if isinstance(folder, Path) else get_filesystem(folder).isdir(folder)):
             return None
 
         def read(names: list[str]) -> dict[str, Tensor]:
             # Each rank reads its own shards, in the layout of this run (another D or mesh than the writer's too).
             from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-            stored = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+            reader = FileSystemReader(folder) if isinstance(folder, Path) else FsspecReader(folder)
+            stored = reader.read_metadata().state_dict_metadata
             by_name = dict(parameters())
             templates: dict[str, Tensor] = {}
             for name in names:
@@ -300,7 +323,7 @@ class MeshAdapter(EngineAdapter):
                 if not meta.properties.dtype.is_floating_point:
                     raise malformed(key, "a floating-point tensor", meta.properties.dtype)
                 templates[name] = torch.zeros_like(p, dtype=meta.properties.dtype)
-            load({DISTRIBUTED_KEY: templates}, checkpoint_id=str(folder))
+            load({DISTRIBUTED_KEY: templates}, checkpoint_id=folder)
             return templates
 
         return read

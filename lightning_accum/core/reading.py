@@ -5,8 +5,9 @@ be read.
 naming the path, its size and torch's own error (chained as its cause); every other error of the read (a missing file,
 a state that does not fit the model, a remote path) passes through untouched. A folder the strategy cannot read (not a
 checkpoint, or a sharded one it does not read) is refused before the read, with the way out.
-:func:`distributed_gradients` reads the gradient of a group open at a sharded checkpoint. What is read is checked by
-:mod:`~lightning_accum.core.entry`. See ``docs/reliability.md``.
+:func:`checkpoint_location` says where a model-parallel checkpoint is (a local path, or a remote fsspec URL where
+Lightning's model-parallel strategy takes one). :func:`distributed_gradients` reads the gradient of a group open at a
+sharded checkpoint. What is read is checked by :mod:`~lightning_accum.core.entry`. See ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -15,12 +16,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities import cloud_io
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_accum.core.entry import DISTRIBUTED_KEY
 
-__all__ = ["WAY_OUT", "distributed_gradients", "local_path", "read_checkpoint"]
+__all__ = [
+    "LIGHTNING_TAKES_REMOTE_FOLDERS",
+    "WAY_OUT",
+    "checkpoint_location",
+    "distributed_gradients",
+    "local_path",
+    "read_checkpoint",
+]
 
 _Path = str | Path
 
@@ -30,6 +39,11 @@ WAY_OUT = (
     " `configure_model`, or write single files with save_distributed_checkpoint=False."
 )
 
+
+#: Whether Lightning's model-parallel strategies (the Trainer's and Fabric's) save and load checkpoints at remote
+#: (fsspec) URLs: from Lightning 2.7 (its PRs #21775, #21821), whose strategies resolve a path through
+#: ``cloud_io._resolve_path``; up to 2.6 they turn every path into a local ``Path`` (``s3://b/c`` becomes ``s3:/b/c``).
+LIGHTNING_TAKES_REMOTE_FOLDERS = hasattr(cloud_io, "_resolve_path")
 
 #: What a failed read raises: exceptions, and torch's distributed-checkpoint error (a ``BaseException``).
 _READ_ERRORS = (Exception, CheckpointException)
@@ -92,6 +106,28 @@ def local_path(path: _Path) -> Path | None:
     if "://" in text and not text.startswith("file://"):
         return None
     return Path(text.removeprefix("file://"))
+
+
+def checkpoint_location(path: _Path) -> Path | str:
+    """Where the model-parallel checkpoint (a sharded folder or a file) ``path`` is: a local ``Path``, or, where
+    Lightning takes URLs (:data:`LIGHTNING_TAKES_REMOTE_FOLDERS`), a ``file://`` URL's local ``Path`` or a remote fsspec
+    URL as given (``s3://...``, ``memory://...``).
+
+    Raises:
+        ValueError: A URL on a Lightning whose model-parallel strategy takes local paths only.
+    """
+    text = str(path)
+    if "://" in text and not LIGHTNING_TAKES_REMOTE_FOLDERS:
+        import lightning
+
+        raise ValueError(
+            f"A checkpoint at {text!r}: Lightning {lightning.__version__}'s model-parallel strategy writes and reads"
+            " checkpoints at local paths only (a URL would be written as a local path of another name: 's3://b/c' as"
+            " 's3:/b/c'). Give a local path, or use a Lightning whose model-parallel strategy takes URLs (2.7 and"
+            " later)."
+        )
+    local = local_path(path)
+    return local if local is not None else text
 
 
 def distributed_gradients(

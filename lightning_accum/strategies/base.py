@@ -45,6 +45,7 @@ constructor validates them once into an ``AccumulationOptions`` and hands that o
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -72,6 +73,7 @@ from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import group_position
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.options import AccumulationOptions
+from lightning_accum.patching import InstancePatch
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
 from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
 from lightning_accum.strategies.automatic import CLOSURE_EVALUATING, AutomaticSteps, reevaluation_message
@@ -86,6 +88,25 @@ from lightning_accum.strategies.trainer_side import TrainerSide
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 
 _Path = str | Path  # what Lightning's checkpoint methods accept
+
+#: The start of Lightning's own warning for an epoch shorter than one group (``FitLoop.setup_data``, Lightning's PR
+#: #21811, not in a release yet). The package's (:func:`~lightning_accum.decision.short_epoch_message`) tells the same
+#: and what this strategy does of it (the real denominator; an error under ``partial_group="drop"``): one is shown.
+_LIGHTNINGS_SHORT_EPOCH = r"The number of training batches \(\d+\) is smaller than `accumulate_grad_batches="
+
+
+def _one_short_epoch_warning(trainer: Trainer) -> InstancePatch | None:
+    """The fit loop's ``setup_data`` run with Lightning's short-epoch warning muted, until released (``None`` where
+    the loop has no such method: both warnings are shown then)."""
+    if not callable(getattr(trainer.fit_loop, "setup_data", None)):
+        return None
+
+    def setup_data(below: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_LIGHTNINGS_SHORT_EPOCH)
+            return below(*args, **kwargs)
+
+    return InstancePatch(trainer.fit_loop, "setup_data", setup_data)
 
 
 class ExactAccumulation(Strategy, CoreSeam):
@@ -135,6 +156,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._sync_blocked = False  # inside a `block_backward_sync` that blocks FSDP2's reduction (model parallel)
         self._clipping = PrecisionClipping()  # the precision plugin's clip methods, for the run
         self._scheduled = ScheduledGroups(as_schedule(batch_schedule))  # the groups' sizes under `batch_schedule=`
+        self._short_epoch: InstancePatch | None = None  # the fit loop's `setup_data`, for the run
 
     # ------------------------------------------------------------------ the public interface
 
@@ -435,6 +457,9 @@ class ExactAccumulation(Strategy, CoreSeam):
     @override
     def setup(self, trainer: Trainer) -> None:
         self._side.setup(trainer)
+        # Before Lightning's `setup`: `configure_optimizers` may read `trainer.estimated_stepping_batches`, which
+        # sets up the training data (and warns of a short epoch) then.
+        self._short_epoch = _one_short_epoch_warning(trainer)
         super().setup(trainer)
         manual = trainer.lightning_module is not None and not trainer.lightning_module.automatic_optimization
         refuse = self._core.refuse_clipping if manual else None  # automatic optimization clips after the close only
@@ -499,6 +524,9 @@ class ExactAccumulation(Strategy, CoreSeam):
         self.remove_group_listener(self._scheduled.on_group)
         if self._trainer_ref is not None:
             self._scheduled.end(self._trainer_ref)
+        if self._short_epoch is not None:
+            self._short_epoch.release()
+            self._short_epoch = None
         self._evaluation.end()
         self._slicer.reset()
         self._trainer_ref = None
