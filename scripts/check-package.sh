@@ -10,6 +10,9 @@
 #  5. every extra alone: a venv per extra, cloned by hard links from the one of step 4 (the wheel and torch installed
 #     once, so each extra costs only its own packages), the extra installed into it, then what it is for is used
 #     (scripts/package_smoke.py <extra>; `litgpt --help` for [litgpt]) and `pip check` says the set is consistent.
+#  6. (unconstrained pass only) `[dev]` and the extras together resolved (`pip install --dry-run --report`), as a
+#     contributor's `pip install -e ".[dev]"` and a user's `pip install "lightning-accum[demo,hf,litgpt,loggers,rich]"`
+#     would, and the three patches in examples/litgpt/ `git apply --check`-ed against the litgpt each resolved.
 # Steps 4 and 5 run twice, side by side: under requirements/ci.txt's pins (the versions CI knows to be good), and
 # unconstrained but for torch==2.13.0 (`pip install "<wheel>[<extra>]" torch==2.13.0`: the newest releases the ranges
 # admit, what a user who installs today gets). pip's cache is reused. It works in build/package-check (ignored by git),
@@ -54,6 +57,29 @@ if [ -x .venv/bin/python ]; then
     tests/test_layout.py tests/test_packaging.py)
 fi
 
+# Step 6 for one set of extras ($2) in the venv $1 (torch 2.13.0 installed, so pip keeps it): resolve, no install;
+# then the litgpt it resolved, unpacked, takes each patch (`git apply --check`: a patch that no longer fits fails here).
+together() {
+  local venv=$1 extras=$2 report litgpt unpacked patch
+  report="$ROOT/$WORK/resolved-$extras.json"
+  quiet "$venv/bin/python" -m pip install --dry-run --quiet --report "$report" "$wheel[$extras]" torch==2.13.0
+  litgpt=$("$venv/bin/python" -I -c 'import json, sys
+versions = {p["metadata"]["name"]: p["metadata"]["version"] for p in json.load(open(sys.argv[1]))["install"]}
+print(versions["litgpt"])' "$report")
+  unpacked="$ROOT/$WORK/litgpt-$extras"
+  mkdir -p "$unpacked"
+  quiet "$venv/bin/python" -m pip download --quiet --no-deps --only-binary=:all: --dest "$unpacked" "litgpt==$litgpt"
+  "$venv/bin/python" -I -m zipfile -e "$unpacked"/litgpt-*.whl "$unpacked"
+  for patch in "$ROOT"/examples/litgpt/*.patch; do
+    if ! (cd "$unpacked" && git apply --check "$patch"); then
+      echo "[package] [$extras] resolved litgpt $litgpt, which examples/litgpt/$(basename "$patch") does not apply to:" \
+        "update the patches, or raise [litgpt]'s floor / cap it in pyproject.toml" >&2
+      return 1
+    fi
+  done
+  echo "[package] [$extras] resolves litgpt $litgpt; the three patches apply to it"
+}
+
 # One pass of steps 4 and 5: $1 names it (pinned, latest), the rest are pip's version arguments for it.
 check_installs() {
   local label=$1 base="$ROOT/$WORK/venv-$1" venv extra torch_version
@@ -65,6 +91,13 @@ check_installs() {
   quiet "$base/bin/python" -m pip install "$@" "$wheel" torch==2.13.0
   quiet "$base/bin/python" -m pip check
   (cd "$WORK" && env -u PYTHONPATH "$base/bin/python" -I "$ROOT/scripts/package_smoke.py" core)
+  if [ "$label" = latest ]; then
+    step "[$label] [dev] and the extras together, resolved; the litgpt patches checked against the litgpt each gets"
+    together "$base" dev &
+    local dev_pid=$!
+    together "$base" demo,hf,litgpt,loggers,rich
+    wait "$dev_pid"
+  fi
   for extra in "${EXTRAS[@]}"; do
     step "[$label] [$extra] alone, beside the wheel"
     venv="$base-$extra"

@@ -68,7 +68,7 @@ def check_installed() -> None:
     assert dist.metadata["License-Expression"] == "Apache-2.0", dist.metadata["License-Expression"]
     files = {str(f) for f in dist.files or []}
     assert any(f.endswith("licenses/LICENSE") for f in files) and "lightning_accum/py.typed" in files, sorted(files)
-    # The floor a pip-audit needs: 2.5.0 to 2.6.5 are affected by CVE-2026-58659 (README, "Install").
+    # The floor above the advisories' ranges: 2.5.0 to 2.6.5 are affected by CVE-2026-58659 (docs/project.md).
     (lightning,) = [r for r in map(Requirement, dist.requires or []) if r.name == "lightning"]
     assert lightning.specifier.contains("2.6.6") and not lightning.specifier.contains("2.6.5"), lightning
     print(f"[smoke] lightning-accum {dist.version} ({lightning}) installed from its wheel at {where.parent}")
@@ -181,8 +181,8 @@ def check_loggers(folder: Path) -> None:
 
     from lightning_accum import AxisLogger
 
-    # As the README says: W&B offline, MLflow on a local file store, which mlflow 3.13 and later refuse unless
-    # MLFLOW_ALLOW_FILE_STORE=true. Without it first, so that the set-up the README gives stays the one needed.
+    # As docs/project.md says: W&B offline, MLflow on a local file store, which mlflow 3.13 and later refuse unless
+    # MLFLOW_ALLOW_FILE_STORE=true. Without it first, so that the set-up the docs give stays the one needed.
     os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(folder))
     for variable in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         os.environ[variable] = str(folder)
@@ -194,7 +194,7 @@ def check_loggers(folder: Path) -> None:
         except MlflowException as error:
             assert "MLFLOW_ALLOW_FILE_STORE" in str(error), error
         else:
-            raise AssertionError(f"mlflow {mlflow.__version__} takes a file store unasked: README's set-up is stale")
+            raise AssertionError(f"mlflow {mlflow.__version__} takes a file store unasked: the docs' set-up is stale")
     os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
 
     # AxisLogger with both loggers in one fit: MLflow's steps are the token counts after each update.

@@ -12,7 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
-PAGES = sorted(p for p in DOCS.glob("*.md") if BLOCK.search(p.read_text()))
+#: The tour continues the README's "Use" example: its blocks run after the README's, in one session.
+TOUR = DOCS / "tour.md"
+PAGES = sorted(p for p in DOCS.glob("*.md") if BLOCK.search(p.read_text()) and p != TOUR)
 
 
 def test_docs_have_python_examples() -> None:
@@ -40,12 +42,14 @@ def _importable(name: str) -> bool:
     return True
 
 
-def test_readme_python_blocks_run_in_order(tmp_path: Path) -> None:
-    # The README's blocks build on each other (the "Use" block defines `L`, the model and the loader), so
-    # they run in one namespace, in order, as a reader pasting them into one session would.
+def test_readme_and_tour_python_blocks_run_in_order(tmp_path: Path) -> None:
+    # The README's blocks build on each other (the "Use" block defines `L`, the model and the loader), and the tour
+    # continues them, so they run in one namespace, in order, as a reader pasting them into one session would.
     readme = DOCS.parent / "README.md"
     blocks = BLOCK.findall(readme.read_text())
-    assert len(blocks) >= 3 and "trainer.fit(" in blocks[0] and "def configure_optimizers" in blocks[0]
+    tour = BLOCK.findall(TOUR.read_text())
+    assert len(blocks) >= 2 and "trainer.fit(" in blocks[0] and "def configure_optimizers" in blocks[0]
+    assert len(tour) >= 4
     namespace: dict[str, object] = {"__name__": "__readme__"}
     cwd = os.getcwd()
     os.chdir(tmp_path)
@@ -55,8 +59,25 @@ def test_readme_python_blocks_run_in_order(tmp_path: Path) -> None:
         assert ledger.updates_applied == 2 and ledger.samples == 64 and ledger.normalization == "tokens"
         for block in blocks[1:]:
             exec(compile(block, "README.md", "exec"), namespace)
+        for block in tour:
+            exec(compile(block, "tour.md", "exec"), namespace)
     finally:
         os.chdir(cwd)
+
+
+def test_the_readme_is_what_a_user_reads_first() -> None:
+    # What it does, the two commands, install, "Use", the tokens axis and links; the rest lives in docs/ (issue #60).
+    readme = (DOCS.parent / "README.md").read_text()
+    headings = re.findall(r"^## (.+)$", readme, flags=re.MULTILINE)
+    assert headings == ["Quick start", "Install", "Use", "Curves on a tokens axis", "Documentation"], headings
+    install = readme.split("## Install", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert len(install.splitlines()) == 5, install
+    assert "bash scripts/test.sh " in readme and "bash scripts/demo.sh " in readme
+    # Where DDP is first shown, the README says why a D = 2 run does not overlay the one-device run.
+    ddp = readme.index('strategy="accum_ddp"')
+    assert "DistributedSampler" in readme[ddp : ddp + 2500] and "global_order=True" in readme[ddp : ddp + 2500]
+    linked = set(re.findall(r"\]\(docs/(\w+)\.md", readme))
+    assert linked >= {p.stem for p in DOCS.glob("*.md")} - {"index"}, sorted(linked)
 
 
 def test_the_quickstart_runs_without_lightnings_logging_interval_warning(tmp_path: Path) -> None:
@@ -138,8 +159,8 @@ def test_every_member_of_the_seam_table_exists() -> None:
     assert [m for m in members if not hasattr(ExactAccumulation, m)] == []
 
 
-def test_the_readmes_layout_names_every_module() -> None:
-    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+def test_the_project_pages_layout_names_every_module() -> None:
+    layout = (DOCS / "project.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
     package = ROOT / "lightning_accum"
     modules = [p for p in package.rglob("*.py") if p.name != "__init__.py"]
     missing = [str(p.relative_to(ROOT)) for p in modules if f"`{p.name}`" not in layout and f"/{p.name}`" not in layout]
@@ -148,9 +169,9 @@ def test_the_readmes_layout_names_every_module() -> None:
     assert missing == []
 
 
-def test_every_trainer_in_the_readme_says_when_it_stops() -> None:
+def test_every_trainer_in_the_readme_and_the_tour_says_when_it_stops() -> None:
     # A Trainer without `max_epochs` or `max_steps` runs Lightning's default of 1000 epochs when fitted as written.
-    blocks = BLOCK.findall((DOCS.parent / "README.md").read_text())
+    blocks = BLOCK.findall((DOCS.parent / "README.md").read_text() + TOUR.read_text())
     calls = [
         call for block in blocks for call in re.findall(r"L\.Trainer\((.*?)\n\)|L\.Trainer\((.*?)\)\n", block, re.S)
     ]

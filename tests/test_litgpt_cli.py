@@ -13,6 +13,7 @@ weights are read from ``final/lit_model.pth`` with LitGPT's ``load_checkpoint``.
 from __future__ import annotations
 
 import importlib.util
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,67 @@ def test_the_recipe_prints_the_splits_agreement(runs: Any) -> None:
     lines = litgpt_cli.report(runs, "finetune_full")
     figures = [float(line.rsplit(": ", 1)[1]) for line in lines[1:]]
     assert all(figure <= EXACT for figure in figures[:3]) and figures[3] > 1e-4, lines
+
+
+def test_the_recipes_help_is_its_whole_description(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        litgpt_cli.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "the splits' agreement printed beside plain LitGPT's. No download: it writes a two-layer float64" in shown
+    assert "checkpoint and data." in shown and "--prepare DIR" in shown
+
+
+def _printed_lines(directory: Path, capsys: pytest.CaptureFixture[str]) -> list[list[str]]:
+    litgpt_cli.main(["--prepare", str(directory)])
+    printed = capsys.readouterr().out.splitlines()
+    return [shlex.split(line) for line in printed if not line.startswith("#")]
+
+
+def test_prepare_writes_the_checkpoint_and_data_and_prints_the_litgpt_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The lines docs/howto.md ("Run the LitGPT recipe yourself") has a user paste: the `litgpt` command with the folder
+    # (the patched copy, tiny_data) first on PYTHONPATH, and the arguments the tests run through `litgpt`'s main() on
+    # two processes, (m, A, D) = (2, 2, 2), with the files they name written.
+    directory = tmp_path / "run"
+    lines = _printed_lines(directory, capsys)
+    root = directory.resolve()
+    expected = {
+        "finetune_full": litgpt_cli.finetune_args(
+            "finetune_full", root / "checkpoint", root / "data", root / "out/full", 2, 2
+        ),
+        "finetune_lora": litgpt_cli.finetune_args(
+            "finetune_lora", root / "checkpoint", root / "data", root / "out/lora", 2, 2
+        ),
+        "pretrain": litgpt_cli.pretrain_args(root / "checkpoint", root / "rows", root / "out/pretrain", 2, 2),
+    }
+    assert [line[3:4] for line in lines] == [["litgpt"]] * 3
+    for line, (command, args) in zip(lines, expected.items(), strict=True):
+        assert line[:3] == ["CUDA_VISIBLE_DEVICES=", "TORCHDYNAMO_DISABLE=1", f"PYTHONPATH={root}"]
+        assert line[4:] == args and line[4] == command
+    for name in ("checkpoint/lit_model.pth", "checkpoint/model_config.yaml", "checkpoint/tokenizer.json",
+                 "data/train.json", "data/val.json", "rows/train.pt", "tiny_data.py"):  # fmt: skip
+        assert (root / name).is_file(), name
+
+
+def test_prepare_says_where_the_patched_copy_goes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    litgpt_cli.main(["--prepare", str(tmp_path), "--scripts", "full"])
+    first, *lines = capsys.readouterr().out.splitlines()
+    assert first.startswith("# first copy the installed litgpt to") and len(lines) == 1
+    litgpt_cli.patched_litgpt(tmp_path)  # the copy, patched: the note goes
+    litgpt_cli.main(["--prepare", str(tmp_path), "--scripts", "full"])
+    assert capsys.readouterr().out.splitlines()[0].startswith("CUDA_VISIBLE_DEVICES=")
+
+
+@pytest.mark.slow
+def test_a_printed_line_runs_as_pasted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # docs/howto.md's flow: the installed litgpt copied into the folder and patched, then a printed line run by a shell.
+    litgpt_cli.patched_litgpt(tmp_path)
+    full = [line for line in _printed_lines(tmp_path, capsys) if line[4] == "finetune_full"]
+    (line,) = [shlex.join(words) for words in full]
+    litgpt = Path(sys.executable).with_name("litgpt")
+    done = subprocess.run(["bash", "-c", line.replace(" litgpt ", f" {shlex.quote(str(litgpt))} ", 1)],
+                          capture_output=True, text=True, timeout=540, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Final evaluation | val loss:" in done.stdout + done.stderr
+    assert (tmp_path / "out" / "full" / "final" / "lit_model.pth").is_file()

@@ -27,7 +27,6 @@ from helpers import (
     torchrun_two_nodes,
 )
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from lightning_accum.core.reading import LIGHTNING_TAKES_REMOTE_FOLDERS
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -40,6 +39,7 @@ from lightning_accum import (
     ModelParallelAccumulationStrategy,
 )
 from lightning_accum.callbacks.common import unsupported_strategy_hint
+from lightning_accum.core.reading import LIGHTNING_TAKES_REMOTE_FOLDERS
 
 WIDTH = 12  # vocabulary rows and logits (the data's ids and labels stay below helpers.VOCAB = 11)
 # Even positions go to data-parallel rank 0, odd ones to rank 1: rank 0 holds the long sequences.

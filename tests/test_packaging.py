@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 import lightning_accum
 
@@ -22,8 +23,13 @@ COMPROMISED = ("2.6.2", "2.6.3")
 #: The first Lightning without CVE-2026-58659 (GHSA-qqmf-gpg7-g8gw: code execution through
 #: `LightningModule.load_from_checkpoint` from a checkpoint's hyperparameters; 2.5.0 to 2.6.5 are affected).
 FLOOR = "2.6.6"
-#: Releases below the floor a pip-audit flags: the declared range admits none of them.
+#: Releases inside GHSA-qqmf-gpg7-g8gw's affected range: the declared range admits none of them.
 VULNERABLE = ("2.5.0", "2.5.6", "2.6.0", "2.6.1", "2.6.4", "2.6.5")
+#: Each advisory's affected Lightning releases, as the advisory states them (docs/project.md, "Security").
+ADVISORIES = {
+    "GHSA-qqmf-gpg7-g8gw": [SpecifierSet(">=2.5.0,<2.6.6")],
+    "GHSA-w37p-236h-pfx3": [SpecifierSet("==2.6.2"), SpecifierSet("==2.6.3")],
+}
 
 
 def _project() -> dict[str, Any]:
@@ -53,8 +59,41 @@ def admitted_below_floor(specifier: SpecifierSet) -> list[str]:
 def test_the_lightning_range_starts_at_the_release_without_the_cve() -> None:
     specifier = lightning_specifier(_project()["dependencies"])
     assert str(specifier) == f"<3,>={FLOOR}", f"pyproject.toml declares lightning{specifier}, not lightning>={FLOOR},<3"
-    assert admitted_below_floor(specifier) == [], f"lightning{specifier} admits releases a pip-audit flags"
+    assert admitted_below_floor(specifier) == [], f"lightning{specifier} admits releases an advisory names"
     assert specifier.contains(FLOOR) and specifier.contains("2.7.0") and not specifier.contains("3.0.0")
+
+
+def interval(specifier: SpecifierSet) -> tuple[Version, Version | None]:
+    """``[low, high)`` of a range written with ``>=``, ``<`` and ``==`` (``high`` None: no upper bound)."""
+    low, high = Version("0"), None
+    for clause in specifier:
+        version = Version(clause.version)
+        if clause.operator == ">=":
+            low = max(low, version)
+        elif clause.operator == "<":
+            high = version if high is None else min(high, version)
+        elif clause.operator == "==":
+            low, high = version, Version(f"{version.public}.post0.dev0")  # the one release: [v, v.post0.dev0)
+        else:
+            raise ValueError(f"{clause}: write the range with >=, < or ==")
+    return low, high
+
+
+def overlap(declared: SpecifierSet, affected: SpecifierSet) -> bool:
+    """Whether two ranges share a release (as intervals: not only the releases listed here)."""
+    (low, high), (affected_low, affected_high) = interval(declared), interval(affected)
+    return (affected_high is None or low < affected_high) and (high is None or affected_low < high)
+
+
+def test_the_lightning_range_shares_no_release_with_an_advisory() -> None:
+    declared = lightning_specifier(_project()["dependencies"])
+    touching = [name for name, ranges in ADVISORIES.items() for affected in ranges if overlap(declared, affected)]
+    assert touching == [], f"lightning{declared} overlaps the affected range of {touching}"
+    # The check sees an overlap where there is one: the ranges the package declared before, and one release too low.
+    assert overlap(SpecifierSet(">=2.5,<3"), ADVISORIES["GHSA-qqmf-gpg7-g8gw"][0])
+    assert overlap(SpecifierSet(">=2.6.5,<3"), ADVISORIES["GHSA-qqmf-gpg7-g8gw"][0])
+    assert overlap(SpecifierSet(">=2.6.3,<3"), ADVISORIES["GHSA-w37p-236h-pfx3"][1])
+    assert not overlap(SpecifierSet(">=2.6.4,<3"), ADVISORIES["GHSA-w37p-236h-pfx3"][1])
 
 
 def test_the_check_catches_the_ranges_declared_before() -> None:

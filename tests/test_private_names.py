@@ -206,6 +206,7 @@ def test_lightning_takes_remote_checkpoint_paths_where_the_package_says_it_does(
     # local `Path` of it): the two must agree for the Trainer's strategy and Fabric's.
     from lightning.fabric.strategies import model_parallel as fabric_model_parallel
     from lightning.pytorch.strategies import ModelParallelStrategy
+
     from lightning_accum.core.reading import LIGHTNING_TAKES_REMOTE_FOLDERS
 
     for source in (

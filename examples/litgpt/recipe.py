@@ -5,6 +5,7 @@ the splits' agreement printed beside plain LitGPT's. No download: it writes a tw
     python examples/litgpt/recipe.py                   # all three scripts (13 runs; a few minutes on 2 cores)
     python examples/litgpt/recipe.py --scripts full    # one of them
     python examples/litgpt/recipe.py --out runs/       # keep the runs (checkpoints, logs) there
+    python examples/litgpt/recipe.py --prepare DIR     # only write the checkpoint and data, print the litgpt lines
 
 It needs litgpt 0.5.13 (``pip install "lightning-accum[litgpt]"``) and ``git`` (to apply the patches). What it does:
 
@@ -21,6 +22,8 @@ It needs litgpt 0.5.13 (``pip install "lightning-accum[litgpt]"``) and ``git`` (
   float32, and the sharded strategy refuses it: ``--precision 32-true`` with float64 as the default dtype builds the
   model, its loss and its gradients in float64). Fabric's launcher starts the other processes with the same command.
 * :func:`final_weights` reads ``final/lit_model.pth`` with LitGPT's ``load_checkpoint``.
+* :func:`prepare` (``--prepare DIR``) writes the checkpoint, the data and ``tiny_data.py`` into ``DIR`` and returns the
+  ``litgpt`` lines to run with a patched copy of litgpt in ``DIR/litgpt`` (docs/howto.md, "Run it yourself").
 
 ``tests/test_litgpt_cli.py`` uses these helpers. A run on several processes ends with a barrier and
 ``destroy_process_group()`` (the patches add them at the end of ``setup()``): see docs/troubleshooting.md, "A crash
@@ -349,17 +352,68 @@ def report(runs: Runs, command: str) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
+COMMANDS = {"full": "finetune_full", "lora": "finetune_lora", "pretrain": "pretrain"}
+
+
+def prepare(directory: Path, scripts: list[str], devices: int = 2) -> list[str]:
+    """Write the tiny checkpoint (``DIR/checkpoint``), LitGPT's JSON data (``DIR/data``), the token rows
+    (``DIR/rows``) and ``DIR/tiny_data.py``; return one shell line per script: the ``litgpt`` command on ``devices``
+    CPU processes, (m, A, D) = (2, 8 / (2 · devices), devices), with ``DIR`` first on ``PYTHONPATH`` so that
+    ``DIR/litgpt`` (the patched copy) and ``tiny_data`` are imported. Float32 here (the tests run float64)."""
+    import shlex
+
+    directory = directory.resolve()
+    checkpoint = write_checkpoint(directory / "checkpoint")
+    data, rows = write_data(directory / "data"), write_token_rows(directory / "rows")
+    (directory / "tiny_data.py").write_text(TOKEN_ROWS)
+    lines = []
+    for script in scripts:
+        command, out = COMMANDS[script], directory / "out" / script
+        if command == "pretrain":
+            args = pretrain_args(checkpoint, rows, out, devices, 2)
+        else:
+            args = finetune_args(command, checkpoint, data, out, devices, 2)
+        environment = f"CUDA_VISIBLE_DEVICES= TORCHDYNAMO_DISABLE=1 PYTHONPATH={shlex.quote(str(directory))}"
+        lines.append(f"{environment} litgpt {shlex.join(args)}")
+    return lines
+
+
+def _parser() -> Any:
     import argparse
+    import textwrap
+
+    summary, usage = __doc__.split("\n\n")[:2]
+    return argparse.ArgumentParser(
+        description=textwrap.fill(" ".join(summary.replace("``", "").split()), 100) + "\n\n" + textwrap.dedent(usage),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
     import tempfile
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = _parser()
     parser.add_argument(
         "--scripts", nargs="+", choices=["full", "lora", "pretrain"], default=["full", "lora", "pretrain"]
     )
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument(
+        "--prepare",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run nothing: write the checkpoint and data into DIR and print the litgpt lines to run with a patched"
+        " copy of litgpt in DIR/litgpt",
+    )
     args = parser.parse_args(argv)
-    commands = {"full": "finetune_full", "lora": "finetune_lora", "pretrain": "pretrain"}
+    if args.prepare is not None:
+        lines = prepare(args.prepare, args.scripts)
+        patched = args.prepare / "litgpt"
+        if not (patched / "__init__.py").is_file():
+            print(f"# first copy the installed litgpt to {patched} and git apply the patches there (docs/howto.md)")
+        print("\n".join(lines))
+        return
+    commands = COMMANDS
     with tempfile.TemporaryDirectory() as temporary:
         root = args.out if args.out is not None else Path(temporary)
         root.mkdir(parents=True, exist_ok=True)
