@@ -74,6 +74,7 @@ from lightning_accum.strategies.core import CLOSE_GROUP_DOC, AccumulationCore, C
 from lightning_accum.strategies.ddp import DDPAdapter, register_ddp_strings
 from lightning_accum.strategies.model_parallel import (
     MeshAdapter,
+    bound_mesh_groups,
     check_mesh_sizes,
     derive_mesh_sizes,
     refuse_unsharded,
@@ -501,6 +502,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
     def setup_environment(self) -> None:
         derive_mesh_sizes(self, "Fabric's `devices=` / `num_nodes=`")
         super().setup_environment()
+        bound_mesh_groups(self)
 
     @override
     def setup_module(self, module: Module) -> Module:
