@@ -71,6 +71,7 @@ from lightning_accum.core.ddp import DDPAdapter, register_ddp_strings
 from lightning_accum.core.entry import CHECKPOINT_KEY
 from lightning_accum.core.mesh import (
     MeshAdapter,
+    bound_mesh_groups,
     check_mesh_sizes,
     derive_mesh_sizes,
     refuse_unsharded,
@@ -519,6 +520,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
     def setup_environment(self) -> None:
         derive_mesh_sizes(self, "Fabric's `devices=` / `num_nodes=`")
         super().setup_environment()
+        bound_mesh_groups(self)
 
     @override
     def setup_module(self, module: Module) -> Module:

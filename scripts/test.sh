@@ -22,6 +22,8 @@ fi
 .venv/bin/python -m pytest "$@"
 # With no arguments (CI): then the package as a user installs it: the wheel alone in a fresh venv, and each extra (see
 # the script). The lowest Lightning the package declares (2.6.6) is the pinned one, so the suite above tests it.
+# Then the declared torch range: the named subset on the torch floor and the newest torch (see the script).
 if [ "$#" -eq 0 ]; then
   bash scripts/check-package.sh
+  bash scripts/check-torch-range.sh
 fi

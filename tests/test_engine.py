@@ -687,44 +687,41 @@ def test_the_one_replica_close_gives_the_general_closes_group_bit_for_bit(
         assert torch.equal(gradient, expected_gradient) or values[0] != "apply"
 
 
-def test_a_one_replica_group_closes_in_a_few_tensor_operations() -> None:
-    # The machine-independent price of a group of 8 micro-batches with token counts on the device: per micro-batch
-    # the detached loss and `loss · w / c` (its first also forms c = A · max(w, M) and its cast); at the close
-    # W, c / W, the check-and-rescale and one stack for the host read: 7 (the vector took 34).
+def test_a_one_replica_group_reads_the_host_once_at_its_close() -> None:
+    # The behaviour that does not depend on how many operations a torch release dispatches for it: a group of 8
+    # micro-batches with token counts on the device reads nothing on the host per micro-batch and once at the close
+    # (one stack, read with `tolist`), and it has no collective to run on one replica.
     engine = AccumulationEngine(normalize="tokens")
     weight = torch.ones(4, requires_grad=True)
     for _ in range(2):
-        microbatch_ops = []
         for i in range(8):
             loss = (weight * (i + 1)).sum()
             with HostReadProbe() as probe:
                 tensor = engine.add_microbatch({"loss": loss, "num_tokens": torch.tensor(i + 3)}, None, 8)
             assert tensor is not None and not probe.hits
-            microbatch_ops.append(probe.package_ops)
             tensor.backward()
-        assert microbatch_ops[1:] == [3] * 7 and microbatch_ops[0] <= 7, microbatch_ops
         assert weight.grad is not None
         with HostReadProbe() as close:
             outcome = engine.close_group(accumulate=8, gradients=[weight.grad], check_gradients=True)
         assert len(close.hits) == 1 and "tolist" in close.hits[0]
-        assert close.package_ops <= 7, close.package_ops
         assert outcome.action == "apply" and outcome.record.tokens == sum(range(3, 11))
+        # Σ_i (i + 1) · w_i / W for every element, with w_i = i + 3 tokens: the token-weighted mean gradient.
+        expected = sum((i + 1) * (i + 3) for i in range(8)) / sum(range(3, 11))
+        assert torch.allclose(weight.grad, torch.full((4,), expected), rtol=1e-6, atol=0)
         engine.finish_group(outcome, applied=True)
         weight.grad = None
 
 
-def test_a_sole_micro_batch_closes_in_three_tensor_operations() -> None:
-    # A = 1 on one replica: the check (its flag and GradScaler's kernel with a factor of 1 kept for the run) and one
-    # stack for the host read (float32: the count is exact below 2^24); nothing is multiplied.
+def test_a_sole_micro_batch_closes_with_one_host_read_and_its_gradient_unchanged() -> None:
+    # A = 1 on one replica: the close checks the gradient (NaN/Inf) and reads the host once; nothing is rescaled.
     engine = AccumulationEngine(normalize="tokens")
     weight = torch.ones(4, requires_grad=True)
-    ops = []
     for _ in range(3):
         engine.add_microbatch({"loss": weight.sum(), "num_tokens": torch.tensor(5)}, None, 1, sole=True).backward()
         assert weight.grad is not None
         with HostReadProbe() as close:
-            engine.finish_group(engine.close_group(1, gradients=[weight.grad], check_gradients=True), applied=True)
+            outcome = engine.close_group(1, gradients=[weight.grad], check_gradients=True)
         assert len(close.hits) == 1
-        ops.append(close.package_ops)
+        assert outcome.action == "apply" and torch.equal(weight.grad, torch.ones(4))
+        engine.finish_group(outcome, applied=True)
         weight.grad = None
-    assert ops[1:] == [3, 3] and ops[0] <= 4, ops  # the factor of 1 is formed once per device, at the first check

@@ -226,7 +226,7 @@ def test_console_table_has_units_and_no_exponents(tmp_path: Path, capsys: pytest
         re.split(r"\s{2,}", line, maxsplit=1) for line in table.splitlines() if line.startswith(("memory", "time"))
     )
     peak_mib = record["memory"]["run_peak"][0] / 2**20
-    assert rows["memory.run_peak (per rank)"] == f"{peak_mib:.1f} MiB"
+    assert rows["memory.run_peak (per rank)"] == f"{peak_mib:,.1f} MiB"  # a thousands separator past 1,000 MiB
     assert rows["time.tokens_per_second"].endswith(" tokens/s") and rows["time.wall_seconds"].endswith(" s")
     assert "e+" not in table and "bytes" not in table
     assert f"(written to {tmp_path / REPORT_FILENAME})" in table

@@ -46,6 +46,7 @@ from lightning_accum.engine import Replicas
 __all__ = [
     "GRADIENT_SYNC_MODES",
     "MeshAdapter",
+    "bound_mesh_groups",
     "check_mesh_sizes",
     "derive_mesh_sizes",
     "refuse_unsharded",
@@ -106,6 +107,22 @@ def refuse_unsharded(model: Module | None, strategy: Any, sharded_by: str, how: 
         " sharded (no `fully_shard` module, no DTensor parameter): every device would train its own unsynchronized"
         f" copy. {how}; or use strategy='accum_ddp' for a model that fits one device."
     )
+
+
+def bound_mesh_groups(strategy: Any) -> None:
+    """After the mesh is built (``setup_environment``): the strategy's ``timeout=`` on the process group of each of
+    its dimensions. torch's device mesh makes those groups with torch's default timeout (30 minutes for gloo) whenever
+    a dimension is not the whole world (a (2, 2) mesh), and on torch 2.9 for the data-parallel dimension of a (D, 1)
+    mesh too, so a rank waiting for a lost partner there would wait 30 minutes instead of ``timeout=``.
+    ``strategy`` is Lightning's or Fabric's ``ModelParallelStrategy`` (its ``_timeout`` is read)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    timeout = strategy._timeout
+    if timeout is None:
+        return
+    mesh = strategy.device_mesh
+    for name in mesh.mesh_dim_names or ():
+        _set_pg_timeout(timeout, mesh.get_group(name))
 
 
 def _save_sharded(folder: Path | str, state: dict[str, Any], metadata: dict[str, Any], rank: int) -> None:

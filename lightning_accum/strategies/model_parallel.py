@@ -22,6 +22,7 @@ from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.core.mesh import (
     GRADIENT_SYNC_MODES,
     MeshAdapter,
+    bound_mesh_groups,
     check_mesh_sizes,
     derive_mesh_sizes,
     refuse_unsharded,
@@ -54,7 +55,7 @@ class MeshSide(TrainerSide):
         ):
             return count
         if self._slice_group is None and torch.distributed.get_backend() != "gloo":
-            self._slice_group = torch.distributed.new_group(backend="gloo")
+            self._slice_group = torch.distributed.new_group(backend="gloo", timeout=self.strategy._timeout)
         values = torch.tensor([count, -num_samples], dtype=torch.int64)
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=self._slice_group)
         agreed, fewest = int(values[0]), -int(values[1])
@@ -187,6 +188,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     def setup_environment(self) -> None:
         derive_mesh_sizes(self, "the Trainer's `devices=` / `num_nodes=`")
         super().setup_environment()
+        bound_mesh_groups(self)
 
     @contextmanager
     @override
