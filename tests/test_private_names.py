@@ -217,8 +217,10 @@ def test_lightning_takes_remote_checkpoint_paths_where_the_package_says_it_does(
     # torch's fsspec reader of a distributed checkpoint (the package reads an open group's stored dtypes and shapes
     # from a remote folder with it, as Lightning's `_get_distributed_checkpoint_reader` does).
     from torch.distributed.checkpoint import FileSystemWriter, save
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
+    from lightning_accum.core.reading import fsspec_reader
+
+    FsspecReader = fsspec_reader()  # the public module where torch has it (2.15), the private one before
     with warnings.catch_warnings():  # torch says it saves in one process (no process group here)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         save({"g": torch.ones(3, dtype=torch.float64)}, storage_writer=FileSystemWriter(tmp_path))

@@ -40,7 +40,7 @@ from lightning_accum.core.adapter import (
 )
 from lightning_accum.core.entry import CHECKPOINT_KEY, DISTRIBUTED_KEY, malformed
 from lightning_accum.core.mesh_clipping import clip_grad_norm_, clip_grad_value_, local_part
-from lightning_accum.core.reading import checkpoint_location
+from lightning_accum.core.reading import checkpoint_location, fsspec_reader
 from lightning_accum.engine import Replicas
 
 __all__ = [
@@ -321,9 +321,8 @@ class MeshAdapter(EngineAdapter):
         def read(names: list[str]) -> dict[str, Tensor]:
             # Each rank reads its own shards, in the layout of this run (another D or mesh than the writer's too).
             from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-            reader = FileSystemReader(folder) if isinstance(folder, Path) else FsspecReader(folder)
+            reader = FileSystemReader(folder) if isinstance(folder, Path) else fsspec_reader()(folder)
             stored = reader.read_metadata().state_dict_metadata
             by_name = dict(parameters())
             templates: dict[str, Tensor] = {}

@@ -27,6 +27,7 @@ __all__ = [
     "WAY_OUT",
     "checkpoint_location",
     "distributed_gradients",
+    "fsspec_reader",
     "local_path",
     "read_checkpoint",
 ]
@@ -128,6 +129,17 @@ def checkpoint_location(path: _Path) -> Path | str:
         )
     local = local_path(path)
     return local if local is not None else text
+
+
+def fsspec_reader() -> Any:
+    """torch's reader of a distributed checkpoint at an fsspec URL (``FsspecReader``): public in
+    ``torch.distributed.checkpoint.fsspec_filesystem`` where torch has it (2.15: the private ``_fsspec_filesystem``
+    warns that it is deprecated there), private before."""
+    try:
+        from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader
+    except ImportError:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    return FsspecReader
 
 
 def distributed_gradients(
