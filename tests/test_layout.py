@@ -362,7 +362,6 @@ TESTS_OF: dict[str, str] = {
     "evaluation_loss": "test_fabric_evaluation.py",
     "gradients": "test_engine.py",
     "group": "test_engine.py",
-    "microbatch": "test_units.py",
     "options": "test_strategies.py",
     "strategies/automatic": "test_strategies.py",
     "strategies/base": "test_strategies.py",

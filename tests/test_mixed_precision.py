@@ -332,3 +332,41 @@ def test_fp16_overflow_skips_no_more_than_plain_lightning_whatever_the_group_siz
     plain = _fp16_overflow_skips("auto", examples)
     ours = _fp16_overflow_skips("accum", examples)
     assert ours <= plain
+
+
+# ------------------------------------------------------------ the non-finite guard
+# Without a scaler, a run stops after `max_consecutive_skips` skipped updates in a row.
+
+
+class _AlwaysNaN(TinyLM):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        out["loss"] = out["loss"] * float("nan")
+        return out
+
+
+def test_nan_in_every_group_stops_after_max_consecutive_skips() -> None:
+    strategy = AccumulationStrategy(max_consecutive_skips=3)
+    with (
+        pytest.warns(UserWarning, match=r"skipped update \d"),
+        pytest.raises(RuntimeError, match=r"3 consecutive updates were skipped \(the last for 'nonfinite'"),
+    ):
+        fit(_AlwaysNaN(), make_examples([4] * 20), batch_size=2, accumulate=2, strategy=strategy)
+    ledger = strategy.ledger
+    assert (ledger.updates_attempted, ledger.updates_applied, ledger.updates_skipped["nonfinite"]) == (3, 0, 3)
+    with pytest.raises(ValueError, match=r"`max_consecutive_skips` must be a positive int or None, got 0"):
+        AccumulationStrategy(max_consecutive_skips=0)
+
+
+def test_an_applied_update_resets_the_consecutive_count() -> None:
+    class _NaNEveryOther(TinyLM):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+            out = super().training_step(batch, batch_idx)
+            if (batch_idx // 2) % 2 == 0:
+                out["loss"] = out["loss"] * float("nan")
+            return out
+
+    strategy = AccumulationStrategy(max_consecutive_skips=2)
+    with pytest.warns(UserWarning, match=r"skipped update"):
+        fit(_NaNEveryOther(), make_examples([4] * 16), batch_size=2, accumulate=2, strategy=strategy)
+    assert (strategy.ledger.updates_applied, strategy.ledger.updates_skipped["nonfinite"]) == (2, 2)

@@ -269,6 +269,6 @@ def test_a_second_fit_whose_peak_is_below_the_first_ones_says_its_peak_predates_
     # The first fit raised the process's peak: its own, exactly.
     assert first["peak_predates_fit"] == [False] and first["run_peak"][0] - first["peak_before_fit"][0] > 300 * 2**20
     # The second's stayed below it: the peak the record gives is the first fit's, and it says so (a reset on request,
-    # `reset_peak_memory=True`, gives the fit's own: tests/test_report_edges.py).
+    # `reset_peak_memory=True`, gives the fit's own: tests/test_report.py::test_the_fit_peak_leaves_the_process_peak_to_other_monitors_and_resets_it_only_on_request).
     assert second["peak_predates_fit"] == [True] and second["run_peak"] == second["peak_before_fit"]
     assert second["run_peak"][0] >= first["run_peak"][0]

@@ -14,6 +14,7 @@ from helpers import (
     ListDataset,
     RankStridedSampler,
     TinyLM,
+    fit,
     group_tokens,
     hand_groups,
     hand_trail,
@@ -23,6 +24,7 @@ from helpers import (
     random_lengths,
     relative_error,
     run_ddp,
+    sgd_reference,
 )
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch import Tensor
@@ -57,6 +59,19 @@ class UpdateTrail(L.Callback):
             torch.save(
                 {"params": self.params, "sizes": self.sizes, "stages": stages}, f"{self.path}-{trainer.global_rank}.pt"
             )
+
+
+def test_gradient_accumulation_scheduler_keeps_groups_exact_on_both_sides() -> None:
+    # Epoch 0 with A = 2, epoch 1 with A = 3 (Lightning's GradientAccumulationScheduler): 6 micro-batches of 2.
+    examples = make_examples(random_lengths(12, seed=30), seed=30)
+    model = TinyLM(lr=0.5)
+    groups = [examples[0:4], examples[4:8], examples[8:12], examples[0:6], examples[6:12]]
+    expected = sgd_reference(model, groups, lr=0.5)
+    scheduler = GradientAccumulationScheduler({0: 2, 1: 3})
+    trainer = fit(model, examples, batch_size=2, accumulate=1, callbacks=[scheduler], max_epochs=2)
+    assert relative_error(params_vector(model), expected) < 1e-5
+    ledger = trainer.strategy.ledger
+    assert (ledger.updates_applied, ledger.partial_groups, ledger.microbatches) == (5, 0, 12)
 
 
 def _fit(strategy: Any, batch_size: int, devices: int = 1, trail: UpdateTrail | None = None, **kw: Any) -> Any:

@@ -1,4 +1,5 @@
-"""No unit decided silently: under `normalize="auto"` the unit is fixed once (the run's first micro-batch, or the
+"""Reading a micro-batch (lightning_accum/microbatch.py) in real fits: its counts checked before anything is applied,
+and no unit decided silently: under `normalize="auto"` the unit is fixed once (the run's first micro-batch, or the
 checkpoint it resumed from), and a micro-batch or an evaluation batch that reports a more specific unit later is an
 error naming both, at both doors, instead of being weighted by the fixed unit (the issue's probes: 1.5e-3 from the
 documents objective in training, 7.2e-4 after a resume, 2.2159 against the documents mean 2.2322 in evaluation)."""
@@ -12,8 +13,19 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import IGNORE, TinyLM, fit, make_examples
+from helpers import (
+    IGNORE,
+    ListDataset,
+    TinyLM,
+    fit,
+    make_examples,
+    make_trainer,
+    params_vector,
+)
 from test_fabric import TinyNet, micro_batches
+from torch.utils.data import DataLoader
+
+from lightning_accum import AccumulationStrategy
 
 EXAMPLES = make_examples([5, 3, 6, 2, 4, 6, 1, 5], seed=3)
 NAMES_BOTH = r"the run's unit is tokens .* reports documents \(`num_documents`\).*normalize='documents'"
@@ -138,3 +150,45 @@ def test_a_fabric_evaluation_reporting_documents_after_tokens_batches_is_an_erro
             evaluation.add(**_evaluation_output(model, batch, documents=False))
         with pytest.raises(ValueError, match=EVALUATION_NAMES_BOTH):  # before: weighted by tokens silently
             evaluation.add(**_evaluation_output(model, batches[2], documents=True))
+
+
+# ------------------------------------------------------------ counts
+# Hostile counts and samples that cannot be inferred, in real fits: errors before anything is applied.
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (2.5, TypeError, r"`num_tokens` must be an int or a 0-d integer tensor, got float"),
+        (True, TypeError, r"`num_tokens` must be an integer count, got a boolean"),
+        (-1, ValueError, r"`num_tokens` must be >= 0, got -1"),
+        (torch.tensor(float("nan")), TypeError, r"got a tensor of dtype torch.float32"),
+        (torch.tensor(-3), ValueError, r"A negative `num_tokens`, `num_samples` or `num_documents` was reported"),
+        (torch.tensor(3, device="meta"), ValueError, r"`num_tokens` is a tensor on the meta device"),
+    ],
+)
+def test_hostile_token_counts_in_a_real_run(value: object, error: type[Exception], match: str) -> None:
+    class _Reports(TinyLM):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+            return {"loss": self.mean_loss(batch), "num_tokens": value}
+
+    model = _Reports()
+    before = params_vector(model)
+    with pytest.raises(error, match=match):
+        fit(model, make_examples([3, 4, 5, 6]), batch_size=1, accumulate=2)
+    assert torch.equal(params_vector(model), before)  # nothing was applied
+
+
+def test_samples_that_cannot_be_inferred_under_normalize_samples_in_a_real_run() -> None:
+    def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        batch["boundaries"] = torch.arange(len(items) + 1)  # another leading size: the sample count is ambiguous
+        return batch
+
+    model = TinyLM(report="loss")
+    before = params_vector(model)
+    trainer = make_trainer(strategy=AccumulationStrategy(normalize="samples"), accumulate_grad_batches=2)
+    loader = DataLoader(ListDataset(make_examples([3, 4, 5, 6])), batch_size=2, collate_fn=collate)
+    with pytest.raises(ValueError, match=r"number of samples of this micro-batch cannot be inferred .* 'num_samples'"):
+        trainer.fit(model, loader)
+    assert torch.equal(params_vector(model), before)
