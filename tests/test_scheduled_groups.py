@@ -25,6 +25,7 @@ from helpers import (
     relative_error,
     run_ddp,
     sgd_reference,
+    token_weighted_grad,
 )
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch import Tensor
@@ -252,3 +253,76 @@ def test_a_resume_inside_a_stage_and_a_group_continues_the_same_schedule(
     resumed, model, _ = run(path)
     assert relative_error(params_vector(model), params_vector(whole_model)) < 1e-6
     assert resumed.strategy.ledger == whole.strategy.ledger  # type: ignore[attr-defined]
+
+
+def test_a_token_budget_its_cadences_and_a_rate_on_tokens_keep_their_meaning_under_a_schedule(tmp_path: Path) -> None:
+    # A Horizon (stop, validate and checkpoint on tokens) and an AxisLR (the rate a function of tokens) beside a
+    # three-stage schedule with the square-root factor: the points are the first updates reaching each multiple, as
+    # without a schedule, and every update is the float64 hand loop's at rate LR · rule(tokens before) · factor(stage).
+    from horizon_helpers import HorizonLM, Trace, loaders, trainer_for
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_accum import Horizon
+
+    stop, every_val, every_ckpt = 300, 70, 100
+
+    def rule(tokens: int) -> float:
+        return 1.0 / (1.0 + tokens / 150)
+
+    schedule = BatchSchedule(STAGES, axis="tokens", lr_scaling="sqrt")
+    groups = hand_groups(EXAMPLES, schedule, epochs=4)
+    counts = [sum(group_tokens(g) for g in groups[: i + 1]) for i in range(len(groups))]
+    done = next(i for i, c in enumerate(counts) if c >= stop) + 1
+    groups, counts = groups[:done], counts[:done]
+
+    def firsts(every: int) -> list[int]:
+        return sorted({next(c for c in counts if c >= k * every) for k in range(1, counts[-1] // every + 1)})
+
+    assert len({schedule.stage_at(c - group_tokens(g)).index for c, g in zip(counts, groups, strict=True)}) == 3
+    reference = TinyLM(lr=LR, seed=3).double()
+    for count, group in zip(counts, groups, strict=True):
+        before = count - group_tokens(group)
+        rate = LR * rule(before) * schedule.lr_factor(schedule.stage_at(before))
+        grad = token_weighted_grad(reference, group)
+        with torch.no_grad():
+            offset = 0
+            for p in reference.parameters():
+                p -= rate * grad[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+
+    trace = Trace()
+    budget = Horizon(axis="tokens", stop_at=stop, validate_every=every_val, checkpoint_every=every_ckpt)
+    callbacks = [trace, budget, ModelCheckpoint(dirpath=tmp_path, save_top_k=0)]
+    trainer = trainer_for(
+        1, callbacks, strategy=AccumulationStrategy(batch_schedule=schedule), enable_checkpointing=True
+    )
+    model = HorizonLM(lr_lambda=rule, lr=LR, seed=3)
+    trainer.fit(model, *loaders(EXAMPLES, 2))
+
+    assert trainer.strategy.ledger.tokens == counts[-1] and len(trace.updates) == len(groups)
+    before = [c - group_tokens(g) for c, g in zip(counts, groups, strict=True)]
+    assert [u["tokens_before"] for u in trace.updates] == before
+    # Lightning also validates when training is asked to stop: one run at the budget.
+    assert trace.validations == sorted({*firsts(every_val), counts[-1]})
+    assert sorted(int(p.stem.split("=")[1]) for p in tmp_path.glob("tokens=*.ckpt")) == firsts(every_ckpt)
+    assert relative_error(params_vector(model), params_vector(reference)) < 1e-5
+
+
+def test_the_partial_group_policy_compares_an_epochs_last_group_with_its_own_stages_size() -> None:
+    # 38 examples, micro-batches of 2, batches of 4 samples until 30 samples are seen, then 8. The group starting at
+    # sample 32 is in the second stage: it holds 6 of its 8 samples (3 micro-batches of 4), a partial group of its own
+    # size (not 3 micro-batches where the first stage's groups hold 2), and `partial_group="drop"` drops it.
+    examples = make_examples(random_lengths(38, seed=7), seed=7)
+    schedule = BatchSchedule("0:4 30:8", axis="samples")
+    model = TinyLM(lr=LR, seed=59)
+    groups = [examples[i : i + 4] for i in range(0, 32, 4)] + [examples[i : i + 8] for i in range(0, 32, 8)]
+    expected = sgd_reference(model, groups, lr=LR)
+    strategy = AccumulationStrategy(batch_schedule=schedule, partial_group="drop")
+    trail = UpdateTrail()
+    trainer = make_trainer(strategy=strategy, max_epochs=2, callbacks=[trail])
+    trainer.fit(model, DataLoader(ListDataset(examples), batch_size=2))
+    ledger = strategy.ledger
+    assert (ledger.updates_applied, ledger.partial_groups, ledger.dropped_samples) == (12, 2, 12)
+    assert (ledger.dropped_microbatches, ledger.samples) == (6, 64)
+    assert trail.sizes == [2] * 8 + [4] * 4
+    assert relative_error(params_vector(model), expected) < 1e-5
