@@ -1,5 +1,5 @@
 """The recipes in examples/ run as documented, in a reduced size: LightningCLI with its YAML, torchrun with DDP, LitGPT
-in a Fabric loop."""
+in a Fabric loop, the token budget at two splits."""
 
 from __future__ import annotations
 
@@ -114,3 +114,23 @@ def test_litgpt_recipe_is_exact_across_splits_and_processes_where_litgpts_own_li
         assert exact[name]["tokens"] == exact["4x4"]["tokens"]
     gap = torch.tensor(plain["1x16"]["parameters"]) - torch.tensor(plain["4x4"]["parameters"])
     assert gap.abs().max() > 1e-3  # LitGPT's loss / A: another objective at every split
+
+
+def test_token_budget_recipe_runs_the_same_budget_for_two_splits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = load("token_budget")
+    common = ["--budget", "3000", "--validate-every", "700", "--checkpoint-every", "1500", "--documents", "64"]
+    common += ["--out", str(tmp_path), "--quiet"]
+    first = recipe.main([*common, "--m", "4", "--accumulate", "2"])
+    second = recipe.main([*common, "--m", "2", "--accumulate", "4"])
+    printed = capsys.readouterr().out
+    assert "m = 4, A = 2, D = 1: 8 sequences per update" in printed
+
+    assert 3000 <= first["stopped_at_tokens"] == second["stopped_at_tokens"]
+    assert first["validated_at_tokens"] == second["validated_at_tokens"] and len(first["validated_at_tokens"]) == 4
+    assert first["checkpoints"] == second["checkpoints"] and len(first["checkpoints"]) == 2
+    assert [n for n, _ in first["rates"]] == [n for n, _ in second["rates"]]
+    assert [lr for _, lr in first["rates"]] == pytest.approx([lr for _, lr in second["rates"]], rel=1e-12)
+    for name in first["checkpoints"]:
+        assert (tmp_path / "m2_a4" / "checkpoints" / name).is_file()
