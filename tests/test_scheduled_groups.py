@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_accum import BatchSchedule, DDPAccumulationStrategy
+from lightning_accum import BatchSchedule, DDPAccumulationStrategy, ModelParallelAccumulationStrategy
 from lightning_accum.strategies import AccumulationStrategy
 
 EXAMPLES = make_examples(random_lengths(40, seed=59), seed=59)
@@ -63,6 +63,16 @@ class UpdateTrail(L.Callback):
             ledger = trainer.strategy.ledger.state_dict()  # type: ignore[attr-defined]
             state = {"params": self.params, "sizes": self.sizes, "stages": stages, "ledger": ledger}
             torch.save(state, f"{self.path}-{trainer.global_rank}.pt")
+
+
+class ShardedTinyLM(TinyLM):
+    """TinyLM whose `configure_model` shards both its layers with FSDP2 (`fully_shard`) over the data-parallel mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for module in (self.embed, self.head):
+            fully_shard(module, mesh=self.device_mesh["data_parallel"])
 
 
 def _fit(
@@ -132,6 +142,37 @@ def test_three_stages_give_the_same_updates_at_every_split_and_each_is_the_float
         # The stages reached, with the tokens and updates each one's groups consumed (the hand loop's).
         assert [(s["stage"], s["tokens"], s["updates"]) for s in stages] == _stages_reached(schedule, groups)
     print("max relative error per (m, D) against the float64 hand loop:", worst)
+
+
+def _fsdp_runs(rank: int, folder: str) -> None:
+    # `tensor_parallel_size=1`: what `strategy="accum_fsdp"` selects (FSDP2 over every device), with the schedule.
+    for mode in ("every_microbatch", "last_microbatch"):
+        strategy = ModelParallelAccumulationStrategy(
+            tensor_parallel_size=1, gradient_sync=mode, batch_schedule=BatchSchedule(STAGES, axis="tokens")
+        )
+        model = ShardedTinyLM(lr=LR, seed=59)
+        _fit(strategy, batch_size=1, devices=2, trail=UpdateTrail(f"{folder}/{mode}"), model=model)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_fsdp2_under_three_stages_gives_each_update_the_float64_group_gradient_in_both_sync_modes(
+    tmp_path: Path,
+) -> None:
+    # (m, D) = (1, 2), each rank reading every second example in order; both layers sharded by `fully_shard`, so
+    # each update's gradient is reduce-scattered (every micro-batch, or the group's last one only) before the close.
+    schedule = BatchSchedule(STAGES, axis="tokens")
+    expected = hand_trail(TinyLM(lr=LR, seed=59), EXAMPLES, schedule, EPOCHS, LR)
+    groups = hand_groups(EXAMPLES, schedule, EPOCHS)
+    run_ddp(_fsdp_runs, str(tmp_path))
+    for mode in ("every_microbatch", "last_microbatch"):
+        for rank in (0, 1):
+            run = torch.load(tmp_path / f"{mode}-{rank}.pt", weights_only=True)
+            assert run["sizes"] == [b // 2 for b in _targets(schedule, groups)], (mode, rank)  # A = B / (1 · 2)
+            worst = max(relative_error(p, e) for p, e in zip(run["params"], expected, strict=True))
+            print(f"FSDP2 ({mode}), rank {rank}: max relative error per update against the float64 loop = {worst:.1e}")
+            assert len(run["params"]) == len(expected) and worst < 1e-5, (mode, rank, worst)
+            assert [(s["stage"], s["tokens"], s["updates"]) for s in run["stages"]] == _stages_reached(schedule, groups)
 
 
 def test_the_stage_learning_rate_factor_applies_to_its_updates_only() -> None:
