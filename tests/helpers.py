@@ -147,6 +147,15 @@ def params_vector(module: nn.Module) -> Tensor:
     return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in module.parameters()])
 
 
+def full_params(module: nn.Module) -> Tensor:
+    """Every parameter, gathered from its shards (a collective under FSDP2 / tensor parallelism), in float64."""
+    parts = []
+    for p in module.parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        parts.append(full.detach().reshape(-1).to(torch.float64))
+    return torch.cat(parts)
+
+
 def token_weighted_grad(module: nn.Module, examples: list[dict[str, Tensor]]) -> Tensor:
     """float64 gradient of Σ token losses / N over `examples` (N = supervised tokens of all of them)."""
     ref = copy.deepcopy(module).double()
@@ -181,16 +190,19 @@ def group_tokens(group: list[dict[str, Tensor]]) -> int:
     return int(sum(int((e["labels"] != IGNORE).sum()) for e in group))
 
 
-def hand_groups(examples: list[dict[str, Tensor]], schedule: Any, epochs: int) -> list[list[dict[str, Tensor]]]:
-    """The groups a hand loop forms under a `BatchSchedule` on tokens, `epochs` passes over `examples` in order: at
-    each group's start the stage of the tokens seen so far; an epoch's last group holds what remains (the
-    partial-group policy "rescale": its real tokens)."""
+def hand_groups(
+    examples: list[dict[str, Tensor]], schedule: Any, epochs: int, orders: Sequence[Sequence[int]] | None = None
+) -> list[list[dict[str, Tensor]]]:
+    """The groups a hand loop forms under a `BatchSchedule` on tokens, `epochs` passes over `examples` in order (or,
+    with `orders`, epoch e in the order of the indices `orders[e]`): at each group's start the stage of the tokens seen
+    so far; an epoch's last group holds what remains (the partial-group policy "rescale": its real tokens)."""
     groups, seen = [], 0
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        ordered = examples if orders is None else [examples[i] for i in orders[epoch]]
         start = 0
-        while start < len(examples):
+        while start < len(ordered):
             size = schedule.stage_at(seen).samples
-            group = examples[start : start + size]
+            group = ordered[start : start + size]
             groups.append(group)
             seen += group_tokens(group)
             start += size
@@ -198,13 +210,18 @@ def hand_groups(examples: list[dict[str, Tensor]], schedule: Any, epochs: int) -
 
 
 def hand_trail(
-    model: nn.Module, examples: list[dict[str, Tensor]], schedule: Any, epochs: int, lr: float
+    model: nn.Module,
+    examples: list[dict[str, Tensor]],
+    schedule: Any,
+    epochs: int,
+    lr: float,
+    orders: Sequence[Sequence[int]] | None = None,
 ) -> list[Tensor]:
-    """float64 SGD: one token-weighted update per hand group (at the stage's learning-rate factor); the parameters
-    after each update."""
+    """float64 SGD: one token-weighted update per hand group (`hand_groups`, at the stage's learning-rate factor); the
+    parameters after each update."""
     ref = copy.deepcopy(model).double()
     trail, seen = [], 0
-    for group in hand_groups(examples, schedule, epochs):
+    for group in hand_groups(examples, schedule, epochs, orders):
         factor = schedule.lr_factor(schedule.stage_at(seen))
         grad = token_weighted_grad(ref, group)
         with torch.no_grad():

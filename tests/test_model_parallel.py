@@ -20,6 +20,7 @@ from helpers import (
     ListDataset,
     RankStridedSampler,
     ResumableLoader,
+    full_params,
     launch_env,
     make_examples,
     make_trainer,
@@ -111,15 +112,6 @@ class ShardedLM(L.LightningModule):
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=lr)
         return torch.optim.AdamW(self.parameters(), lr=lr)
-
-
-def full_params(module: nn.Module) -> Tensor:
-    """Every parameter, gathered from its shards (a collective under FSDP2 / tensor parallelism), in float64."""
-    parts = []
-    for p in module.parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        parts.append(full.detach().reshape(-1).to(torch.float64))
-    return torch.cat(parts)
 
 
 class Record(L.Callback):

@@ -15,6 +15,7 @@ from helpers import (
     RankStridedSampler,
     TinyLM,
     fit,
+    full_params,
     group_tokens,
     hand_groups,
     hand_trail,
@@ -31,7 +32,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_accum import BatchSchedule, DDPAccumulationStrategy
+from lightning_accum import BatchSchedule, DDPAccumulationStrategy, ModelParallelAccumulationStrategy
 from lightning_accum.strategies import AccumulationStrategy
 
 EXAMPLES = make_examples(random_lengths(40, seed=59), seed=59)
@@ -42,24 +43,29 @@ LR = 0.5
 
 
 class UpdateTrail(L.Callback):
-    """The parameters after each update, and each group's size, saved to `path` at the fit's end when given."""
+    """The parameters after each update of the fit (after a resume: each update it runs), and each group's size;
+    saved with the stages reached and the ledger to `path` at the fit's end when given."""
 
     def __init__(self, path: str | None = None) -> None:
         self.path = path
         self.params: list[Tensor] = []
         self.sizes: list[int] = []
+        self.before = 0  # the updates a resumed checkpoint's ledger counts already
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.before = trainer.strategy.ledger.updates_attempted  # type: ignore[attr-defined]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.strategy.ledger.updates_attempted > len(self.params):  # type: ignore[attr-defined]
-            self.params.append(params_vector(pl_module))
+        if trainer.strategy.ledger.updates_attempted - self.before > len(self.params):  # type: ignore[attr-defined]
+            self.params.append(full_params(pl_module))  # gathered from FSDP2's shards (a collective) where sharded
             self.sizes.append(int(trainer.accumulate_grad_batches))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.path is not None:
             stages = trainer.strategy.batch_stages  # type: ignore[attr-defined]
-            torch.save(
-                {"params": self.params, "sizes": self.sizes, "stages": stages}, f"{self.path}-{trainer.global_rank}.pt"
-            )
+            ledger = trainer.strategy.ledger.state_dict()  # type: ignore[attr-defined]
+            state = {"params": self.params, "sizes": self.sizes, "stages": stages, "ledger": ledger}
+            torch.save(state, f"{self.path}-{trainer.global_rank}.pt")
 
 
 def test_gradient_accumulation_scheduler_keeps_groups_exact_on_both_sides() -> None:
@@ -75,8 +81,25 @@ def test_gradient_accumulation_scheduler_keeps_groups_exact_on_both_sides() -> N
     assert (ledger.updates_applied, ledger.partial_groups, ledger.microbatches) == (5, 0, 12)
 
 
-def _fit(strategy: Any, batch_size: int, devices: int = 1, trail: UpdateTrail | None = None, **kw: Any) -> Any:
-    model = TinyLM(lr=LR, seed=59)
+class ShardedTinyLM(TinyLM):
+    """TinyLM whose `configure_model` shards both its layers with FSDP2 (`fully_shard`) over the data-parallel mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for module in (self.embed, self.head):
+            fully_shard(module, mesh=self.device_mesh["data_parallel"])
+
+
+def _fit(
+    strategy: Any,
+    batch_size: int,
+    devices: int = 1,
+    trail: UpdateTrail | None = None,
+    model: TinyLM | None = None,
+    **kw: Any,
+) -> Any:
+    model = model or TinyLM(lr=LR, seed=59)
     trail = trail or UpdateTrail()
     trainer = make_trainer(
         strategy=strategy, devices=devices, max_epochs=EPOCHS, callbacks=[trail, *kw.pop("callbacks", [])], **kw
@@ -89,6 +112,22 @@ def _fit(strategy: Any, batch_size: int, devices: int = 1, trail: UpdateTrail | 
 def _ddp_run(rank: int, folder: str) -> None:
     strategy = DDPAccumulationStrategy(batch_schedule=BatchSchedule(STAGES, axis="tokens"))
     _fit(strategy, batch_size=1, devices=2, trail=UpdateTrail(f"{folder}/d2"))
+
+
+def _targets(schedule: BatchSchedule, groups: list[list[Any]]) -> list[int]:
+    """Each hand group's target batch B: its stage's, at the tokens of the groups before it (the partial one too)."""
+    return [schedule.stage_at(sum(group_tokens(g) for g in groups[:i])).samples for i in range(len(groups))]
+
+
+def _stages_reached(schedule: BatchSchedule, groups: list[list[Any]]) -> list[tuple[int, int, int]]:
+    """(stage, tokens, updates) per stage the hand groups reach: what `batch_stages` should record."""
+    by_stage: dict[int, list[int]] = {}
+    for i, group in enumerate(groups):
+        index = schedule.stage_at(sum(group_tokens(g) for g in groups[:i])).index
+        by_stage.setdefault(index, [0, 0])
+        by_stage[index][0] += group_tokens(group)
+        by_stage[index][1] += 1
+    return [(k, *v) for k, v in by_stage.items()]
 
 
 @pytest.mark.ddp
@@ -113,19 +152,43 @@ def test_three_stages_give_the_same_updates_at_every_split_and_each_is_the_float
     for (m, d), (params, sizes, stages) in runs.items():
         assert len(params) == len(expected), (m, d)
         # Each group's size in micro-batches per replica is its target B / (m · D) (the partial one keeps its target).
-        targets = [schedule.stage_at(sum(group_tokens(g) for g in groups[:i])).samples for i in range(len(groups))]
-        assert sizes == [b // (m * d) for b in targets], (m, d)
+        assert sizes == [b // (m * d) for b in _targets(schedule, groups)], (m, d)
         worst[(m, d)] = max(relative_error(p, e) for p, e in zip(params, expected, strict=True))
         assert worst[(m, d)] < 1e-5, (m, d, worst)
         # The stages reached, with the tokens and updates each one's groups consumed (the hand loop's).
-        by_stage: dict[int, list[int]] = {}
-        for i, group in enumerate(groups):
-            index = schedule.stage_at(sum(group_tokens(g) for g in groups[:i])).index
-            by_stage.setdefault(index, [0, 0])
-            by_stage[index][0] += group_tokens(group)
-            by_stage[index][1] += 1
-        assert [(s["stage"], s["tokens"], s["updates"]) for s in stages] == [(k, *v) for k, v in by_stage.items()]
+        assert [(s["stage"], s["tokens"], s["updates"]) for s in stages] == _stages_reached(schedule, groups)
     print("max relative error per (m, D) against the float64 hand loop:", worst)
+
+
+def _fsdp_runs(rank: int, folder: str) -> None:
+    # `tensor_parallel_size=1`: what `strategy="accum_fsdp"` selects (FSDP2 over every device), with the schedule.
+    for mode in ("every_microbatch", "last_microbatch"):
+        strategy = ModelParallelAccumulationStrategy(
+            tensor_parallel_size=1, gradient_sync=mode, batch_schedule=BatchSchedule(STAGES, axis="tokens")
+        )
+        model = ShardedTinyLM(lr=LR, seed=59)
+        _fit(strategy, batch_size=1, devices=2, trail=UpdateTrail(f"{folder}/{mode}"), model=model)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_fsdp2_under_three_stages_gives_each_update_the_float64_group_gradient_in_both_sync_modes(
+    tmp_path: Path,
+) -> None:
+    # (m, D) = (1, 2), each rank reading every second example in order; both layers sharded by `fully_shard`, so
+    # each update's gradient is reduce-scattered (every micro-batch, or the group's last one only) before the close.
+    schedule = BatchSchedule(STAGES, axis="tokens")
+    expected = hand_trail(TinyLM(lr=LR, seed=59), EXAMPLES, schedule, EPOCHS, LR)
+    groups = hand_groups(EXAMPLES, schedule, EPOCHS)
+    run_ddp(_fsdp_runs, str(tmp_path))
+    for mode in ("every_microbatch", "last_microbatch"):
+        for rank in (0, 1):
+            run = torch.load(tmp_path / f"{mode}-{rank}.pt", weights_only=True)
+            assert run["sizes"] == [b // 2 for b in _targets(schedule, groups)], (mode, rank)  # A = B / (1 · 2)
+            worst = max(relative_error(p, e) for p, e in zip(run["params"], expected, strict=True))
+            print(f"FSDP2 ({mode}), rank {rank}: max relative error per update against the float64 loop = {worst:.1e}")
+            assert len(run["params"]) == len(expected) and worst < 1e-5, (mode, rank, worst)
+            assert [(s["stage"], s["tokens"], s["updates"]) for s in run["stages"]] == _stages_reached(schedule, groups)
 
 
 def test_the_stage_learning_rate_factor_applies_to_its_updates_only() -> None:
@@ -253,6 +316,125 @@ def test_a_resume_inside_a_stage_and_a_group_continues_the_same_schedule(
     resumed, model, _ = run(path)
     assert relative_error(params_vector(model), params_vector(whole_model)) < 1e-6
     assert resumed.strategy.ledger == whole.strategy.ledger  # type: ignore[attr-defined]
+    assert resumed.strategy.batch_stages == whole.strategy.batch_stages  # the checkpoint's record, continued
+
+
+def test_the_checkpoints_record_of_the_stages_continues_under_its_schedule_only_and_is_checked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The record of the stages (what each one's groups consumed) is history the ledger does not hold: the entry
+    # carries it. Written after epoch 0 (stages 0, 1 and 2 reached); resumed for epoch 1.
+    path = tmp_path / "epoch.ckpt"
+
+    def fit(stages: dict[int, int], epochs: int, ckpt_path: Path | None = None) -> Any:
+        trainer = make_trainer(strategy=AccumulationStrategy(batch_schedule=stages), max_epochs=epochs)
+        trainer.fit(TinyLM(lr=LR, seed=59), DataLoader(ListDataset(EXAMPLES), batch_size=4), ckpt_path=ckpt_path)
+        return trainer
+
+    first = fit(STAGES, epochs=1)
+    first.save_checkpoint(path)
+    written = first.strategy.batch_stages
+    assert torch.load(path, weights_only=True)["lightning_accum"]["batch_stages"] == written
+    assert [s["stage"] for s in written] == [0, 1, 2]
+
+    def resume(stages: dict[int, int]) -> Any:
+        return fit(stages, epochs=2, ckpt_path=path).strategy
+
+    same = resume(STAGES)
+    assert same.batch_stages[:2] == written[:2] and same.batch_stages[2]["updates"] > written[2]["updates"]
+    assert sum(s["tokens"] for s in same.batch_stages) == same.ledger.tokens
+    # Another schedule (stage 1 holds 16 samples from 30 tokens): the record is not its history; it starts afresh.
+    with caplog.at_level("INFO"):
+        other = resume({0: 4, 30: 16})
+    assert "(`batch_stages`) was written under another schedule (its stage 1: from 30 tokens, 8 samples" in caplog.text
+    assert [s["stage"] for s in other.batch_stages] == [1]
+    assert other.batch_stages[0]["tokens"] == other.ledger.tokens - written[-1]["tokens"] - sum(
+        s["tokens"] for s in written[:-1]
+    )
+    # A damaged record is the entry's error, naming the key.
+    state = torch.load(path, weights_only=True)
+    state["lightning_accum"]["batch_stages"][1]["tokens"] = -1
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"`batch_stages\[1\]` should be a dict of the ints \['stage', 'threshold'"):
+        resume(STAGES)
+
+
+def _resume_on_two_processes(rank: int, folder: str, names: list[str]) -> None:
+    # m = 2 on D = 2 (m × D = 4, as the run that wrote the checkpoints), Lightning's distributed sampler replaced by
+    # the global order; each checkpoint resumed by its own fit in these two processes.
+    for name in names:
+        strategy = DDPAccumulationStrategy(batch_schedule=BatchSchedule(STAGES, axis="tokens"), global_order=True)
+        trainer = make_trainer(
+            strategy=strategy,
+            devices=2,
+            use_distributed_sampler=True,
+            precision="64-true",
+            max_epochs=EPOCHS,
+            callbacks=[UpdateTrail(f"{folder}/{name}")],
+        )
+        loader = DataLoader(ListDataset(EXAMPLES), batch_size=2, shuffle=True)
+        trainer.fit(TinyLM(lr=LR, seed=59).double(), loader, ckpt_path=f"{folder}/{name}.ckpt")
+
+
+#: Where the one-device run (m = 4) writes its checkpoints, (epoch, micro-batch): after the group of micro-batches 3-4
+#: of epoch 0 (stage 1 goes on after it), and after micro-batch 5 of epoch 1, the second of the group 4-7 (stage 2).
+_CHECKPOINTS = {"between-groups": (0, 4), "mid-group": (1, 5)}
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_a_checkpoint_of_one_process_inside_a_stage_and_inside_a_group_resumes_on_two_in_the_same_updates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shuffled, `global_order=True`: both runs read one seeded order (`PL_GLOBAL_SEED`, 0 when unset, as in the forked
+    # workers), the one-device run 4 examples per micro-batch, each of the two processes 2, so a group of A
+    # micro-batches holds the same 4·A positions of the order on both. The model is float64 from the start, so the
+    # checkpoint's weights are restored without rounding and the runs agree to float64 rounding.
+    from lightning_accum import GlobalOrderSampler
+
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    schedule = BatchSchedule(STAGES, axis="tokens")
+    orders = [GlobalOrderSampler(EXAMPLES, seed=0).order(epoch) for epoch in range(EPOCHS)]
+    expected = hand_trail(TinyLM(lr=LR, seed=59), EXAMPLES, schedule, EPOCHS, LR, orders)
+    saves = [_SavesAt(str(tmp_path / f"{name}.ckpt"), *at) for name, at in _CHECKPOINTS.items()]
+    model = TinyLM(lr=LR, seed=59).double()
+    whole = make_trainer(
+        strategy=AccumulationStrategy(batch_schedule=schedule, global_order=True),
+        precision="64-true",
+        max_epochs=EPOCHS,
+        callbacks=[trail := UpdateTrail(), *saves],
+    )
+    whole.fit(model, DataLoader(ListDataset(EXAMPLES), batch_size=4, shuffle=True))
+    assert len(trail.params) == len(expected) == 10
+    assert max(relative_error(p, e) for p, e in zip(trail.params, expected, strict=True)) < 1e-12
+    assert [s["stage"] for s in whole.strategy.batch_stages] == [0, 1, 2]
+    entries = {name: torch.load(tmp_path / f"{name}.ckpt", weights_only=True) for name in _CHECKPOINTS}
+    # (a) between groups: nothing open; 4 updates done (3 of stage 0, 1 of stage 1). (b) 2 of the 4 micro-batches of
+    # update 9 (stage 2) done, their gradient carried; epoch 1 at position 6 · 4 = 24 of the order.
+    assert entries["between-groups"]["lightning_accum"]["open_group_microbatches"] == 0
+    assert entries["between-groups"]["lightning_accum"]["ledger"]["updates_applied"] == 4
+    assert entries["mid-group"]["lightning_accum"]["open_group_microbatches"] == 2
+    assert entries["mid-group"]["lightning_accum"]["ledger"]["updates_applied"] == 8
+    loader_state = entries["mid-group"]["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert loader_state == [{"epoch": 1, "position": 24, "seed": 0, "shuffle": True, "length": 40}]
+    run_ddp(_resume_on_two_processes, str(tmp_path), list(_CHECKPOINTS))
+    for name in _CHECKPOINTS:
+        ranks = [torch.load(tmp_path / f"{name}-{r}.pt", weights_only=True) for r in (0, 1)]
+        done = entries[name]["lightning_accum"]["ledger"]["updates_attempted"]
+        for rank in ranks:
+            # Every update after the resume is the uninterrupted run's update, and of the same group size.
+            assert len(rank["params"]) == len(trail.params) - done, name
+            worst = max(relative_error(p, e) for p, e in zip(rank["params"], trail.params[done:], strict=True))
+            print(f"1 -> 2 processes from the {name} checkpoint: max relative error per update = {worst:.1e}")
+            assert worst < 1e-12, name
+            assert rank["sizes"] == trail.sizes[done:], name
+            ledger = whole.strategy.ledger
+            assert (rank["ledger"]["updates_applied"], rank["ledger"]["tokens"], rank["ledger"]["samples"]) == (
+                ledger.updates_applied,
+                ledger.tokens,
+                ledger.samples,
+            ), name
+            assert rank["stages"] == whole.strategy.batch_stages, name
 
 
 def test_a_token_budget_its_cadences_and_a_rate_on_tokens_keep_their_meaning_under_a_schedule(tmp_path: Path) -> None:

@@ -141,6 +141,17 @@ def _slicing_rows(where: str) -> tuple[Field, ...]:
     )
 
 
+#: The counts of one stage's record in ``batch_stages`` (:attr:`ExactAccumulation.batch_stages
+#: <lightning_accum.strategies.base.ExactAccumulation.batch_stages>`); ``tokens_per_update`` where the schedule states
+#: its batches in tokens.
+_STAGE_COUNTS = ("stage", "threshold", "samples_per_update", "updates", "attempts", "samples", "tokens")
+
+
+def _stage_record(value: Any) -> bool:
+    keys = set(value) if isinstance(value, Mapping) else set()
+    return set(_STAGE_COUNTS) <= keys <= {*_STAGE_COUNTS, "tokens_per_update"} and all(map(_count, value.values()))
+
+
 _NORMALIZE = ("auto", *_UNITS)
 #: Every field of the entry, in the order they are checked (a dict before what it holds).
 FIELDS: tuple[Field, ...] = (
@@ -211,6 +222,8 @@ FIELDS: tuple[Field, ...] = (
     Field("slicing.per_rank", _is(list), "a list of each rank's record", required=True),
     Field("slicing.per_rank.*", _is(Mapping), "a dict of `size`, `slice_sizes` and `retries` (one rank's record)"),
     *_slicing_rows("slicing.per_rank.*"),
+    Field("batch_stages", _is(list), "a list of the stages reached (`batch_stages`)"),
+    Field("batch_stages.*", _stage_record, f"a dict of the ints {list(_STAGE_COUNTS)} (and `tokens_per_update`)"),
 )
 _EXPECTED = {row.path: row.expected for row in FIELDS}
 #: The rows of the carried gradient, checked again once a sharded folder's gradient is read.

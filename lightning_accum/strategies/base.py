@@ -148,7 +148,6 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._steps = AutomaticSteps()
         self._evaluation = ExactEvaluation()
         self._side = self.side_type(self, self._core.adapter)
-        self._checkpoints = TrainerCheckpoint(self, self._core, self._side, self._slicer, self._attached_trainer)
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
         self._agreement: Callable[[Trainer], None] | None = None  # the adapter's, before each micro-batch of the fit
         self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
@@ -156,6 +155,9 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._sync_blocked = False  # inside a `block_backward_sync` that blocks FSDP2's reduction (model parallel)
         self._clipping = PrecisionClipping()  # the precision plugin's clip methods, for the run
         self._scheduled = ScheduledGroups(as_schedule(batch_schedule))  # the groups' sizes under `batch_schedule=`
+        self._checkpoints = TrainerCheckpoint(
+            self, self._core, self._side, self._slicer, self._scheduled, self._attached_trainer
+        )
         self._short_epoch: InstancePatch | None = None  # the fit loop's `setup_data`, for the run
 
     # ------------------------------------------------------------------ the public interface
@@ -176,7 +178,8 @@ class ExactAccumulation(Strategy, CoreSeam):
         """Per stage of :attr:`batch_schedule` the fit reached, in order: ``stage`` (its index), ``threshold``,
         ``samples_per_update`` (its batch; ``tokens_per_update`` too for a batch stated in tokens), and what its
         groups consumed: ``attempts``, ``updates`` (applied), ``samples``, ``tokens`` (over all replicas; a
-        dropped partial group adds nothing). Empty without a schedule."""
+        dropped partial group adds nothing). Empty without a schedule. Checkpoints carry it: a fit resumed from one
+        continues its record (one written under another schedule starts afresh)."""
         return [dict(stage) for stage in self._scheduled.stages]
 
     @property

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from lightning_accum.core.adapter import Write
 from lightning_accum.core.entry import CHECKPOINT_KEY
 from lightning_accum.core.reading import WAY_OUT, read_checkpoint
+from lightning_accum.strategies.scheduled_groups import ScheduledGroups
 from lightning_accum.strategies.slicing import BatchSlicer
 from lightning_accum.strategies.trainer_side import TrainerSide
 
@@ -94,12 +95,18 @@ class TrainerCheckpoint:
     """The Trainer strategy's ``save_checkpoint`` / ``load_checkpoint``: the entry (with every rank's slicing record)
     written, by the survivors alone when a peer is lost, and read back by a ``fit`` only. It reads the strategy's
     Lightning's public members and is handed the rest: ``core`` (its ``AccumulationCore``), ``side`` (its
-    ``TrainerSide``), the slicer and the strategy's accessor of its Trainer."""
+    ``TrainerSide``), the slicer, the groups of its batch schedule and the strategy's accessor of its Trainer."""
 
     def __init__(
-        self, strategy: Any, core: Any, side: TrainerSide, slicer: BatchSlicer, trainer: Callable[[], Trainer | None]
+        self,
+        strategy: Any,
+        core: Any,
+        side: TrainerSide,
+        slicer: BatchSlicer,
+        scheduled: ScheduledGroups,
+        trainer: Callable[[], Trainer | None],
     ) -> None:
-        self.strategy, self.core, self.side, self.slicer = strategy, core, side, slicer
+        self.strategy, self.core, self.side, self.slicer, self.scheduled = strategy, core, side, slicer, scheduled
         #: The Trainer running the strategy, or ``None`` (the strategy's one accessor, handed in).
         self.trainer = trainer
 
@@ -136,6 +143,8 @@ class TrainerCheckpoint:
         if self.slicer.enabled:
             world = int(getattr(self.strategy, "world_size", 1))
             state["slicing"] = slicing_state(self.slicer.log.state_dict(), world, gather=failed is None)
+        if self.scheduled.schedule is not None:  # the stages reached, which a resumed run's record continues
+            state["batch_stages"] = self.scheduled.state_dict()
         return state
 
     def load(self, checkpoint_path: Any, weights_only: bool | None, load: Callable[..., Any]) -> dict[str, Any]:
@@ -155,6 +164,7 @@ class TrainerCheckpoint:
         if state is not None and self.slicer.enabled and state.get("slicing") is not None:
             # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.
             self.slicer.log.load_state_dict(own_slicing(state["slicing"], self.core.adapter.rank))
+        self.scheduled.load_state_dict(None if state is None else state.get("batch_stages"))
         return checkpoint
 
     def configuration(self) -> dict[str, Any]:

@@ -15,7 +15,9 @@ crosses a threshold finishes at its own size. An epoch's last group still ends a
 partial-group policy compares it with its own target size.
 
 The stage of a group is a function of the ledger's position at its start, so a resumed run finds it again; a
-checkpoint written inside a group carries the group's size, which the resumed run keeps for that group.
+checkpoint written inside a group carries the group's size, which the resumed run keeps for that group. The record of
+the stages reached (what each one's groups consumed) is history the ledger does not hold: the checkpoint's entry carries
+it (``batch_stages``), and the resumed run adds to it (:meth:`ScheduledGroups.state_dict`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_accum.axis_lr import check_counts_reported
@@ -47,13 +50,26 @@ class ScheduledGroups:
         self.stages: list[dict[str, int]] = []  # per stage reached: what its groups consumed
         self._counts_checked = False
         self._given = 1
+        self._loaded: list[dict[str, int]] | None = None  # a checkpoint's record of the stages, for the fit resuming
+
+    def state_dict(self) -> list[dict[str, int]]:
+        """The record of the stages reached (:attr:`stages`, or a checkpoint's not yet taken over by its fit), for the
+        checkpoint's entry."""
+        return [dict(stage) for stage in (self._loaded if self._loaded is not None else self.stages)]
+
+    def load_state_dict(self, stages: list[dict[str, int]] | None) -> None:
+        """Keep a checkpoint's record of the stages (``None``: it has none) for the fit that resumes from it."""
+        self._loaded = None if stages is None else [dict(stage) for stage in stages]
 
     def start(self, trainer: Trainer) -> None:
-        """Refuse what cannot share the groups with the schedule; forget the previous fit's batch size."""
+        """Refuse what cannot share the groups with the schedule; forget the previous fit's batch size; continue the
+        record of the stages of the checkpoint the fit resumes from."""
         self.microbatch_size, self.stage, self._counts_checked = None, None, False
-        self.stages = []
+        self.stages, loaded, self._loaded = [], self._loaded, None
         if self.schedule is None:
             return
+        if loaded:
+            self.stages = self._continued(loaded)
         self._given = trainer.accumulate_grad_batches  # the Trainer's own value, given back by `end`
         if not trainer.lightning_module.automatic_optimization:
             raise ValueError(
@@ -75,6 +91,26 @@ class ScheduledGroups:
                 f" `accumulate_grad_batches={trainer.accumulate_grad_batches}`. Remove `accumulate_grad_batches` from"
                 " the Trainer (the schedule's batches divided by m × D are the sizes)."
             )
+
+    def _continued(self, loaded: list[dict[str, int]]) -> list[dict[str, int]]:
+        """The checkpoint's record of the stages where each stage in it is this schedule's stage of that index (the
+        same threshold and batch); otherwise (another schedule wrote it) an empty record, announced."""
+        assert self.schedule is not None
+        stages = self.schedule.stages
+        for record in loaded:
+            index = record["stage"]
+            if index >= len(stages) or (record["threshold"], record["samples_per_update"]) != (
+                stages[index].threshold,
+                stages[index].samples,
+            ):
+                rank_zero_info(
+                    f"lightning_accum: the checkpoint's record of the stages reached (`batch_stages`) was written under"
+                    f" another schedule (its stage {index}: from {record['threshold']} {self.schedule.axis},"
+                    f" {record['samples_per_update']} samples per update); {self.schedule!r} records its stages from"
+                    " here on."
+                )
+                return []
+        return loaded
 
     def end(self, trainer: Trainer) -> None:
         """Give the Trainer back its own ``accumulate_grad_batches`` (the fit's groups end with it)."""
