@@ -1,4 +1,5 @@
-"""Shared by the recipes: a tiny language model and variable-length, padded sequences (padding is not supervised)."""
+"""Shared by the recipes: a tiny language model and variable-length, padded sequences (padding is not supervised):
+random tokens (:class:`RandomSequences`), or a pattern the model can learn (:class:`CountingSequences`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,23 @@ class RandomSequences(Dataset):
 
     def supervised_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
+
+
+class CountingSequences(RandomSequences):
+    """Like :class:`RandomSequences`, but each sequence counts up from a random token (modulo ``vocab``) with 10 % of
+    its tokens replaced by random ones: a next-token rule the model can learn, so the loss falls well below
+    ``log(vocab)``."""
+
+    def __init__(self, count: int = 256, seq_len: int = 16, vocab: int = 64, seed: int = 0) -> None:
+        super().__init__(count, seq_len, vocab, seed)
+        generator = torch.Generator().manual_seed(seed + 10**6)
+        start = torch.randint(0, vocab, (count, 1), generator=generator)
+        counting = (start + torch.arange(seq_len + 1)) % vocab
+        noise = torch.rand(count, seq_len + 1, generator=generator) < 0.1
+        counting[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=generator)
+        supervised = self.labels != IGNORE_INDEX  # the lengths drawn by RandomSequences
+        self.input_ids = counting[:, :-1]
+        self.labels = counting[:, 1:].masked_fill(~supervised, IGNORE_INDEX)
 
 
 class TinyLM(L.LightningModule):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import yaml
 from helpers import (
     ListDataset,
     TinyLM,
@@ -15,6 +19,10 @@ from helpers import (
 )
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
+
+from lightning_accum import BatchSchedule
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 class CLIModel(TinyLM):
@@ -134,3 +142,95 @@ def test_cli_sets_microbatch_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     slicing = cli.trainer.strategy.slicing
     assert slicing.configured == (1 if size == "1" else "auto")
     assert slicing.slice_sizes == ({1: 12} if size == "1" else {2: 6})  # 6 batches of 2
+
+
+# ---------------------------------------------------------------------------- batch schedule
+
+
+def _cli_recipe() -> ModuleType:
+    """examples/cli.py, whose `main(args)` is what `python examples/cli.py ...` runs."""
+    spec = importlib.util.spec_from_file_location("recipe_cli", EXAMPLES / "cli.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # importable by its name, as jsonargparse resolves the recipe's classes
+    spec.loader.exec_module(module)
+    return module
+
+
+SCHEDULE = "0:8 1K:16 1.5K:32"  # on tokens: 256 sequences of examples/_data.py hold about 2,200 supervised tokens
+SCHEDULE_FORMS = {
+    # Megatron's string, as the how-to writes it, and the class with its arguments (the how-to's second form).
+    "string": f'batch_schedule: "{SCHEDULE}"',
+    "class": f"""batch_schedule:
+        class_path: lightning_accum.BatchSchedule
+        init_args: {{stages: "{SCHEDULE}", axis: tokens, lr_scaling: sqrt}}""",
+}
+
+
+def _schedule_config(tmp_path: Path, form: str) -> Path:
+    path = tmp_path / f"{form}.yaml"
+    path.write_text(f"""seed_everything: 0
+trainer:
+  accelerator: cpu
+  strategy:
+    class_path: lightning_accum.AccumulationStrategy
+    init_args:
+      {SCHEDULE_FORMS[form]}
+  max_epochs: 1
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: lightning_accum.AccumulationReport
+      init_args:
+        path: {tmp_path}/{form}-report.json
+data:
+  batch_size: 4
+  num_examples: 256
+""")
+    return path
+
+
+@pytest.mark.parametrize("form", list(SCHEDULE_FORMS))
+def test_cli_config_ramps_the_batch_with_a_schedule_in_the_strategy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], form: str
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the recipe's config callback writes config.yaml there
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / "cli.py")])  # as if run from the command line with `args`
+    recipe = _cli_recipe()
+    config = _schedule_config(tmp_path, form)
+
+    with pytest.raises(SystemExit) as printed:  # --print_config: the schedule as LightningCLI parsed it
+        recipe.main(["fit", "--config", str(config), "--print_config"])
+    assert printed.value.code in (0, None)
+    parsed = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]["init_args"]["batch_schedule"]
+    if form == "string":
+        assert parsed == SCHEDULE
+    else:
+        assert parsed["class_path"] == "lightning_accum.BatchSchedule"
+        assert parsed["init_args"] | {"stages": SCHEDULE, "lr_scaling": "sqrt"} == parsed["init_args"]
+
+    cli = recipe.main(["fit", "--config", str(config)])
+    strategy = cli.trainer.strategy
+    expected = BatchSchedule(SCHEDULE, axis="tokens", lr_scaling="sqrt" if form == "class" else None)
+    assert strategy.batch_schedule == expected
+    # The stages reached, read back from the run record: all three, each from its threshold, every token counted.
+    record = json.loads((tmp_path / f"{form}-report.json").read_text())["batch_schedule"]
+    assert record["axis"] == "tokens"
+    stages = record["stages"]
+    assert [(s["threshold"], s["samples_per_update"]) for s in stages] == [(0, 8), (1000, 16), (1500, 32)]
+    assert all(s["updates"] > 0 for s in stages)
+    assert sum(s["tokens"] for s in stages) == strategy.ledger.tokens
+    assert sum(s["samples"] for s in stages) == 256
+
+
+def test_cli_help_shows_the_strategys_batch_schedule(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / "cli.py")])
+    with pytest.raises(SystemExit) as shown:
+        _cli_recipe().main(["fit", "--trainer.strategy.help", "lightning_accum.AccumulationStrategy"])
+    assert shown.value.code in (0, None)
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help to the terminal's width
+    assert re.search(r"--trainer\.strategy\.batch_schedule BATCH_SCHEDULE .*\(type: Union\[BatchSchedule,", text)

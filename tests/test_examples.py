@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,62 @@ def test_token_budget_recipe_runs_the_same_budget_for_two_splits(
     assert [lr for _, lr in first["rates"]] == pytest.approx([lr for _, lr in second["rates"]], rel=1e-12)
     for name in first["checkpoints"]:
         assert (tmp_path / "m2_a4" / "checkpoints" / name).is_file()
+
+
+@pytest.mark.timeout(300)
+def test_batch_ramp_recipe_ramps_on_the_tokens_axis_and_each_run_agrees_across_its_splits(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_accum import BatchSchedule
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    # The user's command, at half the default data (128 sequences, 2 epochs): the ramp still reaches its 3 stages.
+    command = [sys.executable, str(EXAMPLES / "batch_ramp.py"), "--out", str(tmp_path), "--examples", "128"]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "both runs: the two splits agree within 1e-10" in done.stdout
+    assert "ramp, m = 4: A = 2 → 4 → 8" in done.stdout and "ramp, m = 2: A = 4 → 8 → 16" in done.stdout
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from _data import CountingSequences
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    tokens = 2 * CountingSequences(128).supervised_tokens()  # two epochs, every sequence once per epoch
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    ramp, fixed = summary["runs"]["ramp"], summary["runs"]["fixed"]
+    assert [s["samples_per_update"] for s in ramp["stages"]] == [8, 16, 32]
+    assert [s["samples_per_update"] for s in fixed["stages"]] == [32]
+    for record in (ramp, fixed):
+        assert record["tokens"] == tokens == sum(s["tokens"] for s in record["stages"])
+        assert record["updates"] == sum(s["updates"] for s in record["stages"])
+        # float64: the splits m = 4 and m = 2 end on the same parameters up to rounding (about 1e-15 here).
+        assert record["max_parameter_difference"] < 1e-10
+        assert record["held_out_loss"]["m2"] == pytest.approx(record["held_out_loss"]["m4"], rel=1e-12, abs=0)
+    assert ramp["updates"] > fixed["updates"]  # the small early batches: more updates for the same tokens
+    # The table: per run the stages reached with their updates, the tokens and the updates.
+    u = [s["updates"] for s in ramp["stages"]]
+    row = rf"^ramp +8 \({u[0]} updates\) → 16 \({u[1]}\) → 32 \({u[2]}\) +{tokens:,} +{ramp['updates']} "
+    assert re.search(row, done.stdout, re.MULTILINE), done.stdout[-1500:]
+    assert re.search(rf"^fixed +32 \({fixed['updates']} updates\) +{tokens:,} ", done.stdout, re.MULTILINE)
+
+    # The logged global batch, read back from TensorBoard: on the tokens axis, one point per update at the tokens
+    # seen after it, holding the batch of the stage where the update's group started (the ramp's thresholds).
+    schedule = BatchSchedule("0:8 500:16 1.5K:32", axis="tokens")
+    for run, expected_values in (("ramp", {8.0, 16.0, 32.0}), ("fixed", {32.0})):
+        for m in (4, 2):
+            events = EventAccumulator(str(tmp_path / run / f"m{m}"), size_guidance={"scalars": 0})
+            events.Reload()
+            points = [(int(e.step), e.value) for e in events.Scalars("accum/global_batch")]
+            x = [step for step, _ in points]
+            assert x == sorted(set(x)) and x[-1] == tokens, (run, m)
+            assert len(points) == summary["runs"][run]["updates"], (run, m)
+            assert {value for _, value in points} == expected_values, (run, m)
+            if run == "ramp":
+                starts = [0, *x[:-1]]
+                assert [value for _, value in points] == [schedule.stage_at(s).samples for s in starts], m
+            assert len(events.Scalars("accum/loss")) == len(points)
+    assert (tmp_path / "loss_vs_tokens.png").stat().st_size > 0
