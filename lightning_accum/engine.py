@@ -379,11 +379,9 @@ class AccumulationEngine:
             accumulate: ``A``, the configured number of micro-batches per group.
             ends_epoch: Whether this replica's data ends with this group. Replicas must agree: one whose data
                 ended while others go on would leave them waiting in a collective forever.
-            gradients: The group's accumulated gradients (what the strategies pass). They are multiplied in place
-                by ``c · D / W`` on the device, before the host read, and the outcome says so (``scaled``); the
-                caller zeroes them when the outcome is not ``"apply"``. Under DDP they are the gradients DDP has
-                already averaged over replicas, identical on every replica. A flat sequence, or a mapping by device
-                and dtype (:data:`~lightning_accum.gradients.GradientsByKind`, as the strategies keep it per run).
+            gradients: The group's accumulated gradients (under DDP already averaged, identical on every replica), a
+                flat sequence or grouped (:data:`~lightning_accum.gradients.GradientsByKind`): multiplied in place by
+                ``c · D / W`` on the device before the host read (``scaled``); the caller zeroes them unless "apply".
             check_gradients: With ``gradients``: check them for NaN/Inf in the same pass as the rescale (the
                 kernel GradScaler unscales with; checked before multiplying), for ``on_nonfinite`` "skip" and
                 "raise". Every replica checks the same averaged gradient, so all take the same decision.
@@ -514,14 +512,8 @@ def _local_close(
     read_scale = scale if isinstance(scale, Tensor) and not sums.sole else None  # a sole c = w is read as a count
     counts = [c for c in (*sums.tokens, *sums.samples, *sums.documents) if isinstance(c, Tensor)]
     stale = sums.stale
-    items = [
-        *sums.losses,
-        *([found] if found is not None else []),
-        *([read_scale] if read_scale is not None else []),
-        *([stale] if stale is not None else []),
-        *counts,
-    ]
-    read, exact_below = _read_once(items)
+    present = [tensor for tensor in (found, read_scale, stale) if tensor is not None]  # read back in this order
+    read, exact_below = _read_once([*sums.losses, *present, *counts])
     losses = [next(read) for _ in sums.losses]
     nonfinite = found is not None and next(read) > 0
     read_c = next(read) if read_scale is not None else None
