@@ -244,16 +244,14 @@ class FabricExactAccumulation(Strategy, CoreSeam):
                 " first `accumulate` (or after a `close_group` and its `optimizer.step()`), or load the weights alone"
                 " (`fabric.load(path, {'model': model})`)."
             )
-        # Nothing reported yet: what an earlier load put there (a group not used yet) is replaced by this one.
+        # Nothing reported yet: what an earlier load put there (a group not used yet) is replaced by this one. With an
+        # optimizer in `state` (or no state), the loop resumes: the ledger and an open group (the entry is consumed).
         self._core.group.end("a new `fabric.load`")
-        # `fabric.load(path, state)` with an optimizer, and `ckpt = fabric.load(path)` too: the loop resumes, the
-        # ledger and an open group with it (the package's entry is not part of what is returned).
         reader = self._core.adapter.distributed_reader(path, self._parameters)  # a group's gradient in shards
         entry = self._core.checkpoint.load(self._core.engine, remainder, str(path), reader)
         remainder.pop(CHECKPOINT_KEY, None)
-        # The loop resumes where it saved: the open group continues with the next micro-batch. Its places already
-        # done, for the partial-group test of `close_group(group_size=)`, are the checked entry's micro-batches (all
-        # replicas') per replica of this run: the written count per replica when the number of replicas is the same.
+        # The open group continues with the next micro-batch; its places already done (for `close_group(group_size=)`)
+        # are the entry's micro-batches over all replicas, per replica of this run.
         group = (entry or {}).get("open_group") or {}
         total = int(group.get("total_microbatches", 0))
         position = total // max(1, self.data_parallel_replicas)
@@ -385,10 +383,8 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     """Exact accumulation in a Fabric loop across data-parallel replicas (``L.Fabric(strategy="accum_ddp")`` and
     ``"accum_ddp_spawn"``, ``"accum_ddp_fork"``, ``"accum_ddp_notebook"``, ``"accum_ddp_find_unused_parameters_true"``).
 
-    Every micro-batch but a group's last runs inside Fabric's ``fabric.no_backward_sync(model, enabled=...)``; the
-    close all-reduces the group's counts once and rescales the averaged gradient by ``c · D / W``, so the update is
-    the token-weighted mean over every replica's micro-batches. Every replica reports the same number of micro-batches
-    per group.
+    Every micro-batch but a group's last runs inside ``fabric.no_backward_sync(model, enabled=...)``, and every replica
+    reports the same number of micro-batches per group.
 
     Args:
         normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: See
