@@ -213,13 +213,11 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     Args:
         normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
             options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
-        check_data_ends: With an iterable training dataset (whose per-rank length nothing makes equal): before each
-            micro-batch that does not end a group, agree over the replicas whether any replica's data ends there,
-            so that data ending inside a group on some replicas only is a prompt error on every rank instead of a
-            wait until the process-group timeout. It costs one all-reduce of one number per such micro-batch, on
-            the CPU (a gloo group of its own when the backend is not gloo: no device synchronisation); ``False``
-            turns it off for data you know to be sharded evenly. Map-style data is never checked this way (its
-            sampler gives every rank the same length).
+        check_data_ends: With an iterable training dataset: before each micro-batch that does not end a group, agree
+            over the replicas whether any replica's data ends there, so that data ending inside a group on some
+            replicas only is an error on every rank instead of a wait until the timeout (one all-reduce of one
+            number on the CPU per such micro-batch; docs/reliability.md). ``False`` turns it off for data you know to
+            be sharded evenly. Map-style data is never checked this way (its sampler gives every rank one length).
         microbatch_size, split_batch, batch_schedule: Exact slices of each loader batch, and the global batch by
             tokens, samples or updates: see :class:`AccumulationStrategy`.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
