@@ -7,8 +7,9 @@ ratio through Lightning's ``self.log`` from the module's ``on_validation_epoch_e
 :data:`EVALUATION_KEYS` (with ``/dataloader_idx_{i}`` per loader). docs/howto.md ("Evaluate on the same footing")
 says what decides the unit and what is logged when.
 
-Key rules: anything else a step returns runs as under Lightning, with no exact value and one line saying why. Every
-rank adds, with its sums, what it decided (batches run, contract followed, an error), so a rank without a batch
+Key rules: anything else a step returns runs as under Lightning, with no exact value and one line saying why (a
+warning for a loss without the run's unit count, or for a step that leaves the contract after its first batches; an
+error where a later batch drops the count it reported). Every rank adds, with its sums, what it decided (batches run, contract followed, an error), so a rank without a batch
 neither hangs nor costs the others their value, and replicas that decided differently stop with the same error on
 every rank. Each loader is an :class:`~lightning_accum.evaluation_loss.EvaluationLoss`, what a Fabric loop's
 ``fabric.strategy.evaluation()`` returns; only their reduction is joined into the loop's one. With
