@@ -7,11 +7,12 @@ sums), :mod:`~lightning_accum.decision` (what to do with the reduced values), :m
 
 Update ``g`` minimises ``L_g = Σ_{r,i} w_{r,i} · loss_{r,i} / W`` with ``W = Σ_{r,i} w_{r,i}`` over the group's
 micro-batches ``i`` on every replica ``r``. ``W`` is known only at the close, so each micro-batch back-propagates
-``loss · w / c`` and the group's gradient is multiplied once by ``c · D / W`` when it closes. ``c = A · M`` is the
-same on every replica and constant within a group (any such ``c`` is exact; ``M``, the largest mean micro-batch
-weight of any group closed so far, only keeps the magnitudes near Lightning's ``loss / A`` for fp16); a group known
-to hold one micro-batch on one replica (``add_microbatch(sole=True)``) takes ``c = w``, so its factor is exactly 1.
-docs/concepts.md ("The arithmetic") derives it and says how ``M`` is chosen.
+``loss · w / c`` and the group's gradient is multiplied once by ``c · D / W`` when it closes (``D`` because DDP
+averages). ``c = A · M`` is the same on every replica and constant within a group: any such ``c`` is exact, and ``M``
+(the largest mean micro-batch weight of any group closed so far, with the first group's and, on one device, the
+first micro-batch's weight as floors) keeps the magnitudes near Lightning's ``loss / A`` for fp16. A group known to
+hold one micro-batch on one replica (``add_microbatch(sole=True)``) takes ``c = w``: its factor is exactly 1.
+docs/concepts.md ("The arithmetic") derives it.
 
 All per-micro-batch work stays on the device. On several replicas the close sums a small float64 vector
 (:meth:`GroupSums.local_vector <lightning_accum.group.GroupSums.local_vector>`) in one all-reduce, rescales the
