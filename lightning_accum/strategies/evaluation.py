@@ -9,10 +9,11 @@ says what decides the unit and what is logged when.
 
 Key rules: anything else a step returns runs as under Lightning, with no exact value and one line saying why (a
 warning for a loss without the run's unit count, or for a step that leaves the contract after its first batches; an
-error where a later batch drops the count it reported). Every rank adds, with its sums, what it decided (batches run, contract followed, an error), so a rank without a batch
-neither hangs nor costs the others their value, and replicas that decided differently stop with the same error on
-every rank. Each loader is an :class:`~lightning_accum.evaluation_loss.EvaluationLoss`, what a Fabric loop's
-``fabric.strategy.evaluation()`` returns; only their reduction is joined into the loop's one. With
+error where a later batch drops the count it reported). Every rank adds, with its sums, what it decided (batches run,
+contract followed, an error), so a rank without a batch neither hangs nor costs the others their value, and replicas
+that decided differently stop with the same error on every rank. Each loader is an
+:class:`~lightning_accum.evaluation_loss.EvaluationLoss`, what a Fabric loop's ``fabric.strategy.evaluation()``
+returns; only their reduction is joined into the loop's one. With
 ``allow_zero_length_dataloader_with_multiple_devices=True`` Lightning may skip the loop on some ranks, which would not
 join the reduction: then no exact value is logged on several replicas, and a warning says so.
 """
