@@ -1,15 +1,10 @@
 """An accumulation group across a checkpoint: what a checkpoint written inside it carries, and the group reopened.
 
-A checkpoint written inside a group holds the group's additive sums (:data:`~lightning_accum.group.CARRIED`: units,
-``Σ w·loss``, the count parts, negative counts), summed over the replicas, and the group's ``c``
-(:attr:`CarriedGroup.group_scale`); the strategy saves the accumulated gradient next to them. A run resumed from it
-reopens the group with those sums on exactly one replica (the close's all-reduce adds them to the others'), so the
-group closes as if it had never been interrupted; the resumed run may use another ``A`` or another number of
-replicas, in which case the carried micro-batches count where Lightning's grouping puts the resumed run.
-
-Pure functions over plain values: the engine composes them (:meth:`AccumulationEngine.open_group_state
-<lightning_accum.engine.AccumulationEngine.open_group_state>`, :meth:`~lightning_accum.engine.AccumulationEngine.
-resume_open_group`); the checkpoint entry around them is :mod:`lightning_accum.core.checkpoint`.
+The checkpoint holds the group's additive sums (:data:`~lightning_accum.group.CARRIED`), summed over the replicas, and
+its ``c``; the strategy saves the accumulated gradient next to them. The resumed run reopens the group with those sums
+on exactly one replica (the close's all-reduce adds them to the others'), so it closes as if never interrupted, also
+under another ``A`` or number of replicas. Pure functions over plain values, composed by the engine; the entry around
+them is :mod:`lightning_accum.core.checkpoint`.
 """
 
 from __future__ import annotations

@@ -1,64 +1,24 @@
 """The arithmetic of exact accumulation, independent of Lightning's loops.
 
 Every accumulation strategy delegates to one :class:`AccumulationEngine`; tests drive it without a ``Trainer``.
-It composes small parts: :mod:`~lightning_accum.microbatch` reads a micro-batch,
-:mod:`~lightning_accum.group` keeps a group's sums, :mod:`~lightning_accum.decision` decides from the reduced
-values, :mod:`~lightning_accum.gradients` holds the kernels, :mod:`~lightning_accum.ledger` the counters.
+It composes :mod:`~lightning_accum.microbatch` (reading a micro-batch), :mod:`~lightning_accum.group` (a group's
+sums), :mod:`~lightning_accum.decision` (what to do with the reduced values), :mod:`~lightning_accum.gradients`
+(the kernels) and :mod:`~lightning_accum.ledger` (the counters).
 
-The objective of update ``g`` is the weighted mean over every micro-batch ``i`` on every replica ``r``
-of the group::
+Update ``g`` minimises ``L_g = Σ_{r,i} w_{r,i} · loss_{r,i} / W`` with ``W = Σ_{r,i} w_{r,i}`` over the group's
+micro-batches ``i`` on every replica ``r``. ``W`` is known only at the close, so each micro-batch back-propagates
+``loss · w / c`` and the group's gradient is multiplied once by ``c · D / W`` when it closes (``D`` because DDP
+averages). ``c = A · M`` is the same on every replica and constant within a group: any such ``c`` is exact, and ``M``
+(the largest mean micro-batch weight of any group closed so far, with the first group's and, on one device, the
+first micro-batch's weight as floors) keeps the magnitudes near Lightning's ``loss / A`` for fp16. A group known to
+hold one micro-batch on one replica (``add_microbatch(sole=True)``) takes ``c = w``: its factor is exactly 1.
+docs/concepts.md ("The arithmetic") derives it.
 
-    L_g = Σ_{r,i} w_{r,i} · loss_{r,i} / W,        W = Σ_{r,i} w_{r,i}
-
-where ``loss`` is the micro-batch's mean loss and ``w`` its count of units (supervised tokens, documents, samples
-or 1). ``W`` is only known when the group closes, and streaming data allows no look-ahead, so each
-micro-batch back-propagates ``loss · w / c`` for a constant ``c`` and the group's gradient is
-multiplied once by ``c · D / W`` when it closes (``D`` because DDP *averages* the replicas'
-gradients)::
-
-    (1/D) Σ_r Σ_i ∇(loss_{r,i} · w_{r,i} / c) · (c · D / W) = Σ_{r,i} w_{r,i} ∇loss_{r,i} / W
-
-``c`` must be identical on every replica, since DDP averages before any per-replica correction could
-act, and constant within a group. Any such ``c`` is exact; it only sets the magnitude of what is
-back-propagated, which matters under fp16 (a GradScaler skips the update when an intermediate gradient
-overflows). Lightning back-propagates ``loss / A``; this engine back-propagates::
-
-    loss · w / c  =  (loss / A) · (w / M),        c = A · M
-
-so a micro-batch's magnitude is Lightning's times its weight relative to a reference weight ``M``:
-
-* ``M`` is the largest mean micro-batch weight of any group closed so far in the run (``W_g`` over the
-  group's micro-batches on all replicas), taken from the per-update all-reduce, hence identical on every
-  replica and never lowered by a small group. A micro-batch no heavier than the heaviest group's mean
-  back-propagates at most Lightning's magnitude, whatever the order of group sizes (the previous
-  group's count alone would let a 1-token group make the next full group's magnitudes 128 times Lightning's
-  and overflow);
-* on one device (nothing to agree on), ``M`` is also raised to the group's first micro-batch's weight,
-  on the device (no host read), which covers a heavy group that comes before any heavy history;
-* the run's first group under DDP has no history: ``M`` is the replicas' mean weight of their first
-  micro-batch (one all-reduce, once per run).
-
-A lighter micro-batch back-propagates less than Lightning's ``loss / A`` (by ``w / M``); that is its
-share of the update, and GradScaler's scale covers the range.
-
-A group known to hold one micro-batch on one replica (automatic optimization with ``A = 1``, the batch not cut
-into slices: the caller says so with ``add_microbatch(sole=True)``) takes ``c = w``: the micro-batch
-back-propagates its loss as it is, which is what Lightning back-propagates (``loss / 1``), and the factor
-``c · D / W = w / w`` is exactly 1, so the parameters are Lightning's bit for bit. No other micro-batch can join
-such a group (an error); closed with another ``A`` it is a partial group with ``c = w``.
-
-Everything the engine forms for the backward keeps the loss's dtype (half-precision losses are weighted in float32):
-``loss · w / c`` of a float64 loss is exact to float64 rounding.
-
-All per-micro-batch work stays on the device: counts that arrive as tensors are kept as tensors and checked
-(sign, agreement between replicas) only at the close. On several replicas the close forms a small float64 vector
-(:meth:`GroupSums.local_vector <lightning_accum.group.GroupSums.local_vector>`), sums it over the replicas (one
-all-reduce), rescales the gradient by ``c · D / W`` taken from that vector on the device, with the NaN/Inf check in the
-same pass, and reads the vector and the check's flag in one host read. On one replica there is nothing to sum: the
-gradient is rescaled by ``c / W`` and the values are read as reported, in one host read (:func:`_local_close`).
-
-The engine imports nothing from Lightning: the strategies bind it to their replicas (:meth:`AccumulationEngine.bind`)
-and route its messages (:attr:`AccumulationEngine.info`, :attr:`AccumulationEngine.warn`) to rank zero.
+All per-micro-batch work stays on the device. On several replicas the close sums a small float64 vector
+(:meth:`GroupSums.local_vector <lightning_accum.group.GroupSums.local_vector>`) in one all-reduce, rescales the
+gradient with its NaN/Inf check in the same pass and reads the vector once; on one replica the values are read as
+reported, in one host read (:func:`_local_close`). The engine imports nothing from Lightning: the strategies
+:meth:`~AccumulationEngine.bind` it to their replicas and route its messages to rank zero.
 """
 
 from __future__ import annotations
@@ -188,8 +148,7 @@ class AccumulationEngine:
         self.ledger = AccumulationLedger()
         #: What happens to each closed group: the decision, its messages, the ledger, the listeners.
         self.decisions = GroupDecisions(options, self.ledger)
-        #: ``M`` of the module docstring (the reference micro-batch weight; ``c = A · M``), once a group with units
-        #: has closed.
+        #: ``M``, the reference micro-batch weight (``c = A · M``), once a group with units has closed.
         self.reference_weight: float | None = None
         #: Where messages go (the strategies route them to rank zero through Lightning's utilities).
         self.info: Callable[[str], None] = _log.info
@@ -306,7 +265,7 @@ class AccumulationEngine:
                 count does not grow. :meth:`retract_microbatch` forgets the last call.
             sole: The caller knows that this micro-batch is its group's only one (automatic optimization with
                 ``A = 1``, the batch not cut into slices). On one replica, with an empty open group, ``c = w``: the
-                loss itself is returned and the close's factor is exactly 1 (see the module docstring); else ignored.
+                loss itself is returned and the close's factor is exactly 1; else ignored.
 
         Returns:
             ``loss · w / c`` (the loss itself for a sole micro-batch), or ``None`` when the step returned no loss.
@@ -390,7 +349,7 @@ class AccumulationEngine:
         self.ledger.normalization = unit
 
     def _first_group_scale(self, weight: Count, accumulate: int, device: torch.device) -> float | Tensor:
-        """``c = A · M`` for the group the micro-batch of ``weight`` opens (see the module docstring)."""
+        """``c = A · M`` for the group the micro-batch of ``weight`` opens (docs/concepts.md, "The arithmetic")."""
         reference = self.reference_weight
         if self.replicas.size == 1 or self.replicas.reduce_sum is None:
             floor = 1.0 if reference is None else reference
@@ -421,11 +380,9 @@ class AccumulationEngine:
             accumulate: ``A``, the configured number of micro-batches per group.
             ends_epoch: Whether this replica's data ends with this group. Replicas must agree: one whose data
                 ended while others go on would leave them waiting in a collective forever.
-            gradients: The group's accumulated gradients (what the strategies pass). They are multiplied in place
-                by ``c · D / W`` on the device, before the host read, and the outcome says so (``scaled``); the
-                caller zeroes them when the outcome is not ``"apply"``. Under DDP they are the gradients DDP has
-                already averaged over replicas, identical on every replica. A flat sequence, or a mapping by device
-                and dtype (:data:`~lightning_accum.gradients.GradientsByKind`, as the strategies keep it per run).
+            gradients: The group's accumulated gradients (under DDP already averaged, identical on every replica), a
+                flat sequence or grouped (:data:`~lightning_accum.gradients.GradientsByKind`): multiplied in place by
+                ``c · D / W`` on the device before the host read (``scaled``); the caller zeroes them unless "apply".
             check_gradients: With ``gradients``: check them for NaN/Inf in the same pass as the rescale (the
                 kernel GradScaler unscales with; checked before multiplying), for ``on_nonfinite`` "skip" and
                 "raise". Every replica checks the same averaged gradient, so all take the same decision.
@@ -548,26 +505,16 @@ def _local_close(
     is rescaled by ``c / W`` (:func:`_one_replica_factor`), the losses, the check's flag, ``c`` and the counts reported
     as tensors are read as they are, in one host read, and the group's values formed on the host (counts as ints,
     exact; ``Σ w·loss`` in float64). A group of one micro-batch recorded as its only one (``sole``, ``c = w``) has the
-    factor ``w / w``, exactly 1: its gradient is only checked.
-
-    The one specialised path of the close, kept for its measured cost (the small GPT of ``benchmarks/run.py``,
-    attributed thread time, 3 repetitions on a loaded 2-core machine): at ``A = 8`` the close took 0.70 % of the update
-    through the vector (34 tensor operations), 0.41 % this way (8); at ``A = 1`` the vector would cost 4.7 % end to end
-    (``benchmarks/RESULTS.md``, issue #28).
+    factor ``w / w``, exactly 1: its gradient is only checked. The close's one specialised path, kept for its measured
+    cost (``benchmarks/RESULTS.md``, issue #28).
     """
     factor = 1.0 if sums.sole else _one_replica_factor(scale, sums.weights(unit), len(sums.losses))
     found = rescale_gradients(gradients, factor, check) if gradients and factor is not None else None
     read_scale = scale if isinstance(scale, Tensor) and not sums.sole else None  # a sole c = w is read as a count
     counts = [c for c in (*sums.tokens, *sums.samples, *sums.documents) if isinstance(c, Tensor)]
     stale = sums.stale
-    items = [
-        *sums.losses,
-        *([found] if found is not None else []),
-        *([read_scale] if read_scale is not None else []),
-        *([stale] if stale is not None else []),
-        *counts,
-    ]
-    read, exact_below = _read_once(items)
+    present = [tensor for tensor in (found, read_scale, stale) if tensor is not None]  # read back in this order
+    read, exact_below = _read_once([*sums.losses, *present, *counts])
     losses = [next(read) for _ in sums.losses]
     nonfinite = found is not None and next(read) > 0
     read_c = next(read) if read_scale is not None else None

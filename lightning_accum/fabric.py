@@ -16,25 +16,12 @@ accumulation strategy it reports each micro-batch and closes each group, and eve
             optimizer.step()                                   # applied, or skipped (the GradScaler, a NaN, no token)
             optimizer.zero_grad()
 
-The arithmetic is the Trainer's, behind the same door: each Fabric strategy holds one
-:class:`~lightning_accum.core.core.AccumulationCore` (the engine, the close, the manual API, the checkpoint
-entry, the engine adapter), as the Trainer's strategies do; :class:`FabricExactAccumulation` is the one package layer
-between each public Fabric strategy and Fabric's class and holds only what Fabric's hooks need.
-
-The manual API (``accumulate``, ``close_group``, ``group_open``, ``evaluation()``, ``ledger``) is documented once, on
-the core, with its rules, which hold alike in a Trainer's manual loop. ``fabric.save(path, state)`` adds the ledger and
-an open group (its counters and gradient) under ``"lightning_accum"``; ``fabric.load(path, state)`` resumes them when
-``state`` holds the optimizer (a weights-only load is plain Fabric's); after ``fabric.launch(fn)`` of a spawned run the
-main process's ``ledger`` holds the run's counts.
-
-Schedules follow applied updates when they are stepped after an applied update only (``if record.applied:
-scheduler.step()``), or when they are :class:`~lightning_accum.AxisLR`: passed to ``fabric.setup(..., scheduler=s)``
-(or bound with ``s.bind(fabric.strategy.engine)``) it counts what each applied update consumed, and may be stepped
-after every ``optimizer.step()``. :func:`log_on_axis` logs on the run's axis.
-
-A model too large for DDP trains under :class:`FabricModelParallelAccumulationStrategy` (Fabric's
-``ModelParallelStrategy``: FSDP2 and tensor parallelism through a ``parallelize_fn``), or ``"accum_fsdp"``: FSDP2 on
-each block of every ``ModuleList`` and on the root (:func:`~lightning_accum.fabric_model_parallel.shard_module_lists`).
+Each Fabric strategy holds one :class:`~lightning_accum.core.core.AccumulationCore` (the engine, the close, the
+manual API, the checkpoint entry, the engine adapter), as the Trainer's strategies do; :class:`FabricExactAccumulation`
+is the one package layer between each public Fabric strategy and Fabric's class. The manual API and its rules are
+documented once, on the core; checkpoints (``fabric.save`` / ``fabric.load``), schedules, :func:`log_on_axis`, sharded
+models (:class:`FabricModelParallelAccumulationStrategy`, ``"accum_fsdp"``) and the end of a loop in
+docs/howto.md ("Train in a Fabric loop").
 """
 
 from __future__ import annotations
@@ -257,24 +244,23 @@ class FabricExactAccumulation(Strategy, CoreSeam):
                 " first `accumulate` (or after a `close_group` and its `optimizer.step()`), or load the weights alone"
                 " (`fabric.load(path, {'model': model})`)."
             )
-        # Nothing reported yet: what an earlier load put there (a group not used yet) is replaced by this one.
+        # Nothing reported yet: what an earlier load put there (a group not used yet) is replaced by this one. With an
+        # optimizer in `state` (or no state), the loop resumes: the ledger and an open group (the entry is consumed).
         self._core.group.end("a new `fabric.load`")
-        # `fabric.load(path, state)` with an optimizer, and `ckpt = fabric.load(path)` too: the loop resumes, the
-        # ledger and an open group with it (the package's entry is not part of what is returned).
         reader = self._core.adapter.distributed_reader(path, self._parameters)  # a group's gradient in shards
         entry = self._core.checkpoint.load(self._core.engine, remainder, str(path), reader)
         remainder.pop(CHECKPOINT_KEY, None)
-        # The loop resumes where it saved: the open group continues with the next micro-batch. Its places already
-        # done, for the partial-group test of `close_group(group_size=)`, are the checked entry's micro-batches (all
-        # replicas') per replica of this run: the written count per replica when the number of replicas is the same.
+        # The open group continues with the next micro-batch; its places already done (for `close_group(group_size=)`)
+        # are the entry's micro-batches over all replicas, per replica of this run.
         group = (entry or {}).get("open_group") or {}
         total = int(group.get("total_microbatches", 0))
         position = total // max(1, self.data_parallel_replicas)
         config = self._configuration()
         if self._optimizers or not total:  # a checkpoint written between groups carries nothing to wait for
             self._core.reopen(config, position, self._parameters())
-        else:  # loaded before `setup_optimizers`: the group waits for the parameters its optimizer holds
-            self._core.reopen_when_used(lambda: self._core.reopen(config, position, self._parameters()))
+        else:  # loaded before `setup_optimizers` (FSDP2's order): reopened at the loop's next accumulate, backward,
+            # close or save, when the parameters its optimizer holds are known
+            self._core.group.reopen_later = lambda: self._core.reopen(config, position, self._parameters())
         return remainder
 
     @override
@@ -397,10 +383,8 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     """Exact accumulation in a Fabric loop across data-parallel replicas (``L.Fabric(strategy="accum_ddp")`` and
     ``"accum_ddp_spawn"``, ``"accum_ddp_fork"``, ``"accum_ddp_notebook"``, ``"accum_ddp_find_unused_parameters_true"``).
 
-    Every micro-batch but a group's last runs inside Fabric's ``fabric.no_backward_sync(model, enabled=...)``; the
-    close all-reduces the group's counts once and rescales the averaged gradient by ``c · D / W``, so the update is
-    the token-weighted mean over every replica's micro-batches. Every replica reports the same number of micro-batches
-    per group.
+    Every micro-batch but a group's last runs inside ``fabric.no_backward_sync(model, enabled=...)``, and every replica
+    reports the same number of micro-batches per group.
 
     Args:
         normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: See
@@ -450,27 +434,11 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
     (``L.Fabric(strategy="accum_fsdp")``, or this class with your own ``parallelize_fn``).
 
     ``fabric.setup_module(model)`` shards the model with ``parallelize_fn(model, device_mesh)``, as Fabric's strategy
-    does; the optimizer is built from the sharded parameters afterwards (``fabric.setup_optimizers``), since sharding
-    replaces them. As in the Trainer's :class:`~lightning_accum.ModelParallelAccumulationStrategy`, ``D`` is the
-    size of the mesh's ``data_parallel`` dimension (the ranks of one tensor-parallel group read the same batch and
-    report the same counts, counted once), the close all-reduces the group's counts over the data-parallel group,
-    rescales each rank's gradient shard by ``c · D / W`` and sums the NaN/Inf check over the whole mesh.
-
-    * ``fabric.no_backward_sync(model, enabled=not last)`` on a group's non-final micro-batches: FSDP2 accumulates
-      their unsharded gradient locally (``set_requires_gradient_sync(False)``) and the group's last backward
-      reduce-scatters it once; without it every backward reduce-scatters (least memory). Both are exact. A group
-      whose last backward ran inside it is an error at ``close_group`` (no rank's shard holds the group's gradient).
-    * ``fabric.clip_gradients(model, optimizer, max_norm=...)`` (or ``clip_val=``) after ``close_group``: the norm
-      of the group's exact gradient over the whole mesh, each parameter counted once, DTensor and plain parameters
-      mixed (:mod:`~lightning_accum.core.mesh_clipping`); inside an open group it is an error.
-    * ``fabric.save(path, state)`` inside a group carries the group (its counters and its gradient): shard by shard
-      in the folder's distributed checkpoint (``save_distributed_checkpoint=True``, the default), or gathered whole
-      into the one file (``False``); ``fabric.load(path, state)`` resumes it exactly, also under another
-      data-parallel size. A group with backwards run inside ``no_backward_sync`` holds its gradient inside FSDP2:
-      it is not carried (a warning says so, and the resumed run which micro-batches its update misses).
-
-    Fabric refuses ``precision="64-true"`` with this strategy: to check exactness against a float64 run, build the
-    model in float64 (``model.double()`` before ``fabric.setup_module``) under the default ``"32-true"``.
+    does; the optimizer is built from the sharded parameters afterwards (``fabric.setup_optimizers``). As in the
+    Trainer's :class:`~lightning_accum.ModelParallelAccumulationStrategy`, ``D`` is the size of the mesh's
+    ``data_parallel`` dimension. ``no_backward_sync``, clipping over the mesh, a group carried across ``fabric.save``
+    shard by shard, and the float64 check (Fabric refuses ``precision="64-true"`` here: ``model.double()`` instead) are
+    in docs/howto.md ("Sharded models in a Fabric loop").
 
     Args:
         parallelize_fn: ``(model, device_mesh) -> model``: applies ``fully_shard`` over

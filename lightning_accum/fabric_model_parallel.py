@@ -1,15 +1,9 @@
 """What Fabric's ``ModelParallelStrategy`` needs beyond the core, for
-:class:`~lightning_accum.fabric.FabricModelParallelAccumulationStrategy` (in :mod:`lightning_accum.fabric`, beside the
-other Fabric strategies):
-
-* :func:`shard_module_lists`, the ``parallelize_fn`` of ``L.Fabric(strategy="accum_fsdp")``;
-* :class:`BackwardSyncNotes`, Fabric's control of ``fabric.no_backward_sync`` (DDP's ``no_sync``, FSDP2's
-  ``set_requires_gradient_sync``) noting while it blocks synchronisation: a backward run then leaves its gradient
-  uncombined over the replicas (unreduced inside FSDP2, where a mid-group ``fabric.save`` cannot reach it), and a
-  close after such a last backward would miss it (used by the Fabric DDP strategy too);
-* :func:`sharded_state`, a ``fabric.save`` state split as Fabric's distributed save splits it (the model's and the
-  optimizers' sharded state, the rest for the metadata file), so that the open group's gradient shards join the same
-  distributed checkpoint (:class:`~lightning_accum.strategies.model_parallel.MeshAdapter` writes it).
+:class:`~lightning_accum.fabric.FabricModelParallelAccumulationStrategy`: :func:`shard_module_lists` (the
+``parallelize_fn`` of ``"accum_fsdp"``), :class:`BackwardSyncNotes` (``fabric.no_backward_sync`` noted while it blocks
+synchronisation, a close after such a last backward being refused; the Fabric DDP strategy uses it too) and
+:func:`sharded_state` (a ``fabric.save`` state split as Fabric's distributed save splits it, so that the open group's
+gradient shards join the same distributed checkpoint).
 """
 
 from __future__ import annotations

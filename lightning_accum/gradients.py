@@ -60,12 +60,10 @@ def rescale_gradients(
 
     One pass per device and dtype, GradScaler's fused check-and-multiply
     (``torch._amp_foreach_non_finite_check_and_unscale_``), whose factor is a float32 scalar: gradients up to 32 bits
-    are multiplied in float32 by the float32 factor, rounded once, as :func:`scale_gradients`. float64 gradients keep
-    their float64 factor: the kernel checks them with the factor 1 (exact: ``x · 1 = x``) and ``_foreach_mul_``
-    multiplies them. A float ``factor`` of exactly 1.0 multiplies nothing (a group of one micro-batch on one replica:
-    ``c · D / W = w / w``): the gradients are only checked, bit for bit as they are. ``gradients`` may come grouped
-    already (a mapping as :func:`by_kind` returns, e.g. from a layout the caller keeps for the run), which saves
-    grouping them on every update. A float ``factor`` is rounded as a device scalar would be (float32 below 64 bits).
+    are multiplied in float32 by the float32 factor (a float ``factor`` too), rounded once, as :func:`scale_gradients`.
+    float64 gradients keep their float64 factor: the kernel checks them with the factor 1 (exact) and ``_foreach_mul_``
+    multiplies them. A float ``factor`` of exactly 1.0 (``c · D / W = w / w``) multiplies nothing: the gradients are
+    only checked. ``gradients`` may come grouped already, as :func:`by_kind` returns them.
 
     Example:
         >>> g = [torch.tensor([1.0, float("nan")])]

@@ -1,19 +1,16 @@
 """One accumulation group's sums: kept as the micro-batches arrive, formed once, reduced by sum, read once.
 
-In the manner of a torchmetrics metric (``MeanMetric`` keeps ``Σ value·weight`` and ``Σ weight``, reduces
-both by sum across ranks and divides once), a group keeps what its micro-batches reported and turns it into
-one small float64 vector when it closes (:meth:`GroupSums.local_vector`). The engine sums that vector over
-the replicas (one all-reduce; nothing to do on one replica) and reads it on the host once; :class:`ReducedGroup`
-names its values.
+As a torchmetrics ``MeanMetric`` keeps ``Σ value·weight`` and ``Σ weight``, a group keeps what its micro-batches
+reported and turns it into one small float64 vector when it closes (:meth:`GroupSums.local_vector`); the engine sums
+it over the replicas and reads it once; :class:`ReducedGroup` names its values.
 
 Counts stay exact integers whatever their size: a float64 sum is exact only below 2^53, so every count is
 carried as two parts, ``count = hi · 2^24 + lo`` with ``0 <= lo < 2^24``. Each part's sum over micro-batches
 and replicas stays far below 2^53 (``lo`` sums below 2^53 for up to 2^29 micro-batches of a group; ``hi``
 sums below 2^53 for group totals up to 2^77), so the integer rebuilt on the host is exact.
 
-Host values reach the device as one small tensor copied with ``non_blocking=True``: from pageable memory CUDA
-stages the copy and returns without waiting for the queued work (the backward), so forming the vector never
-synchronises; the one host read is the engine's, after the all-reduce.
+Host values reach the device as one small tensor copied with ``non_blocking=True``, so forming the vector never
+waits for the queued backward; the one host read is the engine's, after the all-reduce.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """What differs between the engines an accumulation strategy runs on, for both doors: :class:`EngineAdapter`.
 
-Both doors' strategies (the Trainer's in :mod:`lightning_accum.strategies`, Fabric's in :mod:`lightning_accum.fabric`)
-compose one :class:`~lightning_accum.core.core.AccumulationCore`. Where one device, DDP and FSDP2 / tensor parallelism
-differ — the replicas a group is summed over, whether gradients are sharded, clipping, what a checkpoint written inside
-a group carries and where — the core asks its adapter, an object of one of three classes:
-
-- :class:`EngineAdapter` (this module; every default is one device's);
-- :class:`~lightning_accum.core.ddp.DDPAdapter`;
-- :class:`~lightning_accum.core.mesh.MeshAdapter`.
-
-The strategy names its adapter's class in ``adapter_type``; the adapter reads the strategy it serves (``self.strategy``:
-its public members and the few private ones ``docs/internals.md`` lists) and is handed everything else as arguments.
-Every method below is the whole interface: an adapter overrides some of them and adds nothing the strategy calls. What
-only a Trainer asks, because Lightning runs the loop (which micro-batch ends a group in Lightning's grouping, lost peers
-seen from its exception handling, data that ends on some replicas only, the slice count, the checks at ``setup``), is
-the Trainer door's own part, :class:`~lightning_accum.strategies.trainer_side.TrainerSide`.
+Where one device (:class:`EngineAdapter`'s defaults), DDP (:class:`~lightning_accum.core.ddp.DDPAdapter`) and FSDP2 /
+tensor parallelism (:class:`~lightning_accum.core.mesh.MeshAdapter`) differ (the replicas a group is summed over,
+sharded gradients, clipping, what a checkpoint written inside a group carries and where), the core asks the adapter
+of the class its strategy names in ``adapter_type``. The adapter reads the strategy it serves (its public members and
+the few private ones ``docs/internals.md`` lists) and is handed everything else; the methods below are the whole
+interface. What only a Trainer asks, because Lightning runs the loop (Lightning's grouping, lost peers, data that ends
+on some replicas, the slice count, the checks at ``setup``), is the Trainer door's own part,
+:class:`~lightning_accum.strategies.trainer_side.TrainerSide`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Closing a group over an optimizer's gradients, and completing its record once the optimizer ran.
-
-Shared by automatic optimization (the strategy's closure, inside the optimizer's ``step``) and the manual API
-(:mod:`~lightning_accum.core.manual`):
-
-* :meth:`GroupClosing.close`: the engine's close over the optimizer's gradients, grouped by device and dtype from a
-  layout kept for the run (one fused kernel each). Without a GradScaler the rescale also checks for NaN/Inf in the
-  same pass; with one, the scaler's own check decides (skip reason ``"overflow"``);
-* :meth:`GroupClosing.finish_after_step`: a GradScaler's skip, for every optimizer (fused ones included), from its
-  scale before and after ``update()`` read in one host read;
-* :meth:`GroupClosing.finish`: the ledger, the listeners, and the step-interval schedules made due.
+"""Closing a group over an optimizer's gradients, and completing its record once the optimizer ran: one
+:class:`GroupClosing` per strategy, shared by automatic optimization (the strategy's closure, inside the optimizer's
+``step``) and the manual API (:mod:`~lightning_accum.core.manual`). Without a GradScaler the rescale also checks for
+NaN/Inf in the same pass; with one, the scaler's own check decides (skip reason ``"overflow"``), read from its scale
+before and after ``update()`` for every optimizer, fused ones included.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """One core behind both doors: what the Trainer's and Fabric's accumulation strategies share, composed once.
 
 A Trainer strategy (:class:`~lightning_accum.ExactAccumulation`) and a Fabric strategy
-(:class:`~lightning_accum.fabric.FabricExactAccumulation`) are two front doors onto the same thing. Each holds one
-:class:`AccumulationCore` and delegates to it; the front classes keep only what their framework's hooks need.
-
-================================ ===============================================================================
-what the core holds              for
-================================ ===============================================================================
-the public seam                  ``ledger``, ``engine``, ``data_parallel_replicas``, ``group_open``,
-                                 ``tensor_parallel_size``, ``reduce_sum``, ``add_group_listener`` /
-                                 ``remove_group_listener``
-                                 (written once, :class:`CoreSeam`, a base of both front classes)
-the manual API and its rules     :meth:`~AccumulationCore.accumulate`, :meth:`~AccumulationCore.close_group`, the
-                                 backward of a handed-out tensor (:meth:`~AccumulationCore.backward`), clipping
-                                 (:meth:`~AccumulationCore.refuse_clipping`): one rulebook, both doors
-a loop's exact evaluation        :meth:`~AccumulationCore.evaluation`: a set's weighted loss over the data-parallel
-                                 replicas (:class:`~lightning_accum.evaluation_loss.EvaluationLoss`)
-the run's configuration          :meth:`~AccumulationCore.configuration`: what a checkpoint's groups depend on
-the checkpoint entry             :meth:`~AccumulationCore.entry` (assembly), :meth:`~AccumulationCore.reopen`,
-                                 :meth:`~AccumulationCore.install_carried`, and the parameters by name
-                                 (:func:`~lightning_accum.core.adapter.optimized_parameters`)
-the chosen device (one device)   :func:`one_device_property`
-================================ ===============================================================================
-
-The spawn/fork launchers that close the process group are one base, :class:`~lightning_accum._worker_exit.
-ClosingWorkers`, under each framework's launcher.
+(:class:`~lightning_accum.fabric.FabricExactAccumulation`) each hold one :class:`AccumulationCore` and delegate to it:
+the engine and the close, the manual API and its rules (one rulebook, both doors), a loop's exact evaluation, the
+run's configuration and the checkpoint entry. The front classes keep only what their framework's hooks need; the
+public seam (``ledger``, ``engine``, ``group_open``, ...) is written once, :class:`CoreSeam`, a base of both.
 """
 
 from __future__ import annotations
@@ -136,13 +116,6 @@ class AccumulationCore:
         """``D``: the number of replicas that see different data and whose gradients are averaged."""
         return self.adapter.data_parallel_size
 
-    @property
-    def group_open(self) -> bool:
-        """Whether an accumulation group is open: micro-batches reported since the last close, or a group carried
-        over from a checkpoint that has not been closed yet (also before its first new micro-batch); one read of the
-        lifecycle (:attr:`GroupLifecycle.group_open <lightning_accum.core.lifecycle.GroupLifecycle.group_open>`)."""
-        return self.group.group_open
-
     # ------------------------------------------------------------------ the manual API
 
     def accumulate(
@@ -193,7 +166,7 @@ class AccumulationCore:
             )
         self.reopen_deferred()
         counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
-        opening = None if self.group_open else self.parameters
+        opening = None if self.group.group_open else self.parameters
         return self.manual.accumulate(
             self.engine, loss, counts, batch, group_size, self.data_parallel_replicas, opening, self.closing.local
         )
@@ -315,14 +288,8 @@ class AccumulationCore:
         """Finish, exactly, the group a checkpoint was written in, at ``position`` of the resumed loop's group."""
         self.checkpoint.reopen(self.engine, config, position, self.adapter.holds_group_sums(), parameters)
 
-    def reopen_when_used(self, reopen: Callable[[], None]) -> None:
-        """A group loaded before the loop set up its optimizer (FSDP2's order: ``setup_module``, ``load``,
-        ``setup_optimizers``): ``reopen()`` runs at the loop's next ``accumulate``, backward, close or save, when the
-        parameters it was carried for are known."""
-        self.group.reopen_later = reopen
-
     def reopen_deferred(self) -> None:
-        """Run a reopen :meth:`reopen_when_used` deferred, once."""
+        """Run, once, the reopen of a group loaded before the loop set up its optimizer (``group.reopen_later``)."""
         reopen, self.group.reopen_later = self.group.reopen_later, None
         if reopen is not None:
             reopen()
@@ -393,8 +360,9 @@ class CoreSeam:
 
     @property
     def group_open(self) -> bool:
-        """Whether an accumulation group is open (see :attr:`AccumulationCore.group_open`)."""
-        return self._core.group_open
+        """Whether an accumulation group is open: micro-batches reported since the last close, or a group carried
+        over from a checkpoint that has not been closed yet (also before its first new micro-batch)."""
+        return self._core.group.group_open
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -1,12 +1,10 @@
 """The one owner of an accumulation group's lifecycle, at both doors: :class:`GroupLifecycle`.
 
-A group is opened by its first micro-batch, closed by the close (the Trainer's automatic step, a manual loop's
-``close_group``), and may cross a checkpoint: written inside it, loaded into another run, reopened there at the loop's
-position and its carried gradient installed before the next backward. Every piece of state that lives while a group
-lives is held here, in one object the core composes, and nowhere else: what the manual API handed out and closed
-(:mod:`~lightning_accum.core.manual`), the gradients the open group owns (their host marks), a checkpoint's group
-waiting for the loop (:mod:`~lightning_accum.core.checkpoint`), and its carried gradient. The group's arithmetic (its
-sums, its ``c``) is the engine's, which the lifecycle reads for its counts.
+A group is opened by its first micro-batch, closed by the close, and may cross a checkpoint (written inside it,
+reopened in another run, its carried gradient installed before the next backward). Every piece of state that lives
+while a group lives is held here and nowhere else: what the manual API handed out and closed, the gradients the open
+group owns (their host marks), a checkpoint's group waiting for the loop, and its carried gradient. The group's
+arithmetic (its sums, its ``c``) is the engine's, which the lifecycle reads for its counts.
 
 Its state is one read, :attr:`GroupLifecycle.state`:
 

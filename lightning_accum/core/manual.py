@@ -1,29 +1,13 @@
 """Exact accumulation for manual optimization: what ``strategy.accumulate`` and ``strategy.close_group`` do.
 
-With ``automatic_optimization = False`` Lightning's own loop does not accumulate (``accumulate_grad_batches`` must
-be 1) and the strategy's hooks pass everything through unchanged, as Lightning's strategies do. A manual loop that
-wants exact weighting reports each micro-batch and closes each group itself::
-
-    tensor = strategy.accumulate(loss, num_tokens=n)   # loss · w / c, recorded in the open group
-    self.manual_backward(tensor)
-    ...
-    record = strategy.close_group(optimizer)           # one all-reduce, the rescale by c · D / W, the decision
-    optimizer.step()                                   # applied, or skipped by the strategy / the GradScaler
-    optimizer.zero_grad()
-
-What ``optimizer.step()`` does after the close is :data:`~lightning_accum.core.core.CLOSE_GROUP_DOC`'s; listeners
-(AxisLogger, AccumulationReport, AxisLR) see every group as in automatic optimization.
-
-Every tensor ``accumulate`` hands out must be back-propagated before the next ``accumulate`` or the group's close:
-its micro-batch counts in the group's denominator, so a gradient missing from the group would under-weight the
-update silently. The strategy knows which tensor it handed out and says so instead.
-
-The open group owns its parameters' gradients: between two of its backwards nothing else may change them. Each
-backward notes every gradient's identity and version counter (host values, no device read); the next backward and
-the close compare, so that ``zero_grad()`` inside the group (a group abandoned without a close), torch's own
-``loss.backward()`` or an in-place edit is an error naming what changed, never an update that counts micro-batches
-whose gradient is gone. A group that opens on gradients already there counts, on the device, those that are nonzero:
-the close's one host read tells a gradient zeroed in place (harmless) from a stale one (an error).
+A manual loop (``automatic_optimization = False``, or a Fabric loop) reports each micro-batch with ``accumulate``,
+back-propagates the tensor it returns and calls ``close_group(optimizer)`` right before ``optimizer.step()``
+(docs/howto.md, "Accumulate exactly in a manual loop"). Every tensor handed out must be back-propagated before the next
+``accumulate`` or the close: its micro-batch counts in the group's denominator. The open group owns its parameters'
+gradients: each backward notes every gradient's identity and version counter (host values, no device read), and the
+next backward and the close compare, so that ``zero_grad()`` inside the group, torch's own ``loss.backward()`` or an
+in-place edit is an error naming what changed. A group that opens on gradients already there counts, on the device,
+those that are nonzero: the close's one host read tells a gradient zeroed in place (harmless) from a stale one.
 """
 
 from __future__ import annotations
@@ -106,11 +90,10 @@ class ManualGroups:
         # `group_size=1` declares the group's only micro-batch: on one replica it is back-propagated as it is (c = w,
         # the close's factor exactly 1), as the Trainer's `A = 1` is, so the update is the plain loop's bit for bit.
         sole = group_size == 1 and not isinstance(group_size, bool)
+        _check_group_size(group_size)
         if group_size is None:
             last = engine.ledger.last_group
             group_size = max(1, last.microbatches // replicas) if last is not None else 1
-        elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            refuse("group_size_not_positive", group_size=group_size)
         if engine.holds_sole_microbatch:
             refuse("sole_microbatch_joined")
         output = {"loss": loss, **{key: value for key, value in counts.items() if value is not None}}
@@ -164,10 +147,7 @@ class ManualGroups:
         self.check_untouched(engine, "close_group")
         _refuse_gradients_of_other_optimizers(optimizer, optimizers)
         self._check_handed_out_used("close_group")
-        if group_size is not None and (
-            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
-        ):
-            refuse("group_size_not_positive", group_size=group_size)
+        _check_group_size(group_size)
         if group_size is not None and held > group_size:
             refuse("group_size_exceeded", group_size=group_size, held=held)
         accumulate = group_size if group_size is not None else held
@@ -231,6 +211,11 @@ class ManualGroups:
     def _check_handed_out_used(self, what: str) -> None:
         if self.group.handed_out is not None:
             refuse("handed_out_not_backpropagated", call=what)
+
+
+def _check_group_size(group_size: Any) -> None:
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+        refuse("group_size_not_positive", group_size=group_size)
 
 
 def _refuse_gradients_of_other_optimizers(closed: Optimizer, optimizers: Sequence[Optimizer]) -> None:

@@ -1,18 +1,11 @@
 """FSDP2's and tensor parallelism's side of the core: :class:`MeshAdapter`, and what both doors' mesh strategies check
 (:func:`check_mesh_sizes`, :func:`derive_mesh_sizes`, :func:`refuse_unsharded`).
 
-Three things differ from DDP:
-
-* ``D`` is the size of the ``data_parallel`` mesh dimension, not the world size: the ranks of one tensor-parallel
-  group hold one replica of the model and read the same batch, so the group's counts are summed over the
-  data-parallel process group only (counted once per replica);
-* the gradients are DTensors, sharded (FSDP2 reduce-scatters an *average* over the data-parallel dimension,
-  tensor parallelism splits the rest): the rescale ``c · D / W`` acts on each rank's local shard, which is exact
-  because it is one scalar for every element;
-* each rank checks only its own shard for NaN/Inf, so the result is summed over the whole mesh before the one host
-  read (a second one-element all-reduce, only when the strategy checks: no GradScaler and ``on_nonfinite`` other
-  than ``"ignore"``). FSDP's reduce-scatter does not make that unnecessary: a NaN in one rank's local gradient
-  reaches only the rank that owns those elements after the reduce-scatter.
+Three things differ from DDP: ``D`` is the size of the ``data_parallel`` mesh dimension (a tensor-parallel group holds
+one replica and reads the same batch: its counts are summed over the data-parallel group only); the rescale
+``c · D / W`` acts on each rank's local shard of the DTensor gradients (exact: one scalar for every element); and each
+rank checks only its own shard for NaN/Inf, so the check is summed over the whole mesh before the one host read (FSDP's
+reduce-scatter brings a NaN only to the rank that owns those elements).
 """
 
 from __future__ import annotations

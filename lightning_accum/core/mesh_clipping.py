@@ -1,16 +1,11 @@
 """Gradient clipping for models whose parameters mix DTensors (on one or several device meshes) and plain tensors.
 
-A Hugging Face Llama or GPT-2 whose linears are tensor-parallel keeps its embedding, norms and ``lm_head`` as plain
-tensors (replicated on every rank of the mesh). torch's ``clip_grad_norm_`` (what Lightning's precision plugins
-call) then fails in ``aten._foreach_norm`` with "got mixed torch.Tensor and DTensor"; FSDP2 over tensor parallelism
-puts parameters on a 2-D mesh and on its data-parallel sub-mesh, which the fused norm cannot mix either.
-
-:func:`clip_grad_norm_` here computes the norm of the whole model with every parameter counted once across the mesh:
-a DTensor's local shards' ``p``-th powers are summed over the mesh dimensions it is sharded on (one small collective
-per distinct layout, never a gathered gradient), a dimension it is replicated on counts it once, and a plain tensor,
-replicated everywhere, counts once without a collective. The factor, ``max_norm / (total + 1e-6)`` capped at 1, is
-torch's, and multiplies every local gradient: the same clipping as the one-device run of the same model. Clipping
-by value is element-wise and needs no norm: :func:`clip_grad_value_` clamps each local shard.
+torch's ``clip_grad_norm_`` (what Lightning's precision plugins call) fails on such a model (a Llama with
+tensor-parallel linears and a plain ``lm_head``, FSDP2 over tensor parallelism: "got mixed torch.Tensor and DTensor").
+:func:`clip_grad_norm_` here counts every parameter once across the mesh: a DTensor's local ``p``-th powers summed over
+the mesh dimensions it is sharded on (one small collective per layout, never a gathered gradient), a plain tensor once
+without a collective; the factor is torch's, so the clipping is the one-device run's. :func:`clip_grad_value_` clamps
+each local shard.
 """
 
 from __future__ import annotations

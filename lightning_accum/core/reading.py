@@ -1,13 +1,8 @@
 """A checkpoint file (or sharded folder) as it is read: Lightning's read, or the package's error for one that cannot
-be read.
-
-:func:`read_checkpoint` turns a failure of torch's read of a local file or sharded folder into one ``ValueError``
-naming the path, its size and torch's own error (chained as its cause); every other error of the read (a missing file,
-a state that does not fit the model, a remote path) passes through untouched. A folder the strategy cannot read (not a
-checkpoint, or a sharded one it does not read) is refused before the read, with the way out.
-:func:`checkpoint_location` says where a model-parallel checkpoint is (a local path, or a remote fsspec URL where
-Lightning's model-parallel strategy takes one). :func:`distributed_gradients` reads the gradient of a group open at a
-sharded checkpoint. What is read is checked by :mod:`~lightning_accum.core.entry`. See ``docs/reliability.md``.
+be read (:func:`read_checkpoint`: the path, its size and torch's own error; a folder the strategy cannot read refused
+before the read), where a model-parallel checkpoint is (:func:`checkpoint_location`), and the gradient of a group open
+at a sharded checkpoint (:func:`distributed_gradients`). What is read is checked by :mod:`~lightning_accum.core.entry`.
+See ``docs/reliability.md``.
 """
 
 from __future__ import annotations

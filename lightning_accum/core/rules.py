@@ -1,12 +1,10 @@
 """The rules of the manual API as one table: each a row (name, the check, the error and its message), raised by
 :func:`refuse` where the core finds it broken, at both doors alike.
 
-A manual loop (a Trainer's ``training_step`` with ``automatic_optimization = False``, or a Fabric loop) reports its
-micro-batches with ``accumulate``, back-propagates what it hands out and closes each group with ``close_group`` before
-``optimizer.step()``. Each mistake that would change the update silently is a rule here; the core
-(:mod:`~lightning_accum.core.manual`, :mod:`~lightning_accum.core.core`) checks it where the mistake happens and raises
-the row's error with its message, formatted with what it found. ``tests/test_rulebook.py`` runs every row's scenario
-through both doors (two processes where the rule is about replicas) and fails on a row without one.
+Each mistake of a manual loop (``accumulate``, the backward of what it hands out, ``close_group`` before
+``optimizer.step()``) that would change the update silently is a row; the core (:mod:`~lightning_accum.core.manual`,
+:mod:`~lightning_accum.core.core`) raises the row's error with its message, formatted with what it found.
+``tests/test_rulebook.py`` runs every row's scenario through both doors and fails on a row without one.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The optimizer step of automatic optimization: Lightning's closure, then the group's close, inside the optimizer.
 
-Lightning calls the strategy's ``optimizer_step`` once per group, on its last micro-batch, and the optimizer evaluates
-the closure (that micro-batch's ``training_step``, ``zero_grad`` at a group's start, ``backward``) inside its ``step``,
-in Lightning's order. The closure :class:`AutomaticSteps` hands to the optimizer runs Lightning's and then closes the
-group, right after the last backward and before unscale, clipping and the update. A group that makes no update (a
-skip or a dropped partial group) leaves the optimizer's ``step`` through an exception raised from the closure and
-caught here, so the optimizer never updates on it.
-
-An optimizer that evaluates the closure again within one step (LBFGS's line search) runs as under Lightning at
-``A = 1``: each further evaluation is weighted exactly on a scratch engine, outside the ledger. At ``A > 1`` it is an
-error (:func:`reevaluation_message`): a re-evaluation would cover only the group's last micro-batch.
+Lightning calls the strategy's ``optimizer_step`` on a group's last micro-batch, and the optimizer evaluates the
+closure inside its ``step``. The closure :class:`AutomaticSteps` hands it runs Lightning's and then closes the group,
+before unscale, clipping and the update; a group that makes no update leaves the ``step`` through an exception raised
+from the closure and caught here. A re-evaluation of the closure within one step (LBFGS's line search) is weighted
+exactly on a scratch engine at ``A = 1``, and an error at ``A > 1`` (:func:`reevaluation_message`).
 """
 
 from __future__ import annotations

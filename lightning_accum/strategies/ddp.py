@@ -213,29 +213,19 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     Args:
         normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
             options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
-        check_data_ends: With an iterable training dataset (whose per-rank length nothing makes equal): before each
-            micro-batch that does not end a group, agree over the replicas whether any replica's data ends there,
-            so that data ending inside a group on some replicas only is a prompt error on every rank instead of a
-            wait until the process-group timeout. It costs one all-reduce of one number per such micro-batch, on
-            the CPU (a gloo group of its own when the backend is not gloo: no device synchronisation); ``False``
-            turns it off for data you know to be sharded evenly. Map-style data is never checked this way (its
-            sampler gives every rank the same length).
-        microbatch_size, split_batch: Exact slices of each loader batch: see :class:`AccumulationStrategy`.
-        batch_schedule: The global batch by tokens, samples or updates: a :class:`~lightning_accum.BatchSchedule`, or
-            its stages (a dict or Megatron's string form, on tokens); each group's size is set at its start (see
-            :mod:`~lightning_accum.strategies.scheduled_groups`). Leave ``accumulate_grad_batches`` unset with it.
+        check_data_ends: With an iterable training dataset: before each micro-batch that does not end a group, agree
+            over the replicas whether any replica's data ends there, so that data ending inside a group on some
+            replicas only is an error on every rank instead of a wait until the timeout (one all-reduce of one
+            number on the CPU per such micro-batch; docs/reliability.md). ``False`` turns it off for data you know to
+            be sharded evenly. Map-style data is never checked this way (its sampler gives every rank one length).
+        microbatch_size, split_batch, batch_schedule: Exact slices of each loader batch, and the global batch by
+            tokens, samples or updates: see :class:`AccumulationStrategy`.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``find_unused_parameters``, ``process_group_backend``, ...).
 
-    An overflow or non-finite gradient on one replica reaches all of them (DDP averages the gradients before
-    they are checked, so every replica checks the same values), and every replica takes the same decision.
-    ``trainer.global_step`` counts attempts, as in Lightning; applied updates are in :attr:`ledger`.
-
-    ``D`` is the world size: every process is one data replica (tensor or pipeline parallelism is not
-    part of this strategy). What differs from one device is the core's
-    :class:`~lightning_accum.core.ddp.DDPAdapter` and this door's :class:`DDPTrainerSide`; besides the package's hooks
-    (all in :class:`~lightning_accum.strategies.base.ExactAccumulation`) this class overrides only DDPStrategy's own
-    ``_configure_launcher`` (the spawn/fork launcher that brings the ledger back to the main process).
+    ``D`` is the world size: every process is one data replica. Every replica checks the same averaged gradient for
+    NaN/Inf, so all take the same decision. What differs from one device is the core's
+    :class:`~lightning_accum.core.ddp.DDPAdapter` and this door's :class:`DDPTrainerSide`.
 
     Example:
         >>> import lightning as L
@@ -249,6 +239,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     strategy_name = "accum_ddp"
     adapter_type = DDPAdapter
     side_type = DDPTrainerSide
+    _side: DDPTrainerSide
 
     def __init__(
         self,
@@ -274,17 +265,11 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     @property
     def check_data_ends(self) -> bool:
         """See ``check_data_ends=`` above."""
-        return self._ddp_side.check_data_ends
+        return self._side.check_data_ends
 
     @check_data_ends.setter
     def check_data_ends(self, value: bool) -> None:
-        self._ddp_side.check_data_ends = bool(value)
-
-    @property
-    def _ddp_side(self) -> DDPTrainerSide:
-        side = self._side
-        assert isinstance(side, DDPTrainerSide)
-        return side
+        self._side.check_data_ends = bool(value)
 
     @override
     def _configure_launcher(self) -> None:

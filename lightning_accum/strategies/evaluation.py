@@ -1,50 +1,21 @@
 """Evaluation on the training's footing: the loss of a validation or test set weighted by its units, over every replica.
 
-Lightning's ``self.log("val_loss", loss, sync_dist=True)`` averages per-batch means (weighted by batch size) and then
-the replicas' means: the same model on the same set reads differently on one process and on two, and a set whose
-batches hold different numbers of supervised tokens is weighted wrongly. When ``validation_step`` (or ``test_step``)
-returns the training contract, ``{"loss": mean, "num_tokens": n}`` (or a loss whose counts come from the strategy's
-``count_tokens``, a loss weighted by samples, or :func:`~lightning_accum.document_mean_loss`'s mean over documents
-with its ``num_documents``), the strategy keeps ``Σ w·loss`` and ``Σ w`` over the whole evaluation and logs their ratio
-once at its end:
+When ``validation_step`` (or ``test_step``) returns the training contract (``{"loss": mean, "num_tokens": n}``, or a
+loss whose counts the strategy reads as in training), the strategy keeps ``Σ w·loss`` and ``Σ w`` on the device over
+the whole evaluation, adds them over the data-parallel replicas in one all-reduce at the loop's end, and logs their
+ratio through Lightning's ``self.log`` from the module's ``on_validation_epoch_end`` / ``on_test_epoch_end``, under
+:data:`EVALUATION_KEYS` (with ``/dataloader_idx_{i}`` per loader). docs/howto.md ("Evaluate on the same footing")
+says what decides the unit and what is logged when.
 
-================================= ======================================================================
-key                               value
-================================= ======================================================================
-``accum/val_loss``                ``Σ w·loss / Σ w`` over every batch of the validation set on every replica
-``accum/val_perplexity``          ``exp(accum/val_loss)``, where the unit is tokens (a per-token cross-entropy)
-``accum/test_loss``,              the same for ``trainer.test``
-``accum/test_perplexity``
-================================= ======================================================================
-
-With several evaluation loaders each key gets Lightning's ``/dataloader_idx_{i}``, one value per loader. The unit
-``w`` is the training run's (``normalize=``; under ``"auto"`` before any training, what the first evaluated batch
-reports). The keys go through Lightning's own ``self.log`` from the module's ``on_validation_epoch_end`` /
-``on_test_epoch_end`` (so ``ModelCheckpoint(monitor="accum/val_loss")``, ``EarlyStopping`` and every logger see
-them; :class:`~lightning_accum.AxisLogger` writes them on the run's axis), and anything the step logs itself keeps
-working beside them.
-
-**A drop-in.** Lightning ignores what an evaluation step returns, and so does the package for anything that is not
-the training contract: predictions, per-sample losses, a float, a dict without ``"loss"``, ``None``. The step runs as
-under Lightning's strategies, no exact value is logged, and one line says why (a warning only for a loss without the
-run's unit count, which is probably a mistake). A step that returns the contract for some batches and not for
-others gets no exact value either (the set would be incomplete), with one warning.
-
-**One reduction, every rank alike.** Each rank sums its batches on the device (no host read per batch). At the end
-of the loop every rank adds, in one all-reduce over the data-parallel replicas (tensor-parallel ranks of one replica
-see the same batches and are counted once), its sums and what it decided: how many batches it ran, whether they
-followed the contract, its unit. So a rank with no batch at all (an iterable set that is empty there) neither hangs
-nor costs the others their value: every rank logs the loss of the whole set; and replicas that decided differently
-stop with the same error on every rank, as do counts reported below zero as tensors (an int below zero is refused at
-its step). A set with no unit at all gives NaN, said in a warning. Each loader is an
-:class:`~lightning_accum.evaluation_loss.EvaluationLoss`, what a Fabric loop's ``fabric.strategy.evaluation()`` returns:
-the same unit, sums, vector and checks; only their reduction is joined into the loop's one. Lightning's
-``DistributedSampler`` pads a set whose size is not a multiple of ``D`` with repeated examples, which cannot be told
-apart from the others: a warning says how many are counted twice and what to do.
-
-Lightning skips the evaluation loop on a rank whose sized loaders are all empty when the module sets
-``allow_zero_length_dataloader_with_multiple_devices=True`` (it is an error otherwise); that rank would not join the
-reduction, so with that flag and several replicas no exact value is logged, and a warning says so.
+Key rules: anything else a step returns runs as under Lightning, with no exact value and one line saying why (a
+warning for a loss without the run's unit count, or for a step that leaves the contract after its first batches; an
+error where a later batch drops the count it reported). Every rank adds, with its sums, what it decided (batches run,
+contract followed, an error), so a rank without a batch neither hangs nor costs the others their value, and replicas
+that decided differently stop with the same error on every rank. Each loader is an
+:class:`~lightning_accum.evaluation_loss.EvaluationLoss`, what a Fabric loop's ``fabric.strategy.evaluation()``
+returns; only their reduction is joined into the loop's one. With
+``allow_zero_length_dataloader_with_multiple_devices=True`` Lightning may skip the loop on some ranks, which would not
+join the reduction: then no exact value is logged on several replicas, and a warning says so.
 """
 
 from __future__ import annotations
@@ -329,7 +300,7 @@ def _loader_count(trainer: Any, stage: str) -> int:
 
 
 def _may_skip_ranks(module: Any, trainer: Any) -> bool:
-    """Whether Lightning may skip the evaluation loop on some ranks only (see the module docstring)."""
+    """Whether Lightning may skip the evaluation loop on some ranks only (the module's or datamodule's flag)."""
     datamodule = getattr(trainer, "datamodule", None)
     flag = bool(getattr(module, "allow_zero_length_dataloader_with_multiple_devices", False))
     return flag or bool(getattr(datamodule, "allow_zero_length_dataloader_with_multiple_devices", False))

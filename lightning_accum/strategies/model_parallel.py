@@ -114,26 +114,13 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             sizes (``D`` = number of nodes, tensor parallel over a node's devices); with one of them an int, the
             other is the world size divided by it (``tensor_parallel_size=1``: FSDP2 over every device, what
             ``"accum_fsdp"`` selects).
-        microbatch_size: ``None`` (default): the loader's batch is one micro-batch, as in Lightning. An int: each
-            loader batch (still Lightning's batch for ``accumulate_grad_batches``, ``global_step`` and the hooks) is
-            run as consecutive slices of at most that many samples (the fewest, as even as possible), forward and
-            backward each (gradients reduce-scattered by every slice's backward under
-            ``gradient_sync="every_microbatch"``, only by the group's last slice under ``"last_microbatch"``): the
-            same update, exactly, with lower peak activation memory. Every rank runs the same number of slices (one
-            small CPU all-reduce per loader batch agrees on it); see ``docs/howto.md``. ``"auto"`` is an error here.
-        split_batch: ``(batch, start, stop) -> batch``: samples ``start:stop`` of a batch type the strategy cannot
-            cut itself (by default every tensor whose leading dimension is the batch's sample count is sliced).
-        batch_schedule: The global batch by tokens, samples or updates: a :class:`~lightning_accum.BatchSchedule`, or
-            its stages (a dict or Megatron's string form, on tokens); each group's size is set at its start (see
-            :mod:`~lightning_accum.strategies.scheduled_groups`). Leave ``accumulate_grad_batches`` unset with it.
+        microbatch_size, split_batch, batch_schedule: As in :class:`AccumulationStrategy`; every rank runs the same
+            number of slices (one small CPU all-reduce per loader batch agrees on it), and ``"auto"`` is an error.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
             (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
-    Checkpoints (distributed or full) carry the ledger. One written *inside* an accumulation group also carries the
-    group under ``gradient_sync="every_microbatch"``: its counters and its gradient (gathered whole, a collective per
-    parameter), so the resumed run closes the group exactly. Under ``"last_microbatch"`` the group's gradient is held
-    unreduced inside FSDP2 and is not carried: a warning says so when the checkpoint is written, and the run resumed
-    from it says which micro-batches are missing from that group's update (normalized by what remains).
+    A checkpoint written inside a group carries it under ``"every_microbatch"`` only (docs/howto.md, "Checkpoints
+    under FSDP2").
 
     Example:
         >>> import lightning as L

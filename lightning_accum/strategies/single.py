@@ -38,9 +38,8 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
             :mod:`~lightning_accum.strategies.scheduled_groups`). Leave ``accumulate_grad_batches`` unset with it.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
-    ``trainer.global_step`` keeps Lightning's meaning (one per optimizer-step call: attempts, so
-    ``max_steps`` behaves as users expect; a dropped partial group is counted too); the exact counts of
-    attempted, applied and skipped updates are in :attr:`ledger` (``ledger.updates_applied``).
+    ``trainer.global_step`` keeps Lightning's meaning (attempts; docs/concepts.md); applied updates are in
+    :attr:`ledger`.
 
     Example:
         >>> import lightning as L

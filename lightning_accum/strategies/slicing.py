@@ -19,14 +19,10 @@ Every slice is read once (:meth:`AccumulationEngine.read`, its samples the slice
 the open group with its own units (:meth:`AccumulationEngine.record` with ``continues=True``), so the update is exact
 by construction; the ledger still counts loader batches as micro-batches.
 
-``"auto"`` starts with the whole batch. On an out-of-memory error in a slice's forward or backward, what the failed
-attempt holds is released, the slice size is halved and the slice is run again; what the group accumulated before is
-untouched, because in this mode every backward that can be retried writes into fresh gradient tensors that are added to
-the accumulated ones only once it completed (at the cost of one gradient-sized buffer while a slice's backward runs).
-The smaller size is kept for the rest of the run (no probing upward: a size that failed once is likely to fail again on
-a longer batch, and every failure costs a forward). What cannot be retried: the backward that synchronises gradients
-over replicas (the last slice of a group's last batch under DDP): the other replicas are inside its all-reduce, so that
-error stops the run with the size to use instead.
+``"auto"`` (docs/howto.md, "Cut batches into slices") halves a slice that ran out of memory and runs it again; what
+the group accumulated before is untouched, because every backward that can be retried writes into fresh gradient
+tensors, added to the accumulated ones once it completed. The backward that synchronises gradients over replicas
+cannot be retried (the other replicas are inside its all-reduce): its error names the size to resume with.
 """
 
 from __future__ import annotations
