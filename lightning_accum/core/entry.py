@@ -110,6 +110,20 @@ def _sums(value: Any) -> bool:
     )
 
 
+#: A record entry of a stage reached under ``batch_schedule=`` (a Trainer strategy's ``batch_stages``): the keys it
+#: always holds, and those it may (a batch stated in tokens; ``A``, written since the report reads it).
+_STAGE_KEYS = {"stage", "threshold", "samples_per_update", "updates", "attempts", "samples", "tokens"}
+_STAGE_OPTIONAL = {"tokens_per_update", "accumulate_grad_batches"}
+
+
+def _stage_record(value: Any) -> bool:
+    return (
+        isinstance(value, Mapping)
+        and _STAGE_KEYS <= set(value) <= _STAGE_KEYS | _STAGE_OPTIONAL
+        and all(_count(count) for count in value.values())
+    )
+
+
 _WHOLE = "a whole number in [0, 2**53) (a count)"
 
 
@@ -211,6 +225,13 @@ FIELDS: tuple[Field, ...] = (
     Field("slicing.per_rank", _is(list), "a list of each rank's record", required=True),
     Field("slicing.per_rank.*", _is(Mapping), "a dict of `size`, `slice_sizes` and `retries` (one rank's record)"),
     *_slicing_rows("slicing.per_rank.*"),
+    # Under `batch_schedule=` (absent in entries written before it was saved, and without a schedule).
+    Field("batch_stages", _is(list), "a list of the stages reached (a dict each)"),
+    Field(
+        "batch_stages.*",
+        _stage_record,
+        f"a dict of ints >= 0 with the keys {sorted(_STAGE_KEYS)} (and optionally {sorted(_STAGE_OPTIONAL)})",
+    ),
 )
 _EXPECTED = {row.path: row.expected for row in FIELDS}
 #: The rows of the carried gradient, checked again once a sharded folder's gradient is read.

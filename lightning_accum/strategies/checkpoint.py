@@ -1,5 +1,7 @@
 """The Trainer strategy's checkpoints, :class:`TrainerCheckpoint`; the entry and the open group's lifecycle are the
-core's (:mod:`lightning_accum.core.checkpoint`)."""
+core's (:mod:`lightning_accum.core.checkpoint`). What only a Trainer adds to the entry: every rank's record of
+``microbatch_size=`` (``slicing``) and, under ``batch_schedule=``, the record of the stages reached
+(``batch_stages``, see :mod:`~lightning_accum.strategies.scheduled_groups`)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from lightning_accum.core.adapter import Write
 from lightning_accum.core.entry import CHECKPOINT_KEY
 from lightning_accum.core.reading import WAY_OUT, read_checkpoint
+from lightning_accum.strategies.scheduled_groups import ScheduledGroups
 from lightning_accum.strategies.slicing import BatchSlicer
 from lightning_accum.strategies.trainer_side import TrainerSide
 
@@ -97,9 +100,17 @@ class TrainerCheckpoint:
     ``TrainerSide``), the slicer and the strategy's accessor of its Trainer."""
 
     def __init__(
-        self, strategy: Any, core: Any, side: TrainerSide, slicer: BatchSlicer, trainer: Callable[[], Trainer | None]
+        self,
+        strategy: Any,
+        core: Any,
+        side: TrainerSide,
+        slicer: BatchSlicer,
+        trainer: Callable[[], Trainer | None],
+        scheduled: ScheduledGroups,
     ) -> None:
         self.strategy, self.core, self.side, self.slicer = strategy, core, side, slicer
+        #: The groups under ``batch_schedule=``: their per-stage record is written and read back.
+        self.scheduled = scheduled
         #: The Trainer running the strategy, or ``None`` (the strategy's one accessor, handed in).
         self.trainer = trainer
 
@@ -136,6 +147,8 @@ class TrainerCheckpoint:
         if self.slicer.enabled:
             world = int(getattr(self.strategy, "world_size", 1))
             state["slicing"] = slicing_state(self.slicer.log.state_dict(), world, gather=failed is None)
+        if self.scheduled.schedule is not None:  # the same on every replica: every closed group is counted
+            state["batch_stages"] = [dict(stage) for stage in self.scheduled.stages]
         return state
 
     def load(self, checkpoint_path: Any, weights_only: bool | None, load: Callable[..., Any]) -> dict[str, Any]:
@@ -155,6 +168,7 @@ class TrainerCheckpoint:
         if state is not None and self.slicer.enabled and state.get("slicing") is not None:
             # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.
             self.slicer.log.load_state_dict(own_slicing(state["slicing"], self.core.adapter.rank))
+        self.scheduled.load_state(None if state is None else state.get("batch_stages"))
         return checkpoint
 
     def configuration(self) -> dict[str, Any]:
