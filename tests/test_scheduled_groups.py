@@ -261,7 +261,9 @@ def test_a_stage_batch_not_divisible_by_m_d_is_an_error_at_set_up_before_any_tra
     from lightning_accum import AccumulationCheck
 
     schedule = BatchSchedule({0: 4, 30: 6, 120: 16}, axis="tokens")
-    message = r"stage 1 \(from 30 tokens\) holds 6 samples per update, not a multiple of m × D = 4 × 1 = 4 .* Use 4 or 8"
+    message = (
+        r"stage 1 \(from 30 tokens\) holds 6 samples per update, not a multiple of m × D = 4 × 1 = 4 .* Use 4 or 8"
+    )
     for callbacks in ([], [AccumulationCheck()]):
         model = _CountsSteps()
         trainer = make_trainer(strategy=AccumulationStrategy(batch_schedule=schedule), callbacks=callbacks)
