@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.callbacks.common import accumulation_strategy
 from lightning_accum.callbacks.diagnoses import (
     TOKEN_COUNTS,
@@ -227,8 +226,12 @@ class AccumulationCheck(Callback):
             rank_zero_info("AccumulationCheck: skipped, the run resumes from a checkpoint.")
             return
         optimizer = trainer.optimizers[0]
-        with _restored(pl_module, optimizer):
-            self.result = self._run(trainer, pl_module, strategy, optimizer)
+        accumulate, schedule_note = _checked_size(trainer, strategy, lambda: self._take(trainer, pl_module, 1))
+        # `trainer.accumulate_grad_batches` reads the checked group's size, as in the run's group.
+        with _restored(pl_module, optimizer), _accumulating(trainer, accumulate):
+            self.result = self._run(trainer, pl_module, strategy, optimizer, accumulate)
+        if schedule_note is not None:
+            self.result.notes.insert(0, schedule_note)
         self._report(self.result)
 
     # ------------------------------------------------------------------ the check
@@ -243,60 +246,6 @@ class AccumulationCheck(Callback):
         return 1e-4
 
     def _run(
-        self, trainer: Trainer, module: LightningModule, strategy: ExactAccumulation, optimizer: Optimizer
-    ) -> CheckResult:
-        accumulate, schedule_note = trainer.accumulate_grad_batches, None
-        if strategy.batch_schedule is not None:
-            accumulate, schedule_note = self._scheduled_size(trainer, module, strategy, strategy.batch_schedule)
-        with _accumulating(trainer, accumulate):  # what the run's `trainer.accumulate_grad_batches` reads then
-            result = self._compare(trainer, module, strategy, optimizer, accumulate)
-        if schedule_note is not None:
-            result.notes.insert(0, schedule_note)
-        return result
-
-    def _scheduled_size(
-        self, trainer: Trainer, module: LightningModule, strategy: ExactAccumulation, schedule: BatchSchedule
-    ) -> tuple[int, str]:
-        """Under ``batch_schedule=``: the ``A`` of the one group the check runs, and the note that says which stage
-        that is and why the others are not checked (see the class's docstring). Raises the schedule's own error for
-        a stage batch that is not a multiple of ``m × D``, before any ``training_step``."""
-        replicas = strategy.data_parallel_replicas
-        m = loader_batch_size(trainer.train_dataloader)
-        if m is None:  # a loader without `batch_size`: its first batch tells
-            first = self._take(trainer, module, 1)
-            m = infer_num_samples(first[0]) if first else None
-        if m is None:
-            return 1, (
-                "under batch_schedule= the check could not tell the samples of a micro-batch (the loader has no"
-                " `batch_size` and its first batch no common leading dimension), so it checked a group of one"
-                " micro-batch: no stage's accumulation was checked."
-            )
-        schedule.check(m, replicas)
-        sizes = [stage.samples // (m * replicas) for stage in schedule.stages]
-        accumulates = replicas > 1 or strategy.slicing.configured is not None  # more than one micro-batch per group
-        checked = next((i for i, size in enumerate(sizes) if accumulates or size > 1), 0)
-        stage = schedule.stages[checked]
-        which = (
-            "the run's first group"
-            if checked == 0
-            else "a group of the loader's first examples (stage 0's groups hold one micro-batch on one replica, which"
-            " checks no weighting)"
-        )
-        note = (
-            f"under batch_schedule= the check ran one group of stage {checked} (A = {sizes[checked]} micro-batch(es)"
-            f" per replica, {stage.samples} samples per update): {which}."
-        )
-        others = [f"{i} (A = {size})" for i, size in enumerate(sizes) if i != checked]
-        if others:
-            note += (
-                f" Not checked: stage(s) {', '.join(others)}. Their first groups hold examples the loader reaches only"
-                " during the run, not at set-up, and one group's arithmetic (the weights, c, the close's rescale) is"
-                " the same at every A, so a group that accumulates checks it for every stage; a loss divided by"
-                " `trainer.accumulate_grad_batches` shows here as a ratio of 1/A."
-            )
-        return sizes[checked], note
-
-    def _compare(
         self,
         trainer: Trainer,
         module: LightningModule,
@@ -557,6 +506,52 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
     ]
     unique = {id(g): g for g in candidates if isinstance(g, torch.Generator)}
     return list(unique.values())
+
+
+def _checked_size(
+    trainer: Trainer, strategy: ExactAccumulation, first_batch: Callable[[], list[Any]]
+) -> tuple[int, str | None]:
+    """The ``A`` of the group the check runs: the Trainer's, or under ``batch_schedule=`` (whose strategy sets the
+    groups' sizes after the check's hook) the schedule's, with the note that says which stage that is and why the
+    others are not checked (see :class:`AccumulationCheck`). ``first_batch()``: the loader's first batch, for ``m``
+    where the loader has no ``batch_size``. Raises the schedule's own error for a stage batch that is not a multiple
+    of ``m × D``, before any ``training_step``."""
+    schedule, replicas = strategy.batch_schedule, strategy.data_parallel_replicas
+    if schedule is None:
+        return trainer.accumulate_grad_batches, None
+    m = loader_batch_size(trainer.train_dataloader)
+    if m is None:
+        first = first_batch()
+        m = infer_num_samples(first[0]) if first else None
+    if m is None:
+        return 1, (
+            "under batch_schedule= the check could not tell the samples of a micro-batch (the loader has no"
+            " `batch_size` and its first batch no common leading dimension), so it checked a group of one"
+            " micro-batch: no stage's accumulation was checked."
+        )
+    schedule.check(m, replicas)
+    sizes = [stage.samples // (m * replicas) for stage in schedule.stages]
+    accumulates = replicas > 1 or strategy.slicing.configured is not None  # more than one micro-batch per group
+    checked = next((i for i, size in enumerate(sizes) if accumulates or size > 1), 0)
+    which = (
+        "the run's first group"
+        if checked == 0
+        else "a group of the loader's first examples (stage 0's groups hold one micro-batch on one replica, which"
+        " checks no weighting)"
+    )
+    note = (
+        f"under batch_schedule= the check ran one group of stage {checked} (A = {sizes[checked]} micro-batch(es)"
+        f" per replica, {schedule.stages[checked].samples} samples per update): {which}."
+    )
+    others = [f"{i} (A = {size})" for i, size in enumerate(sizes) if i != checked]
+    if others:
+        note += (
+            f" Not checked: stage(s) {', '.join(others)}. Their first groups hold examples the loader reaches only"
+            " during the run, not at set-up, and one group's arithmetic (the weights, c, the close's rescale) is"
+            " the same at every A, so a group that accumulates checks it for every stage; a loss divided by"
+            " `trainer.accumulate_grad_batches` shows here as a ratio of 1/A."
+        )
+    return sizes[checked], note
 
 
 @contextmanager
