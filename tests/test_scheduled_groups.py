@@ -322,6 +322,12 @@ def test_batch_stages_survive_a_resume_inside_a_stage_and_stay_with_the_fit_that
     assert trainer.strategy.batch_stages == []
     trainer.fit(TinyLM(lr=LR, seed=59), DataLoader(ListDataset(EXAMPLES), batch_size=2))
     assert trainer.strategy.batch_stages == expected
+    # A damaged record is an error naming it, before anything trains.
+    damaged = torch.load(path, weights_only=True)
+    damaged["lightning_accum"]["batch_stages"][1]["updates"] = -1
+    torch.save(damaged, tmp_path / "damaged.ckpt")
+    with pytest.raises(ValueError, match=r"damaged: `batch_stages\[1\]` should be a dict of ints >= 0 with the keys"):
+        _resumable_run(schedule, str(tmp_path / "damaged.ckpt"))
     # An entry written before the record was saved (no `batch_stages`) still loads: the record starts empty there.
     del entry["batch_stages"]
     old = torch.load(path, weights_only=True)

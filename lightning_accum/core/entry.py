@@ -111,9 +111,18 @@ def _sums(value: Any) -> bool:
 
 
 #: A record entry of a stage reached under ``batch_schedule=`` (a Trainer strategy's ``batch_stages``): the keys it
-#: always holds, and those it may (a batch stated in tokens; ``A``, written since the report reads it).
-_STAGE_KEYS = {"stage", "threshold", "samples_per_update", "updates", "attempts", "samples", "tokens"}
-_STAGE_OPTIONAL = {"tokens_per_update", "accumulate_grad_batches"}
+#: always holds, and the one it holds for a batch stated in tokens.
+_STAGE_KEYS = {
+    "stage",
+    "threshold",
+    "samples_per_update",
+    "accumulate_grad_batches",
+    "updates",
+    "attempts",
+    "samples",
+    "tokens",
+}
+_STAGE_OPTIONAL = {"tokens_per_update"}
 
 
 def _stage_record(value: Any) -> bool:
