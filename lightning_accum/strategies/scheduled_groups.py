@@ -23,7 +23,9 @@ Decisions made here:
   sanity check, before any ``training_step``: the training loader is known there, not before), from the loader's
   ``batch_size`` where it has one (a ``DataLoader`` given ``batch_size``, not a ``batch_sampler``). A loader without
   one (a batch sampler, an iterable of batches) says ``m`` only with its first batch: the check runs there, as
-  before, and the first batch's samples are ``m`` in both cases.
+  before, and the first batch's samples are ``m`` in both cases. :class:`~lightning_accum.AccumulationCheck`, whose
+  ``on_train_start`` (a callback's) runs before the strategy's and calls ``training_step``, asks the schedule the same
+  before it does.
 * **What each stage reached consumed survives a resume**: the record (:attr:`stages`, the strategy's
   ``batch_stages``) is written into the checkpoint's entry (``batch_stages``) and restored by a fit that resumes from
   it, never by ``validate`` / ``test`` / ``predict(ckpt_path=...)`` (whose checkpoint reaches no later fit). A
@@ -82,7 +84,7 @@ class ScheduledGroups:
         loader's ``batch_size`` × ``replicas`` (``D``); forget the previous fit's batch size, and its record unless
         the fit resumes from a checkpoint."""
         self.microbatch_size, self.stage, self._counts_checked = None, None, False
-        if not self._resumed or self.schedule is None:
+        if not self._resumed:  # (a resumed run without a schedule loaded none)
             self.stages = []
         self._resumed = False
         if self.schedule is None:
