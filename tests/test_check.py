@@ -315,3 +315,40 @@ def test_an_adam_type_optimizer_gets_the_note_on_float32_amplification() -> None
     fit(TinyLM(lr=0.1, optimizer="adamw"), examples(8), batch_size=2, accumulate=A, callbacks=[check])
     assert check.result is not None and check.result.passed
     assert [note for note in check.result.notes if note.startswith("AdamW divides each element")]
+
+
+def _scheduled(stages: dict[int, int], module: L.LightningModule, check: AccumulationCheck) -> L.Trainer:
+    from lightning_accum import AccumulationStrategy, BatchSchedule
+
+    strategy = AccumulationStrategy(batch_schedule=BatchSchedule(stages, axis="samples"))
+    trainer = make_trainer(strategy=strategy, callbacks=[check])
+    trainer.fit(module, DataLoader(ListDataset(examples(16)), batch_size=2))
+    return trainer
+
+
+def test_under_a_schedule_the_check_runs_the_first_stages_group_and_names_the_stages_it_did_not_check() -> None:
+    # m = 2: stages of 4, 8 and 16 samples are groups of A = 2, 4, 8. The check runs before the strategy sets the first
+    # group's size; it asks the schedule, so it compares the run's first group of 2 micro-batches (not 1).
+    check = AccumulationCheck()
+    trainer = _scheduled({0: 4, 4: 8, 12: 16}, TinyLM(), check)
+    assert check.result is not None and check.result.passed and check.result.microbatches == 2
+    note = check.result.notes[0]
+    assert note.startswith("under batch_schedule= the check ran one group of stage 0 (A = 2 micro-batch(es)")
+    assert "the run's first group" in note and "Not checked: stage(s) 1 (A = 4), 2 (A = 8)." in note
+    assert [s["stage"] for s in trainer.strategy.batch_stages] == [0, 1, 2]  # type: ignore[attr-defined]
+    # A loss divided by `trainer.accumulate_grad_batches` is found at the checked stage: it reads A = 2 there, as in
+    # the run (before, the check saw the Trainer's 1 and a group of one micro-batch, and passed).
+    with pytest.raises(AccumulationCheckError, match=r"divided by A twice: the group gradient is 0\.5\d* ≈ 1/2"):
+        _scheduled({0: 4, 4: 8, 12: 16}, _DividesByA(), AccumulationCheck())
+
+
+def test_under_a_schedule_whose_first_stage_accumulates_nothing_the_check_takes_the_first_that_does() -> None:
+    # m × D = 2 = stage 0's batch: its groups hold one micro-batch on one replica and check no weighting, so the check
+    # runs stage 1's size (A = 2) on the loader's first examples.
+    check = AccumulationCheck()
+    _scheduled({0: 2, 6: 4, 10: 8}, TinyLM(), check)
+    assert check.result is not None and check.result.passed and check.result.microbatches == 2
+    note = check.result.notes[0]
+    assert note.startswith("under batch_schedule= the check ran one group of stage 1 (A = 2 micro-batch(es)")
+    assert "stage 0's groups hold one micro-batch on one replica" in note
+    assert "Not checked: stage(s) 0 (A = 1), 2 (A = 4)." in note

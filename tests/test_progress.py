@@ -132,3 +132,49 @@ def test_plain_mode_is_the_default_outside_a_terminal() -> None:
         AxisProgressBar(interval=0)
     with pytest.raises(ValueError, match="`axis` must be one of"):
         AxisProgressBar(axis="steps")
+
+
+class _BarMetrics(L.Callback):
+    """The progress bar's metrics after every training batch, beside the size of the group the batch is in."""
+
+    def __init__(self, bar: AxisProgressBar) -> None:
+        self.bar = bar
+        self.seen: list[tuple[str | None, str | None, int]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        metrics = self.bar.get_metrics(trainer, pl_module)
+        self.seen.append((metrics.get("stage"), metrics.get("global_batch"), int(trainer.accumulate_grad_batches)))  # type: ignore[arg-type]
+
+
+def test_under_a_batch_schedule_the_bars_show_the_stage_and_the_global_batch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lightning_accum import AccumulationStrategy, BatchSchedule
+
+    # m = 2, stages of 4, 8 and 16 samples from 0, 8 and 24 samples seen: A = 2, 4, 8.
+    schedule = BatchSchedule({0: 4, 8: 8, 24: 16}, axis="samples")
+    examples = make_examples(LENGTHS, seed=1)  # 32 examples: groups of 4, 4, 8, 8, 8
+    bar = AxisProgressBar(axis="samples", plain=False)
+    spy = _BarMetrics(bar)
+    trainer = make_trainer(
+        strategy=AccumulationStrategy(batch_schedule=schedule), callbacks=[bar, spy], enable_progress_bar=True
+    )
+    trainer.fit(TinyLM(), DataLoader(ListDataset(examples), batch_size=2))
+    # Every batch shows the stage of its group and that stage's samples per update, m · A · D = 2 · A.
+    assert [(stage, batch) for stage, batch, _ in spy.seen] == [("0", "4")] * 4 + [("1", "8")] * 8 + [("2", "16")] * 4
+    assert all(batch == str(2 * size) for _, batch, size in spy.seen)
+    final = capsys.readouterr().out.replace("\r", "\n").strip().splitlines()[-1]
+    assert "stage=2" in final and "global_batch=16" in final, final
+    # The plain lines end with the stage; without a schedule neither the metrics nor the lines name one.
+    plain = AxisProgressBar(axis="samples", plain=True, interval=1e-9)
+    make_trainer(
+        strategy=AccumulationStrategy(batch_schedule=schedule), callbacks=[plain], enable_progress_bar=True
+    ).fit(TinyLM(), DataLoader(ListDataset(examples), batch_size=2))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    assert lines[0].endswith("| stage 0, global batch 4") and lines[-1].endswith("| stage 2, global batch 16"), lines
+    without = AxisProgressBar(axis="samples", plain=False)
+    spy = _BarMetrics(without)
+    make_trainer(accumulate_grad_batches=2, callbacks=[without, spy], enable_progress_bar=True).fit(
+        TinyLM(), DataLoader(ListDataset(examples), batch_size=2)
+    )
+    assert {(stage, batch) for stage, batch, _ in spy.seen} == {(None, None)}

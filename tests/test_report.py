@@ -366,3 +366,36 @@ def test_one_line_instead_of_the_table(tmp_path: Path, capsys: pytest.CaptureFix
     printed = [line for line in capsys.readouterr().out.splitlines() if "run record" in line]
     assert len(printed) == 1 and printed[0].startswith("run record: completed, 1/1 updates applied")
     assert json.loads((tmp_path / REPORT_FILENAME).read_text())["updates"]["applied"] == 1  # the file is whole
+
+
+def test_under_a_batch_schedule_the_report_states_each_stages_a_not_one_groups(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # m = 2 and stages of 4, 8 and 16 samples on the samples axis (24 examples: groups of 4, then 8, 8, then 4 left):
+    # A is 2, 4, 8 by stage. Before, the report said `accumulate_grad_batches: 1` (the Trainer's attribute after the
+    # fit) and an effective batch of 2 × 1 × 1 = 2.
+    from lightning_accum import BatchSchedule
+
+    schedule = BatchSchedule({0: 4, 4: 8, 20: 16}, axis="samples")
+    report = AccumulationReport(path=str(tmp_path))
+    trainer = make_trainer(strategy=AccumulationStrategy(batch_schedule=schedule), callbacks=[report])
+    trainer.fit(
+        TinyLM(lr=0.5), DataLoader(ListDataset(make_examples(random_lengths(24, seed=5), seed=5)), batch_size=2)
+    )
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    assert record["accumulate_grad_batches"] == [2, 4, 8]
+    assert record["effective_batch"]["configured"] == [4, 8, 16]
+    assert (
+        record["effective_batch"]["arithmetic"]
+        == "stage 0: 2 × 2 × 1 = 4; stage 1: 2 × 4 × 1 = 8; stage 2: 2 × 8 × 1 = 16"
+    )
+    assert record["effective_batch"]["realized_min"] == 4 and record["effective_batch"]["realized_max"] == 8
+    stages = record["batch_schedule"]["stages"]
+    assert [(s["stage"], s["accumulate_grad_batches"], s["updates"], s["samples"]) for s in stages] == [
+        (0, 2, 1, 4),
+        (1, 4, 2, 16),
+        (2, 8, 1, 4),  # the epoch's last group: 4 of its 16 samples (a partial group, rescaled)
+    ]
+    out = capsys.readouterr().out
+    assert re.search(r"accumulate_grad_batches +2, 4, 8\n", out), out
+    assert re.search(r"batch_schedule\.stages\[1\] +from 4 samples: 8 samples/update, 2 updates, .*, A = 4\n", out)

@@ -319,9 +319,7 @@ def test_a_resume_inside_a_stage_and_a_group_continues_the_same_schedule(
     assert resumed.strategy.batch_stages == whole.strategy.batch_stages  # the checkpoint's record, continued
 
 
-def test_the_checkpoints_record_of_the_stages_continues_under_its_schedule_only_and_is_checked(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_the_checkpoints_record_of_the_stages_continues_under_any_schedule_and_is_checked(tmp_path: Path) -> None:
     # The record of the stages (what each one's groups consumed) is history the ledger does not hold: the entry
     # carries it. Written after epoch 0 (stages 0, 1 and 2 reached); resumed for epoch 1.
     path = tmp_path / "epoch.ckpt"
@@ -343,19 +341,19 @@ def test_the_checkpoints_record_of_the_stages_continues_under_its_schedule_only_
     same = resume(STAGES)
     assert same.batch_stages[:2] == written[:2] and same.batch_stages[2]["updates"] > written[2]["updates"]
     assert sum(s["tokens"] for s in same.batch_stages) == same.ledger.tokens
-    # Another schedule (stage 1 holds 16 samples from 30 tokens): the record is not its history; it starts afresh.
-    with caplog.at_level("INFO"):
-        other = resume({0: 4, 30: 16})
-    assert "(`batch_stages`) was written under another schedule (its stage 1: from 30 tokens, 8 samples" in caplog.text
-    assert [s["stage"] for s in other.batch_stages] == [1]
-    assert other.batch_stages[0]["tokens"] == other.ledger.tokens - written[-1]["tokens"] - sum(
-        s["tokens"] for s in written[:-1]
-    )
+    # Another schedule (stage 1 holds 16 samples from 30 tokens): the record keeps the stages the run reached and adds
+    # the new schedule's stage, whose groups hold what came after the resume.
+    other = resume({0: 4, 30: 16})
+    assert [s["stage"] for s in other.batch_stages] == [0, 1, 2, 1] and other.batch_stages[:3] == written
+    assert other.batch_stages[-1]["samples_per_update"] == 16
+    assert other.batch_stages[-1]["tokens"] == other.ledger.tokens - sum(s["tokens"] for s in written)
     # A damaged record is the entry's error, naming the key.
     state = torch.load(path, weights_only=True)
     state["lightning_accum"]["batch_stages"][1]["tokens"] = -1
     torch.save(state, path)
-    with pytest.raises(ValueError, match=r"`batch_stages\[1\]` should be a dict of the ints \['stage', 'threshold'"):
+    with pytest.raises(
+        ValueError, match=r"`batch_stages\[1\]` should be a dict of ints >= 0 with the keys \['accumulate_grad_batches'"
+    ):
         resume(STAGES)
 
 
@@ -508,3 +506,120 @@ def test_the_partial_group_policy_compares_an_epochs_last_group_with_its_own_sta
     assert (ledger.dropped_microbatches, ledger.samples) == (6, 64)
     assert trail.sizes == [2] * 8 + [4] * 4
     assert relative_error(params_vector(model), expected) < 1e-5
+
+
+class _CountsSteps(TinyLM):
+    """Counts the training batches Lightning started and the `training_step` calls (the check's included)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=LR, seed=59)
+        self.started, self.steps = 0, 0
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.started += 1
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
+        self.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_stage_batch_not_divisible_by_m_d_is_an_error_at_set_up_before_any_training_step() -> None:
+    # m = 4 from the loader's batch_size: stage 1's 6 samples are no multiple of m × D = 4. The error comes at the
+    # strategy's on_train_start, before Lightning starts a batch, and before AccumulationCheck's one-batch comparison
+    # (a callback's on_train_start, which runs training_step, and runs before the strategy's).
+    from lightning_accum import AccumulationCheck
+
+    schedule = BatchSchedule({0: 4, 30: 6, 120: 16}, axis="tokens")
+    message = (
+        r"stage 1 \(from 30 tokens\) holds 6 samples per update, not a multiple of m × D = 4 × 1 = 4 .* Use 4 or 8"
+    )
+    for callbacks in ([], [AccumulationCheck()]):
+        model = _CountsSteps()
+        trainer = make_trainer(strategy=AccumulationStrategy(batch_schedule=schedule), callbacks=callbacks)
+        with pytest.raises(ValueError, match=message):
+            trainer.fit(model, DataLoader(ListDataset(EXAMPLES), batch_size=4))
+        assert (model.started, model.steps) == (0, 0), callbacks
+    # A loader without `batch_size` (a batch sampler) tells m with its first batch: checked there, as before.
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    model = _CountsSteps()
+    trainer = make_trainer(strategy=AccumulationStrategy(batch_schedule=schedule))
+    sampler = BatchSampler(SequentialSampler(range(len(EXAMPLES))), batch_size=4, drop_last=False)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(model, DataLoader(ListDataset(EXAMPLES), batch_sampler=sampler))
+    assert (model.started, model.steps) == (1, 0)
+
+
+def _resumable_run(
+    schedule: BatchSchedule | None, path: str | None = None, save: L.Callback | None = None, **trainer_kw: Any
+) -> tuple[Any, TinyLM, UpdateTrail]:
+    from helpers import ResumableLoader
+
+    model = TinyLM(lr=LR, seed=59)
+    trail = UpdateTrail()
+    trainer = make_trainer(
+        strategy=AccumulationStrategy(batch_schedule=schedule),
+        max_epochs=EPOCHS,
+        callbacks=[trail, *([save] if save else [])],
+        **trainer_kw,
+    )
+    trainer.fit(model, ResumableLoader(ListDataset(EXAMPLES), batch_size=2), ckpt_path=path)
+    return trainer, model, trail
+
+
+def test_batch_stages_survive_a_resume_inside_a_stage_and_stay_with_the_fit_that_resumes(tmp_path: Path) -> None:
+    # The checkpoint's entry carries the per-stage record: a run resumed inside stage 1 (and inside a group) reports
+    # the uninterrupted run's stages, attempts, updates, samples and tokens, not only what came after the resume.
+    schedule = BatchSchedule(STAGES, axis="tokens")
+    whole, _, _ = _resumable_run(schedule)
+    expected = whole.strategy.batch_stages
+    assert [s["stage"] for s in expected] == [0, 1, 2]
+    assert [s["accumulate_grad_batches"] for s in expected] == [2, 4, 8]  # m = 2: A = B / 2
+    path = str(tmp_path / "mid.ckpt")
+    _resumable_run(schedule, save=_SavesAt(path, 0, 11))
+    entry = torch.load(path, weights_only=True)["lightning_accum"]
+    assert entry["open_group_microbatches"] > 0 and [s["stage"] for s in entry["batch_stages"]] == [0, 1]
+    resumed, _, _ = _resumable_run(schedule, path)
+    assert resumed.strategy.batch_stages == expected
+    # A checkpoint's record reaches only the fit that resumes from it: `validate(ckpt_path=...)` restores weights only,
+    # and a later fit without `ckpt_path` starts its record from nothing.
+    trainer = make_trainer(strategy=AccumulationStrategy(batch_schedule=schedule), max_epochs=EPOCHS)
+    from helpers import EvalLM
+
+    model = EvalLM(lr=LR, seed=59)
+    trainer.validate(model, DataLoader(ListDataset(EXAMPLES[:4]), batch_size=2), ckpt_path=path, verbose=False)
+    assert trainer.strategy.batch_stages == []
+    trainer.fit(TinyLM(lr=LR, seed=59), DataLoader(ListDataset(EXAMPLES), batch_size=2))
+    assert trainer.strategy.batch_stages == expected
+    # A damaged record is an error naming it, before anything trains.
+    damaged = torch.load(path, weights_only=True)
+    damaged["lightning_accum"]["batch_stages"][1]["updates"] = -1
+    torch.save(damaged, tmp_path / "damaged.ckpt")
+    with pytest.raises(ValueError, match=r"damaged: `batch_stages\[1\]` should be a dict of ints >= 0 with the keys"):
+        _resumable_run(schedule, str(tmp_path / "damaged.ckpt"))
+    # An entry written before the record was saved (no `batch_stages`) still loads: the record starts empty there.
+    del entry["batch_stages"]
+    old = torch.load(path, weights_only=True)
+    old["lightning_accum"] = entry
+    torch.save(old, tmp_path / "old.ckpt")
+    resumed_old, _, _ = _resumable_run(schedule, str(tmp_path / "old.ckpt"))
+    assert resumed_old.strategy.ledger == whole.strategy.ledger  # type: ignore[attr-defined]
+    after = resumed_old.strategy.batch_stages
+    assert [s["stage"] for s in after] == [1, 2] and after[1] == expected[2]  # stage 1's record: after the resume
+
+
+def test_a_checkpoint_of_a_run_without_a_schedule_resumes_into_the_stage_its_position_falls_in(tmp_path: Path) -> None:
+    # Written at an update boundary by a run of fixed A = 2 (4 samples per update) after 20 examples; resumed under a
+    # schedule, the first group has the size of the stage at the checkpoint's tokens, and the record starts there.
+    schedule = BatchSchedule(STAGES, axis="tokens")
+    path = str(tmp_path / "plain.ckpt")
+    _resumable_run(None, save=_SavesAt(path, 0, 9), accumulate_grad_batches=2)
+    position = torch.load(path, weights_only=True)["lightning_accum"]["ledger"]["tokens"]
+    stage = schedule.stage_at(position)
+    assert stage.index == 1  # the test's premise: the position lies inside stage 1
+    resumed, _, trail = _resumable_run(schedule, path)
+    assert trail.sizes[0] == stage.samples // 2  # A = 8 / 2
+    record = resumed.strategy.batch_stages
+    assert [s["stage"] for s in record] == [1, 2]
+    assert sum(s["tokens"] for s in record) == resumed.strategy.ledger.tokens - position
+    assert resumed.strategy.ledger.samples == EPOCHS * len(EXAMPLES)

@@ -37,6 +37,7 @@ from lightning_accum.microbatch import infer_num_samples
 from lightning_accum.patching import InstancePatch, patched
 from lightning_accum.strategies import ExactAccumulation
 from lightning_accum.strategies.evaluation import plain_evaluation
+from lightning_accum.strategies.scheduled_groups import loader_batch_size
 from lightning_accum.tokens import TokenWeightingWarning, find_labels, supervised_tokens
 
 __all__ = ["AccumulationCheck", "AccumulationCheckError", "CheckResult", "concat_microbatches"]
@@ -143,6 +144,20 @@ class AccumulationCheck(Callback):
     (``"16-mixed"``, ``"bf16-mixed"``) both gradients are computed with autocast off, in float32: the check is about
     the accumulation arithmetic, not the precision, so its tolerance stays tight.
 
+    Under a strategy's ``batch_schedule=`` the check runs before the strategy sets each group's size, so it asks the
+    schedule: ``A`` is the stage's batch over ``m × D`` (``m``: the loader's ``batch_size``, or its first batch's
+    samples), and a stage batch that is not a multiple of ``m × D`` is the schedule's error, raised here before any
+    ``training_step``. Decision: it checks **one** group, the run's first (stage 0's, on the examples the run's first
+    update uses), with ``trainer.accumulate_grad_batches`` reading that group's ``A`` as in the run; where stage 0's
+    groups hold one micro-batch on one replica (nothing accumulated), the first stage whose groups accumulate
+    instead, on the loader's first examples. The first group of a later stage is not checked: its examples come at a
+    position the loader reaches only during the run (a check at set-up cannot take them without consuming the
+    run's data), and a check when the stage begins would interrupt training with a one-batch forward of ``A × m``
+    samples, the largest at the largest stage. Nothing is lost by it: the weighting, ``c`` and the close's rescale
+    are one arithmetic at every ``A``, which one group that accumulates checks; a loss divided by
+    ``trainer.accumulate_grad_batches`` shows as a ratio of ``1/A`` there. The result's first note names the stage
+    checked, its ``A``, and the stages not checked with their ``A``.
+
     Diagnoses, from the checklist of symptoms and causes:
 
     - gradient ratio near ``1/A`` → the loss is divided by ``A`` twice;
@@ -211,8 +226,12 @@ class AccumulationCheck(Callback):
             rank_zero_info("AccumulationCheck: skipped, the run resumes from a checkpoint.")
             return
         optimizer = trainer.optimizers[0]
-        with _restored(pl_module, optimizer):
-            self.result = self._run(trainer, pl_module, strategy, optimizer)
+        accumulate, schedule_note = _checked_size(trainer, strategy, lambda: self._take(trainer, pl_module, 1))
+        # `trainer.accumulate_grad_batches` reads the checked group's size, as in the run's group.
+        with _restored(pl_module, optimizer), _accumulating(trainer, accumulate):
+            self.result = self._run(trainer, pl_module, strategy, optimizer, accumulate)
+        if schedule_note is not None:
+            self.result.notes.insert(0, schedule_note)
         self._report(self.result)
 
     # ------------------------------------------------------------------ the check
@@ -227,9 +246,14 @@ class AccumulationCheck(Callback):
         return 1e-4
 
     def _run(
-        self, trainer: Trainer, module: LightningModule, strategy: ExactAccumulation, optimizer: Optimizer
+        self,
+        trainer: Trainer,
+        module: LightningModule,
+        strategy: ExactAccumulation,
+        optimizer: Optimizer,
+        accumulate: int,
     ) -> CheckResult:
-        accumulate = trainer.accumulate_grad_batches
+        """One group of ``accumulate`` micro-batches against the same examples in one batch: the result."""
         replicas = strategy.data_parallel_replicas
         errors: list[str] = []
         warnings: list[str] = []
@@ -482,6 +506,64 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
     ]
     unique = {id(g): g for g in candidates if isinstance(g, torch.Generator)}
     return list(unique.values())
+
+
+def _checked_size(
+    trainer: Trainer, strategy: ExactAccumulation, first_batch: Callable[[], list[Any]]
+) -> tuple[int, str | None]:
+    """The ``A`` of the group the check runs: the Trainer's, or under ``batch_schedule=`` (whose strategy sets the
+    groups' sizes after the check's hook) the schedule's, with the note that says which stage that is and why the
+    others are not checked (see :class:`AccumulationCheck`). ``first_batch()``: the loader's first batch, for ``m``
+    where the loader has no ``batch_size``. Raises the schedule's own error for a stage batch that is not a multiple
+    of ``m × D``, before any ``training_step``."""
+    schedule, replicas = strategy.batch_schedule, strategy.data_parallel_replicas
+    if schedule is None:
+        return trainer.accumulate_grad_batches, None
+    m = loader_batch_size(trainer.train_dataloader)
+    if m is None:
+        first = first_batch()
+        m = infer_num_samples(first[0]) if first else None
+    if m is None:
+        return 1, (
+            "under batch_schedule= the check could not tell the samples of a micro-batch (the loader has no"
+            " `batch_size` and its first batch no common leading dimension), so it checked a group of one"
+            " micro-batch: no stage's accumulation was checked."
+        )
+    schedule.check(m, replicas)
+    sizes = [stage.samples // (m * replicas) for stage in schedule.stages]
+    accumulates = replicas > 1 or strategy.slicing.configured is not None  # more than one micro-batch per group
+    checked = next((i for i, size in enumerate(sizes) if accumulates or size > 1), 0)
+    which = (
+        "the run's first group"
+        if checked == 0
+        else "a group of the loader's first examples (stage 0's groups hold one micro-batch on one replica, which"
+        " checks no weighting)"
+    )
+    note = (
+        f"under batch_schedule= the check ran one group of stage {checked} (A = {sizes[checked]} micro-batch(es)"
+        f" per replica, {schedule.stages[checked].samples} samples per update): {which}."
+    )
+    others = [f"{i} (A = {size})" for i, size in enumerate(sizes) if i != checked]
+    if others:
+        note += (
+            f" Not checked: stage(s) {', '.join(others)}. Their first groups hold examples the loader reaches only"
+            " during the run, not at set-up, and one group's arithmetic (the weights, c, the close's rescale) is"
+            " the same at every A, so a group that accumulates checks it for every stage; a loss divided by"
+            " `trainer.accumulate_grad_batches` shows here as a ratio of 1/A."
+        )
+    return sizes[checked], note
+
+
+@contextmanager
+def _accumulating(trainer: Trainer, accumulate: int) -> Iterator[None]:
+    """``trainer.accumulate_grad_batches`` reads ``accumulate`` inside the block, as in the run's group: under a batch
+    schedule the check runs before the strategy sets it (the Trainer's own value is given back after)."""
+    given = trainer.accumulate_grad_batches
+    trainer.accumulate_grad_batches = accumulate
+    try:
+        yield
+    finally:
+        trainer.accumulate_grad_batches = given
 
 
 @contextmanager

@@ -9,6 +9,10 @@ the ledger's exact count against the budget a :class:`~lightning_accum.Horizon` 
 ``max_steps`` for ``axis="updates"``), and, when the output is not a terminal, print one plain line at a steady
 interval instead (:func:`progress_line`). What the two share is :class:`_AxisBar`; each adds only how its library
 draws the training bar.
+
+Under a strategy's ``batch_schedule=`` both bars show the stage of the group that runs (``stage``, its index in the
+schedule) and its global batch (``global_batch``, samples per update) with the updates (``get_metrics``), and the
+plain lines end with ``stage 1, global batch 8``; without a schedule neither appears.
 """
 
 from __future__ import annotations
@@ -78,6 +82,16 @@ def progress_line(
     return " | ".join(parts)
 
 
+def _batch_stage(trainer: Trainer) -> dict[str, int] | None:
+    """The record of the stage the running (or last) group is in, under a strategy's ``batch_schedule=``; ``None``
+    without a schedule or before the first group."""
+    strategy = accumulation_strategy(trainer, "the progress bar")
+    if strategy.batch_schedule is None:
+        return None
+    stages = strategy.batch_stages
+    return stages[-1] if stages else None
+
+
 class _AxisBar(ProgressBar):
     """What both bars share: the count on the axis, the budget, the plain lines, the counts in the metrics.
 
@@ -112,6 +126,9 @@ class _AxisBar(ProgressBar):
             line = progress_line(
                 self._ledger(trainer), self.axis, self._budget, count, time.monotonic() - started, self._epoch
             )
+            stage = _batch_stage(trainer)
+            if stage is not None:
+                line += f" | stage {stage['stage']}, global batch {stage['samples_per_update']}"
             print(line + extra, flush=True)
 
     #: Draw the training bar every this many micro-batches.
@@ -131,6 +148,9 @@ class _AxisBar(ProgressBar):
         ledger = self._ledger(trainer)
         # Counts as text: Rich's metrics column formats every number with three decimals ("skipped: 0.000").
         metrics.update(applied=str(ledger.updates_applied), skipped=str(ledger.skipped_total))
+        stage = _batch_stage(trainer)
+        if stage is not None:  # under `batch_schedule=`: the running group's stage and samples per update
+            metrics.update(stage=str(stage["stage"]), global_batch=str(stage["samples_per_update"]))
         return metrics
 
     # ------------------------------------------------------------------ training

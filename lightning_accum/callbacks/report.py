@@ -96,12 +96,22 @@ class AccumulationReport(Callback):
     ``micro_batch_size``                 ``configured`` m (the loader's batch size), ``realized_min/max``
                                          samples per micro-batch (over ranks; micro-batches of groups
                                          that closed, dropped ones included), ``per_rank``
-    ``accumulate_grad_batches``          A
+    ``accumulate_grad_batches``          A; under a strategy's ``batch_schedule=`` a list: the A of each stage
+                                         reached, in the order of ``batch_schedule.stages`` (see below)
     ``data_parallel_replicas``           D, the strategy's ``data_parallel_replicas`` (data replicas, not devices)
     ``tensor_parallel_size``             devices sharing one replica (1 without tensor parallelism)
     ``effective_batch``                  ``configured`` m·A·D, ``arithmetic`` ("2 × 8 × 2 = 32", with
                                          "; tensor parallel 2 (devices sharing one replica)" when tp > 1),
-                                         ``realized_min/mean/max`` samples per attempted update
+                                         ``realized_min/mean/max`` samples per attempted update; under a
+                                         schedule ``configured`` is a list (each stage's batch) and
+                                         ``arithmetic`` one product per stage ("stage 0: 2 × 2 × 1 = 4; stage 1:
+                                         2 × 4 × 1 = 8")
+    ``batch_schedule``                   under ``batch_schedule=`` (absent otherwise): ``schedule`` (its repr),
+                                         ``axis``, and ``stages``, the strategy's ``batch_stages``: per stage
+                                         reached its ``threshold``, ``samples_per_update``,
+                                         ``accumulate_grad_batches`` and the ``attempts``, ``updates``,
+                                         ``samples`` and ``tokens`` its groups consumed (a resumed fit's
+                                         include the run before the checkpoint)
     ``tokens``                           ``total`` supervised tokens, ``per_update_min/mean/max``
     ``samples``                          ``total``
     ``precision``                        the Trainer's precision
@@ -124,6 +134,12 @@ class AccumulationReport(Callback):
                                          ``new_size``, ``time``)
     ``ledger``                           the ledger's state
     ==================================== ===============================================================
+
+    Under a batch schedule no single ``A`` describes the run, and the Trainer's attribute holds only the size of the
+    group that ran last: ``accumulate_grad_batches`` keeps its key and lists each stage's ``A`` instead (an int never
+    stands for a run whose groups changed size), and ``effective_batch.configured`` each stage's batch; the stages are
+    the ones the fit reached, so a stage the run never got to is not claimed. ``m`` there is the schedule's (the
+    stage's batch over ``A × D``).
 
     The peaks are the process's peak counter (CUDA's allocator peak, on CPU the peak resident set ``VmHWM``), read
     at the start of training (``peak_before_fit``), after the first update (``first_group_peak``: backward and
@@ -277,11 +293,21 @@ class AccumulationReport(Callback):
             for row in self._gather(trainer, [-1 if v is None else int(v) for v in mine], gather)
         ]
         m = getattr(trainer.train_dataloader, "batch_size", None)
-        a = trainer.accumulate_grad_batches
+        a: int | list[int] = trainer.accumulate_grad_batches
         # D counts data-parallel replicas, not devices: the devices of one tensor-parallel group share one replica.
         d, tp = strategy.data_parallel_replicas, strategy.tensor_parallel_size
         tp_note = f"; tensor parallel {tp} (devices sharing one replica)" if tp > 1 else ""
-        configured = m * a * d if m is not None else None
+        configured: int | list[int] | None = m * a * d if m is not None else None
+        arithmetic = (f"{m} × {a} × {d} = {configured}" if m is not None else f"? × {a} × {d}") + tp_note
+        if strategy.batch_schedule is not None:  # one A per stage reached (the Trainer's attribute: the last group's)
+            stages = strategy.batch_stages
+            a = [stage["accumulate_grad_batches"] for stage in stages]
+            configured = [stage["samples_per_update"] for stage in stages]
+            arithmetic = "; ".join(
+                f"stage {stage['stage']}: {b // (size * d)} × {size} × {d} = {b}"
+                for stage, size, b in zip(stages, a, configured, strict=True)
+            )
+            arithmetic = (arithmetic or "no stage reached") + tp_note
         wall = time.perf_counter() - self._start if self._start else 0.0
         mins = [row[2] for row in per_rank if row[2] is not None]
         maxs = [row[3] for row in per_rank if row[3] is not None]
@@ -300,7 +326,7 @@ class AccumulationReport(Callback):
             "tensor_parallel_size": tp,
             "effective_batch": {
                 "configured": configured,
-                "arithmetic": (f"{m} × {a} × {d} = {configured}" if m is not None else f"? × {a} × {d}") + tp_note,
+                "arithmetic": arithmetic,
                 **{f"realized_{name}": value for name, value in _stats(self._samples_per_update).items()},
             },
             "tokens": {
@@ -514,7 +540,8 @@ def format_report(record: dict[str, Any]) -> str:
                     (
                         f"{name}[{st['stage']}]",
                         f"from {st['threshold']:,} {value['axis']}: {st['samples_per_update']:,} samples/update,"
-                        f" {st['updates']:,} updates, {st['tokens']:,} tokens, {st['samples']:,} samples",
+                        f" {st['updates']:,} updates, {st['tokens']:,} tokens, {st['samples']:,} samples,"
+                        f" A = {st.get('accumulate_grad_batches', '?')}",
                     )
                     for st in inner
                 ]

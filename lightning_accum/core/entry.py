@@ -110,6 +110,29 @@ def _sums(value: Any) -> bool:
     )
 
 
+#: A record entry of a stage reached under ``batch_schedule=`` (a Trainer strategy's ``batch_stages``): the keys it
+#: always holds, and the one it holds for a batch stated in tokens.
+_STAGE_KEYS = {
+    "stage",
+    "threshold",
+    "samples_per_update",
+    "accumulate_grad_batches",
+    "updates",
+    "attempts",
+    "samples",
+    "tokens",
+}
+_STAGE_OPTIONAL = {"tokens_per_update"}
+
+
+def _stage_record(value: Any) -> bool:
+    return (
+        isinstance(value, Mapping)
+        and _STAGE_KEYS <= set(value) <= _STAGE_KEYS | _STAGE_OPTIONAL
+        and all(_count(count) for count in value.values())
+    )
+
+
 _WHOLE = "a whole number in [0, 2**53) (a count)"
 
 
@@ -139,17 +162,6 @@ def _slicing_rows(where: str) -> tuple[Field, ...]:
         Field(f"{where}.slice_sizes", _dict_of(_positive, _count), "a dict of size -> int >= 0", required=True),
         Field(f"{where}.retries", _is(list), "a list", required=True),
     )
-
-
-#: The counts of one stage's record in ``batch_stages`` (:attr:`ExactAccumulation.batch_stages
-#: <lightning_accum.strategies.base.ExactAccumulation.batch_stages>`); ``tokens_per_update`` where the schedule states
-#: its batches in tokens.
-_STAGE_COUNTS = ("stage", "threshold", "samples_per_update", "updates", "attempts", "samples", "tokens")
-
-
-def _stage_record(value: Any) -> bool:
-    keys = set(value) if isinstance(value, Mapping) else set()
-    return set(_STAGE_COUNTS) <= keys <= {*_STAGE_COUNTS, "tokens_per_update"} and all(map(_count, value.values()))
 
 
 _NORMALIZE = ("auto", *_UNITS)
@@ -222,8 +234,13 @@ FIELDS: tuple[Field, ...] = (
     Field("slicing.per_rank", _is(list), "a list of each rank's record", required=True),
     Field("slicing.per_rank.*", _is(Mapping), "a dict of `size`, `slice_sizes` and `retries` (one rank's record)"),
     *_slicing_rows("slicing.per_rank.*"),
-    Field("batch_stages", _is(list), "a list of the stages reached (`batch_stages`)"),
-    Field("batch_stages.*", _stage_record, f"a dict of the ints {list(_STAGE_COUNTS)} (and `tokens_per_update`)"),
+    # Under `batch_schedule=` (absent in entries written before it was saved, and without a schedule).
+    Field("batch_stages", _is(list), "a list of the stages reached (a dict each)"),
+    Field(
+        "batch_stages.*",
+        _stage_record,
+        f"a dict of ints >= 0 with the keys {sorted(_STAGE_KEYS)} (and optionally {sorted(_STAGE_OPTIONAL)})",
+    ),
 )
 _EXPECTED = {row.path: row.expected for row in FIELDS}
 #: The rows of the carried gradient, checked again once a sharded folder's gradient is read.

@@ -148,16 +148,16 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._steps = AutomaticSteps()
         self._evaluation = ExactEvaluation()
         self._side = self.side_type(self, self._core.adapter)
+        self._scheduled = ScheduledGroups(as_schedule(batch_schedule))  # the groups' sizes under `batch_schedule=`
+        self._checkpoints = TrainerCheckpoint(
+            self, self._core, self._side, self._slicer, self._attached_trainer, self._scheduled
+        )
         self._trainer_ref: Trainer | None = None  # set in `setup`: the hooks of every micro-batch read it
         self._agreement: Callable[[Trainer], None] | None = None  # the adapter's, before each micro-batch of the fit
         self._aside = False  # inside `use_engine`: the hooks run for a check, not for the run
         self._failed = False  # the entry point running raised (Lightning called `on_exception`)
         self._sync_blocked = False  # inside a `block_backward_sync` that blocks FSDP2's reduction (model parallel)
         self._clipping = PrecisionClipping()  # the precision plugin's clip methods, for the run
-        self._scheduled = ScheduledGroups(as_schedule(batch_schedule))  # the groups' sizes under `batch_schedule=`
-        self._checkpoints = TrainerCheckpoint(
-            self, self._core, self._side, self._slicer, self._scheduled, self._attached_trainer
-        )
         self._short_epoch: InstancePatch | None = None  # the fit loop's `setup_data`, for the run
 
     # ------------------------------------------------------------------ the public interface
@@ -176,10 +176,12 @@ class ExactAccumulation(Strategy, CoreSeam):
     @property
     def batch_stages(self) -> list[dict[str, int]]:
         """Per stage of :attr:`batch_schedule` the fit reached, in order: ``stage`` (its index), ``threshold``,
-        ``samples_per_update`` (its batch; ``tokens_per_update`` too for a batch stated in tokens), and what its
-        groups consumed: ``attempts``, ``updates`` (applied), ``samples``, ``tokens`` (over all replicas; a
-        dropped partial group adds nothing). Empty without a schedule. Checkpoints carry it: a fit resumed from one
-        continues its record (one written under another schedule starts afresh)."""
+        ``samples_per_update`` (its batch; ``tokens_per_update`` too for a batch stated in tokens),
+        ``accumulate_grad_batches`` (``A``, its latest group's micro-batches per replica: its batch over ``m × D``),
+        and what its groups consumed: ``attempts``, ``updates`` (applied), ``samples``, ``tokens`` (over all
+        replicas; a dropped partial group adds nothing). Checkpoints carry it: a fit resumed from one continues the
+        record of the run that wrote it (see :mod:`~lightning_accum.strategies.scheduled_groups`). Empty without a
+        schedule."""
         return [dict(stage) for stage in self._scheduled.stages]
 
     @property
@@ -481,7 +483,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         super().on_train_start()
         trainer = self._trainer()
         _check_supported(self, trainer)
-        self._scheduled.start(trainer)
+        self._scheduled.start(trainer, self.data_parallel_replicas)
         self.add_group_listener(self._scheduled.on_group)
         _warn_of_slashes_in_checkpoint_names(trainer)
         self._side.on_train_start(trainer)
@@ -525,6 +527,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._side.teardown()
         self._clipping.release()
         self.remove_group_listener(self._scheduled.on_group)
+        self._scheduled.forget_resume()
         if self._trainer_ref is not None:
             self._scheduled.end(self._trainer_ref)
         if self._short_epoch is not None:

@@ -1,5 +1,7 @@
 """The Trainer strategy's checkpoints, :class:`TrainerCheckpoint`; the entry and the open group's lifecycle are the
-core's (:mod:`lightning_accum.core.checkpoint`)."""
+core's (:mod:`lightning_accum.core.checkpoint`). What only a Trainer adds to the entry: every rank's record of
+``microbatch_size=`` (``slicing``) and, under ``batch_schedule=``, the record of the stages reached
+(``batch_stages``, see :mod:`~lightning_accum.strategies.scheduled_groups`)."""
 
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ class TrainerCheckpoint:
     """The Trainer strategy's ``save_checkpoint`` / ``load_checkpoint``: the entry (with every rank's slicing record)
     written, by the survivors alone when a peer is lost, and read back by a ``fit`` only. It reads the strategy's
     Lightning's public members and is handed the rest: ``core`` (its ``AccumulationCore``), ``side`` (its
-    ``TrainerSide``), the slicer, the groups of its batch schedule and the strategy's accessor of its Trainer."""
+    ``TrainerSide``), the slicer and the strategy's accessor of its Trainer."""
 
     def __init__(
         self,
@@ -103,10 +105,12 @@ class TrainerCheckpoint:
         core: Any,
         side: TrainerSide,
         slicer: BatchSlicer,
-        scheduled: ScheduledGroups,
         trainer: Callable[[], Trainer | None],
+        scheduled: ScheduledGroups,
     ) -> None:
-        self.strategy, self.core, self.side, self.slicer, self.scheduled = strategy, core, side, slicer, scheduled
+        self.strategy, self.core, self.side, self.slicer = strategy, core, side, slicer
+        #: The groups under ``batch_schedule=``: their per-stage record is written and read back.
+        self.scheduled = scheduled
         #: The Trainer running the strategy, or ``None`` (the strategy's one accessor, handed in).
         self.trainer = trainer
 
@@ -143,8 +147,8 @@ class TrainerCheckpoint:
         if self.slicer.enabled:
             world = int(getattr(self.strategy, "world_size", 1))
             state["slicing"] = slicing_state(self.slicer.log.state_dict(), world, gather=failed is None)
-        if self.scheduled.schedule is not None:  # the stages reached, which a resumed run's record continues
-            state["batch_stages"] = self.scheduled.state_dict()
+        if self.scheduled.schedule is not None:  # the same on every replica: every closed group is counted
+            state["batch_stages"] = [dict(stage) for stage in self.scheduled.stages]
         return state
 
     def load(self, checkpoint_path: Any, weights_only: bool | None, load: Callable[..., Any]) -> dict[str, Any]:
@@ -164,7 +168,7 @@ class TrainerCheckpoint:
         if state is not None and self.slicer.enabled and state.get("slicing") is not None:
             # Lightning restores checkpoints before `setup`: the rank comes from the strategy's cluster environment.
             self.slicer.log.load_state_dict(own_slicing(state["slicing"], self.core.adapter.rank))
-        self.scheduled.load_state_dict(None if state is None else state.get("batch_stages"))
+        self.scheduled.load_state(None if state is None else state.get("batch_stages"))
         return checkpoint
 
     def configuration(self) -> dict[str, Any]:

@@ -15,9 +15,25 @@ crosses a threshold finishes at its own size. An epoch's last group still ends a
 partial-group policy compares it with its own target size.
 
 The stage of a group is a function of the ledger's position at its start, so a resumed run finds it again; a
-checkpoint written inside a group carries the group's size, which the resumed run keeps for that group. The record of
-the stages reached (what each one's groups consumed) is history the ledger does not hold: the checkpoint's entry carries
-it (``batch_stages``), and the resumed run adds to it (:meth:`ScheduledGroups.state_dict`).
+checkpoint written inside a group carries the group's size, which the resumed run keeps for that group.
+
+Decisions made here:
+
+* **Every stage's batch is checked against ``m × D`` at set-up**, in the strategy's ``on_train_start`` (after the
+  sanity check, before any ``training_step``: the training loader is known there, not before), from the loader's
+  ``batch_size`` where it has one (a ``DataLoader`` given ``batch_size``, not a ``batch_sampler``). A loader without
+  one (a batch sampler, an iterable of batches) says ``m`` only with its first batch: the check runs there, as
+  before, and the first batch's samples are ``m`` in both cases. :class:`~lightning_accum.AccumulationCheck`, whose
+  ``on_train_start`` (a callback's) runs before the strategy's and calls ``training_step``, asks the schedule the same
+  before it does.
+* **What each stage reached consumed survives a resume**: the record (:attr:`stages`, the strategy's
+  ``batch_stages``) is written into the checkpoint's entry (``batch_stages``) and restored by a fit that resumes from
+  it, never by ``validate`` / ``test`` / ``predict(ckpt_path=...)`` (whose checkpoint reaches no later fit). A
+  checkpoint without the key (written before it existed, or by a run without a schedule) starts the record empty: its
+  first stage is the one the checkpoint's position falls in. A record entry is continued only by groups of the same
+  stage (index, threshold and batch): a run resumed under another schedule starts entries of its own.
+* Each record entry holds ``accumulate_grad_batches``, the ``A`` of the stage's latest group under the fit's ``m`` and
+  ``D`` (set at each group's start: a run resumed under another ``D`` shows its own).
 """
 
 from __future__ import annotations
@@ -28,15 +44,15 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
 from lightning_accum.axis_lr import check_counts_reported
 from lightning_accum.batch_schedule import BatchSchedule, GroupSize, Stage
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.slicing import SplitBatch, count_samples
 
-__all__ = ["ScheduledGroups"]
+__all__ = ["ScheduledGroups", "loader_batch_size"]
 
 
 class ScheduledGroups:
@@ -50,26 +66,29 @@ class ScheduledGroups:
         self.stages: list[dict[str, int]] = []  # per stage reached: what its groups consumed
         self._counts_checked = False
         self._given = 1
-        self._loaded: list[dict[str, int]] | None = None  # a checkpoint's record of the stages, for the fit resuming
+        self._resumed = False  # `stages` holds a checkpoint's record, for the fit that resumes from it
 
-    def state_dict(self) -> list[dict[str, int]]:
-        """The record of the stages reached (:attr:`stages`, or a checkpoint's not yet taken over by its fit), for the
-        checkpoint's entry."""
-        return [dict(stage) for stage in (self._loaded if self._loaded is not None else self.stages)]
+    def load_state(self, stages: list[dict[str, int]] | None) -> None:
+        """A fit resumes from a checkpoint whose entry holds ``stages`` (``None``: a checkpoint without the record):
+        its record continues from there (read by :meth:`start`; a run without a schedule keeps none)."""
+        self.stages = [dict(stage) for stage in stages or []] if self.schedule is not None else []
+        self._resumed = True
 
-    def load_state_dict(self, stages: list[dict[str, int]] | None) -> None:
-        """Keep a checkpoint's record of the stages (``None``: it has none) for the fit that resumes from it."""
-        self._loaded = None if stages is None else [dict(stage) for stage in stages]
+    def forget_resume(self) -> None:
+        """The entry point ends: a checkpoint's record read by a fit that never started training reaches no later
+        fit."""
+        self._resumed = False
 
-    def start(self, trainer: Trainer) -> None:
-        """Refuse what cannot share the groups with the schedule; forget the previous fit's batch size; continue the
-        record of the stages of the checkpoint the fit resumes from."""
+    def start(self, trainer: Trainer, replicas: int) -> None:
+        """Refuse what cannot share the groups with the schedule, and a stage's batch that is not a multiple of the
+        loader's ``batch_size`` × ``replicas`` (``D``); forget the previous fit's batch size, and its record unless
+        the fit resumes from a checkpoint."""
         self.microbatch_size, self.stage, self._counts_checked = None, None, False
-        self.stages, loaded, self._loaded = [], self._loaded, None
+        if not self._resumed:  # (a resumed run without a schedule loaded none)
+            self.stages = []
+        self._resumed = False
         if self.schedule is None:
             return
-        if loaded:
-            self.stages = self._continued(loaded)
         self._given = trainer.accumulate_grad_batches  # the Trainer's own value, given back by `end`
         if not trainer.lightning_module.automatic_optimization:
             raise ValueError(
@@ -91,26 +110,9 @@ class ScheduledGroups:
                 f" `accumulate_grad_batches={trainer.accumulate_grad_batches}`. Remove `accumulate_grad_batches` from"
                 " the Trainer (the schedule's batches divided by m × D are the sizes)."
             )
-
-    def _continued(self, loaded: list[dict[str, int]]) -> list[dict[str, int]]:
-        """The checkpoint's record of the stages where each stage in it is this schedule's stage of that index (the
-        same threshold and batch); otherwise (another schedule wrote it) an empty record, announced."""
-        assert self.schedule is not None
-        stages = self.schedule.stages
-        for record in loaded:
-            index = record["stage"]
-            if index >= len(stages) or (record["threshold"], record["samples_per_update"]) != (
-                stages[index].threshold,
-                stages[index].samples,
-            ):
-                rank_zero_info(
-                    f"lightning_accum: the checkpoint's record of the stages reached (`batch_stages`) was written under"
-                    f" another schedule (its stage {index}: from {record['threshold']} {self.schedule.axis},"
-                    f" {record['samples_per_update']} samples per update); {self.schedule!r} records its stages from"
-                    " here on."
-                )
-                return []
-        return loaded
+        m = loader_batch_size(trainer.train_dataloader)
+        if m is not None:  # else at the first batch, from its samples
+            self.schedule.check(m, replicas)
 
     def end(self, trainer: Trainer) -> None:
         """Give the Trainer back its own ``accumulate_grad_batches`` (the fit's groups end with it)."""
@@ -138,7 +140,7 @@ class ScheduledGroups:
             if done:  # the checkpoint's group: its size as written, its first batch `done` batches back
                 size = int(resumed.get("accumulate") or (resumed.get("config") or {}).get("accumulate") or 1)  # type: ignore[union-attr]
                 trainer.accumulate_grad_batches = GroupSize(size, phase=batch_idx - done)
-                self._enter(schedule.stage_at(ledger))
+                self._enter(schedule.stage_at(ledger), size)
                 return
         if not self._counts_checked and ledger.updates_attempted:
             self._counts_checked = check_counts_reported("BatchSchedule", schedule.axis, ledger)
@@ -146,16 +148,23 @@ class ScheduledGroups:
         stage = schedule.stage_at(ledger)
         size = stage.samples // (self.microbatch_size * replicas)
         trainer.accumulate_grad_batches = GroupSize(size, phase=batch_idx)
-        self._enter(stage)
+        self._enter(stage, size)
 
-    def _enter(self, stage: Stage) -> None:
+    def _enter(self, stage: Stage, size: int) -> None:
+        """A group of ``size`` micro-batches per replica starts in ``stage``: its record entry, new or continued."""
         self.stage = stage
-        if not self.stages or self.stages[-1]["stage"] != stage.index:
-            self.stages.append(
-                {"stage": stage.index, "threshold": stage.threshold, "samples_per_update": stage.samples}
-                | ({} if stage.tokens is None else {"tokens_per_update": stage.tokens})
-                | {"updates": 0, "attempts": 0, "samples": 0, "tokens": 0}
-            )
+        last = self.stages[-1] if self.stages else None
+        same = last is not None and (last["stage"], last["threshold"], last["samples_per_update"]) == (
+            stage.index,
+            stage.threshold,
+            stage.samples,
+        )
+        if last is None or not same:
+            last = {"stage": stage.index, "threshold": stage.threshold, "samples_per_update": stage.samples}
+            last |= {} if stage.tokens is None else {"tokens_per_update": stage.tokens}
+            last |= {"updates": 0, "attempts": 0, "samples": 0, "tokens": 0}
+            self.stages.append(last)
+        last["accumulate_grad_batches"] = size
 
     def on_group(self, record: GroupRecord, batch_samples: Sequence[int]) -> None:
         """Listener of closed groups: add a group to its stage's record (a dropped partial group adds nothing)."""
@@ -183,3 +192,10 @@ class ScheduledGroups:
         finally:
             for group, rate in zip(optimizer.param_groups, rates, strict=True):
                 group["lr"] = rate
+
+
+def loader_batch_size(loader: Any) -> int | None:
+    """``m`` as a training loader states it before its first batch: a ``DataLoader``'s ``batch_size`` (``None``
+    where it batches by a ``batch_sampler``, or is not a ``DataLoader``: its first batch tells)."""
+    size = loader.batch_size if isinstance(loader, DataLoader) else None
+    return size if isinstance(size, int) and size > 0 else None
