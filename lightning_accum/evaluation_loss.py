@@ -1,19 +1,10 @@
 """The loss of an evaluation set weighted by its units over every replica: the one arithmetic behind both doors.
 
-The set's loss is ``Σ w·loss / Σ w`` over every batch of the set on every data-parallel replica, where ``loss`` is a
-batch's mean over its units and ``w`` their count (supervised tokens, samples, or 1 per batch): the training's
-objective applied to the whole set. A mean of batch means (LitGPT's ``validate()``: ``losses.mean()``; Lightning's
-``self.log(..., sync_dist=True)``) weights a batch of 3 tokens like one of 3,000, and each replica's mean alike.
-
-* :class:`WeightedMean` keeps one rank's sums on the device (``Σ w·loss`` in float64, ``Σ w`` and the count of
-  negative tensor counts in int64).
-* :class:`EvaluationLoss` is one set, reduced to an :class:`EvaluationRecord` that is the same on every rank (returned
-  by ``fabric.strategy.evaluation()``; the Trainer's ``accum/val_loss``,
-  :class:`~lightning_accum.strategies.evaluation.ExactEvaluation`, keeps one per loader).
-* :func:`evaluation_weight`, :func:`perplexity_of` and :func:`no_unit_message`: the rules both doors follow (the unit
-  and a batch's weight in it, the perplexity, the words for a set without units).
-
-Nothing here imports Lightning.
+The set's loss is ``Σ w·loss / Σ w`` over every batch of the set on every data-parallel replica (``loss`` a batch's
+mean over its units, ``w`` their count), not a mean of batch means, which weights a batch of 3 tokens like one of
+3,000. :class:`WeightedMean` keeps one rank's sums on the device; :class:`EvaluationLoss` is one set, reduced to an
+:class:`EvaluationRecord` alike on every rank (``fabric.strategy.evaluation()``; the Trainer's ``accum/val_loss``
+keeps one per loader). Nothing here imports Lightning.
 """
 
 from __future__ import annotations
