@@ -1,15 +1,9 @@
 """The ledger: exact, global counters of what a run consumed and updated.
 
-Every counter is a Python ``int`` (unbounded, so token totals of 10^12 and beyond stay exact) summed
-over all data-parallel replicas, and identical on every rank: each value is derived from the one
-all-reduce the strategy performs when an accumulation group closes.
-
-Vocabulary (the word "step" alone is ambiguous, so it is not used):
-
-* **micro-batch**: one forward/backward on one replica;
-* **group**: the micro-batches accumulated into one optimizer update;
-* **attempt**: a group that reached the optimizer (or would have, but was skipped);
-* **applied update**: an attempt after which the parameters changed.
+Every counter is a Python ``int`` (unbounded, so token totals of 10^12 and beyond stay exact) summed over all
+data-parallel replicas, and identical on every rank: each value is derived from the one all-reduce of a group's close.
+A **group** is the micro-batches of one optimizer update; an **attempt** a group that reached the optimizer (or would
+have, but was skipped); an **applied update** an attempt after which the parameters changed (docs/concepts.md).
 """
 
 from __future__ import annotations
