@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
-from lightning_accum.decision import units_agree
+from lightning_accum.decision import negative_message, units_agree
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import UNIT_CODES
 from lightning_accum.microbatch import Count, Microbatch, choose_unit, refuse_a_finer_unit
@@ -300,11 +300,7 @@ class EvaluationLoss:
         :meth:`compute`'s errors (``subject`` names the loss in them, ``where`` the batches' source)."""
         ranks, batches, codes, squares, weighted, units, negative = reduced
         if negative:  # an int below zero is refused where it is given
-            raise ValueError(
-                f"A negative `num_tokens` or `num_samples` was reported {where} ({round(negative)} batch counts below"
-                " zero over all replicas). Counts must be >= 0: return the number of supervised units, e.g."
-                " `(labels != -100).sum()`."
-            )
+            raise ValueError(negative_message(round(negative), "batch", where))
         if not units_agree(codes, squares, round(ranks)):
             raise RuntimeError(
                 f"Ranks weighted their evaluation batches by different units (this rank: {self._unit!r}), so {subject}"
