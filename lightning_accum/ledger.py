@@ -9,7 +9,7 @@ have, but was skipped); an **applied update** an attempt after which the paramet
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 __all__ = ["AXES", "COUNTERS", "SKIP_REASONS", "AccumulationLedger", "GroupRecord"]
@@ -21,21 +21,6 @@ AXES: dict[str, str] = {
     "updates": "updates_applied",
     "documents": "documents",
 }
-
-#: The ledger's integer counters (besides ``updates_skipped``), as saved in its state.
-COUNTERS: tuple[str, ...] = (
-    "microbatches",
-    "updates_attempted",
-    "updates_applied",
-    "samples",
-    "tokens",
-    "partial_groups",
-    "dropped_microbatches",
-    "dropped_samples",
-    "dropped_tokens",
-    "documents",
-    "dropped_documents",
-)
 
 #: Reasons an attempted update can be skipped, in the order they are checked.
 SKIP_REASONS: tuple[str, ...] = ("empty", "nonfinite", "overflow")
@@ -159,6 +144,10 @@ class AccumulationLedger:
         if not isinstance(other, AccumulationLedger):
             return NotImplemented
         return _nan_safe(self.state_dict()) == _nan_safe(other.state_dict())
+
+
+#: The ledger's integer counters (its fields that start at 0; ``updates_skipped`` aside), as saved in its state.
+COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(AccumulationLedger) if type(f.default) is int)
 
 
 def _nan_safe(state: dict[str, Any]) -> dict[str, Any]:
