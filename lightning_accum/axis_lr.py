@@ -164,18 +164,16 @@ class AxisLR(LRScheduler):
     """Learning rate ``base_lr × lr_lambda(count consumed before the update)`` on a tokens, samples, documents or
     updates axis.
 
-    The count is what the *applied* updates so far consumed, summed over replicas (see the module's notes); a skipped
-    update does not advance it, a dropped partial group neither. Use it as a normal scheduler from
-    ``configure_optimizers``::
+    The count is what the *applied* updates so far consumed (see the module's notes). Use it as a normal scheduler
+    from ``configure_optimizers``::
 
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-4)
         scheduler = lightning_accum.AxisLR(optimizer, axis="tokens", lr_lambda=warmup_cosine(50_000_000, 2 * 10**9))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     The accumulation strategies bind it to their engine when fitting starts and advance it once per applied update,
-    whatever ``interval`` and ``frequency`` its config says (LightningCLI puts the scheduler it builds in an
-    epoch-interval config; for this scheduler that would be wrong). Its state (:meth:`state_dict`: the count and
-    the step counters, plain ints and floats) goes into checkpoints, so a resumed run continues on the same curve.
+    whatever ``interval`` and ``frequency`` its config says (LightningCLI puts it in an epoch-interval config). Its
+    state goes into checkpoints, so a resumed run continues on the same curve.
 
     Args:
         optimizer: The optimizer; each parameter group's ``lr`` at construction is its ``base_lr``.
