@@ -204,9 +204,7 @@ class EvaluationLoss:
         result = evaluation.compute()  # one all-reduce: the same EvaluationRecord on every rank
         evaluation.reset()  # before the next evaluation (or take a new object from `fabric.strategy.evaluation()`)
 
-    As a torchmetrics metric, :meth:`compute` keeps the sums (a second call gives the same record) and :meth:`reset`
-    empties them. Ranks may add different numbers of batches, none included: every rank's sums join the one
-    all-reduce of :meth:`compute`, which every rank must call. The Trainer's evaluation keeps one per loader, adds the
+    Ranks may add different numbers of batches, none included. The Trainer's evaluation keeps one per loader, adds the
     batches its steps return (:meth:`include`) and reduces the loaders' :meth:`local` vectors together, each read back
     by :meth:`record`.
 
