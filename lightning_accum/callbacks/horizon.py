@@ -13,7 +13,6 @@ from typing_extensions import override
 
 from lightning_accum.axis_lr import check_counts_reported
 from lightning_accum.callbacks.common import accumulation_strategy, format_count
-from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AXES, AccumulationLedger
 from lightning_accum.options import validate_choice
 from lightning_accum.patching import InstancePatch
@@ -136,15 +135,11 @@ class Horizon(Callback):
         """The current count on the Horizon's axis."""
         return int(getattr(ledger, AXES[self.axis]))
 
-    @staticmethod
-    def _engine(trainer: Trainer) -> AccumulationEngine:
-        return accumulation_strategy(trainer, "Horizon").engine
-
     # ------------------------------------------------------------------ set-up and tear-down
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._engine(trainer)
+        accumulation_strategy(trainer, "Horizon")
         if stage != "fit":
             return
         self._release()  # what an earlier fit on this instance left (none unless its end was never reached)
@@ -159,8 +154,9 @@ class Horizon(Callback):
 
             def get_metrics(original: Callable[..., Any], trainer: Trainer, pl_module: LightningModule) -> Any:
                 metrics = original(trainer, pl_module)
-                if self._trainer is not None:
-                    metrics["budget"] = self._budget_text(trainer)
+                if self._trainer is not None and self.stop_at is not None:
+                    count = self.count(trainer.strategy.ledger)  # type: ignore[attr-defined]
+                    metrics["budget"] = f"{format_count(count)}/{format_count(self.stop_at)} {UNITS[self.axis]}"
                 return metrics
 
             self._patches.append(InstancePatch(bar, "get_metrics", get_metrics))
@@ -198,16 +194,11 @@ class Horizon(Callback):
         self._patches = []
         self._trainer = None
 
-    def _budget_text(self, trainer: Trainer) -> str:
-        count = self.count(trainer.strategy.ledger)  # type: ignore[attr-defined]
-        assert self.stop_at is not None
-        return f"{format_count(count)}/{format_count(self.stop_at)} {UNITS[self.axis]}"
-
     # ------------------------------------------------------------------ the run
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        ledger = self._engine(trainer).ledger
+        ledger = accumulation_strategy(trainer, "Horizon").ledger
         count = self.count(ledger)
         self._attempts_seen = ledger.updates_attempted
         if self.validate_every is not None and self.next_validation is None:
