@@ -204,9 +204,7 @@ class AxisLogger(Callback):
         if bar is not None:
 
             def get_metrics(original: Callable[..., Any], trainer: Trainer, pl_module: LightningModule) -> Any:
-                metrics = original(trainer, pl_module)
-                metrics.update(self._progress_fields(trainer))
-                return metrics
+                return {**original(trainer, pl_module), **self._progress_fields(trainer)}
 
             self._progress_patch = InstancePatch(bar, "get_metrics", get_metrics)
 
