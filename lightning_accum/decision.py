@@ -278,11 +278,7 @@ def short_epoch_message(batches_per_epoch: float, accumulate: int, partial_group
 
 
 class GroupDecisions:
-    """What happens to the closed groups of a run: each one decided from its reduced values, then booked.
-
-    :meth:`decide` forms the group's record and action (and says the messages of the decision, each kind once per
-    run); :meth:`finish`, once the optimizer ran (or did not), adds the record to the ledger, keeps the streak of
-    skipped updates (an error at ``max_consecutive_skips``) and calls the listeners.
+    """What happens to the closed groups of a run: each one decided (:meth:`decide`), then booked (:meth:`finish`).
 
     Args:
         options: The run's options (``partial_group``, ``on_nonfinite``, ``max_consecutive_skips``).
