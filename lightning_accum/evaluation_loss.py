@@ -84,13 +84,11 @@ class WeightedMean:
 
 
 def evaluation_weight(engine: AccumulationEngine, unit: str | None, read: Microbatch) -> tuple[str, Count | None]:
-    """The unit an evaluation weights its batches by, and ``read``'s count of it (``None``: not reported). The unit is
-    ``unit`` once the evaluation's first batch fixed it; else the run's (``engine``'s, once its training decided it);
-    else the one ``normalize=`` chooses from ``read`` (under ``"auto"``: documents when reported; else tokens when
-    reported, unless the batch reports its samples itself; else samples; else one per batch). Under ``"auto"`` any
-    batch that reports a more specific unit than the one fixed (the run's, or the evaluation's first batch's) is an
-    error naming both (:func:`refuse_a_finer_unit`), as a training micro-batch is: a set weighted partly by one unit
-    and partly by another has no single meaning.
+    """The unit an evaluation weights its batches by, and ``read``'s count of it (``None``: not reported): ``unit``
+    once the evaluation's first batch fixed it; else the run's (once its training decided it); else the one
+    :func:`choose_unit` picks from ``read`` (tokens beside the batch's own ``num_samples`` do not count). Under
+    ``"auto"`` a batch that reports a finer unit than the fixed one is an error (:func:`refuse_a_finer_unit`), as a
+    training micro-batch is: a set weighted partly by one unit and partly by another has no single meaning.
 
     Example:
         >>> engine = AccumulationEngine()
