@@ -1,11 +1,8 @@
 """Reading one micro-batch: what ``training_step`` returned, its unit counts, and the unit of the run.
 
-A micro-batch is read once, where it enters the package (the strategy's ``training_step``, a slice of the slicer,
-``strategy.accumulate``): :func:`read_microbatch` forms a :class:`Microbatch` (its loss, its counts checked, its
-size on the host, its label positions) that every later layer takes as it is, instead of reading the batch again.
-
-Pure functions over tensors: nothing here reads device memory (counts that arrive as tensors stay on the device
-until the group closes) and nothing imports Lightning.
+A micro-batch is read once, where it enters the package: :func:`read_microbatch` forms a :class:`Microbatch` that
+every later layer takes as it is (docs/internals.md, "A micro-batch is read once"). Pure functions over tensors:
+nothing here reads device memory (tensor counts stay on the device until the group closes) nor imports Lightning.
 """
 
 from __future__ import annotations
