@@ -95,15 +95,12 @@ class AxisLogger(Callback):
     ``accum/batch_stage``           stage index        the window's last update's stage  same on every rank
     =============================== ================== ================================= ===================
 
-    ``accum/<axis>`` is ``accum/tokens``, ``accum/samples``, ``accum/documents`` or ``accum/updates``, the only key
-    written without the once-per-x rule (it is x). ``accum/loss`` is written only when the window holds a group with
-    units and a finite loss; ``accum/documents_per_update`` only where the steps report documents
-    (:func:`~lightning_accum.document_mean_loss`); ``accum/lr`` is one key per parameter group when there are
-    several; ``accum/grad_scale`` only with a GradScaler; ``accum/global_batch`` and ``accum/batch_stage`` only
-    under a strategy's ``batch_schedule=`` (the scheduled batch, beside the realized ``samples_per_update``),
-    ``accum/global_batch_tokens`` only for a schedule stated in tokens (``batch_unit="tokens"``). With
-    ``axis="updates"`` x counts *applied* updates. The progress bar shows the tokens (or samples; documents with
-    ``axis="documents"``) seen and the skipped updates.
+    ``accum/<axis>`` is the only key written without the once-per-x rule (it is x). Written only where they apply:
+    ``accum/loss`` (a group with units and a finite loss in the window), ``accum/documents_per_update`` (steps that
+    report documents), ``accum/lr/pg{i}`` (several parameter groups), ``accum/grad_scale`` (a GradScaler), the
+    stage keys (``batch_schedule=``; ``global_batch_tokens`` for ``batch_unit="tokens"``). With ``axis="updates"`` x
+    counts *applied* updates. The progress bar shows the tokens (or samples; documents with ``axis="documents"``)
+    seen and the skipped updates.
 
     Several fits (e.g. two training stages, each with a new Trainer) logged by this callback to the same logger
     continue one axis: a fit whose ledger starts below the highest x already written is shifted to start there
