@@ -40,9 +40,8 @@ class WeightedMean:
 
     ``exp=True`` gives ``exp`` of the mean (perplexity from a per-token cross-entropy). A value whose weight is 0
     adds nothing, even when it is NaN (the mean loss of a batch without units is 0/0). With no units at all the
-    result is NaN. The sums are ``float64`` (``Σ w·value``) and ``int64`` (``Σ w``, exact at any size; ``negative``,
-    the weights given as tensors below zero, which only a host read could tell at the update); an update adds to them
-    without reading the device. Across ranks they are added in the one reduction of their :class:`EvaluationLoss`.
+    result is NaN. The sums (``float64`` ``Σ w·value``; ``int64`` ``Σ w`` and ``negative``, the tensor weights below
+    zero) grow without a device read; across ranks they are added in the one reduction of their :class:`EvaluationLoss`.
 
     Why not torchmetrics' ``MeanMetric``, which keeps the same two sums: its own sync runs on the ranks that logged it,
     so a rank without a batch leaves the others waiting; and in torchmetrics 1.9 its ``nan_strategy="disable"`` drops
