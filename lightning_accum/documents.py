@@ -76,8 +76,7 @@ def document_mean_loss(
 ) -> dict[str, Tensor]:
     """The training-step contract whose update is the mean over documents of each document's mean token loss.
 
-    Returned from ``training_step`` (or ``strategy.accumulate(**out)`` in a manual or Fabric loop), every update is the
-    mean over the group's documents on every replica of each one's mean token loss (see the module docstring).
+    Return it from ``training_step`` (or pass it on, ``strategy.accumulate(**out)``, in a manual or Fabric loop).
 
     Args:
         logits: ``(..., T, V)``: the labels' shape and the vocabulary.
