@@ -6,19 +6,7 @@ Importing the package registers the strategy strings ``"accum"``, ``"accum_ddp"`
 strategy registry, and the same strings but the last one with Fabric's (``L.Fabric(strategy="accum")``; Fabric's
 ``"accum_fsdp"`` shards each block of every ``ModuleList`` and the root).
 
-Layout (each module imports only the ones above it)::
-
-    options, devices, microbatch         what the user chose; the float64 device check; a micro-batch
-    sampler                              one seeded order of the data dealt to the replicas (GlobalOrderSampler)
-    tokens, documents, ledger            supervised tokens; the mean over packed documents; the counters
-    group, gradients, decision           a group's sums; the kernels; what to do with a closed group
-    engine                               the arithmetic of a run, composed of the above (no Lightning)
-    evaluation_loss                      a set's loss weighted by its units over every replica (both doors)
-    schedules, axis_lr                   schedulers that follow applied updates; rates as a function of tokens
-    batch_schedule                       the global batch as a function of tokens (stages of A)
-    strategies/                          Lightning's hooks adapted to the engine (base, single, ddp, model_parallel)
-    callbacks/                           AxisLogger, AccumulationReport, AccumulationCheck, Horizon, the progress bars
-    fabric_model_parallel, fabric        the same parts in Fabric loops (FabricExactAccumulation and its strategies)
+The modules, each with its one job, in the layers they import along: docs/internals.md ("One job per module").
 
 Example:
     >>> import lightning_accum

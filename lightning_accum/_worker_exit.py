@@ -1,19 +1,10 @@
 """An orderly end of the process group in a worker that the package's spawn/fork launcher started (issue 23).
 
-Lightning destroys the default process group at interpreter exit only for NCCL; with gloo it is left to the
-interpreter's finalization (or to the C++ static destructors at ``exit()``, since torch also keeps the group in a
-C++ registry). The group owns native threads: two gloo work threads, gloo's TCP event loop, and on rank 0 the
-TCPStore server. A native thread that needs the GIL while the interpreter finalizes (for instance to drop the last
-reference to a tensor that has a Python object) is ended by CPython with ``pthread_exit``; its forced unwinding
-through a ``noexcept`` C++ destructor calls ``std::terminate``: "terminate called without an active exception",
-SIGABRT, and ``ProcessExitedException`` in the main process although the fit completed. Upstream:
-pytorch/pytorch#190489 and #117762 (the GIL taken during finalization), the abandoned pytorch/pytorch#179291 (an
-``atexit`` ``destroy_process_group`` for the same crash with gloo), python/cpython#87135 (``pthread_exit`` of such
-threads; Python 3.14 hangs them instead).
-
-:func:`close_process_group` removes that window in the package's spawned workers: after the worker's function has
-returned, every rank meets at a barrier (all collectives are done on all ranks), the group is destroyed and
-unreferenced objects are collected, so that the group's threads are joined while the interpreter is fully alive.
+With gloo, Lightning leaves the default process group to the interpreter's exit, where a native thread of the group
+that needs the GIL is ended with ``pthread_exit`` and the worker aborts (SIGABRT) although the fit completed: an
+upstream problem, explained with its references in docs/troubleshooting.md ("A crash after a finished run").
+:func:`close_process_group` removes that window: once the worker's function has returned, every rank meets at a
+barrier, the group is destroyed and unreferenced objects are collected, while the interpreter is fully alive.
 """
 
 from __future__ import annotations

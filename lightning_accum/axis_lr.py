@@ -1,17 +1,10 @@
 """A learning-rate schedule defined on tokens, samples, documents or applied updates, not on Lightning's batch index.
 
 The rate of update ``g`` is ``base_lr × lr_lambda(n_g)``, where ``n_g`` is the count (supervised tokens, samples,
-documents or applied updates) that the *applied* updates before ``g`` consumed, summed over all replicas. Counts come
-from the records of closed groups (:class:`~lightning_accum.ledger.GroupRecord`), which are global and identical on
-every rank, so every rank sets the same rate. A skipped update consumed data but changed no parameter: it does not
-advance the schedule (the ledger's ``tokens`` counts it; the schedule does not).
-
-Two runs whose updates hold different numbers of tokens (other ``m``, ``A`` or ``D``) then follow the same curve of
-rate against tokens: the schedule is a property of the data seen, not of how it was split.
-
-The count advances through the engine's group listener (:meth:`AxisLR.bind`, done by the accumulation strategies
-when fitting starts); the strategy steps the scheduler after every applied update, and :meth:`AxisLR.step` reads the
-count the listener has added up.
+documents or applied updates) that the *applied* updates before ``g`` consumed, summed over all replicas: read from
+the closed groups' records (global, alike on every rank) through the engine's group listener (:meth:`AxisLR.bind`).
+A skipped update does not advance it. Runs of other ``m``, ``A`` or ``D`` then follow the same curve of rate against
+tokens.
 """
 
 from __future__ import annotations
@@ -171,18 +164,16 @@ class AxisLR(LRScheduler):
     """Learning rate ``base_lr × lr_lambda(count consumed before the update)`` on a tokens, samples, documents or
     updates axis.
 
-    The count is what the *applied* updates so far consumed, summed over replicas (see the module's notes); a skipped
-    update does not advance it, a dropped partial group neither. Use it as a normal scheduler from
-    ``configure_optimizers``::
+    The count is what the *applied* updates so far consumed (see the module's notes). Use it as a normal scheduler
+    from ``configure_optimizers``::
 
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-4)
         scheduler = lightning_accum.AxisLR(optimizer, axis="tokens", lr_lambda=warmup_cosine(50_000_000, 2 * 10**9))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     The accumulation strategies bind it to their engine when fitting starts and advance it once per applied update,
-    whatever ``interval`` and ``frequency`` its config says (LightningCLI puts the scheduler it builds in an
-    epoch-interval config; for this scheduler that would be wrong). Its state (:meth:`state_dict`: the count and
-    the step counters, plain ints and floats) goes into checkpoints, so a resumed run continues on the same curve.
+    whatever ``interval`` and ``frequency`` its config says (LightningCLI puts it in an epoch-interval config). Its
+    state goes into checkpoints, so a resumed run continues on the same curve.
 
     Args:
         optimizer: The optimizer; each parameter group's ``lr`` at construction is its ``base_lr``.
@@ -240,10 +231,10 @@ class AxisLR(LRScheduler):
     def _on_group(self, record: GroupRecord, batch_samples: Sequence[int]) -> None:
         if record.dropped or not record.applied:
             return
-        engine = self._engine
-        if engine is not None and group_count(record, self.axis) == 0:
-            check_counts_reported("AxisLR", self.axis, engine.ledger)
-        self.consumed += group_count(record, self.axis)
+        count = group_count(record, self.axis)
+        if count == 0 and self._engine is not None:
+            check_counts_reported("AxisLR", self.axis, self._engine.ledger)
+        self.consumed += count
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
         factor = float(self.lr_lambda(self.consumed))

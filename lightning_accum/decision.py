@@ -27,6 +27,7 @@ __all__ = [
     "empty_message",
     "excess_message",
     "group_record",
+    "negative_message",
     "nonfinite_message",
     "partial_message",
     "raised_reference",
@@ -122,12 +123,17 @@ def check_agreement(
             " every rank, or set `normalize=` explicitly on the strategy."
         )
     if reduced.negative > 0:
-        raise ValueError(
-            f"A negative `num_tokens`, `num_samples` or `num_documents` was reported in this group"
-            f" ({reduced.negative} micro-batch counts below zero over all replicas). Counts must be >= 0: return the"
-            " number of supervised units,"
-            " e.g. `(labels != -100).sum()`."
-        )
+        raise ValueError(negative_message(reduced.negative, "micro-batch", "in this group"))
+
+
+def negative_message(negative: int, counts: str, where: str) -> str:
+    """The error for ``negative`` counts reported as tensors below zero (known only once reduced), in a group or in
+    an evaluation set: ``counts`` names what reported them, ``where`` where they were reported."""
+    return (
+        f"A negative `num_tokens`, `num_samples` or `num_documents` was reported {where} ({negative} {counts} counts"
+        " below zero over all replicas). Counts must be >= 0: return the number of supervised units, e.g."
+        " `(labels != -100).sum()`."
+    )
 
 
 def group_record(reduced: ReducedGroup) -> GroupRecord:
@@ -272,11 +278,7 @@ def short_epoch_message(batches_per_epoch: float, accumulate: int, partial_group
 
 
 class GroupDecisions:
-    """What happens to the closed groups of a run: each one decided from its reduced values, then booked.
-
-    :meth:`decide` forms the group's record and action (and says the messages of the decision, each kind once per
-    run); :meth:`finish`, once the optimizer ran (or did not), adds the record to the ledger, keeps the streak of
-    skipped updates (an error at ``max_consecutive_skips``) and calls the listeners.
+    """What happens to the closed groups of a run: each one decided (:meth:`decide`), then booked (:meth:`finish`).
 
     Args:
         options: The run's options (``partial_group``, ``on_nonfinite``, ``max_consecutive_skips``).
@@ -373,11 +375,6 @@ class GroupDecisions:
                 " NaN/Inf (or the empty groups), or raise `max_consecutive_skips=` on the strategy."
             )
         return record
-
-    def schedule_due(self, record: GroupRecord, frequency: int = 1) -> bool:
-        """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in the ledger): see
-        :func:`schedule_due`."""
-        return schedule_due(record, self.ledger, self.options.schedule_on, frequency)
 
     def warn_short_epoch(self, batches_per_epoch: float, accumulate: int, warn: Say) -> None:
         """Warn (or raise under ``"drop"``) when an epoch holds fewer batches than one group."""

@@ -1,14 +1,8 @@
 """Which devices exact accumulation runs on: the one property it needs of a device, float64.
 
-A group's sums (loss × weight, the unit counts, the non-finite flags), the evaluation's weighted mean and the values
-the ledger is read from live in one small ``float64`` vector on the loss's device, summed over replicas there, so that
-a sum over millions of tokens keeps its integer part exact (float32 is exact only up to 2^24). An accelerator without
-``float64`` would fail once training had started (at the first micro-batch's weight when counts are tensors, at the
-first group's close when they are ints); the strategies check the device when they bind the engine to it
-(:meth:`~lightning_accum.AccumulationEngine.bind`), before any training, and name the way out.
-
-Supported: CPU and CUDA. Apple's MPS has no ``float64`` and is refused here. XLA (TPU) and other accelerators are not
-tested; they are not refused.
+A group's sums, the evaluation's weighted mean and the ledger's values live in ``float64`` on the loss's device
+(float32 is exact only up to 2^24). The strategies check the device when they bind the engine to it, before any
+training, and name the way out; the supported accelerators are in docs/concepts.md ("Supported accelerators").
 """
 
 from __future__ import annotations

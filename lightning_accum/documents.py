@@ -1,34 +1,13 @@
 """Documents inside packed rows: the mean over documents of each document's mean token loss.
 
-SFT and RL pipelines pack several documents into one row (Hugging Face's ``DataCollatorWithFlattening``,
-flash-attention's variable-length packing). Token weighting gives every supervised token the same weight, so a long
-document counts more than a short one. The other common objective is the mean over documents of each document's mean
-token loss (verl's "seq-mean-token-mean"): every document counts once, whatever its length. A micro-batch's rows are
-not its documents, so neither a per-row mean nor token weighting gives it; :func:`document_mean_loss` returns the
-training-step contract that does::
-
-    return lightning_accum.document_mean_loss(logits, batch["labels"], position_ids=batch["position_ids"])
-    # {"loss": mean over the micro-batch's documents of each document's mean, "num_documents": d, "num_tokens": n}
-
-Weighted by ``num_documents`` (``normalize="auto"`` picks documents when a step reports them), every update is the
-mean over all documents of its group, on every replica, of each document's mean supervised-token loss: exact across
-``m``, ``A`` and ``D``, as token weighting is for tokens.
-
-Where a document starts: where ``position_ids`` is 0, or where ``document_ids`` changes, and at the start of every
-row. So equal ids in two rows are two documents, and a document cut across two rows counts as two documents (each
-part is averaged on its own): pack whole documents into rows for the exact per-document mean. A document without a
-supervised token (padding, a prompt whose labels are all ignored) does not count.
-
-With ``shift=True`` (causal language models) the label at position ``t + 1`` is predicted at position ``t``, and a
-supervised position belongs to the document of its *label*. The function follows the labels, as the model's own loss
-does: it never drops or adds a supervised token, so ``num_tokens`` is :func:`~lightning_accum.supervised_tokens`'s
-count. A prediction across a document boundary (the last token of one document predicting the first label of the
-next) is therefore trained only if the labels ask for it. ``DataCollatorWithFlattening`` sets the label of every
-document's first token to -100, so none is; a packer of your own should do the same.
-
-Nothing is read on the host: one cross-entropy over every position (``reduction="none"``; half-precision logits in
-float32), the supervised tokens counted per document with an integer ``index_add_`` on the device, and one weighted
-sum. No Python loop over documents.
+:func:`document_mean_loss` returns the training-step contract (``loss``, ``num_documents``, ``num_tokens``) under
+which every update is the mean over all documents of its group, on every replica, of each document's mean
+supervised-token loss (verl's "seq-mean-token-mean"): every document counts once, whatever its length, exactly across
+``m``, ``A`` and ``D``. A document starts at every row start and where ``position_ids`` is 0 or ``document_ids``
+changes (a document cut across two rows counts as two); one without a supervised token does not count. With
+``shift=True`` a supervised position belongs to its label's document, so ``num_tokens`` is
+:func:`~lightning_accum.supervised_tokens`'s count. Nothing is read on the host and nothing loops over documents.
+docs/howto.md ("Documents inside packed rows") has the example and the rules in full.
 """
 
 from __future__ import annotations
@@ -97,8 +76,7 @@ def document_mean_loss(
 ) -> dict[str, Tensor]:
     """The training-step contract whose update is the mean over documents of each document's mean token loss.
 
-    Returned from ``training_step`` (or ``strategy.accumulate(**out)`` in a manual or Fabric loop), every update is the
-    mean over the group's documents on every replica of each one's mean token loss (see the module docstring).
+    Return it from ``training_step`` (or pass it on, ``strategy.accumulate(**out)``, in a manual or Fabric loop).
 
     Args:
         logits: ``(..., T, V)``: the labels' shape and the vocabulary.

@@ -1,19 +1,10 @@
 """The loss of an evaluation set weighted by its units over every replica: the one arithmetic behind both doors.
 
-The set's loss is ``Σ w·loss / Σ w`` over every batch of the set on every data-parallel replica, where ``loss`` is a
-batch's mean over its units and ``w`` their count (supervised tokens, samples, or 1 per batch): the training's
-objective applied to the whole set. A mean of batch means (LitGPT's ``validate()``: ``losses.mean()``; Lightning's
-``self.log(..., sync_dist=True)``) weights a batch of 3 tokens like one of 3,000, and each replica's mean alike.
-
-* :class:`WeightedMean` keeps one rank's sums on the device (``Σ w·loss`` in float64, ``Σ w`` and the count of
-  negative tensor counts in int64).
-* :class:`EvaluationLoss` is one set, reduced to an :class:`EvaluationRecord` that is the same on every rank (returned
-  by ``fabric.strategy.evaluation()``; the Trainer's ``accum/val_loss``,
-  :class:`~lightning_accum.strategies.evaluation.ExactEvaluation`, keeps one per loader).
-* :func:`evaluation_weight`, :func:`perplexity_of` and :func:`no_unit_message`: the rules both doors follow (the unit
-  and a batch's weight in it, the perplexity, the words for a set without units).
-
-Nothing here imports Lightning.
+The set's loss is ``Σ w·loss / Σ w`` over every batch of the set on every data-parallel replica (``loss`` a batch's
+mean over its units, ``w`` their count), not a mean of batch means, which weights a batch of 3 tokens like one of
+3,000. :class:`WeightedMean` keeps one rank's sums on the device; :class:`EvaluationLoss` is one set, reduced to an
+:class:`EvaluationRecord` alike on every rank (``fabric.strategy.evaluation()``; the Trainer's ``accum/val_loss``
+keeps one per loader). Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
-from lightning_accum.decision import units_agree
+from lightning_accum.decision import negative_message, units_agree
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.group import UNIT_CODES
 from lightning_accum.microbatch import Count, Microbatch, choose_unit, refuse_a_finer_unit
@@ -49,9 +40,8 @@ class WeightedMean:
 
     ``exp=True`` gives ``exp`` of the mean (perplexity from a per-token cross-entropy). A value whose weight is 0
     adds nothing, even when it is NaN (the mean loss of a batch without units is 0/0). With no units at all the
-    result is NaN. The sums are ``float64`` (``Σ w·value``) and ``int64`` (``Σ w``, exact at any size; ``negative``,
-    the weights given as tensors below zero, which only a host read could tell at the update); an update adds to them
-    without reading the device. Across ranks they are added in the one reduction of their :class:`EvaluationLoss`.
+    result is NaN. The sums (``float64`` ``Σ w·value``; ``int64`` ``Σ w`` and ``negative``, the tensor weights below
+    zero) grow without a device read; across ranks they are added in the one reduction of their :class:`EvaluationLoss`.
 
     Why not torchmetrics' ``MeanMetric``, which keeps the same two sums: its own sync runs on the ranks that logged it,
     so a rank without a batch leaves the others waiting; and in torchmetrics 1.9 its ``nan_strategy="disable"`` drops
@@ -93,13 +83,11 @@ class WeightedMean:
 
 
 def evaluation_weight(engine: AccumulationEngine, unit: str | None, read: Microbatch) -> tuple[str, Count | None]:
-    """The unit an evaluation weights its batches by, and ``read``'s count of it (``None``: not reported). The unit is
-    ``unit`` once the evaluation's first batch fixed it; else the run's (``engine``'s, once its training decided it);
-    else the one ``normalize=`` chooses from ``read`` (under ``"auto"``: documents when reported; else tokens when
-    reported, unless the batch reports its samples itself; else samples; else one per batch). Under ``"auto"`` any
-    batch that reports a more specific unit than the one fixed (the run's, or the evaluation's first batch's) is an
-    error naming both (:func:`refuse_a_finer_unit`), as a training micro-batch is: a set weighted partly by one unit
-    and partly by another has no single meaning.
+    """The unit an evaluation weights its batches by, and ``read``'s count of it (``None``: not reported): ``unit``
+    once the evaluation's first batch fixed it; else the run's (once its training decided it); else the one
+    :func:`choose_unit` picks from ``read`` (tokens beside the batch's own ``num_samples`` do not count). Under
+    ``"auto"`` a batch that reports a finer unit than the fixed one is an error (:func:`refuse_a_finer_unit`), as a
+    training micro-batch is: a set weighted partly by one unit and partly by another has no single meaning.
 
     Example:
         >>> engine = AccumulationEngine()
@@ -213,9 +201,7 @@ class EvaluationLoss:
         result = evaluation.compute()  # one all-reduce: the same EvaluationRecord on every rank
         evaluation.reset()  # before the next evaluation (or take a new object from `fabric.strategy.evaluation()`)
 
-    As a torchmetrics metric, :meth:`compute` keeps the sums (a second call gives the same record) and :meth:`reset`
-    empties them. Ranks may add different numbers of batches, none included: every rank's sums join the one
-    all-reduce of :meth:`compute`, which every rank must call. The Trainer's evaluation keeps one per loader, adds the
+    Ranks may add different numbers of batches, none included. The Trainer's evaluation keeps one per loader, adds the
     batches its steps return (:meth:`include`) and reduces the loaders' :meth:`local` vectors together, each read back
     by :meth:`record`.
 
@@ -309,11 +295,7 @@ class EvaluationLoss:
         :meth:`compute`'s errors (``subject`` names the loss in them, ``where`` the batches' source)."""
         ranks, batches, codes, squares, weighted, units, negative = reduced
         if negative:  # an int below zero is refused where it is given
-            raise ValueError(
-                f"A negative `num_tokens` or `num_samples` was reported {where} ({round(negative)} batch counts below"
-                " zero over all replicas). Counts must be >= 0: return the number of supervised units, e.g."
-                " `(labels != -100).sum()`."
-            )
+            raise ValueError(negative_message(round(negative), "batch", where))
         if not units_agree(codes, squares, round(ranks)):
             raise RuntimeError(
                 f"Ranks weighted their evaluation batches by different units (this rank: {self._unit!r}), so {subject}"

@@ -1,21 +1,15 @@
 """The ledger: exact, global counters of what a run consumed and updated.
 
-Every counter is a Python ``int`` (unbounded, so token totals of 10^12 and beyond stay exact) summed
-over all data-parallel replicas, and identical on every rank: each value is derived from the one
-all-reduce the strategy performs when an accumulation group closes.
-
-Vocabulary (the word "step" alone is ambiguous, so it is not used):
-
-* **micro-batch**: one forward/backward on one replica;
-* **group**: the micro-batches accumulated into one optimizer update;
-* **attempt**: a group that reached the optimizer (or would have, but was skipped);
-* **applied update**: an attempt after which the parameters changed.
+Every counter is a Python ``int`` (unbounded, so token totals of 10^12 and beyond stay exact) summed over all
+data-parallel replicas, and identical on every rank: each value is derived from the one all-reduce of a group's close.
+A **group** is the micro-batches of one optimizer update; an **attempt** a group that reached the optimizer (or would
+have, but was skipped); an **applied update** an attempt after which the parameters changed (docs/concepts.md).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 __all__ = ["AXES", "COUNTERS", "SKIP_REASONS", "AccumulationLedger", "GroupRecord"]
@@ -27,21 +21,6 @@ AXES: dict[str, str] = {
     "updates": "updates_applied",
     "documents": "documents",
 }
-
-#: The ledger's integer counters (besides ``updates_skipped``), as saved in its state.
-COUNTERS: tuple[str, ...] = (
-    "microbatches",
-    "updates_attempted",
-    "updates_applied",
-    "samples",
-    "tokens",
-    "partial_groups",
-    "dropped_microbatches",
-    "dropped_samples",
-    "dropped_tokens",
-    "documents",
-    "dropped_documents",
-)
 
 #: Reasons an attempted update can be skipped, in the order they are checked.
 SKIP_REASONS: tuple[str, ...] = ("empty", "nonfinite", "overflow")
@@ -165,6 +144,10 @@ class AccumulationLedger:
         if not isinstance(other, AccumulationLedger):
             return NotImplemented
         return _nan_safe(self.state_dict()) == _nan_safe(other.state_dict())
+
+
+#: The ledger's integer counters (its fields that start at 0; ``updates_skipped`` aside), as saved in its state.
+COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(AccumulationLedger) if type(f.default) is int)
 
 
 def _nan_safe(state: dict[str, Any]) -> dict[str, Any]:

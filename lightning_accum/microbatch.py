@@ -1,11 +1,8 @@
 """Reading one micro-batch: what ``training_step`` returned, its unit counts, and the unit of the run.
 
-A micro-batch is read once, where it enters the package (the strategy's ``training_step``, a slice of the slicer,
-``strategy.accumulate``): :func:`read_microbatch` forms a :class:`Microbatch` (its loss, its counts checked, its
-size on the host, its label positions) that every later layer takes as it is, instead of reading the batch again.
-
-Pure functions over tensors: nothing here reads device memory (counts that arrive as tensors stay on the device
-until the group closes) and nothing imports Lightning.
+A micro-batch is read once, where it enters the package: :func:`read_microbatch` forms a :class:`Microbatch` that
+every later layer takes as it is (docs/internals.md, "A micro-batch is read once"). Pure functions over tensors:
+nothing here reads device memory (tensor counts stay on the device until the group closes) nor imports Lightning.
 """
 
 from __future__ import annotations
@@ -252,10 +249,9 @@ def read_microbatch(
     if tokens_c is not None and (type(batch) is dict or isinstance(batch, Mapping)):
         labels = batch.get("labels")
         positions = labels.numel() if isinstance(labels, Tensor) else None
-    reports_samples = reported is not None
     documents = reported_documents(output)
     documents_c = as_count("num_documents", documents, device) if documents is not None else None
-    return Microbatch(loss, tokens_c, samples_c, size, reports_samples, positions, batch, documents_c)
+    return Microbatch(loss, tokens_c, samples_c, size, reported is not None, positions, batch, documents_c)
 
 
 def reported_documents(output: Any) -> object:
@@ -319,15 +315,13 @@ def weighting_unit(
     ``normalize=`` chooses from its counts, handed to ``fix(unit, reason, batch)`` (``reason``: why ``"auto"`` chose
     it, else ``None``). Under ``"auto"`` a micro-batch that reports a finer unit than the fixed one is an error
     (:func:`refuse_a_finer_unit`)."""
-    has_tokens, has_samples = microbatch.tokens is not None, microbatch.samples is not None
-    has_documents = microbatch.documents is not None
+    has = (microbatch.tokens is not None, microbatch.samples is not None, microbatch.documents is not None)
     if fixed is None:
-        unit, reason = choose_unit(normalize, has_tokens, has_samples, has_documents)
+        unit, reason = choose_unit(normalize, *has)
         fix(unit, reason, None if microbatch.reports_samples else microbatch.batch)
         return unit
     if normalize == "auto":  # a unit fixed once is never changed silently
-        reported = choose_unit("auto", has_tokens, has_samples, has_documents)[0]
-        refuse_a_finer_unit(fixed, normalize, reported, "this training micro-batch")
+        refuse_a_finer_unit(fixed, normalize, choose_unit("auto", *has)[0], "this training micro-batch")
     return fixed
 
 

@@ -1,21 +1,11 @@
 """The one way the package puts its own callable on an object it does not own, and gives it back.
 
-The strategies and callbacks change what a few hooks do for the length of one loop: the module's
-``lr_scheduler_step`` and ``on_*_epoch_end``, a logger's ``log_metrics``, a progress bar's ``get_metrics``, the
-precision plugin's clip and autocast methods, the module's ``log`` during the pre-flight check. Each is set as an
-*instance attribute* (Lightning looks hooks up with ``getattr``; ``is_overridden`` reads the class, so the class is
-never touched) through :class:`InstancePatch`, which
-
-* remembers what the instance itself held under that name (a user's own instance-level hook, set in ``__init__``
-  or by a wrapper library), and reaches the callable in force when it was set (that hook, or the class's method);
-* on :meth:`~InstancePatch.release` puts back exactly what the instance held: the same object, or no attribute at
-  all, never a copy and never the class's method in its place;
-* removes only its own wrapper. Released while another :class:`InstancePatch` of the same attribute sits above it,
-  the one above is re-pointed to what this one wrapped; released under a wrapper set by someone else, it turns into
-  a plain pass-through (that code holds a reference to it and restores it later), so nothing is lost or run twice.
-
-A patch is released once; a second release does nothing. Callers hold their patches and release them when the loop
-that set them ends, an exception included (docs/internals.md lists every attribute patched this way).
+:class:`InstancePatch` sets an *instance attribute* (Lightning looks hooks up with ``getattr``; ``is_overridden``
+reads the class, so the class is never touched). It wraps the callable in force (a user's own instance-level hook, or
+the class's method); :meth:`~InstancePatch.release` (once; a second does nothing) puts back exactly what the instance
+held, or no attribute at all, and removes only its own wrapper: one set above it is re-pointed to what it wrapped, and
+under someone else's wrapper (whose code restores it later) it becomes a pass-through. Every attribute patched this
+way is listed in docs/internals.md.
 """
 
 from __future__ import annotations
@@ -39,8 +29,8 @@ class InstancePatch:
         owner: The object (a module, a logger, a progress bar, a plugin).
         name: The attribute.
         replacement: Called as ``replacement(below, *args, **kwargs)`` in place of ``owner.name(*args, **kwargs)``,
-            where ``below`` is the callable in force when the patch was set (pass ``None`` to replace without
-            wrapping: the call then is ``replacement(*args, **kwargs)``).
+            where ``below`` is the callable in force when the patch was set.
+        wraps: ``False`` replaces without wrapping: the call then is ``replacement(*args, **kwargs)``.
 
     Example:
         >>> class Bar:
@@ -71,11 +61,6 @@ class InstancePatch:
         self.wrapper = wrapper
         object.__setattr__(owner, name, wrapper)  # past `Module.__setattr__`, which has nothing to do with callables
         _ACTIVE.add(self)
-
-    @property
-    def active(self) -> bool:
-        """Whether the patch is in force (not yet released)."""
-        return self._active
 
     def release(self) -> None:
         """Give the attribute back: what the instance held before, and nothing of this patch left in force."""

@@ -1,26 +1,11 @@
 """Step-interval LR schedules that advance on updates (applied or attempted), not on Lightning's batch index.
 
-Lightning steps an ``interval="step"`` scheduler after every batch that ends a group, whether the update was
-applied or skipped by the GradScaler, and checks ``frequency`` against the batch index of the epoch. Under an
-accumulation strategy such a scheduler advances once per applied update instead (per attempt under
-``schedule_on="attempted"``), on every ``frequency``-th of them.
-
-How, and why this way: Lightning advances a scheduler by calling the module's hook
-``LightningModule.lr_scheduler_step(scheduler, metric)`` from its loop, right after the batch. :class:`UpdateSchedules`
-puts a gate on that one hook of the module instance during a fit (removed when training ends): the strategy marks a
-scheduler *due* when a group closes, and Lightning's own call, at its usual place, reaches the user's hook only for
-due schedulers; others are answered by doing nothing. So
-
-* the hook receives the user's own scheduler object (``isinstance(scheduler, StepLR)`` holds, nothing wraps it),
-  and Lightning calls it at the same point of the loop as without this package;
-* the scheduler object is never touched: its class, its ``state_dict`` (what checkpoints hold, so they stay
-  loadable by plain Lightning) and a direct ``scheduler.step()`` by user code behave as in Lightning;
-* a frequency above 1 is counted on updates here, so Lightning is asked to call the hook after every group
-  (``config.frequency`` reads 1 during the fit; the value given is restored when training ends).
-
-A scheduler whose class is swapped for a gated subclass would also keep the object, but changes ``type()`` and
-silences a user's own ``scheduler.step()``; a wrapper object fails ``isinstance`` checks in
-the hook, which then never steps and the rate freezes silently.
+Under an accumulation strategy an ``interval="step"`` scheduler advances once per applied update (per attempt under
+``schedule_on="attempted"``), on every ``frequency``-th of them, where Lightning calls the module's
+``lr_scheduler_step`` hook: :class:`UpdateSchedules` gates that hook of the module instance during a fit and lets
+Lightning's call through for schedulers an update made due. The scheduler object itself is never wrapped nor its class
+swapped (why: docs/internals.md, "The public seam for callbacks and users"; the behaviour: docs/concepts.md,
+"Schedules follow applied updates").
 """
 
 from __future__ import annotations

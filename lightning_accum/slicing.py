@@ -1,15 +1,9 @@
 """Cutting a loader batch into slices (``microbatch_size=``), and the record of what was cut and retried.
 
-With exact weighting, how a group's examples are cut into micro-batches does not change its update (every piece is
-weighted by its own units and the group is normalized once by all of them). So a strategy can process the batch the
-loader delivers as consecutive slices of at most ``microbatch_size`` samples (forward and backward each), which lowers
-the peak activation memory without changing the objective, and under ``"auto"`` can shrink the slices after an
-out-of-memory error in the middle of a group without losing what the group already accumulated.
-
-This module holds the parts that do not depend on Lightning: the option's validation, how many samples a batch holds,
-the default way to cut one, which errors are an accelerator running out of memory, and :class:`SlicingLog`, the
-per-rank record of realized slice sizes and retries. The strategies run the slices
-(:mod:`lightning_accum.strategies.slicing`).
+With exact weighting, how a group's examples are cut into micro-batches does not change its update, so a strategy can
+run the loader's batch as slices of at most ``microbatch_size`` samples (lower peak memory, the same objective), and
+under ``"auto"`` shrink them after an out-of-memory error without losing the group (docs/howto.md, "Cut batches into
+slices"). Here: the parts that do not depend on Lightning; :mod:`lightning_accum.strategies.slicing` runs the slices.
 """
 
 from __future__ import annotations
@@ -204,9 +198,7 @@ class SlicingLog:
 
     def limit(self, num_samples: int) -> int:
         """The slice size for a batch of ``num_samples`` samples."""
-        if self.size is None:
-            return num_samples
-        return min(self.size, num_samples)
+        return num_samples if self.size is None else min(self.size, num_samples)
 
     def note_slices(self, sizes: Sequence[int]) -> None:
         for size in sizes:

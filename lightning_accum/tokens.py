@@ -1,24 +1,12 @@
 """Counting the tokens a loss really averages over, and noticing when nobody counts them.
 
-A token-weighted update needs, for every micro-batch, the number of positions its mean loss divides by.
-That number depends on how the loss treats the labels:
-
-- **Causal language models shift inside their loss.** Hugging Face's ``*ForCausalLM`` models (GPT-2,
-  Llama, ...) predict token ``t + 1`` from the tokens up to ``t``: given ``labels`` of shape
-  ``(batch, T)`` their loss compares ``logits[:, :-1]`` with ``labels[:, 1:]``, so the first label of
-  every sequence is never supervised. The count is ``(labels[..., 1:] != ignore_index).sum()``, one
-  token per sequence fewer than ``(labels != ignore_index).sum()`` when the first label is not ignored.
-  Counting that extra token puts ``1 / n`` too much weight on a sequence of ``n`` supervised tokens:
-  short sequences gain the most, and the update depends on how examples are split into micro-batches.
-- **Sequence-to-sequence models and already-shifted labels do not shift.** T5/BART-style models
-  (``*ForConditionalGeneration``) build the decoder input from the labels and compare every label
-  position; token classifiers compare every position too; so does a hand-written loss whose labels
-  were shifted by the collator. There the count is ``(labels != ignore_index).sum()``.
-
-:func:`supervised_tokens` counts either way on the device (no host read), and :func:`causal_lm_tokens`
-and :func:`seq2seq_tokens` are ready-made ``count_tokens=`` functions for batches with a ``"labels"``
-key. :func:`ignored_label_key` and :func:`token_weighting_hint` find, once per run, a micro-batch whose
-labels hold ignored positions while ``normalize="auto"`` found no token count.
+A causal language model's loss (Hugging Face's ``*ForCausalLM``) shifts the labels inside: it supervises
+``(labels[..., 1:] != ignore_index).sum()`` positions, one per sequence fewer than ``(labels != ignore_index).sum()``,
+which is the count of sequence-to-sequence models, token classifiers and labels shifted by the collator. Counting the
+extra token over-weights short sequences (docs/howto.md, "Hugging Face models", has the table per model family).
+:func:`supervised_tokens` counts either way on the device; :func:`causal_lm_tokens` and :func:`seq2seq_tokens` are
+ready-made ``count_tokens=`` functions; :func:`token_weighting_hint` finds, once per run, ignored label positions
+while ``normalize="auto"`` found no token count.
 """
 
 from __future__ import annotations

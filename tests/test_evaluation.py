@@ -379,7 +379,9 @@ def test_a_set_without_supervised_tokens_says_so_and_is_nan() -> None:
 
 def test_a_negative_count_given_as_a_tensor_is_an_error_at_the_end_of_the_loop() -> None:
     # An int below zero is refused at its step; a tensor's sign is read with the loop's one reduction.
-    with pytest.raises(ValueError, match=r"negative `num_tokens` or `num_samples` was reported by `validation_step`"):
+    with pytest.raises(
+        ValueError, match=r"negative `num_tokens`, `num_samples` or `num_documents` was reported by `validation_step`"
+    ):
         _edge_trainer().validate(Returns("negative"), _edge_loader(make_examples(LENGTHS[:8], seed=4)))
 
 

@@ -188,7 +188,9 @@ def test_a_negative_tensor_count_is_refused_by_compute() -> None:
     fabric, _ = one_device()
     evaluation = fabric.strategy.evaluation()
     evaluation.add(torch.tensor(2.0), num_tokens=torch.tensor(-3))  # refused without a host read: at compute
-    with pytest.raises(ValueError, match=r"negative `num_tokens` or `num_samples` was reported to `evaluation.add`"):
+    with pytest.raises(
+        ValueError, match=r"negative `num_tokens`, `num_samples` or `num_documents` was reported to `evaluation.add`"
+    ):
         evaluation.compute()
 
 
@@ -270,7 +272,9 @@ def test_two_processes_give_every_rank_the_float64_loss_of_the_whole_set(tmp_pat
         assert all(abs(value - expected) > 1e-3 for value in own if not math.isnan(value)), own
     for rank in ranks:
         assert rank["units"].startswith("RuntimeError: Ranks weighted their evaluation batches by different units")
-        assert rank["negative"].startswith("ValueError: A negative `num_tokens` or `num_samples` was reported")
+        assert rank["negative"].startswith(
+            "ValueError: A negative `num_tokens`, `num_samples` or `num_documents` was reported"
+        )
     # Fabric's sampler pads the set of 7 (rank 1 reads example 0 again): named as the Trainer names it (before: no
     # word, and the set's loss -1.8e-2 off). Rank zero warns, once; a shuffled (training) loader is not named.
     assert len(ranks[0]["padded"]) == 1 and ranks[1]["padded"] == []

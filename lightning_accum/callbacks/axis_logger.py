@@ -58,47 +58,19 @@ def window_metrics(records: Sequence[GroupRecord], unit: str | None) -> dict[str
 class AxisLogger(Callback):
     """Write the group metrics, and move every other logged scalar, onto one explicit x-axis.
 
-    Lightning logs against "batches that stepped", on which runs with different micro-batch size ``m``,
-    accumulation ``A`` or replica count ``D`` cannot be compared. With ``axis="tokens"`` (or
-    ``"samples"``, ``"documents"``), every curve of the run (the keys below, ``self.log`` in training and validation
-    hooks, ``LearningRateMonitor``) is written at x = the exact global count from
-    ``trainer.strategy.ledger`` at that moment, so runs of different ``(m, A, D)`` overlay. x is a
-    Python int (no float32 rounding above 2^24), never decreases (also across a resume, since the ledger
-    is restored, and across several fits with this callback and the same logger: see below), and each tag
-    is written at most once per x: the first value written there is kept, so the duplicates
-    ``LearningRateMonitor`` emits on every micro-batch of a group disappear.
+    Lightning logs against "batches that stepped", on which runs with different ``m``, ``A`` or ``D`` cannot be
+    compared. Every curve of the run (the keys below, ``self.log`` in training and validation hooks,
+    ``LearningRateMonitor``) is written at x = the exact global count on ``axis`` from ``trainer.strategy.ledger``, so
+    runs of different ``(m, A, D)`` overlay. x is a Python int, never decreases (across a resume too, and across fits:
+    see below), and each tag is written at most once per x (the first value is kept), so the duplicates
+    ``LearningRateMonitor`` emits on every micro-batch of a group disappear. x is each logger's ``step`` and also the
+    metric ``<prefix><axis>`` of every record this callback writes. What TensorBoard, CSV, MLflow and W&B then show
+    (a W&B logger gets no ``step``; its charts are defined on the axis metric) is in docs/howto.md, "Put every curve
+    on a tokens axis".
 
-    x is given to each logger as the ``step`` of ``log_metrics``, and also by name: the records this callback
-    writes (the group metrics' point and each moved write of Lightning's: ``self.log`` in training and validation,
-    ``LearningRateMonitor``) carry the axis metric ``<prefix><axis>`` (``accum/tokens``, ``accum/samples`` or
-    ``accum/updates``) = x, so any logger can plot against it by name: in every row of a CSV file, once per x in the
-    loggers that keep points. What each logger shows:
-
-    - TensorBoard: x is the count; ``accum/tokens`` is also a curve of its own (its value is float32 in the event
-      file, exact up to 2^24; x stays exact).
-    - CSV (``metrics.csv``) and MLflow: the ``step`` column (field) is the count; the ``accum/tokens`` column
-      (metric) names it. A record is a row in CSV, so there the axis metric is in every row; TensorBoard, MLflow and
-      W&B get it once per x (one point each).
-    - W&B (``WandbLogger``): when the run starts (``setup``), on global rank zero, the callback calls
-      ``define_metric("accum/tokens")`` and ``define_metric("*", step_metric="accum/tokens", step_sync=True)`` on
-      the logger's run, so every chart's x is the count (``step_sync``: a row logged straight to the run, without
-      the axis metric, gets the latest x). Lightning's ``WandbLogger.log_metrics`` adds its ``step`` argument to
-      every row under its step key, which it also defines as the charts' x when it creates the run:
-      ``trainer/global_step`` up to Lightning 2.6, ``global_step`` from 2.7 (with its new ``log_key_prefix`` in
-      front; Lightning-AI/pytorch-lightning#21782). Here that would be the count under the name of Lightning's step,
-      so the callback calls a W&B logger's ``log_metrics`` without a ``step`` and replaces the charts' definition
-      whatever the step key: the rows hold no step key, W&B's own ``_step`` numbers the rows, and x is
-      ``accum/tokens`` (tested under both names). A ``WandbLogger(prefix=...)`` is not supported: its rows name the
-      axis metric ``<prefix>-accum/tokens``, so the charts' definition finds no x in them.
-
-    Learning rates are plotted at the count *after* the update that used them: ``accum/lr`` is the rate of the
-    point's last update, written with that update's loss at the x it reached. ``LearningRateMonitor`` reads the
-    rates before each micro-batch (``on_train_batch_start``, ``on_train_epoch_start``), that is before the update
-    that will use them, at the count before it; its values (its ``lr-*``, ``-momentum`` and ``-weight_decay`` keys)
-    are held back and written when that update closes, at the x after it, in one record with ``accum/lr``. So both
-    curves show the same rate at the same x, next to the loss of the update that used it, the convention of
-    Lightning's own ``self.log`` of the training loss (written after the update, at the count it reached). A rate
-    that no update used (training ended first) is not written.
+    Learning rates are plotted at the count *after* the update that used them: ``LearningRateMonitor``'s values are
+    held back from before the update's micro-batches and written when the update closes, in one record with
+    ``accum/lr``, beside that update's loss. A rate that no update used (training ended first) is not written.
 
     The group metrics follow Lightning's cadence: a point every ``Trainer(log_every_n_steps=N)`` attempted
     updates (N = 50 by default; ``log_every_n_steps=1`` writes every update), and one more when training ends
@@ -123,15 +95,12 @@ class AxisLogger(Callback):
     ``accum/batch_stage``           stage index        the window's last update's stage  same on every rank
     =============================== ================== ================================= ===================
 
-    ``accum/<axis>`` is ``accum/tokens``, ``accum/samples``, ``accum/documents`` or ``accum/updates``, the only key
-    written without the once-per-x rule (it is x). ``accum/loss`` is written only when the window holds a group with
-    units and a finite loss; ``accum/documents_per_update`` only where the steps report documents
-    (:func:`~lightning_accum.document_mean_loss`); ``accum/lr`` is one key per parameter group when there are
-    several; ``accum/grad_scale`` only with a GradScaler; ``accum/global_batch`` and ``accum/batch_stage`` only
-    under a strategy's ``batch_schedule=`` (the scheduled batch, beside the realized ``samples_per_update``),
-    ``accum/global_batch_tokens`` only for a schedule stated in tokens (``batch_unit="tokens"``). With
-    ``axis="updates"`` x counts *applied* updates. The
-    progress bar shows the tokens (or samples; documents with ``axis="documents"``) seen and the skipped updates.
+    ``accum/<axis>`` is the only key written without the once-per-x rule (it is x). Written only where they apply:
+    ``accum/loss`` (a group with units and a finite loss in the window), ``accum/documents_per_update`` (steps that
+    report documents), ``accum/lr/pg{i}`` (several parameter groups), ``accum/grad_scale`` (a GradScaler), the
+    stage keys (``batch_schedule=``; ``global_batch_tokens`` for ``batch_unit="tokens"``). With ``axis="updates"`` x
+    counts *applied* updates. The progress bar shows the tokens (or samples; documents with ``axis="documents"``)
+    seen and the skipped updates.
 
     Several fits (e.g. two training stages, each with a new Trainer) logged by this callback to the same logger
     continue one axis: a fit whose ledger starts below the highest x already written is shifted to start there
@@ -166,7 +135,7 @@ class AxisLogger(Callback):
         self.axis = validate_choice("axis", axis, AXES)
         self.prefix = prefix
         # Per logger: the logger, the patch of its `log_metrics` (its `below` is the logger's own method), and whether
-        # that method is given x as its `step` (not a W&B logger's: see the class docstring).
+        # that method is given x as its `step` (not a W&B logger's: see `_write`).
         self._originals: dict[int, tuple[Logger, InstancePatch, bool]] = {}
         self._last_x: dict[tuple[int, str], int] = {}
         self._high_x = -1  # the highest x written, over every fit of this callback
@@ -232,9 +201,7 @@ class AxisLogger(Callback):
         if bar is not None:
 
             def get_metrics(original: Callable[..., Any], trainer: Trainer, pl_module: LightningModule) -> Any:
-                metrics = original(trainer, pl_module)
-                metrics.update(self._progress_fields(trainer))
-                return metrics
+                return {**original(trainer, pl_module), **self._progress_fields(trainer)}
 
             self._progress_patch = InstancePatch(bar, "get_metrics", get_metrics)
 
@@ -306,7 +273,8 @@ class AxisLogger(Callback):
         self._originals[id(logger)] = (logger, patch, not isinstance(logger, WandbLogger))
 
     def _define_wandb_axis(self, logger: WandbLogger) -> None:
-        # Replaces WandbLogger's own definition of the charts' x (its step key): see the class docstring.
+        # Replaces WandbLogger's own definition of the charts' x (its step key, `trainer/global_step` up to Lightning
+        # 2.6, `global_step` from 2.7: Lightning-AI/pytorch-lightning#21782), whatever that key is.
         run = logger.experiment  # creates the W&B run now if Lightning has not yet
         run.define_metric(self.axis_key)
         run.define_metric("*", step_metric=self.axis_key, step_sync=True)
@@ -345,20 +313,19 @@ class AxisLogger(Callback):
             if isinstance(self._originals[logger_id][0], CSVLogger) or self._last_x.get(axis, -1) < x:
                 self._last_x[axis] = x
                 fresh[self.axis_key] = x
-            # A W&B logger gets no `step`: it would add it to the row under its step key (class docstring).
+            # A W&B logger gets no `step`: it would add it to every row under its step key, naming the count as
+            # Lightning's step; without it W&B's own `_step` numbers the rows and x is the axis metric.
             patch.below(fresh, step=x if pass_step else None)
 
     def _progress_fields(self, trainer: Trainer) -> dict[str, int | str]:
         ledger = self._ledger(trainer)
-        fields: dict[str, int | str] = {}
         if self.axis == "documents":
-            fields["seen"] = format_count(ledger.documents, "doc")
+            seen = format_count(ledger.documents, "doc")
         elif ledger.tokens > 0 or self.axis == "tokens":
-            fields["seen"] = format_count(ledger.tokens, "tok")
+            seen = format_count(ledger.tokens, "tok")
         else:
-            fields["seen"] = format_count(ledger.samples, "sp")
-        fields["skipped"] = str(ledger.skipped_total)  # text: Rich's bar shows every number as "0.000"
-        return fields
+            seen = format_count(ledger.samples, "sp")
+        return {"seen": seen, "skipped": str(ledger.skipped_total)}  # text: Rich's bar shows every number as "0.000"
 
     # ------------------------------------------------------------------ group metrics
 

@@ -18,13 +18,13 @@ from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler
 
 from lightning_accum.strategies import ExactAccumulation
+from lightning_accum.tokens import ignored_label_key
 
 __all__ = [
     "ADAM_LIKE",
     "TOKEN_COUNTS",
     "diagnose",
     "first_nonfinite",
-    "has_ignored_labels",
     "passed_notes",
     "replica_findings",
     "scheduler_findings",
@@ -77,7 +77,9 @@ def diagnose(
             f" error falls to {matches[0][0]:.1e} ({measured}). Report `num_tokens={unshifted}` (or"
             " `count_tokens=lightning_accum.seq2seq_tokens`)."
         )
-    if unit in ("samples", "batches") and (best is not None or has_ignored_labels(batches, ignore)):
+    if unit in ("samples", "batches") and (
+        best is not None or any(ignored_label_key(batch, ignore) is not None for batch in batches)
+    ):
         if best is not None:
             count = shifted if best == "shifted tokens" else unshifted
             evidence = f"weighted by {best} (`{count}`), the error falls to {matches[0][0]:.1e}"
@@ -95,21 +97,6 @@ def diagnose(
         " `training_step` returns the mean loss over the units it reports, and that nothing in the model depends"
         " on the micro-batch composition."
     )
-
-
-def has_ignored_labels(batches: list[Any], ignore_index: int) -> bool:
-    """Whether a label or target tensor of ``batches`` holds ``ignore_index``."""
-
-    def holds(obj: Any, key: str = "") -> bool:
-        if isinstance(obj, Tensor):
-            return any(w in key.lower() for w in ("label", "target")) and bool((obj == ignore_index).any())
-        if isinstance(obj, Mapping):
-            return any(holds(v, str(k)) for k, v in obj.items())
-        if isinstance(obj, (list, tuple)):
-            return any(holds(v, key) for v in obj)
-        return False
-
-    return any(holds(b) for b in batches)
 
 
 def first_nonfinite(module: LightningModule, grads: list[Tensor]) -> str:

@@ -13,7 +13,6 @@ from typing_extensions import override
 
 from lightning_accum.axis_lr import check_counts_reported
 from lightning_accum.callbacks.common import accumulation_strategy, format_count
-from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import AXES, AccumulationLedger
 from lightning_accum.options import validate_choice
 from lightning_accum.patching import InstancePatch
@@ -48,37 +47,22 @@ def next_multiple(count: int, every: int) -> int:
 class Horizon(Callback):
     """Stop, validate and checkpoint at counts of tokens, samples, documents or applied updates, read from the ledger.
 
-    Language models are planned in tokens ("2 B tokens, evaluate every 100 M, a checkpoint every 250 M") because
-    only tokens and samples stay comparable when ``m``, ``A`` or ``D`` change. The Horizon reads the exact global
-    count (``trainer.strategy.ledger``: ``tokens``, ``samples``, ``documents`` or ``updates_applied``) after every
-    attempted update
-    (at the end of the group's last micro-batch, identically on every rank) and acts at that update boundary:
+    Language models are planned in tokens ("2 B tokens, evaluate every 100 M, a checkpoint every 250 M"). The Horizon
+    reads the exact global count (``trainer.strategy.ledger``) after every attempted update, alike on every rank, and
+    acts at that update boundary; a count "reaches" a point when it is ``>=`` it (docs/howto.md, "Run on a token
+    budget", has the example and the details):
 
-    * ``stop_at=N``: at the first update after which the count is ``>= N`` it sets ``trainer.should_stop``, so no
-      micro-batch of another group starts. The final count (``>= N``, by less than one update) is in the ledger and
-      the report. Lightning runs a validation when training is asked to stop (as after ``EarlyStopping``), and does
-      not stop before ``min_epochs``/``min_steps``. ``max_epochs``/``max_steps`` still end a run early: set
-      ``max_epochs=-1`` to let the budget decide (a warning says when the data ran out before the budget).
-    * ``validate_every=V``: a validation run after the first update at which the count reaches each multiple of
-      ``V`` (one run when an update crosses several). These come **in addition to** the validation Lightning
-      schedules (``val_check_interval``, ``check_val_every_n_epoch``); when both fall on the same micro-batch it is
-      one run. To validate on the axis only, pass ``Trainer(check_val_every_n_epoch=None,
-      val_check_interval=10**12)`` (Lightning's own schedule then never fires). It needs a validation loader and a
-      ``validation_step``.
-    * ``checkpoint_every=C``: a checkpoint after the first update at which the count reaches each multiple of ``C``,
-      written with ``trainer.save_checkpoint`` (so the strategy's state, the callbacks' states and the loops go in)
-      as ``{dirpath}/{axis}={count}.ckpt``, e.g. ``tokens=250000123.ckpt``. ``dirpath`` is, in order: the argument,
-      the folder of the Trainer's ``ModelCheckpoint``, ``{default_root_dir}/checkpoints``. When a validation is due
-      at the same update, the checkpoint is written after it (at ``on_validation_end``), so it holds what follows
-      that validation (``EarlyStopping``'s count, a best score); a run resumed from it does not validate again at
-      that count and continues with the next micro-batch, meeting the same remaining points. Mid-epoch, exact
-      resumption also needs a training loader that saves its position (``state_dict``), as for any mid-epoch
-      checkpoint.
+    * ``stop_at=N``: ``trainer.should_stop`` at the first update that reaches ``N`` (the count ends past it by less
+      than one update). ``max_epochs``/``max_steps`` still end a run first: pass ``max_epochs=-1``.
+    * ``validate_every=V``: a validation run after the first update that reaches each multiple of ``V``, in addition
+      to Lightning's own schedule (one run when both fall on the same micro-batch).
+    * ``checkpoint_every=C``: ``trainer.save_checkpoint`` at each multiple of ``C``, as ``{dirpath}/{axis}={count}.ckpt``
+      (``dirpath``: the argument, else the ``ModelCheckpoint``'s folder, else ``{default_root_dir}/checkpoints``);
+      after the validation when one is due at the same update, so a run resumed from it does not validate again.
     * with ``stop_at``, the progress bar shows ``budget``: the count against the budget (e.g. ``1.2M/2.0G tok``).
 
-    The Horizon logs no metric (``AxisLogger`` puts the curves on the same axis). A count "reaches" a point when it
-    is ``>=`` it. The next points are in :meth:`state_dict`, so a resumed run
-    continues; a resumed run with other intervals recomputes them from the count.
+    The Horizon logs no metric. The next points are in :meth:`state_dict`, so a resumed run continues (with other
+    intervals, it recomputes them from the count).
 
     Args:
         axis: ``"tokens"`` (supervised tokens; the run must report them), ``"samples"``, ``"documents"`` (documents
@@ -151,15 +135,11 @@ class Horizon(Callback):
         """The current count on the Horizon's axis."""
         return int(getattr(ledger, AXES[self.axis]))
 
-    @staticmethod
-    def _engine(trainer: Trainer) -> AccumulationEngine:
-        return accumulation_strategy(trainer, "Horizon").engine
-
     # ------------------------------------------------------------------ set-up and tear-down
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._engine(trainer)
+        accumulation_strategy(trainer, "Horizon")
         if stage != "fit":
             return
         self._release()  # what an earlier fit on this instance left (none unless its end was never reached)
@@ -174,8 +154,9 @@ class Horizon(Callback):
 
             def get_metrics(original: Callable[..., Any], trainer: Trainer, pl_module: LightningModule) -> Any:
                 metrics = original(trainer, pl_module)
-                if self._trainer is not None:
-                    metrics["budget"] = self._budget_text(trainer)
+                if self._trainer is not None and self.stop_at is not None:
+                    count = self.count(trainer.strategy.ledger)  # type: ignore[attr-defined]
+                    metrics["budget"] = f"{format_count(count)}/{format_count(self.stop_at)} {UNITS[self.axis]}"
                 return metrics
 
             self._patches.append(InstancePatch(bar, "get_metrics", get_metrics))
@@ -213,16 +194,11 @@ class Horizon(Callback):
         self._patches = []
         self._trainer = None
 
-    def _budget_text(self, trainer: Trainer) -> str:
-        count = self.count(trainer.strategy.ledger)  # type: ignore[attr-defined]
-        assert self.stop_at is not None
-        return f"{format_count(count)}/{format_count(self.stop_at)} {UNITS[self.axis]}"
-
     # ------------------------------------------------------------------ the run
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        ledger = self._engine(trainer).ledger
+        ledger = accumulation_strategy(trainer, "Horizon").ledger
         count = self.count(ledger)
         self._attempts_seen = ledger.updates_attempted
         if self.validate_every is not None and self.next_validation is None:

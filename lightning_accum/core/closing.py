@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_accum.decision import GroupOutcome
+from lightning_accum.decision import GroupOutcome, schedule_due
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.gradients import GradientsByKind, scaler_skipped
 from lightning_accum.ledger import GroupRecord
@@ -149,5 +149,7 @@ class GroupClosing:
         record = engine.finish_group(outcome, applied=applied, skip_reason=skip_reason)
         schedules = self.schedules
         if schedules is not None and schedules.configs:
-            schedules.mark_due(lambda frequency: engine.decisions.schedule_due(record, frequency))
+            schedules.mark_due(
+                lambda frequency: schedule_due(record, engine.ledger, engine.options.schedule_on, frequency)
+            )
         return record
