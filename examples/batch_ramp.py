@@ -92,10 +92,11 @@ def train(run: str, schedule: BatchSchedule, m: int, args: argparse.Namespace) -
     trainer.fit(model, DataLoader(data, batch_size=m, shuffle=True))  # global_order=True replaces the shuffle
     ledger, stages = trainer.strategy.ledger, trainer.strategy.batch_stages
     held_out = evaluate(model, CountingSequences(64, seed=args.seed + 1))
-    sizes = " → ".join(str(s["samples_per_update"] // m) for s in stages)
+    sizes = " → ".join(str(s["accumulate_grad_batches"]) for s in stages)
     print(f"  {run}, m = {m}: A = {sizes}; {ledger.updates_applied} updates, {ledger.tokens:,} tokens", flush=True)
     return {
-        "stages": stages,
+        # A stage's A is the split's own (its batch over m); the rest of its record is the same at every split.
+        "stages": [{key: value for key, value in s.items() if key != "accumulate_grad_batches"} for s in stages],
         "tokens": ledger.tokens,
         "updates": ledger.updates_applied,
         "held_out_loss": held_out,
