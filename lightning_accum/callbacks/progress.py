@@ -1,18 +1,11 @@
 """Progress on the run's own axis: tokens (or samples, documents, applied updates) done out of the budget, the rate,
 the time left, applied and skipped updates.
 
-Lightning's bars count micro-batches of the epoch (``640/40`` against ``max_steps`` with ``A = 16``) and have nothing
-to count against on a token budget; outside a terminal (a log file, CI, a cluster job) their carriage-return updates
-show nothing readable until a run ends. :class:`AxisProgressBar` (Lightning's ``TQDMProgressBar``) and
-:class:`AxisRichProgressBar` (Lightning's ``RichProgressBar``) draw one training bar over the whole fit that counts
-the ledger's exact count against the budget a :class:`~lightning_accum.Horizon` sets (``stop_at`` on the same axis;
-``max_steps`` for ``axis="updates"``), and, when the output is not a terminal, print one plain line at a steady
-interval instead (:func:`progress_line`). What the two share is :class:`_AxisBar`; each adds only how its library
-draws the training bar.
-
-Under a strategy's ``batch_schedule=`` both bars show the stage of the group that runs (``stage``, its index in the
-schedule) and its global batch (``global_batch``, samples per update) with the updates (``get_metrics``), and the
-plain lines end with ``stage 1, global batch 8``; without a schedule neither appears.
+Lightning's bars count micro-batches of the epoch. :class:`AxisProgressBar` (on Lightning's ``TQDMProgressBar``) and
+:class:`AxisRichProgressBar` (on ``RichProgressBar``) draw one training bar over the whole fit that counts the
+ledger's exact count against the budget (:func:`run_budget`), or, when the output is not a terminal, print one plain
+line at a steady interval (:func:`progress_line`). Under ``batch_schedule=`` both show the running group's ``stage``
+and ``global_batch``. What the two share is :class:`_AxisBar`.
 """
 
 from __future__ import annotations
