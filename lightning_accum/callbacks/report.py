@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_accum.callbacks.common import accumulation_strategy
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import ExactAccumulation
+from lightning_accum.strategies.checkpoint import slicing_state
 
 __all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
 
@@ -364,15 +365,7 @@ class AccumulationReport(Callback):
             return {}
         mine = log.state_dict()
         mine["slice_sizes"] = {str(size): count for size, count in mine["slice_sizes"].items()}
-        rows: list[Any] = [mine]
-        if (
-            gather
-            and trainer.world_size > 1
-            and torch.distributed.is_available()
-            and torch.distributed.is_initialized()
-        ):
-            rows = [None] * trainer.world_size
-            torch.distributed.all_gather_object(rows, mine)
+        rows = slicing_state(mine, trainer.world_size, gather)["per_rank"]
         return {"microbatch_slicing": {"configured": log.configured, "per_rank": rows}}
 
     def _finish(self, trainer: Trainer, status: str, error: str | None, gather: bool) -> None:
