@@ -205,12 +205,9 @@ class _AxisBar(ProgressBar):
 class AxisProgressBar(_AxisBar, TQDMProgressBar):
     """Lightning's TQDM progress bar with the training bar on the run's axis, and a plain-line mode.
 
-    The training bar covers the whole fit (not one epoch): ``n`` is the ledger's exact count on ``axis`` (tokens,
-    samples, or applied updates), its total the budget (:func:`run_budget`; none without one), and tqdm shows the
-    rate in units per second and the time left from the rate since the fit started; the postfix adds applied and
-    skipped updates (whole numbers) to Lightning's metrics. The validation, test and sanity-check bars are
-    Lightning's. It replaces Lightning's bar the usual way: ``Trainer(callbacks=[AxisProgressBar()])``.
-    :class:`AxisRichProgressBar` is the same on Lightning's Rich bar.
+    The training bar covers the whole fit: ``n`` is the ledger's exact count on ``axis``, its total the budget
+    (:func:`run_budget`; none without one); the postfix adds applied and skipped updates to Lightning's metrics. The
+    validation, test and sanity-check bars are Lightning's. Use it as Lightning's: ``callbacks=[AxisProgressBar()]``.
 
     ``plain=True`` (the default when standard output is not a terminal): no bars; one :func:`progress_line` every
     ``interval`` seconds of training, at the end of every validation and at the end of the fit, on global rank zero,
@@ -267,11 +264,8 @@ class AxisProgressBar(_AxisBar, TQDMProgressBar):
 class AxisRichProgressBar(_AxisBar, RichProgressBar):
     """Lightning's Rich progress bar with the training bar on the run's axis, and the same plain-line mode.
 
-    As :class:`AxisProgressBar`, drawn by Rich (``pip install rich``, as for Lightning's ``RichProgressBar``): the
-    training task covers the whole fit and shows ``count/budget unit`` (``704/2.0k tok``), elapsed and remaining
-    time, and the rate in units per second (Rich's estimate over its last 30 seconds) instead of Lightning's
-    micro-batches and ``it/s``; applied and skipped updates appear with Lightning's metrics. The validation, test
-    and sanity-check tasks are Lightning's, as drawn by its columns.
+    As :class:`AxisProgressBar`, drawn by Rich (``pip install rich``): the training task shows ``count/budget unit``
+    (``704/2.0k tok``) and the rate in units per second instead of Lightning's micro-batches and ``it/s``.
 
     Args:
         axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"``.
