@@ -133,12 +133,8 @@ class ScheduledGroups:
         """A group of ``size`` micro-batches per replica starts in ``stage``: its record entry, new or continued."""
         self.stage = stage
         last = self.stages[-1] if self.stages else None
-        same = last is not None and (last["stage"], last["threshold"], last["samples_per_update"]) == (
-            stage.index,
-            stage.threshold,
-            stage.samples,
-        )
-        if last is None or not same:
+        key = (stage.index, stage.threshold, stage.samples)
+        if last is None or (last["stage"], last["threshold"], last["samples_per_update"]) != key:
             last = {"stage": stage.index, "threshold": stage.threshold, "samples_per_update": stage.samples}
             last |= {} if stage.tokens is None else {"tokens_per_update": stage.tokens}
             last |= {"updates": 0, "attempts": 0, "samples": 0, "tokens": 0}
