@@ -199,11 +199,11 @@ class ExactAccumulation(Strategy, CoreSeam):
             trainer.accumulate_grad_batches = accumulate
 
     def agree_slice_count(self, count: int, num_samples: int) -> int:
-        """The slicer's: see :meth:`EngineAdapter.agree_slice_count`."""
+        """The slicer's: see :meth:`~lightning_accum.strategies.trainer_side.TrainerSide.agree_slice_count`."""
         return self._side.agree_slice_count(count, num_samples)
 
     def before_forward_retry(self) -> None:
-        """The slicer's: see :meth:`EngineAdapter.before_forward_retry`."""
+        """The slicer's: see :meth:`~lightning_accum.strategies.trainer_side.TrainerSide.before_forward_retry`."""
         self._side.before_forward_retry()
 
     # ------------------------------------------------------------------ hooks of every micro-batch
