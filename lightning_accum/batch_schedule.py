@@ -1,35 +1,11 @@
 """A schedule of the global batch: samples per update as a function of the run's position on an axis.
 
-Large-model pretraining grows the global batch as the loss falls (Megatron-LM's ``--step-batch-size-schedule
-"0:768 250B:1536 500B:3072"``, nanochat's 1/4 → 1/2 → full batch with square-root learning-rate scaling). A
-:class:`BatchSchedule` states that as stages: from a threshold on the axis (tokens, samples or applied updates, summed
-over every replica, as the ledger counts them) on, an update holds ``B`` samples. With ``m`` samples per micro-batch
-per replica and ``D`` data-parallel replicas, an update of ``B`` samples is a group of
-
-    A = B / (m · D)
-
-micro-batches per replica, so every stage's ``B`` must be a multiple of ``m · D`` (checked once, before training, by
-:meth:`BatchSchedule.check`). The schedule changes only ``A``: ``m`` (the loader's batch) and ``D`` stay.
-
-The stage of a group is decided once, when the group starts, from the ledger's position then (every closed group
-counted, the same number on every replica): the group that crosses a threshold finishes at its own size and the next
-one has the new size. Since the stage is a function of the ledger, a run resumed from a checkpoint (which saves the
-ledger) continues the same schedule; nothing counts groups beside it. Two splits of the same examples in the same order
-((m, D) = (4, 1), (2, 1), (1, 2)) close the same groups: each group starts at the same example and holds ``B`` of them.
-
-Rules decided here:
-
-* The first threshold is 0: the batch of the run's start is stated, never implied.
-* Thresholds strictly increase. Batches may shrink as well as grow: the arithmetic of a group does not depend on the
-  size of the one before, so a schedule that lowers the batch late in a run is honoured as written.
-* On the ``"tokens"`` axis the run must report token counts (``num_tokens`` or ``count_tokens=``): without them the
-  position never moves and the schedule would silently stay in its first stage, so that is an error after the first
-  update (:func:`~lightning_accum.axis_lr.check_counts_reported`, used by the strategy).
-* ``batch_unit="tokens"`` states each stage in tokens per update, for fixed-length rows: a stage of ``T`` tokens is
-  ``T / sequence_length`` samples, which must be a whole number.
-* ``lr_scaling`` (``"sqrt"``, ``"linear"`` or ``None``) multiplies the learning rate of every update of stage ``i`` by
-  ``(B_i / B_0) ** 0.5`` or ``B_i / B_0``, on top of whatever the user's scheduler set (:meth:`lr_factor`): the factor
-  is applied around the optimizer's update only, so a scheduler never reads it back.
+From a threshold on an axis (tokens, samples or applied updates, summed over every replica, as the ledger counts
+them) on, an update holds ``B`` samples: a group of ``A = B / (m · D)`` micro-batches per replica, so every stage's
+``B`` must be a multiple of ``m · D`` (:meth:`BatchSchedule.check`). The stage of a group is decided when the group
+starts, from the ledger's position then, so a resumed run continues the same schedule. The rules (first threshold
+0, thresholds increasing, token counts required on the ``"tokens"`` axis, ``batch_unit``, ``lr_scaling``):
+docs/howto.md, "Ramp the batch by tokens".
 
 Pure Python: no torch, no Lightning.
 """

@@ -61,10 +61,9 @@ class AccumulationOptions:
         max_consecutive_skips: Stop with an error after this many consecutive skipped updates; ``None`` never
             stops.
         global_order: ``True``: the training data is read in one seeded order dealt to the replicas
-            (:class:`~lightning_accum.sampler.GlobalOrderSampler` in place of Lightning's or Fabric's distributed
-            sampler, and of a shuffling or in-order loader's sampler on one device), so that group ``g`` holds the
-            positions ``[g·B, (g+1)·B)`` of that order at any ``m``, ``A``, ``D``, without padding, resumable
-            mid-epoch; ``False`` (the default): the loaders' samplers stay Lightning's (see ``docs/howto.md``).
+            (:class:`~lightning_accum.sampler.GlobalOrderSampler`), so that group ``g`` holds the positions
+            ``[g·B, (g+1)·B)`` of that order at any ``m``, ``A``, ``D``; ``False`` (the default): the loaders'
+            samplers stay Lightning's (see ``docs/howto.md``).
 
     Example:
         >>> AccumulationOptions(partial_group="drop").partial_group

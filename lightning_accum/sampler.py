@@ -48,11 +48,9 @@ def _positive_int(argument: str, value: object, least: int) -> int:
 class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
     """The positions of one seeded order of ``dataset``, dealt element-wise to ``num_replicas`` replicas.
 
-    Its order is torch's ``DistributedSampler``'s (a ``torch.randperm`` seeded ``seed + epoch``, or in order) and its
-    deal too, without the padding: the last ``(N - P) mod D`` positions are left out of the epoch instead of repeating
-    others (see the module's docstring). So any ``A`` consecutive micro-batches of every replica hold the next ``m·A·D``
-    positions of the order, the same examples as one device reading ``m·A·D`` of them. It subclasses
-    ``DistributedSampler`` so that Lightning and Fabric recognise it as a distributed sampler and leave it in place.
+    Its order and deal are torch's ``DistributedSampler``'s without the padding (see the module's docstring). It
+    subclasses ``DistributedSampler`` so that Lightning and Fabric recognise it as a distributed sampler and leave it in
+    place.
 
     Args:
         dataset: The data (anything with a ``len``).

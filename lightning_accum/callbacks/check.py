@@ -131,53 +131,12 @@ class _Pass:
 class AccumulationCheck(Callback):
     """Before the first update of ``fit``, check one accumulation group against the same examples in one batch.
 
-    It takes the first ``A`` micro-batches of the real training data, computes the group's gradient on the
-    strategy's own path (``training_step``, weighting, backward, ``no_sync``, the group's rescale), and the
-    gradient of the concatenated batch with the model's current weights, and compares them. For both, every
-    submodule is in eval mode (BatchNorm excepted) and every dropout probability is 0, so neither what reads a
-    module's ``training`` flag (Hugging Face's SDPA attention passes ``dropout_p`` only in training) nor what reads
-    ``.p`` draws random numbers, and the random generators are seeded identically. A comparison that fails is judged
-    only if the one-batch gradient does not move under another seed; a step that draws random numbers of its own is
-    said in a warning, not blamed on the weighting. Afterwards it restores everything
-    it touched (weights, buffers, optimizer state, gradients, random generator states, so the data order is
-    unchanged): the training that follows is the training without the check. Under mixed precision
-    (``"16-mixed"``, ``"bf16-mixed"``) both gradients are computed with autocast off, in float32: the check is about
-    the accumulation arithmetic, not the precision, so its tolerance stays tight.
-
-    Under a strategy's ``batch_schedule=`` the check runs before the strategy sets each group's size, so it asks the
-    schedule: ``A`` is the stage's batch over ``m × D`` (``m``: the loader's ``batch_size``, or its first batch's
-    samples), and a stage batch that is not a multiple of ``m × D`` is the schedule's error, raised here before any
-    ``training_step``. Decision: it checks **one** group, the run's first (stage 0's, on the examples the run's first
-    update uses), with ``trainer.accumulate_grad_batches`` reading that group's ``A`` as in the run; where stage 0's
-    groups hold one micro-batch on one replica (nothing accumulated), the first stage whose groups accumulate
-    instead, on the loader's first examples. The first group of a later stage is not checked: its examples come at a
-    position the loader reaches only during the run (a check at set-up cannot take them without consuming the
-    run's data), and a check when the stage begins would interrupt training with a one-batch forward of ``A × m``
-    samples, the largest at the largest stage. Nothing is lost by it: the weighting, ``c`` and the close's rescale
-    are one arithmetic at every ``A``, which one group that accumulates checks; a loss divided by
-    ``trainer.accumulate_grad_batches`` shows as a ratio of ``1/A`` there. The result's first note names the stage
-    checked, its ``A``, and the stages not checked with their ``A``.
-
-    Diagnoses, from the checklist of symptoms and causes:
-
-    - gradient ratio near ``1/A`` → the loss is divided by ``A`` twice;
-    - mismatch while micro-batches are weighted by samples or batches and the labels hold ignored
-      positions, or the check's own token-weighted update matches the one-batch gradient (also when no
-      micro-batch holds padding, e.g. one sequence per micro-batch) → token weighting is missing (the update is
-      a mean of micro-batch means);
-    - mismatch with token counts that vanishes when the check weights every micro-batch by its shifted count
-      ``(labels[..., 1:] != ignore_index).sum()`` → the count is off by the shift of a causal LM's loss (one
-      token per sequence too many; use :func:`lightning_accum.supervised_tokens`), and the opposite case;
-    - BatchNorm layers → named, as a warning: statistics are per micro-batch, so no exact match is expected;
-    - non-finite gradients; the group's boundaries (``A`` micro-batches, or the partial-group policy);
-    - tensors attached to the autograd graph kept on the LightningModule across micro-batches (memory then
-      grows with every micro-batch);
-    - a step-interval scheduler whose length counts micro-batches (warning);
-    - under DDP with ``D > 1``: a training sampler that is not distributed, or replicas whose first
-      micro-batches are identical (warnings);
-    - a ``validation_step`` whose outputs give no exact validation loss (it returns nothing, or a loss without the
-      run's unit count), from the sanity check's steps or, without one, from the first validation (warning):
-      ``accum/val_loss`` needs the training contract, ``{"loss": loss, "num_tokens": n}``.
+    It compares the group's gradient on the strategy's own path (the first ``A`` micro-batches of the real training
+    data) with the gradient of the concatenated batch, with every module in eval mode (BatchNorm excepted), dropout
+    at 0, identical seeds and autocast off, then restores everything it touched, so the training that follows is the
+    training without the check. A failed comparison comes with a diagnosis. Under ``batch_schedule=`` it checks one
+    group, the first that accumulates, and its first note names the stages not checked. The full account (what is
+    compared, the diagnoses, the warnings): docs/concepts.md, "Before a campaign"; schedules: docs/howto.md.
 
     Args:
         tolerance: Largest accepted relative error; by default ``1e-4`` (mixed precision included, compared in
@@ -239,8 +198,7 @@ class AccumulationCheck(Callback):
     def _tolerance(self, trainer: Trainer) -> float:
         if self.tolerance is not None:
             return self.tolerance
-        # Mixed precision is compared in float32 (see `_float32_compute`); only 16-bit weights ("16-true",
-        # "bf16-true") keep 16-bit arithmetic in the check, and their rounding needs the loose tolerance.
+        # Only 16-bit weights ("16-true", "bf16-true") keep 16-bit arithmetic in the check (see `_float32_compute`).
         if "16" in str(trainer.precision) and not isinstance(trainer.strategy.precision_plugin, MixedPrecision):
             return 2e-2
         return 1e-4
@@ -278,13 +236,12 @@ class AccumulationCheck(Callback):
             everything = self._gather_batches(batches, replicas)
             reference = self._batch_gradient(run, everything)
 
-        g = torch.cat([x.reshape(-1).to(torch.float64) for x in group])
-        r = torch.cat([x.reshape(-1).to(torch.float64) for x in reference])
+        g, r = _flat(group), _flat(reference)
         if not bool(torch.isfinite(g).all()):
             where = first_nonfinite(module, group)
             errors.append(f"the group's gradient is not finite (first non-finite gradient: {where})")
         norm = float(r.norm())
-        rel = float((g - r).norm() / norm) if norm > 0 else float((g - r).norm())
+        rel = _relative_error(g, r)
         ratio = float(g.dot(r) / (norm * norm)) if norm > 0 else 1.0
 
         if outcome != "apply":
@@ -333,9 +290,7 @@ class AccumulationCheck(Callback):
         draws no random numbers): a failed comparison is only judged when it is not noise."""
         with _float32_compute(run.strategy), _token_hints_muted():
             other = self._batch_gradient(dataclasses.replace(run, seed=run.seed + 1), batches)
-        flat = torch.cat([x.reshape(-1).to(torch.float64) for x in other])
-        norm = float(reference.norm())
-        return float((flat - reference).norm() / norm) if norm > 0 else float((flat - reference).norm())
+        return _relative_error(_flat(other), reference)
 
     def _evaluation_findings(self, strategy: ExactAccumulation) -> list[str]:
         """Why the validation loss is not on the exact footing, once the strategy has seen a validation step (the
@@ -363,7 +318,7 @@ class AccumulationCheck(Callback):
         gradient ``g_i``; for each way of counting, ``Σ w_i g_i / Σ w_i`` is the update that weighting would make.
         Runs only when the check has already failed.
         """
-        weightings: dict[str, list[float]] = {name: [] for name in (*TOKEN_COUNTS, "samples", "batches")}
+        totals = dict.fromkeys((*TOKEN_COUNTS, "samples", "batches"), 0.0)
         sums: dict[str, Tensor] = {}
         for batch in batches:
             found = find_labels(batch)
@@ -376,19 +331,14 @@ class AccumulationCheck(Callback):
                 "samples": float(infer_num_samples(batch) or 0),
                 "batches": 1.0,
             }
-            grad = self._batch_gradient(run, [batch])
-            flat = torch.cat([x.reshape(-1).to(torch.float64) for x in grad])
+            flat = _flat(self._batch_gradient(run, [batch]))
             for name, w in counts.items():
-                weightings[name].append(w)
+                totals[name] += w
                 if w > 0:  # an empty micro-batch's mean is NaN and weighs nothing
                     sums[name] = sums[name] + w * flat if name in sums else w * flat
-        norm = float(reference.norm())
-        errors = {}
-        for name, weights in weightings.items():
-            total = sum(weights)
-            if total > 0 and name in sums and norm > 0:
-                errors[name] = float((sums[name] / total - reference).norm() / norm)
-        return errors
+        if not float(reference.norm()) > 0:
+            return {}
+        return {name: _relative_error(total / totals[name], reference) for name, total in sums.items()}
 
     def _take(self, trainer: Trainer, module: LightningModule, count: int) -> list[Any]:
         loader = trainer.train_dataloader
@@ -511,11 +461,9 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
 def _checked_size(
     trainer: Trainer, strategy: ExactAccumulation, first_batch: Callable[[], list[Any]]
 ) -> tuple[int, str | None]:
-    """The ``A`` of the group the check runs: the Trainer's, or under ``batch_schedule=`` (whose strategy sets the
-    groups' sizes after the check's hook) the schedule's, with the note that says which stage that is and why the
-    others are not checked (see :class:`AccumulationCheck`). ``first_batch()``: the loader's first batch, for ``m``
-    where the loader has no ``batch_size``. Raises the schedule's own error for a stage batch that is not a multiple
-    of ``m × D``, before any ``training_step``."""
+    """The ``A`` of the group the check runs: the Trainer's, or under ``batch_schedule=`` the schedule's, with the
+    note that names the stage checked. ``first_batch()``: the loader's first batch, for ``m`` where the loader has no
+    ``batch_size``. Raises the schedule's own error for a stage batch that is not a multiple of ``m × D``."""
     schedule, replicas = strategy.batch_schedule, strategy.data_parallel_replicas
     if schedule is None:
         return trainer.accumulate_grad_batches, None
@@ -573,10 +521,9 @@ def _float32_compute(strategy: Any) -> Iterator[None]:
 
     Lightning opens its autocast region in the precision plugin's public ``forward_context()``, which the strategy's
     ``training_step`` enters (through ``train_step_context()``); an autocast region opened around the call would be
-    re-enabled there, so the check replaces that method on the plugin instance for its passes. (Up to Lightning 2.6
-    ``forward_context`` entered ``autocast_context_manager()``, which the check used to replace; from 2.7 it opens
-    autocast itself.) ``test_private_names.py::test_lightning_opens_mixed_precision_autocast_in_forward_context``
-    fails if Lightning opens it elsewhere.
+    re-enabled there, so the check replaces that method on the plugin instance for its passes.
+    ``test_private_names.py::test_lightning_opens_mixed_precision_autocast_in_forward_context`` fails if Lightning
+    opens it elsewhere.
     """
     plugin = strategy.precision_plugin
     if not isinstance(plugin, MixedPrecision):
@@ -599,6 +546,16 @@ def _reset_for_pass(optimizer: Optimizer, seed: int) -> None:
     """Both gradients start from nothing and see the same random numbers."""
     optimizer.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
+
+
+def _flat(grads: list[Tensor]) -> Tensor:
+    return torch.cat([x.reshape(-1).to(torch.float64) for x in grads])
+
+
+def _relative_error(g: Tensor, reference: Tensor) -> float:
+    """``‖g − reference‖ / ‖reference‖``, or the absolute error where the reference is zero."""
+    norm = float(reference.norm())
+    return float((g - reference).norm() / norm) if norm > 0 else float((g - reference).norm())
 
 
 def _params(optimizer: Optimizer) -> list[Tensor]:

@@ -1,18 +1,11 @@
 """Progress on the run's own axis: tokens (or samples, documents, applied updates) done out of the budget, the rate,
 the time left, applied and skipped updates.
 
-Lightning's bars count micro-batches of the epoch (``640/40`` against ``max_steps`` with ``A = 16``) and have nothing
-to count against on a token budget; outside a terminal (a log file, CI, a cluster job) their carriage-return updates
-show nothing readable until a run ends. :class:`AxisProgressBar` (Lightning's ``TQDMProgressBar``) and
-:class:`AxisRichProgressBar` (Lightning's ``RichProgressBar``) draw one training bar over the whole fit that counts
-the ledger's exact count against the budget a :class:`~lightning_accum.Horizon` sets (``stop_at`` on the same axis;
-``max_steps`` for ``axis="updates"``), and, when the output is not a terminal, print one plain line at a steady
-interval instead (:func:`progress_line`). What the two share is :class:`_AxisBar`; each adds only how its library
-draws the training bar.
-
-Under a strategy's ``batch_schedule=`` both bars show the stage of the group that runs (``stage``, its index in the
-schedule) and its global batch (``global_batch``, samples per update) with the updates (``get_metrics``), and the
-plain lines end with ``stage 1, global batch 8``; without a schedule neither appears.
+Lightning's bars count micro-batches of the epoch. :class:`AxisProgressBar` (on Lightning's ``TQDMProgressBar``) and
+:class:`AxisRichProgressBar` (on ``RichProgressBar``) draw one training bar over the whole fit that counts the
+ledger's exact count against the budget (:func:`run_budget`), or, when the output is not a terminal, print one plain
+line at a steady interval (:func:`progress_line`). Under ``batch_schedule=`` both show the running group's ``stage``
+and ``global_batch``. What the two share is :class:`_AxisBar`.
 """
 
 from __future__ import annotations
@@ -212,12 +205,9 @@ class _AxisBar(ProgressBar):
 class AxisProgressBar(_AxisBar, TQDMProgressBar):
     """Lightning's TQDM progress bar with the training bar on the run's axis, and a plain-line mode.
 
-    The training bar covers the whole fit (not one epoch): ``n`` is the ledger's exact count on ``axis`` (tokens,
-    samples, or applied updates), its total the budget (:func:`run_budget`; none without one), and tqdm shows the
-    rate in units per second and the time left from the rate since the fit started; the postfix adds applied and
-    skipped updates (whole numbers) to Lightning's metrics. The validation, test and sanity-check bars are
-    Lightning's. It replaces Lightning's bar the usual way: ``Trainer(callbacks=[AxisProgressBar()])``.
-    :class:`AxisRichProgressBar` is the same on Lightning's Rich bar.
+    The training bar covers the whole fit: ``n`` is the ledger's exact count on ``axis``, its total the budget
+    (:func:`run_budget`; none without one); the postfix adds applied and skipped updates to Lightning's metrics. The
+    validation, test and sanity-check bars are Lightning's. Use it as Lightning's: ``callbacks=[AxisProgressBar()]``.
 
     ``plain=True`` (the default when standard output is not a terminal): no bars; one :func:`progress_line` every
     ``interval`` seconds of training, at the end of every validation and at the end of the fit, on global rank zero,
@@ -274,11 +264,8 @@ class AxisProgressBar(_AxisBar, TQDMProgressBar):
 class AxisRichProgressBar(_AxisBar, RichProgressBar):
     """Lightning's Rich progress bar with the training bar on the run's axis, and the same plain-line mode.
 
-    As :class:`AxisProgressBar`, drawn by Rich (``pip install rich``, as for Lightning's ``RichProgressBar``): the
-    training task covers the whole fit and shows ``count/budget unit`` (``704/2.0k tok``), elapsed and remaining
-    time, and the rate in units per second (Rich's estimate over its last 30 seconds) instead of Lightning's
-    micro-batches and ``it/s``; applied and skipped updates appear with Lightning's metrics. The validation, test
-    and sanity-check tasks are Lightning's, as drawn by its columns.
+    As :class:`AxisProgressBar`, drawn by Rich (``pip install rich``): the training task shows ``count/budget unit``
+    (``704/2.0k tok``) and the rate in units per second instead of Lightning's micro-batches and ``it/s``.
 
     Args:
         axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"``.

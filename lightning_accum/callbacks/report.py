@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_accum.callbacks.common import accumulation_strategy
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import ExactAccumulation
+from lightning_accum.strategies.checkpoint import slicing_state
 
 __all__ = ["REPORT_FILENAME", "REPORT_SCHEMA", "AccumulationReport"]
 
@@ -135,32 +136,12 @@ class AccumulationReport(Callback):
     ``ledger``                           the ledger's state
     ==================================== ===============================================================
 
-    Under a batch schedule no single ``A`` describes the run, and the Trainer's attribute holds only the size of the
-    group that ran last: ``accumulate_grad_batches`` keeps its key and lists each stage's ``A`` instead (an int never
-    stands for a run whose groups changed size), and ``effective_batch.configured`` each stage's batch; the stages are
-    the ones the fit reached, so a stage the run never got to is not claimed. ``m`` there is the schedule's (the
-    stage's batch over ``A × D``).
-
-    The peaks are the process's peak counter (CUDA's allocator peak, on CPU the peak resident set ``VmHWM``), read
-    at the start of training (``peak_before_fit``), after the first update (``first_group_peak``: backward and
-    optimizer state included) and at the end (``run_peak``), and never reset by default: other monitors read it too
-    (Lightning's ``DeviceStatsMonitor``, a profiler, your own ``torch.cuda.max_memory_allocated()``). Where the
-    counter rose during the fit, the peak is this fit's, exactly. Where it did not (``run_peak`` equals
-    ``peak_before_fit``), ``peak_predates_fit`` is true: the process's peak was set before the fit (an earlier fit in
-    the same process, a large tensor freed before ``fit``), and the fit's own peak is at most ``run_peak``, not
-    measured. ``reset_peak_memory=True`` resets the counter at the start of training instead
-    (``torch.cuda.reset_peak_memory_stats``; on Linux ``/proc/self/clear_refs``), so that the peaks are this fit's in
-    every case; other monitors then see it reset too, as the report says once, on rank zero. ``memory.source`` names
-    the counter. On CPU the resident set includes what the process held before ``fit`` (the model, the data, the
-    interpreter).
-
-    The file's path is checked when the fit starts (``setup``), on rank zero, before anything trains: a path that
-    cannot be written is an error then, not after the run.
-
-    The console table shows memory in MiB and rates per second, and ends with the JSON file's path
-    (also kept in :attr:`written_to`). When the Trainer stops before this callback's ``setup`` ran
-    (for example another callback's ``setup`` raised), nothing is written and the first error stays the
-    only one.
+    Under a batch schedule ``accumulate_grad_batches`` and ``effective_batch.configured`` list the stages the fit
+    reached (no single ``A`` describes such a run). The memory peaks are the process's peak counter (CUDA's
+    allocator peak, on CPU ``VmHWM``), read at the start of training, after the first update and at the end, and not
+    reset unless ``reset_peak_memory=True``; ``peak_predates_fit`` says the counter did not rise during the fit. The
+    file's path is checked at ``setup``, before anything trains; a Trainer that stops before this callback's
+    ``setup`` writes nothing. More: docs/concepts.md, "The run record".
 
     Args:
         path: Folder for the JSON file (written as ``accumulation_report.json`` there), or a file name
@@ -384,15 +365,7 @@ class AccumulationReport(Callback):
             return {}
         mine = log.state_dict()
         mine["slice_sizes"] = {str(size): count for size, count in mine["slice_sizes"].items()}
-        rows: list[Any] = [mine]
-        if (
-            gather
-            and trainer.world_size > 1
-            and torch.distributed.is_available()
-            and torch.distributed.is_initialized()
-        ):
-            rows = [None] * trainer.world_size
-            torch.distributed.all_gather_object(rows, mine)
+        rows = slicing_state(mine, trainer.world_size, gather)["per_rank"]
         return {"microbatch_slicing": {"configured": log.configured, "per_rank": rows}}
 
     def _finish(self, trainer: Trainer, status: str, error: str | None, gather: bool) -> None:

@@ -7,19 +7,10 @@ accumulated gradient, so that a run resumed from it closes the group exactly, al
 strategy.
 
 The carried gradient has one meaning whatever strategy wrote it (entry ``format`` 2): the sum over the writing run's
-data-parallel replicas of ``Σ (w / c) · ∇loss`` over the group's micro-batches so far, where ``w`` is a micro-batch's
-weight in the run's unit and ``c`` is ``open_group.scale_ref``; full-size, in the parameters' dtype. DDP and one device
-hold that sum (DDP's gradient of a group's non-final micro-batches is each replica's own, summed when writing); FSDP2
-holds the replicas' average after each reduce-scatter and writes it multiplied by ``D``. On resume each strategy puts
-the sum back in its own terms: one replica adds it (DDP's average at the group's last backward and the close's
-``c · D / W`` then see it like any replica's part); under FSDP2 every rank adds its shard of it divided by the new
-``D``. A sharded (distributed-checkpoint) folder holds the gradient shard by shard under :data:`DISTRIBUTED_KEY`,
-never gathered whole. Entries written before format 2 by a run of several replicas do not say which they hold, and
-are refused when they carry a gradient.
-What cannot be carried (a backward in progress, replicas that cannot be reached) is said when writing and when
-resuming. The entry is checked before anything is installed (:mod:`~lightning_accum.core.entry`, where the keys
-:data:`CHECKPOINT_KEY` and :data:`DISTRIBUTED_KEY` are defined): a damaged one is an error naming the key, a missing
-one is announced. See ``docs/reliability.md``.
+data-parallel replicas of ``Σ (w / c) · ∇loss`` over the group's micro-batches so far, ``c`` being
+``open_group.scale_ref``; each strategy puts it back in its own terms on resume (docs/reliability.md, "What a
+checkpoint written inside a group carries"). The entry is checked before anything is installed
+(:mod:`~lightning_accum.core.entry`, where :data:`CHECKPOINT_KEY` and :data:`DISTRIBUTED_KEY` are defined).
 
 :class:`OpenGroupCheckpoint` is the lifecycle, owned by the strategy: :meth:`~OpenGroupCheckpoint.entry` when
 writing, :meth:`~OpenGroupCheckpoint.load` when Lightning restores (before ``setup``),

@@ -1,12 +1,6 @@
-"""Lightning strategies that make ``accumulate_grad_batches`` exact, one module per engine over one base.
-
-- :class:`AccumulationStrategy` (``"accum"``): one device;
-- :class:`DDPAccumulationStrategy` (``"accum_ddp"``, ``"accum_ddp_spawn"``, ``"accum_ddp_fork"``,
-  ``"accum_ddp_notebook"``, ``"accum_ddp_find_unused_parameters_true"``): data-parallel replicas;
-- :class:`ModelParallelAccumulationStrategy` (``"accum_fsdp"``, ``"accum_model_parallel"``): FSDP2 and tensor
-  parallelism over a 2-D device mesh, ``D`` = the data-parallel size;
-- :class:`ExactAccumulation`: the base both share, and the interface callbacks program against.
-"""
+"""Lightning strategies that make ``accumulate_grad_batches`` exact, one module per engine over one base
+(:class:`ExactAccumulation`); each class's docstring names its strategy strings (the DDP variants:
+``lightning_accum.core.ddp.DDP_STRINGS``)."""
 
 from lightning.pytorch.strategies import StrategyRegistry
 

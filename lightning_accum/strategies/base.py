@@ -1,45 +1,16 @@
 """The one package layer of every accumulation strategy: Lightning's hooks, each delegating to a composed part.
 
-Every public strategy is ``(ExactAccumulation, <Lightning's strategy>)``: this class overrides the Lightning hooks
-the package changes, all of them here, and its ``super()`` is the single-device, DDP or model-parallel strategy
-underneath. Each hook hands the work to one part:
-
-=========================================================== ===============================================
-part                                                         job
-=========================================================== ===============================================
-:class:`~lightning_accum.engine.AccumulationEngine`          the arithmetic: weights, ``c``, the close, the ledger
-:class:`~lightning_accum.core.closing.GroupClosing`    a group closed over an optimizer's gradients
-:class:`~lightning_accum.strategies.automatic.AutomaticSteps` the optimizer step of automatic optimization
-:class:`~lightning_accum.core.manual.ManualGroups`     the manual-optimization API
-:class:`~lightning_accum.strategies.slicing.BatchSlicer`     a loader batch run as slices (``microbatch_size=``)
-:class:`~lightning_accum.strategies.checkpoint.OpenGroupCheckpoint` the package's checkpoint entry and an open group
-:class:`~lightning_accum.strategies.checkpoint.TrainerCheckpoint` ``save_checkpoint`` and ``load_checkpoint``
-:class:`~lightning_accum.strategies.precision_clipping.PrecisionClipping` the precision plugin's clipping, for a run
-:class:`~lightning_accum.strategies.evaluation.ExactEvaluation` ``accum/val_loss`` and ``accum/test_loss``
-:func:`~lightning_accum.strategies.global_order.install_global_order` the training loader's order (``global_order=``)
-:class:`~lightning_accum.core.adapter.EngineAdapter`   what differs between one device, DDP and FSDP2/TP
-=========================================================== ===============================================
-
-Lightning's own loop stays (zero_grad at a group's start, ``no_sync`` on non-final micro-batches, the optimizer
-evaluating the closure inside its ``step``, the precision plugin's unscale, clipping and step, Lightning's hook order
-and its own errors); three hooks change what is computed:
-
-* ``training_step``: read the micro-batch once (its loss, counts, unit) and prepare ``loss · w / c``;
-* ``backward``: back-propagate that tensor instead of Lightning's ``loss / A``;
-* ``optimizer_step``: the closure handed to the optimizer runs Lightning's (the group's last micro-batch) and then
-  closes the group: one reduction of its counters and the rescale of the gradient by ``c · D / W``, before unscale
-  and clipping; the update is applied, skipped or dropped. A closure-re-evaluating optimizer (LBFGS) runs as in
-  Lightning at ``A = 1`` and is an error at ``A > 1``.
-
-With ``automatic_optimization = False`` every hook passes through (Lightning's behaviour); a manual loop gets exact
-weighting through :meth:`ExactAccumulation.accumulate` and :meth:`ExactAccumulation.close_group`.
-``trainer.global_step`` keeps Lightning's meaning (optimizer-step calls, a dropped partial group included); exact
-counts are in :attr:`ExactAccumulation.ledger`.
+Every public strategy is ``(ExactAccumulation, <Lightning's strategy>)``: this class overrides every Lightning hook
+the package changes, and its ``super()`` is the single-device, DDP or model-parallel strategy underneath. Lightning's
+own loop stays; three hooks change what is computed: ``training_step`` (read the micro-batch once and prepare
+``loss · w / c``), ``backward`` (back-propagate that tensor instead of ``loss / A``) and ``optimizer_step`` (the
+closure closes the group inside the optimizer's step). With ``automatic_optimization = False`` every hook passes
+through; a manual loop uses :meth:`ExactAccumulation.accumulate` and :meth:`ExactAccumulation.close_group`. The parts
+and their jobs: docs/internals.md.
 
 The strategies' constructors repeat the options of :class:`~lightning_accum.options.AccumulationOptions` one by one
 on purpose: LightningCLI (jsonargparse) builds a strategy from the parameters its ``__init__`` declares, so options
-hidden in ``**kwargs`` or in one ``options=`` object would vanish from ``--help`` and from config validation. Each
-constructor validates them once into an ``AccumulationOptions`` and hands that on (:meth:`_init_accumulation`).
+hidden in ``**kwargs`` would vanish from ``--help`` and from config validation.
 """
 
 from __future__ import annotations
@@ -228,11 +199,11 @@ class ExactAccumulation(Strategy, CoreSeam):
             trainer.accumulate_grad_batches = accumulate
 
     def agree_slice_count(self, count: int, num_samples: int) -> int:
-        """The slicer's: see :meth:`EngineAdapter.agree_slice_count`."""
+        """The slicer's: see :meth:`~lightning_accum.strategies.trainer_side.TrainerSide.agree_slice_count`."""
         return self._side.agree_slice_count(count, num_samples)
 
     def before_forward_retry(self) -> None:
-        """The slicer's: see :meth:`EngineAdapter.before_forward_retry`."""
+        """The slicer's: see :meth:`~lightning_accum.strategies.trainer_side.TrainerSide.before_forward_retry`."""
         self._side.before_forward_retry()
 
     # ------------------------------------------------------------------ hooks of every micro-batch
@@ -345,10 +316,10 @@ class ExactAccumulation(Strategy, CoreSeam):
             return self._core.optimizer_step(
                 optimizer, closure, self.gradient_scaler, lambda: lightning_step(optimizer, closure, model, **kwargs)
             )
-        if self._scheduled.schedule is not None:  # the stage's learning-rate factor, if any
-            with self._scheduled.scaled_lr(optimizer):
-                return self._automatic_step(optimizer, closure, lambda c: lightning_step(optimizer, c, model, **kwargs))
-        return self._automatic_step(optimizer, closure, lambda c: lightning_step(optimizer, c, model, **kwargs))
+        # Under a schedule, the stage's learning-rate factor, if any.
+        scaled = self._scheduled.scaled_lr(optimizer) if self._scheduled.schedule is not None else nullcontext()
+        with scaled:
+            return self._automatic_step(optimizer, closure, lambda c: lightning_step(optimizer, c, model, **kwargs))
 
     def _automatic_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], lightning_step: Callable[[Callable[..., Any]], Any]

@@ -1,14 +1,9 @@
 """``global_order=True`` in a Trainer: the training loader reads one seeded order, dealt to the replicas, resumable.
 
-Lightning puts its ``DistributedSampler`` into the training loader before it hands the loader to the strategy's
-``process_dataloader``; there the strategy puts a :class:`~lightning_accum.sampler.GlobalOrderSampler` in its place
-(chosen by :func:`~lightning_accum.sampler.global_order_for`), re-creating the loader with Lightning's own helper, as
-Lightning does when it injects its sampler. The loader it returns is resumable in Lightning's convention (it has
-``state_dict`` / ``load_state_dict``, so Lightning saves its state in the fit loop's checkpoint and gives it back on a
-resume): the state is the sampler's, at the global position the loop has processed — the micro-batches Lightning
-counts as processed in the epoch, times ``m·D`` — which a resumed run continues from, at any ``D``. The position must be
-where the resumed run's own count of micro-batches puts it (the same ``m·D``), or Lightning's grouping by batch index
-and its count of the epoch's batches would not match the data: such a resume is refused, naming both.
+In the strategy's ``process_dataloader`` (after Lightning put in its ``DistributedSampler``) the training loader is
+re-created around a :class:`~lightning_accum.sampler.GlobalOrderSampler`, with Lightning's own helper. The loader is
+resumable in Lightning's convention (``state_dict`` / ``load_state_dict``): its state is the sampler's at the global
+position the loop has processed (``processed × m × D``); a resume whose ``m × D`` cannot continue it is refused.
 """
 
 from __future__ import annotations

@@ -5,35 +5,14 @@ strategy's arithmetic (its target ``A`` is the partial-group policy's denominato
 the entry's open group record it), the strategy's options reach LightningCLI's config and ``--help``, and a callback
 would run its ``on_train_batch_start`` among the user's callbacks, in an order nobody controls.
 
-Lightning decides where a group starts (its ``zero_grad``) and ends (its optimizer step, the last backward's gradient
-synchronisation) from the batch's position in the epoch modulo ``trainer.accumulate_grad_batches``. At each group's
-first batch (the strategy's ``on_train_batch_start``, which Lightning calls after the callbacks' and before the batch
-runs) :class:`ScheduledGroups` reads the group's stage from the ledger and sets that attribute to a
-:class:`~lightning_accum.batch_schedule.GroupSize`: an int, the group's size, whose modulo counts from the group's first
-batch. So Lightning's own checks end the group after exactly its scheduled number of micro-batches, and the group that
-crosses a threshold finishes at its own size. An epoch's last group still ends at the epoch's last batch, and the
-partial-group policy compares it with its own target size.
-
-The stage of a group is a function of the ledger's position at its start, so a resumed run finds it again; a
-checkpoint written inside a group carries the group's size, which the resumed run keeps for that group.
-
-Decisions made here:
-
-* **Every stage's batch is checked against ``m × D`` at set-up**, in the strategy's ``on_train_start`` (after the
-  sanity check, before any ``training_step``: the training loader is known there, not before), from the loader's
-  ``batch_size`` where it has one (a ``DataLoader`` given ``batch_size``, not a ``batch_sampler``). A loader without
-  one (a batch sampler, an iterable of batches) says ``m`` only with its first batch: the check runs there, as
-  before, and the first batch's samples are ``m`` in both cases. :class:`~lightning_accum.AccumulationCheck`, whose
-  ``on_train_start`` (a callback's) runs before the strategy's and calls ``training_step``, asks the schedule the same
-  before it does.
-* **What each stage reached consumed survives a resume**: the record (:attr:`stages`, the strategy's
-  ``batch_stages``) is written into the checkpoint's entry (``batch_stages``) and restored by a fit that resumes from
-  it, never by ``validate`` / ``test`` / ``predict(ckpt_path=...)`` (whose checkpoint reaches no later fit). A
-  checkpoint without the key (written before it existed, or by a run without a schedule) starts the record empty: its
-  first stage is the one the checkpoint's position falls in. A record entry is continued only by groups of the same
-  stage (index, threshold and batch): a run resumed under another schedule starts entries of its own.
-* Each record entry holds ``accumulate_grad_batches``, the ``A`` of the stage's latest group under the fit's ``m`` and
-  ``D`` (set at each group's start: a run resumed under another ``D`` shows its own).
+Lightning ends a group where the batch's position modulo ``trainer.accumulate_grad_batches`` is 0. At each group's
+first batch (the strategy's ``on_train_batch_start``, after the callbacks' and before the batch runs)
+:class:`ScheduledGroups` reads the group's stage from the ledger and sets that attribute to a
+:class:`~lightning_accum.batch_schedule.GroupSize`, whose modulo counts from the group's first batch, so Lightning's
+own checks end the group after exactly its scheduled size. Every stage's batch is checked against ``m × D`` in the
+strategy's ``on_train_start`` (or at the first batch, for a loader without ``batch_size``). What each stage reached
+consumed (:attr:`stages`) is written into the checkpoint's entry and restored by a fit that resumes from it, only
+for groups of the same stage. The rules: docs/howto.md, "Ramp the batch by tokens".
 """
 
 from __future__ import annotations
@@ -154,12 +133,8 @@ class ScheduledGroups:
         """A group of ``size`` micro-batches per replica starts in ``stage``: its record entry, new or continued."""
         self.stage = stage
         last = self.stages[-1] if self.stages else None
-        same = last is not None and (last["stage"], last["threshold"], last["samples_per_update"]) == (
-            stage.index,
-            stage.threshold,
-            stage.samples,
-        )
-        if last is None or not same:
+        key = (stage.index, stage.threshold, stage.samples)
+        if last is None or (last["stage"], last["threshold"], last["samples_per_update"]) != key:
             last = {"stage": stage.index, "threshold": stage.threshold, "samples_per_update": stage.samples}
             last |= {} if stage.tokens is None else {"tokens_per_update": stage.tokens}
             last |= {"updates": 0, "attempts": 0, "samples": 0, "tokens": 0}
