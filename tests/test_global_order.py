@@ -5,6 +5,7 @@ continues the order; a resume that cannot continue it, and bad arguments, are cl
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,14 @@ def test_a_fabric_loops_shuffled_loader_reads_the_global_order_and_its_in_order_
     assert isinstance(evaluation.sampler, SequentialSampler)
     plain = Fabric(strategy="accum", accelerator="cpu").setup_dataloaders(_loader(examples, 4))
     assert not isinstance(plain.sampler, GlobalOrderSampler)
+
+
+def test_a_trainer_and_its_model_pickle_after_a_fit_that_read_the_global_order(tmp_path: Path) -> None:
+    # The resumable loader's `state_dict` / `load_state_dict` are attributes the Trainer holds; `torch.save(model)` and
+    # a pickled Trainer (Lightning's own tests do both, after a fit) must not meet a local function there.
+    trainer, model = _fit(AccumulationStrategy(global_order=True), _examples(12), m=2, a=2)
+    loader = trainer.train_dataloader
+    assert isinstance(loader.sampler, GlobalOrderSampler)
+    assert loader.state_dict()["length"] == 12 and pickle.loads(pickle.dumps(loader)).state_dict()["length"] == 12
+    pickle.dumps(trainer)
+    torch.save(model, tmp_path / "model.pt")

@@ -8,6 +8,7 @@ position the loop has processed (``processed × m × D``); a resume whose ``m ×
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -42,8 +43,9 @@ def install_global_order(loader: Any, trainer: Trainer, layout: Mapping[str, int
         return ours  # a loader that saves its own position (torchdata's StatefulDataLoader) keeps doing so
     batch_size = int(ours.batch_size or 1)
     # Plain attributes of the loader made for this fit (not the user's object): Lightning's test for a resumable loader.
-    ours.state_dict = lambda: sampler.state_dict(_processed(trainer) * batch_size * sampler.num_replicas)
-    ours.load_state_dict = lambda state: _resume(sampler, state, trainer, batch_size)
+    # Partials of module functions, not lambdas: the Trainer holds the loader, and a Trainer (or a model) pickles.
+    ours.state_dict = functools.partial(_state, sampler, trainer, batch_size)
+    ours.load_state_dict = functools.partial(_resume, sampler, trainer, batch_size)
     return ours
 
 
@@ -52,7 +54,11 @@ def _processed(trainer: Trainer) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
 
 
-def _resume(sampler: GlobalOrderSampler, state: Mapping[str, Any], trainer: Trainer, batch_size: int) -> None:
+def _state(sampler: GlobalOrderSampler, trainer: Trainer, batch_size: int) -> dict[str, Any]:
+    return sampler.state_dict(_processed(trainer) * batch_size * sampler.num_replicas)
+
+
+def _resume(sampler: GlobalOrderSampler, trainer: Trainer, batch_size: int, state: Mapping[str, Any]) -> None:
     sampler.load_state_dict(state)
     epoch = int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
     position, processed = state["position"], _processed(trainer)
