@@ -513,8 +513,15 @@ def _local_close(
     read_scale = scale if isinstance(scale, Tensor) and not sums.sole else None  # a sole c = w is read as a count
     counts = [c for c in (*sums.tokens, *sums.samples, *sums.documents) if isinstance(c, Tensor)]
     stale = sums.stale
-    present = [tensor for tensor in (found, read_scale, stale) if tensor is not None]  # read back in this order
-    read, exact_below = _read_once([*sums.losses, *present, *counts])
+    # Starred conditionals, not a comprehension: a comprehension is one more call on the hot path (its frame).
+    items = [
+        *sums.losses,
+        *([found] if found is not None else []),
+        *([read_scale] if read_scale is not None else []),
+        *([stale] if stale is not None else []),
+        *counts,
+    ]
+    read, exact_below = _read_once(items)
     losses = [next(read) for _ in sums.losses]
     nonfinite = found is not None and next(read) > 0
     read_c = next(read) if read_scale is not None else None

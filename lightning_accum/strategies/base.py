@@ -316,10 +316,11 @@ class ExactAccumulation(Strategy, CoreSeam):
             return self._core.optimizer_step(
                 optimizer, closure, self.gradient_scaler, lambda: lightning_step(optimizer, closure, model, **kwargs)
             )
-        # Under a schedule, the stage's learning-rate factor, if any.
-        scaled = self._scheduled.scaled_lr(optimizer) if self._scheduled.schedule is not None else nullcontext()
-        with scaled:
-            return self._automatic_step(optimizer, closure, lambda c: lightning_step(optimizer, c, model, **kwargs))
+        if self._scheduled.schedule is not None:  # the stage's learning-rate factor, if any
+            with self._scheduled.scaled_lr(optimizer):
+                return self._automatic_step(optimizer, closure, lambda c: lightning_step(optimizer, c, model, **kwargs))
+        # Without a schedule, no context: a `nullcontext` would add two calls to every update.
+        return self._automatic_step(optimizer, closure, lambda c: lightning_step(optimizer, c, model, **kwargs))
 
     def _automatic_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], lightning_step: Callable[[Callable[..., Any]], Any]
