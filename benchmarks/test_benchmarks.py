@@ -197,11 +197,13 @@ def test_forced_exit_race_aborts_unless_the_group_is_closed() -> None:
 
 
 def test_the_hot_path_makes_no_more_package_calls_than_before() -> None:
-    # The package's own Python calls per training micro-batch (benchmarks/hot_path.py), bounded by the counts of the
-    # round before they grew (23 and 95; 28 and 106 at 9638a18, 22 and 93 now): a bound on the package's work per
-    # micro-batch, independent of the torch and Lightning releases (their calls are not counted).
+    # The package's own Python calls per training micro-batch (benchmarks/hot_path.py): 23 and 95 the round before
+    # they grew, 28 and 106 at 9638a18, 22 and 93 since the core's restructure (issue #58), and 28 and 103 under a
+    # batch schedule (issue #59). Bounded at today's counts, so one more call (a comprehension's frame counts) fails
+    # here and is either taken back or written into benchmarks/RESULTS.md with its reason and the new bound. The
+    # torch and Lightning releases do not move them: only the package's calls are counted.
     from hot_path import measure
 
-    counts = measure()
-    assert counts["non_final"] <= 23, counts
-    assert counts["last"] <= 95, counts
+    fixed, scheduled = measure(), measure(scheduled=True)
+    assert fixed["non_final"] <= 22 and fixed["last"] <= 93, fixed
+    assert scheduled["non_final"] <= 28 and scheduled["last"] <= 103, scheduled
