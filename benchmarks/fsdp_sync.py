@@ -4,7 +4,7 @@ and the memory held during a group, 2 processes over gloo on the CPU.
 ``gradient_sync="every_microbatch"`` reduce-scatters every micro-batch's gradient (FSDP2's default: each rank keeps
 only its shard); ``"last_microbatch"`` skips that on non-final micro-batches (``set_requires_gradient_sync(False)``),
 so fewer collectives, but each rank holds the unsharded gradient of the whole model until the group's last
-backward. Both are exact (tests/test_model_parallel.py). The model is four 1024 × 1024 linear layers (4.2 M
+backward. Both are exact (tests/strategies/test_model_parallel.py). The model is four 1024 × 1024 linear layers (4.2 M
 parameters, 16.8 MB of float32 gradient unsharded, 8.4 MB per rank sharded), A = 4, 4 updates, the first one
 left out of the window.
 

@@ -146,7 +146,7 @@ def report(rows: list[dict[str, Any]], device: str, reps: int, updates: int, loa
         f" {reps} interleaved rounds × {updates} updates (median of per-update times after 2 warm-up updates;"
         " each configuration in a fresh process). Workload: the demo's byte-level GPT, context 256, width 128,"
         " 4 layers, one loader batch of 8 documents per update (A = 1), AdamW, fp32. Every configuration consumed"
-        " the same tokens (checked) and gives the same update (tests/test_slicing.py).",
+        " the same tokens (checked) and gives the same update (tests/strategies/test_slicing.py).",
         f"Load average (1 min) at the start and the end: {load[0]:.2f}, {load[1]:.2f} (on 2 cores, other work"
         " raises it: the times are then noisier, the memory is not affected).",
         "",

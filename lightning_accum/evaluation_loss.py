@@ -47,7 +47,7 @@ class WeightedMean:
     so a rank without a batch leaves the others waiting; and in torchmetrics 1.9 its ``nan_strategy="disable"`` drops
     the weights (``_cast_and_nan_check_input`` replaces them by ones: the seed's 512 × 3 and 1536 × 4 average to 3.5,
     not 3.75), while every other ``nan_strategy`` reads the device on every update (``if nans.any()``).
-    ``tests/test_evaluation.py::test_torchmetrics_mean_metric_is_not_the_weighted_mean_here`` pins that.
+    ``tests/strategies/test_evaluation.py::test_torchmetrics_mean_metric_is_not_the_weighted_mean_here`` pins that.
 
     Example:
         >>> mean = WeightedMean()

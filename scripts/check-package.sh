@@ -54,7 +54,7 @@ if [ -x .venv/bin/python ]; then
   mkdir -p "$WORK/sdist"
   tar -xzf "$sdist" -C "$WORK/sdist"
   (cd "$WORK"/sdist/* && PYTHONPATH=$PWD "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_layout.py tests/test_packaging.py)
+    tests/project/test_layout.py tests/project/test_packaging.py)
 fi
 
 # Step 6 for one set of extras ($2) in the venv $1 (torch 2.13.0 installed, so pip keeps it): resolve, no install;

@@ -20,19 +20,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Whole files: the engines, the doors and the kernels a torch release can change under the package.
 FILES = (
-    "tests/test_private_names.py",  # every private torch / Lightning name, present and behaving as relied on
+    "tests/project/test_private_names.py",  # every private torch / Lightning name, present and behaving as relied on
     "tests/test_engine.py",  # the kernels of the close (GradScaler's fused check, `_foreach_mul_`)
-    "tests/test_mixed_precision.py",  # GradScaler skips, bf16 / fp16
-    "tests/test_ddp.py",  # DDP (spawn launcher, the ledger brought back)
-    "tests/test_spawn_stress.py",  # the process group closed before a worker exits
-    "tests/test_model_parallel.py",  # FSDP2 and tensor parallelism, the Trainer's door; timeout= on every group
-    "tests/test_tensor_parallel_runs.py",  # tensor parallelism on a Hugging Face Llama
+    "tests/core/test_closing.py",  # GradScaler skips, bf16 / fp16
+    "tests/strategies/test_ddp.py",  # DDP (spawn launcher, the ledger brought back)
+    "tests/test_worker_exit.py",  # the process group closed before a worker exits
+    "tests/strategies/test_model_parallel.py",  # FSDP2 and tensor parallelism, the Trainer's door; timeout=
+    "tests/core/test_mesh_clipping.py",  # tensor parallelism on a Hugging Face Llama
     "tests/test_fabric.py",  # Fabric: one device, DDP
     "tests/test_fabric_model_parallel.py",  # Fabric: FSDP2, dp × tp, mid-group save and load
-    "tests/test_checkpoints.py",  # checkpoints, sharded folders included
-    "tests/test_resume_across_engines.py",  # a checkpoint resumed under every engine
-    "tests/test_evaluation.py",  # exact evaluation over replicas
-    "tests/test_report.py",  # memory and the run record
+    "tests/strategies/test_checkpoint.py",  # checkpoints, sharded folders included
+    "tests/strategies/test_checkpoint_across_engines.py",  # a checkpoint resumed under every engine
+    "tests/strategies/test_evaluation.py",  # exact evaluation over replicas
+    "tests/callbacks/test_report.py",  # memory and the run record
 )
 
 

@@ -4,8 +4,8 @@ The workers of multi-process tests (`helpers.run_ddp`, `helpers.forked_ddp()` an
 `start_method="forkserver"`) are forked by Python's fork server: a process started clean, as a spawned one is, that
 imports `helpers.PRELOADED` once and holds no thread when it forks. A spawned worker imports torch and Lightning anew,
 about 6 s of a core each (3 s of them transformers, which torchmetrics imports when it is installed); a forked one
-starts in a fraction of a second: tests/test_ddp_agreement.py and tests/test_model_parallel.py took 58 s spawned and
-19 s forked (2026-12-03).
+starts in a fraction of a second: tests/strategies/test_ddp_agreement.py and tests/strategies/test_model_parallel.py
+took 58 s spawned and 19 s forked (2026-12-03).
 
 A forked worker has the server's environment and random state, not the test's. So the server starts here
 (`fork_server`), before any test has changed the environment, and the tests whose workers draw random numbers keep

@@ -1,4 +1,4 @@
-"""A training script started by other launchers in tests/test_launch.py (torchrun, Lightning's own).
+"""A training script started by other launchers in tests/project/test_launch.py (torchrun, Lightning's own).
 
 Usage: python launch_script.py OUT_FILE MODE, with MODE "torchrun" (2 nodes x 1 process, the launcher sets the
 environment) or "launcher" (Lightning's `accum_ddp` re-runs this script in 2 processes).

@@ -1,5 +1,5 @@
 """LitGPT's own fine-tuning scripts with the recipe's patch applied (``examples/litgpt/*.patch``), run at a reduced
-size: the helpers of ``tests/test_litgpt_recipe.py`` and, as a script, one run in its own processes.
+size: the helpers of ``tests/project/test_litgpt_recipe.py`` and, as a script, one run in its own processes.
 
 ``python tests/litgpt_recipe.py --script lora --patched DIR --checkpoint DIR --devices 2 --micro-batch-size 2
 --out DIR`` imports the patched ``litgpt/finetune/lora.py`` (or ``full.py``) from ``--patched`` and calls its own

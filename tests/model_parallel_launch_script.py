@@ -1,5 +1,5 @@
 """A training script that torchrun starts as 2 nodes x 1 process on loopback, with strategy "accum_fsdp" (used by
-tests/test_model_parallel.py).
+tests/strategies/test_model_parallel.py).
 
 Usage: python model_parallel_launch_script.py OUT_FILE
 """
@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from helpers import ListDataset, RankStridedSampler, make_examples, make_trainer
-from test_model_parallel import UNEQUAL, ShardedLM, full_params
+from strategies.test_model_parallel import UNEQUAL, ShardedLM, full_params
 from torch.utils.data import DataLoader
 
 import lightning_accum  # noqa: F401  (registers the strategy strings)

@@ -4,7 +4,7 @@ partial final group, AxisLR, damaged entries, and the axis in the logger.
 
 The Fabric door's silent cases, each now exact or a clear error at the point of the mistake: a checkpoint loaded
 without a state object, a group declared of one, a CheckpointIO of its own, and `AxisLR` without a strategy (the
-rules of the manual API shared with the Trainer's door are in tests/test_rulebook.py).
+rules of the manual API shared with the Trainer's door are in tests/core/test_rules.py).
 """
 
 from __future__ import annotations

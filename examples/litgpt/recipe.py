@@ -25,7 +25,7 @@ It needs litgpt 0.5.13 (``pip install "lightning-accum[litgpt]"``) and ``git`` (
 * :func:`prepare` (``--prepare DIR``) writes the checkpoint, the data and ``tiny_data.py`` into ``DIR`` and returns the
   ``litgpt`` lines to run with a patched copy of litgpt in ``DIR/litgpt`` (docs/howto.md, "Run it yourself").
 
-``tests/test_litgpt_cli.py`` uses these helpers. A run on several processes ends with a barrier and
+``tests/project/test_litgpt_cli.py`` uses these helpers. A run on several processes ends with a barrier and
 ``destroy_process_group()`` (the patches add them at the end of ``setup()``): see docs/troubleshooting.md, "A crash
 after a finished run".
 """

@@ -522,8 +522,8 @@ def _float32_compute(strategy: Any) -> Iterator[None]:
     Lightning opens its autocast region in the precision plugin's public ``forward_context()``, which the strategy's
     ``training_step`` enters (through ``train_step_context()``); an autocast region opened around the call would be
     re-enabled there, so the check replaces that method on the plugin instance for its passes.
-    ``test_private_names.py::test_lightning_opens_mixed_precision_autocast_in_forward_context`` fails if Lightning
-    opens it elsewhere.
+    ``tests/project/test_private_names.py::test_lightning_opens_mixed_precision_autocast_in_forward_context`` fails
+    if Lightning opens it elsewhere.
     """
     plugin = strategy.precision_plugin
     if not isinstance(plugin, MixedPrecision):

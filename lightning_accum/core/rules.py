@@ -4,7 +4,7 @@
 Each mistake of a manual loop (``accumulate``, the backward of what it hands out, ``close_group`` before
 ``optimizer.step()``) that would change the update silently is a row; the core (:mod:`~lightning_accum.core.manual`,
 :mod:`~lightning_accum.core.core`) raises the row's error with its message, formatted with what it found.
-``tests/test_rulebook.py`` runs every row's scenario through both doors and fails on a row without one.
+``tests/core/test_rules.py`` runs every row's scenario through both doors and fails on a row without one.
 """
 
 from __future__ import annotations

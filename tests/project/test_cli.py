@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightning_accum import BatchSchedule
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 class CLIModel(TinyLM):

@@ -482,8 +482,8 @@ def test_fsdp2_with_tensor_parallel_on_four_processes_matches_the_single_process
 def test_torchrun_two_nodes_one_process_each_with_accum_fsdp(tmp_path: Path) -> None:
     out, env = tmp_path / "torchrun.pt", launch_env()
     # This checkout's package, whatever copy the interpreter has installed.
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    torchrun_two_nodes(Path(__file__).resolve().parent / "model_parallel_launch_script.py", str(out), env=env)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    torchrun_two_nodes(Path(__file__).resolve().parents[1] / "model_parallel_launch_script.py", str(out), env=env)
     result = torch.load(out, weights_only=True)
     assert (result["replicas"], result["world_size"]) == (2, 2)
     single = _single(str(tmp_path), make_examples(UNEQUAL, seed=8), 4, "adamw")

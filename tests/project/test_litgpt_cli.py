@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("litgpt")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("litgpt_recipe_cli", ROOT / "examples" / "litgpt" / "recipe.py")
 assert _spec is not None and _spec.loader is not None
 litgpt_cli = importlib.util.module_from_spec(_spec)

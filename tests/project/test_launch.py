@@ -12,7 +12,7 @@ from helpers import TinyLM, launch_env, make_examples, relative_error, sgd_refer
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(600)]
 
-SCRIPT = Path(__file__).resolve().parent / "launch_script.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "launch_script.py"
 UNEQUAL = [6, 1, 5, 2, 6, 1, 4, 1, 6, 2, 5, 1, 6, 1, 3, 2]
 
 

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lightning_accum"
 INTERNALS = ROOT / "docs" / "internals.md"
 
@@ -345,36 +345,39 @@ def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
 #: Where the tests of a module live when no `tests/test_<module>.py` is named after it: the feature file that proves
 #: its behaviour through the doors users drive (one place to look, kept true by the test below).
 TESTS_OF: dict[str, str] = {
-    "_worker_exit": "test_spawn_stress.py",
-    "callbacks/common": "test_axis_logger.py",
-    "callbacks/diagnoses": "test_check.py",
-    "callbacks/rich_columns": "test_progress.py",
-    "carry": "test_checkpoints.py",
-    "core/adapter": "test_strategies.py",
-    "core/checkpoint": "test_checkpoints.py",
-    "core/closing": "test_mixed_precision.py",
-    "core/entry": "test_checkpoints.py",
-    "core/mesh": "test_model_parallel.py",
-    "core/mesh_clipping": "test_tensor_parallel_runs.py",
-    "core/reading": "test_checkpoints.py",
-    "core/rules": "test_rulebook.py",
+    "callbacks/common": "callbacks/test_axis_logger.py",
+    "callbacks/diagnoses": "callbacks/test_check.py",
+    "callbacks/rich_columns": "callbacks/test_progress.py",
+    "carry": "strategies/test_checkpoint.py",
+    "core/adapter": "strategies/test_base.py",
+    "core/checkpoint": "strategies/test_checkpoint.py",
+    "core/ddp": "strategies/test_ddp.py",
+    "core/entry": "strategies/test_checkpoint.py",
+    "core/mesh": "strategies/test_model_parallel.py",
+    "core/reading": "strategies/test_checkpoint.py",
     "decision": "test_engine.py",
     "evaluation_loss": "test_fabric_evaluation.py",
     "gradients": "test_engine.py",
     "group": "test_engine.py",
-    "options": "test_strategies.py",
-    "strategies/automatic": "test_strategies.py",
-    "strategies/base": "test_strategies.py",
-    "strategies/checkpoint": "test_checkpoints.py",
-    "strategies/precision_clipping": "test_strategies.py",
-    "strategies/single": "test_strategies.py",
-    "strategies/trainer_side": "test_ddp_agreement.py",
+    "options": "strategies/test_base.py",
+    "slicing": "strategies/test_slicing.py",
+    "strategies/automatic": "strategies/test_base.py",
+    "strategies/precision_clipping": "strategies/test_base.py",
+    "strategies/single": "strategies/test_base.py",
+    "strategies/trainer_side": "strategies/test_ddp_agreement.py",
 }
+
+
+def _test_path(module: str) -> str:
+    """Where a module's tests live: ``core/entry`` in ``core/test_entry.py``, ``_worker_exit`` in
+    ``test_worker_exit.py``."""
+    folder, _, name = module.rpartition("/")
+    return f"{folder}/test_{name.lstrip('_')}.py".lstrip("/")
 
 
 def test_every_module_has_its_tests_found_by_name() -> None:
     tests = ROOT / "tests"
     modules = [_module_name(p) for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py"]
-    unnamed = [m for m in modules if not (tests / f"test_{m.rsplit('/', 1)[-1]}.py").exists()]
-    assert sorted(TESTS_OF) == unnamed, "a module without tests/test_<module>.py needs its row in TESTS_OF"
+    unnamed = [m for m in modules if not (tests / _test_path(m)).exists()]
+    assert sorted(TESTS_OF) == unnamed, "a module without tests/<folder>/test_<module>.py needs its row in TESTS_OF"
     assert [f for f in TESTS_OF.values() if not (tests / f).exists()] == []

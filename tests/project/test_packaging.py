@@ -16,7 +16,7 @@ from packaging.version import Version
 
 import lightning_accum
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: The uploads that ran a credential stealer on `import lightning` (Lightning's advisory GHSA-w37p-236h-pfx3,
 #: Lightning-AI/pytorch-lightning#21691).
 COMPROMISED = ("2.6.2", "2.6.3")

@@ -572,9 +572,8 @@ def test_ddp_slices_and_an_out_of_memory_error_on_one_rank(tmp_path: Path) -> No
 
 
 def _fsdp_sliced_runs(rank: int, folder: str) -> None:
-    from test_model_parallel import Record, ShardedLM, _fit
-
     from lightning_accum import ModelParallelAccumulationStrategy
+    from strategies.test_model_parallel import Record, ShardedLM, _fit
 
     examples = make_examples(random_lengths(13, seed=19), seed=19)
     for mode in ("every_microbatch", "last_microbatch"):
@@ -595,7 +594,8 @@ def test_fsdp2_slices_match_the_single_process_run_and_ranks_agree_on_the_slice_
     # 13 examples, batches of 4 per rank, A = 1, D = 2: update 1 holds examples 0-7 (4 + 4), update 2 examples 8-12
     # (rank 0: 3, rank 1: 2). Slices of 2: rank 0 cuts 3 into 2 + 1, rank 1 its 2 into 1 + 1 to run as many slices.
     from helpers import run_ddp
-    from test_model_parallel import Record, ShardedLM, _fit, _load
+
+    from strategies.test_model_parallel import Record, ShardedLM, _fit, _load
 
     run_ddp(_fsdp_sliced_runs, str(tmp_path))
     examples = make_examples(random_lengths(13, seed=19), seed=19)
@@ -615,7 +615,8 @@ def test_fsdp2_slices_match_the_single_process_run_and_ranks_agree_on_the_slice_
 @pytest.mark.parametrize("size", [1, "auto"])
 def test_a_checkpoint_inside_a_group_of_sliced_batches_resumes_exactly(tmp_path: Path, size: Any) -> None:
     from helpers import ResumableLoader
-    from test_checkpoints import _Interrupted
+
+    from strategies.test_checkpoint import _Interrupted
 
     examples = _examples(16, seed=52)  # 8 batches of 2 an epoch, A = 3: groups of 3, 3, 2
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 #: The tour continues the README's "Use" example: its blocks run after the README's, in one session.

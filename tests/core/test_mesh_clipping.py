@@ -15,8 +15,8 @@ import pytest
 import torch
 from helpers import ListDataset, make_examples, make_trainer, relative_error, run_ddp
 from lightning.pytorch.loggers import TensorBoardLogger
+from strategies.test_model_parallel import UNEQUAL, DataParallelStridedSampler, Record, ShardedLM
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_model_parallel import UNEQUAL, DataParallelStridedSampler, Record, ShardedLM
 from torch import Tensor
 from torch.utils.data import DataLoader
 

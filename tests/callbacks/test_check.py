@@ -292,7 +292,7 @@ def test_ddp_naive_count_for_a_shifted_loss_is_named_on_every_replica(tmp_path: 
 
 
 def test_manual_optimization_is_named() -> None:
-    from test_manual import ManualLM
+    from core.test_manual import ManualLM
 
     with pytest.raises(RuntimeError, match=r"AccumulationCheck calls `training_step` as automatic.*is False"):
         fit(ManualLM(), make_examples([3, 4]), batch_size=1, accumulate=1, callbacks=[AccumulationCheck()])

@@ -20,7 +20,7 @@ import torch
 
 from lightning_accum.callbacks.report import REPORT_FILENAME
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
@@ -92,8 +92,9 @@ def _litgpt(args: list[str], out: Path) -> dict[str, Any]:
     return json.loads((out / "result.json").read_text())  # type: ignore[no-any-return]
 
 
-@pytest.mark.slow  # LitGPT's own commands are the default suite's LitGPT check (tests/test_litgpt_cli.py: the same GPT,
-# exact across splits and on 2 processes, plain LitGPT's split dependence beside it); this loop runs with `-m slow`.
+@pytest.mark.slow  # LitGPT's own commands are the default suite's LitGPT check (tests/project/test_litgpt_cli.py:
+# the same GPT, exact across splits and on 2 processes, plain LitGPT's split dependence beside it); this loop runs
+# with `-m slow`.
 @pytest.mark.ddp
 @pytest.mark.timeout(300)
 def test_litgpt_recipe_is_exact_across_splits_and_processes_where_litgpts_own_lines_are_not(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import Strategy
 from lightning_accum import AccumulationStrategy, AxisLR, DDPAccumulationStrategy, FabricAccumulationStrategy
 from lightning_accum.strategies.ddp import _LedgerReturningLauncher
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_device_the_trainer_selects_is_the_strategys_root_device() -> None:

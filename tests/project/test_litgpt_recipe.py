@@ -16,7 +16,8 @@ import torch
 
 RUNNER = Path(litgpt_recipe.__file__)
 
-# Slow: tests/test_litgpt_cli.py runs the same patched scripts through the `litgpt` command on every run of the suite.
+# Slow: tests/project/test_litgpt_cli.py runs the same patched scripts through the `litgpt` command on every run
+# of the suite.
 pytestmark = pytest.mark.slow
 
 
