@@ -1,12 +1,5 @@
-"""The one way the package puts its own callable on an object it does not own, and gives it back.
-
-:class:`InstancePatch` sets an *instance attribute* (Lightning looks hooks up with ``getattr``; ``is_overridden``
-reads the class, so the class is never touched). It wraps the callable in force (a user's own instance-level hook, or
-the class's method); :meth:`~InstancePatch.release` (once; a second does nothing) puts back exactly what the instance
-held, or no attribute at all, and removes only its own wrapper: one set above it is re-pointed to what it wrapped, and
-under someone else's wrapper (whose code restores it later) it becomes a pass-through. Every attribute patched this
-way is listed in docs/internals.md.
-"""
+"""The one way the package puts its own callable on an object it does not own (an instance attribute, never the
+class), and gives it back; every attribute so patched is listed in docs/internals.md."""
 
 from __future__ import annotations
 
@@ -63,7 +56,8 @@ class InstancePatch:
         _ACTIVE.add(self)
 
     def release(self) -> None:
-        """Give the attribute back: what the instance held before, and nothing of this patch left in force."""
+        """Give back what the instance held (a second call does nothing); under another's wrapper, become a
+        pass-through."""
         if not self._active:
             return
         self._active = False
