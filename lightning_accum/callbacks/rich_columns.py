@@ -1,9 +1,5 @@
-"""The Rich columns of :class:`~lightning_accum.AxisRichProgressBar`'s training task: ``count/budget unit`` and
-``rate unit/s`` on the run's axis. Other tasks (validation, test, sanity check) keep Lightning's columns.
-
-A module of its own because it imports ``rich``, which the package does not require (as Lightning does not): it is
-imported only once an ``AxisRichProgressBar`` exists, whose construction Lightning refuses without ``rich``.
-"""
+"""The Rich columns of :class:`~lightning_accum.AxisRichProgressBar`'s training task on the run's axis (a module of
+its own: it imports ``rich``, which the package does not require)."""
 
 from __future__ import annotations
 
