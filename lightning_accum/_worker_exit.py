@@ -1,5 +1,4 @@
-"""An orderly end of the process group in a worker that the package's spawn/fork launcher started
-(docs/troubleshooting.md, "A crash after a finished run")."""
+"""An orderly end of the process group in a worker the package's spawn/fork launcher started (troubleshooting.md)."""
 
 from __future__ import annotations
 
@@ -13,20 +12,7 @@ __all__ = ["ClosingWorkers", "close_process_group", "use_launcher"]
 
 
 def close_process_group(strategy: Any) -> bool:
-    """Barrier, ``destroy_process_group()`` and a garbage collection, if a default process group exists; on every
-    rank of a worker whose work succeeded.
-
-    Args:
-        strategy: The Lightning strategy whose ``barrier`` to use (it passes the device ids NCCL needs).
-
-    Returns:
-        Whether a process group was destroyed.
-
-    Example:
-        >>> from lightning.pytorch.strategies import DDPStrategy
-        >>> close_process_group(DDPStrategy())  # no process group in this process: nothing to do
-        False
-    """
+    """``strategy``'s barrier, ``destroy_process_group()`` and a collection; whether a process group was destroyed."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return False
     strategy.barrier("lightning_accum.close_process_group")
@@ -36,8 +22,7 @@ def close_process_group(strategy: Any) -> bool:
 
 
 class ClosingWorkers:
-    """The base of the package's spawn/fork launchers (listed before the framework's): each worker closes its process
-    group once the launched function has returned."""
+    """The base of the package's spawn/fork launchers: each worker closes its process group once its work returned."""
 
     _strategy: Any
 

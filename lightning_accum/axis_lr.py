@@ -1,5 +1,4 @@
-"""A learning-rate schedule on tokens, samples, documents or applied updates: the rate of an update is
-``base_lr × lr_lambda(n)``, ``n`` the count the applied updates before it consumed over every replica."""
+"""A learning-rate schedule on tokens, samples, documents or applied updates, not on Lightning's batch index."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def no_counts_error(who: str, axis: str) -> RuntimeError:
 
 
 def check_counts_reported(who: str, axis: str, ledger: AccumulationLedger) -> bool:
-    """Raise :func:`no_counts_error` when the ledger holds no counts of ``axis`` after an update; return whether the
-    run weighs by ``axis`` (then the check is done)."""
+    """Raise :func:`no_counts_error` where the ledger lacks counts of ``axis``; whether the run weighs by ``axis``."""
     if axis not in REPORTED_AXES:
         return True
     if getattr(ledger, axis) == 0 and ledger.normalization != axis:
@@ -115,9 +113,6 @@ class WarmupLinear(_WarmupDecay):
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0) -> WarmupCosine:
     """An ``lr_lambda``: linear warm-up from 0 over ``warmup``, cosine decay to ``min_ratio`` at ``total``, flat after.
-
-    ``warmup`` and ``total`` are counts on the schedule's axis. The result is picklable and can be named from
-    LightningCLI YAML (``class_path: lightning_accum.warmup_cosine``).
 
     Raises:
         ValueError: ``warmup`` is not an int ≥ 0, ``total`` not an int ≥ ``warmup`` and > 0, or ``min_ratio`` not in

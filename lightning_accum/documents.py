@@ -1,5 +1,4 @@
-"""Documents inside packed rows: the mean over documents of each document's mean token loss (docs/howto.md,
-"Documents inside packed rows")."""
+"""Documents inside packed rows: the mean over documents of each document's mean token loss."""
 
 from __future__ import annotations
 

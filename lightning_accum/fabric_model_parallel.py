@@ -1,5 +1,4 @@
-"""What Fabric's ``ModelParallelStrategy`` needs beyond the core, for
-:class:`~lightning_accum.fabric.FabricModelParallelAccumulationStrategy`."""
+"""What Fabric's ``ModelParallelStrategy`` needs beyond the core, for ``FabricModelParallelAccumulationStrategy``."""
 
 from __future__ import annotations
 

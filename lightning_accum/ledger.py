@@ -1,5 +1,4 @@
-"""The ledger: exact global counters (Python ints, summed over replicas, alike on every rank) of what a run consumed
-and updated."""
+"""The ledger: exact global counters (Python ints, summed over replicas) of what a run consumed and updated."""
 
 from __future__ import annotations
 

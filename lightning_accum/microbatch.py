@@ -1,5 +1,4 @@
-"""Reading one micro-batch: what ``training_step`` returned, its unit counts, and the unit of the run (no device
-reads)."""
+"""Reading one micro-batch: what ``training_step`` returned, its unit counts, and the unit of the run."""
 
 from __future__ import annotations
 
@@ -135,8 +134,7 @@ def as_count(name: str, value: object, device: torch.device) -> Count:
 def parse_step_output(
     output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None = None, infer_samples: bool = True
 ) -> tuple[Tensor | None, object, object]:
-    """``(loss, tokens, samples)`` from what ``training_step`` returned; ``loss`` is ``None`` when there is none (left
-    to Lightning's own error).
+    """``(loss, tokens, samples)`` from what ``training_step`` returned; ``loss`` is ``None`` when there is none.
 
     Example:
         >>> loss, tokens, samples = parse_step_output({"loss": torch.tensor(2.0), "num_tokens": 5}, torch.zeros(3, 4))
@@ -246,8 +244,7 @@ def reported_documents(output: Any) -> object:
 def choose_unit(
     normalize: str, has_tokens: bool, has_samples: bool, has_documents: bool = False
 ) -> tuple[str, str | None]:
-    """The unit of the run and, under ``normalize="auto"``, why it was chosen (else ``None``): documents, else tokens,
-    else samples, else batches.
+    """The unit of the run (documents, else tokens, samples, batches under ``"auto"``) and why ``"auto"`` chose it.
 
     Example:
         >>> choose_unit("auto", has_tokens=False, has_samples=True)
@@ -279,8 +276,7 @@ def refuse_a_finer_unit(fixed: str, normalize: str, reported: str, where: str) -
 def weighting_unit(
     fixed: str | None, normalize: str, microbatch: Microbatch, fix: Callable[[str, str | None, Any], None]
 ) -> str:
-    """The unit ``microbatch`` is weighted by: ``fixed``, or for the first micro-batch the one chosen, handed to
-    ``fix(unit, reason, batch)``."""
+    """The unit ``microbatch`` is weighted by: ``fixed``, or the one chosen, handed to ``fix(unit, reason, batch)``."""
     has = (microbatch.tokens is not None, microbatch.samples is not None, microbatch.documents is not None)
     if fixed is None:
         unit, reason = choose_unit(normalize, *has)

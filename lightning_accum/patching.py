@@ -1,5 +1,4 @@
-"""The one way the package puts its own callable on an object it does not own (an instance attribute, never the
-class), and gives it back; every attribute so patched is listed in docs/internals.md."""
+"""The one way the package puts its own callable on an object it does not own, and gives it back."""
 
 from __future__ import annotations
 
@@ -16,26 +15,8 @@ _ACTIVE: weakref.WeakSet[InstancePatch] = weakref.WeakSet()
 
 
 class InstancePatch:
-    """``owner.name`` replaced, on the instance, by ``replacement`` until :meth:`release`.
-
-    Args:
-        owner: The object (a module, a logger, a progress bar, a plugin).
-        name: The attribute.
-        replacement: Called as ``replacement(below, *args, **kwargs)`` in place of ``owner.name(*args, **kwargs)``,
-            where ``below`` is the callable in force when the patch was set.
-        wraps: ``False`` replaces without wrapping: the call then is ``replacement(*args, **kwargs)``.
-
-    Example:
-        >>> class Bar:
-        ...     def get_metrics(self):
-        ...         return {"loss": 1.0}
-        >>> bar = Bar()
-        >>> patch = InstancePatch(bar, "get_metrics", lambda below: {**below(), "tokens": 64})
-        >>> bar.get_metrics()
-        {'loss': 1.0, 'tokens': 64}
-        >>> patch.release(); "get_metrics" in vars(bar)
-        False
-    """
+    """``owner.name`` replaced on the instance until :meth:`release` by ``replacement(below, *args, **kwargs)``,
+    ``below`` the callable in force before (``wraps=False``: ``replacement(*args, **kwargs)``)."""
 
     def __init__(self, owner: Any, name: str, replacement: Callable[..., Any], wraps: bool = True) -> None:
         self.owner = owner
@@ -56,8 +37,7 @@ class InstancePatch:
         _ACTIVE.add(self)
 
     def release(self) -> None:
-        """Give back what the instance held (a second call does nothing); under another's wrapper, become a
-        pass-through."""
+        """Give back what the instance held (once); under another's wrapper, become a pass-through."""
         if not self._active:
             return
         self._active = False

@@ -1,5 +1,4 @@
-"""One seeded order of the data dealt element-wise to the replicas, so that every update holds the same examples at
-any m, A, D (docs/howto.md, "The same examples in the same updates at any m, A, D")."""
+"""One seeded order of the data dealt element-wise to the replicas: the same examples in an update at any m, A, D."""
 
 from __future__ import annotations
 

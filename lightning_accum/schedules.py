@@ -1,5 +1,4 @@
-"""Step-interval LR schedules that advance on updates (applied or attempted), not on Lightning's batch index
-(docs/concepts.md, "Schedules follow applied updates")."""
+"""Step-interval LR schedules that advance on updates (applied or attempted), not on Lightning's batch index."""
 
 from __future__ import annotations
 
@@ -38,8 +37,6 @@ class UpdateSchedules:
         >>> schedules.mark_due(lambda frequency: True)
         >>> opt.step(); module.lr_scheduler_step(sched, None); opt.param_groups[0]["lr"]  # due: the user's hook
         0.5
-        >>> schedules.release(); "lr_scheduler_step" in vars(module)
-        False
     """
 
     def __init__(self, module: Any, configs: list[LRSchedulerConfig]) -> None:

@@ -56,22 +56,20 @@ class AxisLogger(Callback):
     ``axis`` (docs/concepts.md, "The logging axis").
 
     Keys, written by global rank zero every ``log_every_n_steps`` attempted updates and at the end of training, each
-    over the attempted updates since the previous point (those marked * only where they apply):
+    over the attempted updates since the previous point (those marked † only where they apply):
 
     ================================= =================================================================
-    key                               value
-    ================================= =================================================================
     ``accum/<axis>``                  x, the axis's count (an int)
-    ``accum/loss`` *                  the window's loss weighted by units
-    ``accum/lr`` (``/pg{i}`` *)       the rate the window's last update used
+    ``accum/loss`` †                  the window's loss weighted by units
+    ``accum/lr`` (``/pg{i}`` †)       the rate the window's last update used
     ``accum/tokens_per_update``       mean supervised tokens per attempted update (over every replica)
     ``accum/samples_per_update``      mean samples per attempted update
-    ``accum/documents_per_update`` *  mean documents per attempted update
+    ``accum/documents_per_update`` †  mean documents per attempted update
     ``accum/skipped_updates``         updates skipped so far
-    ``accum/grad_scale`` *            the GradScaler's scale at the window's last update
-    ``accum/global_batch`` *          the samples per update of the last update's stage (``batch_schedule=``)
-    ``accum/global_batch_tokens`` *   the same in tokens (``batch_unit="tokens"``)
-    ``accum/batch_stage`` *           the last update's stage index
+    ``accum/grad_scale`` †            the GradScaler's scale at the window's last update
+    ``accum/global_batch`` †          the samples per update of the last update's stage (``batch_schedule=``)
+    ``accum/global_batch_tokens`` †   the same in tokens (``batch_unit="tokens"``)
+    ``accum/batch_stage`` †           the last update's stage index
     ================================= =================================================================
 
     Args:
@@ -88,8 +86,6 @@ class AxisLogger(Callback):
         >>> import lightning_accum
         >>> trainer = L.Trainer(strategy="accum", callbacks=[lightning_accum.AxisLogger(axis="tokens")],
         ...                     accelerator="cpu", logger=False, enable_checkpointing=False)
-        >>> lightning_accum.AxisLogger(axis="samples").axis_key
-        'accum/samples'
     """
 
     def __init__(self, axis: str = "tokens", prefix: str = "accum/") -> None:

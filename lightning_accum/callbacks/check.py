@@ -302,8 +302,7 @@ class AccumulationCheck(Callback):
             (rank_zero_info if plain else rank_zero_warn)(f"AccumulationCheck: {message}")
 
     def _alternative_weightings(self, run: _Pass, batches: list[Any], reference: Tensor) -> dict[str, float]:
-        """Relative error against ``reference`` of the group gradient weighted by other counts (``Σ w_i g_i / Σ w_i``);
-        run only after a failure."""
+        """Relative error against ``reference`` of the group gradient weighted by other counts."""
         totals = dict.fromkeys((*TOKEN_COUNTS, "samples", "batches"), 0.0)
         sums: dict[str, Tensor] = {}
         for batch in batches:

@@ -1,5 +1,4 @@
-"""The diagnoses of :class:`~lightning_accum.AccumulationCheck`: what a failed comparison most likely means, what else
-in the run would mis-train, and what a passed one cannot say."""
+"""The diagnoses of :class:`~lightning_accum.AccumulationCheck`: what its measurements most likely mean."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The Rich columns of :class:`~lightning_accum.AxisRichProgressBar`'s training task on the run's axis (a module of
-its own: it imports ``rich``, which the package does not require)."""
+"""The Rich columns of ``AxisRichProgressBar``'s training task (imports ``rich``, which the package does not need)."""
 
 from __future__ import annotations
 

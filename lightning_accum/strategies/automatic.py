@@ -93,8 +93,7 @@ class AutomaticSteps:
         prepare: Callable[[], None],
         lightning_step: Callable[[Callable[..., Any]], Any],
     ) -> Any:
-        """Run ``lightning_step`` with a closure that runs ``closure``, ``prepare()``, then the group's close; return
-        Lightning's result, or the closure's when the group made no update."""
+        """Run ``lightning_step`` with a closure: ``closure``, ``prepare()``, the group's close."""
         # Known before the closure runs: Lightning sets the batch's place in the epoch before its step.
         accumulate = trainer.accumulate_grad_batches
         ends_epoch = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)

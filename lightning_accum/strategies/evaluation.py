@@ -1,5 +1,4 @@
-"""Evaluation on the training's footing: a validation or test set's loss weighted by its units over every replica,
-logged under :data:`EVALUATION_KEYS` (docs/howto.md, "Evaluate on the same footing")."""
+"""A validation or test set's loss weighted by its units over every replica, logged under :data:`EVALUATION_KEYS`."""
 
 from __future__ import annotations
 
@@ -92,9 +91,7 @@ class _Run:
 
 
 class ExactEvaluation:
-    """The strategy's part for ``validation_step`` / ``test_step``: outputs summed on the device, one reduction and
-    the values logged at the loop's end; ``findings`` maps a stage to why its exact loss was not logged (or ``None``).
-    """
+    """The strategy's part for evaluation steps; ``findings``: per stage, why its exact loss was not logged, or None."""
 
     def __init__(self) -> None:
         self._run: _Run | None = None

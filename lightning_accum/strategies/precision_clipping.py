@@ -1,5 +1,4 @@
-"""The Trainer's clipping, set on the precision plugin for a run: Lightning routes ``self.clip_gradients`` and
-``gradient_clip_val=`` through the plugin and has no strategy hook for it."""
+"""The Trainer's clipping, set on the precision plugin for a run (Lightning has no strategy hook for it)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ class PrecisionClipping:
         self._patches: list[InstancePatch] = []
 
     def install(self, plugin: Precision, adapter: EngineAdapter, refuse: Callable[[str], None] | None) -> None:
-        """Set the methods on ``plugin`` for the run; ``refuse(call)`` raises inside an open group (``None``: no
-        guard)."""
+        """Set the methods on ``plugin`` for the run; ``refuse(call)`` raises inside an open group."""
         self._patches = []
         if refuse is not None:
 

@@ -1,5 +1,4 @@
-"""What only a Trainer asks of an engine beside the core's adapter: :class:`TrainerSide` (one device), subclassed per
-engine and named in the strategy's ``side_type``."""
+"""What only a Trainer asks of an engine beside the core's adapter: :class:`TrainerSide`, one device's answers."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ def ends_group_by_position(trainer: Any) -> bool:
 
 
 class TrainerSide:
-    """The Trainer-only side of an engine, serving ``strategy`` beside its core ``adapter``; each default is what one
-    device does."""
+    """The Trainer-only side of an engine, beside its core ``adapter``; each default is what one device does."""
 
     def __init__(self, strategy: Any, adapter: EngineAdapter) -> None:
         self.strategy, self.adapter = strategy, adapter
@@ -34,8 +32,7 @@ class TrainerSide:
         return self.adapter.data_parallel_size > 1 and ends_group_by_position(trainer)
 
     def microbatch_agreement(self) -> Callable[[Any], None] | None:
-        """What runs before each training micro-batch, called with the trainer (an agreement between replicas), or
-        ``None``; read after :meth:`on_train_start`."""
+        """What runs before each training micro-batch, called with the trainer, or ``None``."""
         return None
 
     def agree_slice_count(self, count: int, num_samples: int) -> int:
