@@ -1,11 +1,4 @@
-"""An orderly end of the process group in a worker that the package's spawn/fork launcher started (issue 23).
-
-With gloo, Lightning leaves the default process group to the interpreter's exit, where a native thread of the group
-that needs the GIL is ended with ``pthread_exit`` and the worker aborts (SIGABRT) although the fit completed: an
-upstream problem, explained with its references in docs/troubleshooting.md ("A crash after a finished run").
-:func:`close_process_group` removes that window: once the worker's function has returned, every rank meets at a
-barrier, the group is destroyed and unreferenced objects are collected, while the interpreter is fully alive.
-"""
+"""An orderly end of the process group in a worker the package's spawn/fork launcher started (troubleshooting.md)."""
 
 from __future__ import annotations
 
@@ -19,24 +12,7 @@ __all__ = ["ClosingWorkers", "close_process_group", "use_launcher"]
 
 
 def close_process_group(strategy: Any) -> bool:
-    """Barrier, ``destroy_process_group()`` and a garbage collection, if a default process group exists.
-
-    Called in a spawned or forked worker after Lightning's work in it is done (the worker exits next), on every
-    rank and only on the success path: a rank that raised never gets here, and the main process then terminates
-    the others. The group's threads are joined when its last reference goes (the DDP wrapper is already unwrapped
-    by Lightning's teardown; the collection frees reference cycles).
-
-    Args:
-        strategy: The Lightning strategy whose ``barrier`` to use (it passes the device ids NCCL needs).
-
-    Returns:
-        Whether a process group was destroyed.
-
-    Example:
-        >>> from lightning.pytorch.strategies import DDPStrategy
-        >>> close_process_group(DDPStrategy())  # no process group in this process: nothing to do
-        False
-    """
+    """``strategy``'s barrier, ``destroy_process_group()`` and a collection; whether a process group was destroyed."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return False
     strategy.barrier("lightning_accum.close_process_group")
@@ -46,9 +22,7 @@ def close_process_group(strategy: Any) -> bool:
 
 
 class ClosingWorkers:
-    """The one base of the package's spawn/fork launchers, the Trainer's and Fabric's (listed first, before the
-    framework's ``_MultiProcessingLauncher``): each worker closes its process group once the launched function has
-    returned (:func:`close_process_group`)."""
+    """The base of the package's spawn/fork launchers: each worker closes its process group once its work returned."""
 
     _strategy: Any
 
@@ -58,7 +32,6 @@ class ClosingWorkers:
 
 
 def use_launcher(strategy: Any, replaced: type, launcher: type) -> None:
-    """Put ``launcher`` in place of the framework's ``replaced`` spawn/fork launcher that ``strategy`` configured
-    (``_configure_launcher``; a ``popen`` launch re-runs the script and keeps the framework's)."""
+    """Put ``launcher`` in place of the framework's ``replaced`` spawn/fork launcher that ``strategy`` configured."""
     if isinstance(strategy._launcher, replaced) and strategy._start_method != "popen":
         strategy._launcher = launcher(strategy, start_method=strategy._start_method)

@@ -1,11 +1,4 @@
-"""A learning-rate schedule defined on tokens, samples, documents or applied updates, not on Lightning's batch index.
-
-The rate of update ``g`` is ``base_lr × lr_lambda(n_g)``, where ``n_g`` is the count (supervised tokens, samples,
-documents or applied updates) that the *applied* updates before ``g`` consumed, summed over all replicas: read from
-the closed groups' records (global, alike on every rank) through the engine's group listener (:meth:`AxisLR.bind`).
-A skipped update does not advance it. Runs of other ``m``, ``A`` or ``D`` then follow the same curve of rate against
-tokens.
-"""
+"""A learning-rate schedule on tokens, samples, documents or applied updates, not on Lightning's batch index."""
 
 from __future__ import annotations
 
@@ -36,13 +29,7 @@ REPORTED_AXES = ("tokens", "documents")
 
 
 def group_count(record: GroupRecord, axis: str) -> int:
-    """What one closed group adds to ``axis``: its tokens, its samples, its documents, or 1 (an update).
-
-    Example:
-        >>> record = GroupRecord(loss=1.0, tokens=40, samples=8, microbatches=4, applied=True, documents=5)
-        >>> [group_count(record, axis) for axis in ("tokens", "samples", "updates", "documents")]
-        [40, 8, 1, 5]
-    """
+    """What one closed group adds to ``axis``: its tokens, its samples, its documents, or 1 (an update)."""
     return 1 if axis == "updates" else int(getattr(record, axis))
 
 
@@ -63,9 +50,7 @@ def no_counts_error(who: str, axis: str) -> RuntimeError:
 
 
 def check_counts_reported(who: str, axis: str, ledger: AccumulationLedger) -> bool:
-    """Raise :func:`no_counts_error` when ``axis`` needs reported counts and, after an update, the ledger holds none
-    of them while the run weighs by something else; return whether the run weighs by ``axis`` (then every later update
-    reports its counts, and the check is done)."""
+    """Raise :func:`no_counts_error` where the ledger lacks counts of ``axis``; whether the run weighs by ``axis``."""
     if axis not in REPORTED_AXES:
         return True
     if getattr(ledger, axis) == 0 and ledger.normalization != axis:
@@ -113,16 +98,14 @@ class _WarmupDecay:
 
 
 class WarmupCosine(_WarmupDecay):
-    """Linear warm-up over ``warmup``, then a half cosine from 1 down to ``min_ratio`` at ``total``; see
-    :func:`warmup_cosine`."""
+    """The ``lr_lambda`` of :func:`warmup_cosine`."""
 
     def decay(self, progress: float) -> float:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class WarmupLinear(_WarmupDecay):
-    """Linear warm-up over ``warmup``, then a straight line from 1 down to ``min_ratio`` at ``total``; see
-    :func:`warmup_linear`."""
+    """The ``lr_lambda`` of :func:`warmup_linear`."""
 
     def decay(self, progress: float) -> float:
         return 1.0 - progress
@@ -131,11 +114,9 @@ class WarmupLinear(_WarmupDecay):
 def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0) -> WarmupCosine:
     """An ``lr_lambda``: linear warm-up from 0 over ``warmup``, cosine decay to ``min_ratio`` at ``total``, flat after.
 
-    ``warmup`` and ``total`` are counts on the schedule's axis (e.g. tokens). The factor at count ``n`` is ``n /
-    warmup`` during the warm-up (so the first update, at ``n = 0``, runs at rate 0), then ``min_ratio + (1 -
-    min_ratio) · (1 + cos(π p)) / 2`` with ``p = (n - warmup) / (total - warmup)``. The result is a picklable object
-    (it travels to spawned processes) and can be named from LightningCLI YAML
-    (``class_path: lightning_accum.warmup_cosine``).
+    Raises:
+        ValueError: ``warmup`` is not an int ≥ 0, ``total`` not an int ≥ ``warmup`` and > 0, or ``min_ratio`` not in
+            [0, 1].
 
     Example:
         >>> schedule = warmup_cosine(warmup=100, total=1100, min_ratio=0.1)
@@ -148,46 +129,33 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0) -> WarmupCosi
 def warmup_linear(warmup: int, total: int, min_ratio: float = 0.0) -> WarmupLinear:
     """An ``lr_lambda``: linear warm-up from 0 over ``warmup``, linear decay to ``min_ratio`` at ``total``, flat after.
 
+    Raises:
+        ValueError: As :func:`warmup_cosine`.
+
     Example:
         >>> schedule = warmup_linear(warmup=100, total=1100)
         >>> [round(schedule(n), 3) for n in (0, 50, 100, 600, 1100, 5000)]
         [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
-        >>> warmup_linear(warmup=10, total=5)
-        Traceback (most recent call last):
-        ...
-        ValueError: `total` must be a positive int >= `warmup` (10), the count at which the decay ends; got 5. Pass the run's budget on the schedule's axis.
-    """  # noqa: E501
+    """
     return WarmupLinear(warmup, total, min_ratio)
 
 
 class AxisLR(LRScheduler):
-    """Learning rate ``base_lr × lr_lambda(count consumed before the update)`` on a tokens, samples, documents or
-    updates axis.
+    """Learning rate ``base_lr × lr_lambda(n)``, ``n`` the count on ``axis`` the applied updates so far consumed.
 
-    The count is what the *applied* updates so far consumed (see the module's notes). Use it as a normal scheduler
-    from ``configure_optimizers``::
-
-        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-4)
-        scheduler = lightning_accum.AxisLR(optimizer, axis="tokens", lr_lambda=warmup_cosine(50_000_000, 2 * 10**9))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    The accumulation strategies bind it to their engine when fitting starts and advance it once per applied update,
-    whatever ``interval`` and ``frequency`` its config says (LightningCLI puts it in an epoch-interval config). Its
-    state goes into checkpoints, so a resumed run continues on the same curve.
+    The accumulation strategies bind it at fit start and step it once per applied update, whatever its config's
+    ``interval`` says; its state goes into checkpoints.
 
     Args:
         optimizer: The optimizer; each parameter group's ``lr`` at construction is its ``base_lr``.
-        axis: ``"tokens"`` (supervised tokens), ``"samples"``, ``"documents"`` (documents with a supervised token,
-            as :func:`~lightning_accum.document_mean_loss` reports them) or ``"updates"`` (applied updates).
-        lr_lambda: ``count -> factor``, e.g. :func:`warmup_cosine` or :func:`warmup_linear`; a picklable object or
-            module-level function when the run spawns processes.
+        axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"`` (applied updates).
+        lr_lambda: ``count -> factor``, e.g. :func:`warmup_cosine`; picklable when the run spawns processes.
         last_epoch: As for every torch scheduler; leave at ``-1``.
 
     Raises:
         ValueError: For an unknown ``axis``.
         TypeError: For an ``lr_lambda`` that is not callable.
-        RuntimeError: When stepped without an accumulation strategy (nothing binds it), or for ``axis="tokens"`` in
-            a run that reports no token counts (``axis="documents"``: no document counts).
+        RuntimeError: When stepped without an accumulation strategy, or when the run reports no counts of ``axis``.
 
     Example:
         >>> import torch
@@ -195,11 +163,7 @@ class AxisLR(LRScheduler):
         >>> scheduler = AxisLR(optimizer, axis="tokens", lr_lambda=warmup_linear(warmup=1000, total=3000))
         >>> scheduler.consumed, optimizer.param_groups[0]["lr"]  # the first update runs at lr_lambda(0)
         (0, 0.0)
-        >>> scheduler.step()
-        Traceback (most recent call last):
-        ...
-        RuntimeError: AxisLR needs an accumulation strategy to count what each update consumed, but it was stepped without one. In a Trainer: `Trainer(strategy='accum')` on one device or `strategy='accum_ddp'` (or 'accum_ddp_spawn') on several. In a Fabric loop: `L.Fabric(strategy='accum')` (or 'accum_ddp'), then `fabric.setup(model, optimizer, scheduler=axis_lr)` or `axis_lr.bind(fabric.strategy.engine)`.
-    """  # noqa: E501
+    """
 
     def __init__(
         self,
@@ -222,7 +186,7 @@ class AxisLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def bind(self, engine: AccumulationEngine) -> None:
-        """Count what every applied update of ``engine``'s groups consumed (the strategies call this at fit start)."""
+        """Count what every applied update of ``engine``'s groups consumed."""
         if self._engine is not None and self._engine is not engine:
             self._engine.decisions.remove_listener(self._on_group)
         self._engine = engine
@@ -252,7 +216,7 @@ class AxisLR(LRScheduler):
         super().step(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data (loadable with ``weights_only=True``): the count, the axis and torch's step counters."""
+        """Plain data (loadable with ``weights_only=True``)."""
         return {
             "axis": self.axis,
             "consumed": self.consumed,
@@ -263,7 +227,11 @@ class AxisLR(LRScheduler):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (the ``lr_lambda`` is the one given to the constructor)."""
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: The checkpoint's ``axis`` is not this scheduler's.
+        """
         saved_axis = state_dict.get("axis", self.axis)
         if saved_axis != self.axis:
             raise ValueError(

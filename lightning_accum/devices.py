@@ -1,9 +1,4 @@
-"""Which devices exact accumulation runs on: the one property it needs of a device, float64.
-
-A group's sums, the evaluation's weighted mean and the ledger's values live in ``float64`` on the loss's device
-(float32 is exact only up to 2^24). The strategies check the device when they bind the engine to it, before any
-training, and name the way out; the supported accelerators are in docs/concepts.md ("Supported accelerators").
-"""
+"""Which devices exact accumulation runs on: those with float64 (docs/concepts.md, "Supported accelerators")."""
 
 from __future__ import annotations
 
@@ -16,13 +11,10 @@ WITHOUT_FLOAT64: dict[str, str] = {"mps": "Apple's MPS"}
 
 
 def require_float64(device: torch.device | str) -> None:
-    """Raise a ``RuntimeError`` when ``device`` has no ``float64``, which exact accumulation needs.
-
-    Decided by the device's type alone: nothing is allocated, so it can be called for a device this machine lacks.
+    """Raise a ``RuntimeError`` when ``device``'s type has no ``float64`` (nothing is allocated).
 
     Example:
         >>> import torch
-        >>> require_float64(torch.device("cpu"))  # CPU and CUDA have float64: nothing happens
         >>> try:
         ...     require_float64(torch.device("mps", 0))  # no Mac needed: decided by the type
         ... except RuntimeError as error:

@@ -1,14 +1,4 @@
-"""Documents inside packed rows: the mean over documents of each document's mean token loss.
-
-:func:`document_mean_loss` returns the training-step contract (``loss``, ``num_documents``, ``num_tokens``) under
-which every update is the mean over all documents of its group, on every replica, of each document's mean
-supervised-token loss (verl's "seq-mean-token-mean"): every document counts once, whatever its length, exactly across
-``m``, ``A`` and ``D``. A document starts at every row start and where ``position_ids`` is 0 or ``document_ids``
-changes (a document cut across two rows counts as two); one without a supervised token does not count. With
-``shift=True`` a supervised position belongs to its label's document, so ``num_tokens`` is
-:func:`~lightning_accum.supervised_tokens`'s count. Nothing is read on the host and nothing loops over documents.
-docs/howto.md ("Documents inside packed rows") has the example and the rules in full.
-"""
+"""Documents inside packed rows: the mean over documents of each document's mean token loss."""
 
 from __future__ import annotations
 
@@ -37,17 +27,12 @@ def _check_ids(name: str, ids: object, labels: Tensor) -> Tensor:
 
 
 def document_starts(labels: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
-    """A boolean tensor of the labels' shape: ``True`` where a document starts.
-
-    A document starts at every row start, where ``position_ids`` is 0 (packing that restarts positions per document),
-    or where ``document_ids`` differs from the previous position's. Without either, each row is one document.
+    """A boolean tensor of the labels' shape, ``True`` where a document starts: every row start, where
+    ``position_ids`` is 0, or where ``document_ids`` changes.
 
     Example:
         >>> document_starts(torch.zeros(1, 5, dtype=torch.long), position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
         tensor([[ True, False, False,  True, False]])
-        >>> document_starts(torch.zeros(2, 3, dtype=torch.long), document_ids=torch.tensor([[7, 7, 8], [8, 8, 8]]))
-        tensor([[ True, False,  True],
-                [ True, False, False]])
     """
     if position_ids is not None and document_ids is not None:
         raise ValueError(
@@ -76,30 +61,23 @@ def document_mean_loss(
 ) -> dict[str, Tensor]:
     """The training-step contract whose update is the mean over documents of each document's mean token loss.
 
-    Return it from ``training_step`` (or pass it on, ``strategy.accumulate(**out)``, in a manual or Fabric loop).
-
     Args:
-        logits: ``(..., T, V)``: the labels' shape and the vocabulary.
+        logits: ``(..., T, V)``.
         labels: ``(..., T)`` integer label ids; ``ignore_index`` marks positions without a label.
-        position_ids: ``(..., T)``, restarting at 0 for every document (Hugging Face's ``DataCollatorWithFlattening``,
-            flash-attention's packing).
+        position_ids: ``(..., T)``, restarting at 0 for every document.
         document_ids: ``(..., T)``, an id per position; a change of id starts a document. Not with ``position_ids``.
-        shift: As for :func:`~lightning_accum.supervised_tokens`: ``True`` compares ``logits[..., :-1, :]`` with
-            ``labels[..., 1:]`` (causal language models); ``False`` takes labels already aligned with the logits.
+        shift: As for :func:`~lightning_accum.supervised_tokens` (``True`` for causal language models).
         ignore_index: The label value that is not supervised.
 
     Returns:
-        ``{"loss": ..., "num_documents": ..., "num_tokens": ...}``: the mean over the micro-batch's documents of each
-        document's mean token loss (0 with a zero gradient when no document has a supervised token), the documents
-        with at least one supervised token and the supervised tokens, as 0-d int64 tensors on the labels' device.
+        ``{"loss", "num_documents", "num_tokens"}``: the mean over the micro-batch's documents of each one's mean token
+        loss (0 without a supervised token), and the counts as 0-d int64 tensors on the labels' device.
 
     Raises:
         TypeError: ``labels`` (or an id tensor) is not an integer tensor.
         ValueError: The shapes do not match, or both ``position_ids`` and ``document_ids`` are given.
 
     Example:
-        One row of two packed documents (``DataCollatorWithFlattening``'s layout: each one's first label is -100):
-
         >>> import torch.nn.functional as F
         >>> logits = torch.randn(1, 6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         >>> labels = torch.tensor([[-100, 1, 2, -100, 3, 4]])
@@ -129,8 +107,7 @@ def document_mean_loss(
 def _mean_over_documents(
     token_loss: Tensor, supervised: Tensor, document: Tensor, documents: int
 ) -> tuple[Tensor, Tensor]:
-    """The mean over documents of each one's mean ``token_loss`` (0 where ignored) over its ``supervised`` positions,
-    and the documents with one; ``document`` numbers each position's document, below ``documents``."""
+    """The mean over documents of each one's mean ``token_loss`` over its ``supervised`` positions, and their count."""
     per_document = torch.zeros(documents, dtype=torch.int64, device=document.device)
     per_document.index_add_(0, document, supervised.to(torch.int64))  # the supervised tokens of each document
     num_documents = (per_document > 0).sum()

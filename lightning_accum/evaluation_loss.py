@@ -1,11 +1,4 @@
-"""The loss of an evaluation set weighted by its units over every replica: the one arithmetic behind both doors.
-
-The set's loss is ``Σ w·loss / Σ w`` over every batch of the set on every data-parallel replica (``loss`` a batch's
-mean over its units, ``w`` their count), not a mean of batch means, which weights a batch of 3 tokens like one of
-3,000. :class:`WeightedMean` keeps one rank's sums on the device; :class:`EvaluationLoss` is one set, reduced to an
-:class:`EvaluationRecord` alike on every rank (``fabric.strategy.evaluation()``; the Trainer's ``accum/val_loss``
-keeps one per loader). Nothing here imports Lightning.
-"""
+"""The loss of an evaluation set, ``Σ w·loss / Σ w`` over every batch on every replica, for both doors."""
 
 from __future__ import annotations
 
@@ -36,18 +29,8 @@ __all__ = [
 
 
 class WeightedMean:
-    """``Σ w·value / Σ w`` over the updates of one rank, kept on the device.
-
-    ``exp=True`` gives ``exp`` of the mean (perplexity from a per-token cross-entropy). A value whose weight is 0
-    adds nothing, even when it is NaN (the mean loss of a batch without units is 0/0). With no units at all the
-    result is NaN. The sums (``float64`` ``Σ w·value``; ``int64`` ``Σ w`` and ``negative``, the tensor weights below
-    zero) grow without a device read; across ranks they are added in the one reduction of their :class:`EvaluationLoss`.
-
-    Why not torchmetrics' ``MeanMetric``, which keeps the same two sums: its own sync runs on the ranks that logged it,
-    so a rank without a batch leaves the others waiting; and in torchmetrics 1.9 its ``nan_strategy="disable"`` drops
-    the weights (``_cast_and_nan_check_input`` replaces them by ones: the seed's 512 × 3 and 1536 × 4 average to 3.5,
-    not 3.75), while every other ``nan_strategy`` reads the device on every update (``if nans.any()``).
-    ``tests/strategies/test_evaluation.py::test_torchmetrics_mean_metric_is_not_the_weighted_mean_here`` pins that.
+    """``Σ w·value / Σ w`` over one rank's updates, on the device (``exp=True``: its ``exp``); a weight of 0 adds
+    nothing, even a NaN value; no units at all give NaN.
 
     Example:
         >>> mean = WeightedMean()
@@ -83,11 +66,8 @@ class WeightedMean:
 
 
 def evaluation_weight(engine: AccumulationEngine, unit: str | None, read: Microbatch) -> tuple[str, Count | None]:
-    """The unit an evaluation weights its batches by, and ``read``'s count of it (``None``: not reported): ``unit``
-    once the evaluation's first batch fixed it; else the run's (once its training decided it); else the one
-    :func:`choose_unit` picks from ``read`` (tokens beside the batch's own ``num_samples`` do not count). Under
-    ``"auto"`` a batch that reports a finer unit than the fixed one is an error (:func:`refuse_a_finer_unit`), as a
-    training micro-batch is: a set weighted partly by one unit and partly by another has no single meaning.
+    """The unit an evaluation weights its batches by (``unit`` once fixed, else the run's, else ``read``'s choice)
+    and ``read``'s count of it (``None``: not reported); a finer unit than the fixed one is refused under ``"auto"``.
 
     Example:
         >>> engine = AccumulationEngine()
@@ -104,9 +84,7 @@ def evaluation_weight(engine: AccumulationEngine, unit: str | None, read: Microb
 
 
 def repeats_message(loader: Any, subject: str, holder: str, replicas: int) -> str | None:
-    """What ``subject`` (a loss over ``loader``) counts twice when ``loader``'s ``DistributedSampler`` pads the set to
-    a multiple of the replicas (repeating its first examples, which cannot be told apart), or ``None``: both doors'
-    words for it (the Trainer's evaluation loop, Fabric's ``setup_dataloaders``)."""
+    """The warning that ``loader``'s padding ``DistributedSampler`` counts examples twice, or ``None``."""
     sampler = getattr(loader, "sampler", None)
     if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
         return None
@@ -141,14 +119,12 @@ def no_unit_message(subject: str, holder: str, unit: str | None) -> str:
 
 @dataclass(frozen=True)
 class EvaluationRecord:
-    """What :meth:`EvaluationLoss.compute` returns: the set's loss over every replica, the same on every rank.
+    """What :meth:`EvaluationLoss.compute` returns, the same on every rank.
 
     Attributes:
-        loss: ``Σ w·loss / Σ w`` over every batch added on every replica (a float computed in float64); NaN for a set
-            without any unit (no batch at all, or every count 0), said in a warning.
-        unit: What ``w`` counts: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"batches"``; ``None`` when no
-            batch was added.
-        units: ``Σ w``, the set's units over every replica (exact).
+        loss: ``Σ w·loss / Σ w`` over every batch on every replica (float64); NaN for a set without any unit.
+        unit: ``"tokens"``, ``"samples"``, ``"documents"``, ``"batches"``, or ``None`` when no batch was added.
+        units: ``Σ w`` over every replica (exact).
         batches: The batches added over every replica.
 
     Example:
@@ -174,12 +150,12 @@ class EvaluationRecord:
 
     @property
     def documents(self) -> int | None:
-        """The set's documents where the unit is documents (``document_mean_loss``), else ``None``."""
+        """The set's documents where the unit is documents, else ``None``."""
         return self.units if self.unit == "documents" else None
 
     @property
     def perplexity(self) -> float | None:
-        """``exp(loss)`` where the unit is tokens (a per-token cross-entropy in nats), else ``None``."""
+        """``exp(loss)`` where the unit is tokens, else ``None``."""
         return perplexity_of(self.loss) if self.unit == "tokens" else None
 
 
@@ -191,30 +167,14 @@ SLOTS = 7
 class EvaluationLoss:
     """The loss of one evaluation set over every replica, weighted by its units: ``fabric.strategy.evaluation()``.
 
-    Every rank adds each of its batches, then every rank calls :meth:`compute`::
-
-        evaluation = fabric.strategy.evaluation()
-        with torch.no_grad():
-            for batch in val_loader:
-                loss = F.cross_entropy(...)  # the batch's mean over its supervised tokens
-                evaluation.add(loss, num_tokens=supervised_tokens(batch["labels"]))
-        result = evaluation.compute()  # one all-reduce: the same EvaluationRecord on every rank
-        evaluation.reset()  # before the next evaluation (or take a new object from `fabric.strategy.evaluation()`)
-
-    Ranks may add different numbers of batches, none included. The Trainer's evaluation keeps one per loader, adds the
-    batches its steps return (:meth:`include`) and reduces the loaders' :meth:`local` vectors together, each read back
-    by :meth:`record`.
+    Every rank adds its batches (any number, none included), then every rank calls :meth:`compute`.
 
     Args:
-        engine: The strategy's engine: the run's unit (once its training decided it), its ``normalize=`` and
-            ``count_tokens=``, and where warnings go.
-        reduce_sum: Sums a tensor in place over the data-parallel replicas (the strategy's; nothing on one replica).
-        device: Gives the device the sums live on (the strategy's root device), read at the first :meth:`add` or
-            :meth:`compute`.
+        engine: The strategy's engine (the run's unit, ``normalize=``, ``count_tokens=``, warnings).
+        reduce_sum: Sums a tensor in place over the data-parallel replicas.
+        device: Gives the device the sums live on, read at the first :meth:`add` or :meth:`compute`.
 
     Example:
-        One device: 512 supervised tokens with mean loss 2, 1,536 with mean loss 4 (the mean of means is 3.0):
-
         >>> evaluation = EvaluationLoss(AccumulationEngine(), lambda t: t, lambda: torch.device("cpu"))
         >>> evaluation.add(torch.tensor(2.0), num_tokens=512)
         >>> evaluation.add(torch.tensor(4.0), num_tokens=torch.tensor(1536))
@@ -245,15 +205,13 @@ class EvaluationLoss:
         batch: Any = None,
         num_documents: Count | None = None,
     ) -> None:
-        """Add one batch of this rank: ``loss``, its mean over its units, and their count, read and checked as for
-        ``accumulate`` (a tensor count stays on the device, its sign checked by :meth:`compute`). The unit is
-        :func:`evaluation_weight`'s; every later batch must report the same count. Nothing is read on the host: the
-        loss is detached and summed in float64 on the strategy's device (a loss on another device is copied there).
+        """Add one batch of this rank: ``loss``, its mean over its units, and their count (read as for
+        ``accumulate``; no host read).
 
         Raises:
-            TypeError: ``loss`` is not a tensor, or a count is not an integer (the messages of ``accumulate``).
+            TypeError: ``loss`` is not a tensor, or a count is not an integer.
             ValueError: ``loss`` holds more than one value, an int count is negative, or the batch lacks the count of
-                the evaluation's unit (e.g. ``num_samples=`` only where the first batch gave ``num_tokens=``).
+                the evaluation's unit.
         """
         if not isinstance(loss, Tensor):
             raise TypeError(
@@ -273,8 +231,7 @@ class EvaluationLoss:
         self.include(read.loss, weight, unit)  # type: ignore[arg-type]  # a tensor loss is read as one
 
     def include(self, loss: Tensor, weight: Count, unit: str) -> None:
-        """Add one batch already read and checked: ``loss`` weighted by ``weight``, its count of ``unit`` (what
-        :func:`evaluation_weight` gave). No host read."""
+        """Add one batch already read and checked: ``loss`` weighted by ``weight``, its count of ``unit``."""
         self._unit = unit
         if self._sums is None:
             self._sums = WeightedMean(device=self._device())
@@ -282,7 +239,7 @@ class EvaluationLoss:
         self._batches += 1
 
     def local(self) -> Tensor:
-        """This rank's part of the reduction: :data:`SLOTS` float64 values on the device, all 0 without a batch."""
+        """This rank's :data:`SLOTS` float64 values on the device for the reduction."""
         sums = self._sums
         device = sums.weighted.device if sums is not None else self._device()
         code = UNIT_CODES.get(self._unit or "", 0.0)
@@ -291,8 +248,7 @@ class EvaluationLoss:
         return torch.cat((host.to(device, non_blocking=True), parts))
 
     def record(self, reduced: Sequence[float], subject: str, where: str) -> EvaluationRecord:
-        """The set's record from :meth:`local` summed over the replicas (read on the host), alike on every rank, or
-        :meth:`compute`'s errors (``subject`` names the loss in them, ``where`` the batches' source)."""
+        """The set's record from :meth:`local` summed over the replicas, or :meth:`compute`'s errors."""
         ranks, batches, codes, squares, weighted, units, negative = reduced
         if negative:  # an int below zero is refused where it is given
             raise ValueError(negative_message(round(negative), "batch", where))
@@ -307,8 +263,7 @@ class EvaluationLoss:
         return EvaluationRecord(loss=loss, unit=unit, units=round(units), batches=round(batches))
 
     def compute(self) -> EvaluationRecord:
-        """The set's loss over every replica: one all-reduce of every rank's sums and one host read. Call it on
-        every rank (also on one that added no batch), once the set is added; the sums are kept (see :meth:`reset`).
+        """The set's loss over every replica (one all-reduce, one host read); call it on every rank.
 
         Raises:
             ValueError: A count given as a tensor was negative (on every rank alike).

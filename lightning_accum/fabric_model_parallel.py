@@ -1,10 +1,4 @@
-"""What Fabric's ``ModelParallelStrategy`` needs beyond the core, for
-:class:`~lightning_accum.fabric.FabricModelParallelAccumulationStrategy`: :func:`shard_module_lists` (the
-``parallelize_fn`` of ``"accum_fsdp"``), :class:`BackwardSyncNotes` (``fabric.no_backward_sync`` noted while it blocks
-synchronisation, a close after such a last backward being refused; the Fabric DDP strategy uses it too) and
-:func:`sharded_state` (a ``fabric.save`` state split as Fabric's distributed save splits it, so that the open group's
-gradient shards join the same distributed checkpoint).
-"""
+"""What Fabric's ``ModelParallelStrategy`` needs beyond the core, for ``FabricModelParallelAccumulationStrategy``."""
 
 from __future__ import annotations
 
@@ -23,11 +17,8 @@ __all__ = ["BackwardSyncNotes", "shard_module_lists", "sharded_state"]
 
 
 def shard_module_lists(module: Module, device_mesh: DeviceMesh) -> Module:
-    """The ``parallelize_fn`` of ``"accum_fsdp"``: FSDP2's ``fully_shard`` on each child of every
-    ``torch.nn.ModuleList`` of ``module`` (a transformer's blocks: each one's parameters all-gathered for its own
-    forward and backward only), the innermost first, then on ``module`` itself (what remains: embeddings, norms,
-    heads), all over ``device_mesh["data_parallel"]``. No tensor parallelism, no mixed-precision policy, no CPU
-    offload; a model without a ``ModuleList`` is sharded as one unit. Returns ``module``, sharded in place."""
+    """The ``parallelize_fn`` of ``"accum_fsdp"``: ``fully_shard`` on each child of every ``ModuleList`` of
+    ``module``, the innermost first, then on ``module``, over ``device_mesh["data_parallel"]``; returns ``module``."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = device_mesh["data_parallel"]
@@ -40,7 +31,7 @@ def shard_module_lists(module: Module, device_mesh: DeviceMesh) -> Module:
 
 class BackwardSyncNotes(_BackwardSyncControl):
     """Fabric's ``no_backward_sync`` control of the strategy, noting in :attr:`blocking` whether synchronisation is
-    blocked now (inside ``fabric.no_backward_sync(model, enabled=True)``).
+    blocked now.
 
     Args:
         control: Fabric's own control (``ModelParallelStrategy``'s), which does the blocking.
@@ -63,9 +54,8 @@ class BackwardSyncNotes(_BackwardSyncControl):
 
 
 def sharded_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A ``fabric.save`` state as Fabric's distributed save splits it: each module's and optimizer's sharded state
-    dict under its key (what Fabric's ``fabric.load`` reads back), and the rest (the metadata file's: a stateful
-    object's ``state_dict()``, anything else as it is).
+    """A ``fabric.save`` state as Fabric's distributed save splits it: the modules' and optimizers' sharded state
+    dicts, and the rest (the metadata file's).
 
     Raises:
         ValueError: ``state`` does not hold exactly one sharded model (Fabric's rule for a distributed checkpoint).

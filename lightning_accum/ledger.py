@@ -1,10 +1,4 @@
-"""The ledger: exact, global counters of what a run consumed and updated.
-
-Every counter is a Python ``int`` (unbounded, so token totals of 10^12 and beyond stay exact) summed over all
-data-parallel replicas, and identical on every rank: each value is derived from the one all-reduce of a group's close.
-A **group** is the micro-batches of one optimizer update; an **attempt** a group that reached the optimizer (or would
-have, but was skipped); an **applied update** an attempt after which the parameters changed (docs/concepts.md).
-"""
+"""The ledger: exact global counters (Python ints, summed over replicas) of what a run consumed and updated."""
 
 from __future__ import annotations
 
@@ -31,17 +25,15 @@ class GroupRecord:
     """The record of one closed accumulation group.
 
     Attributes:
-        loss: The group's loss weighted by its units over all replicas, ``Σ w·loss / Σ w``
-            (``nan`` when the group holds no unit at all).
-        tokens: Supervised tokens of the group, summed over replicas (0 when none are reported).
-        samples: Samples of the group, summed over replicas.
-        microbatches: Micro-batches of the group, summed over replicas.
+        loss: ``Σ w·loss / Σ w`` over all replicas (``nan`` without any unit).
+        tokens: Supervised tokens, summed over replicas (0 when not reported).
+        samples: Samples, summed over replicas.
+        microbatches: Micro-batches, summed over replicas.
         applied: Whether the parameters were updated.
         skip_reason: ``None`` when applied or dropped, else one of :data:`SKIP_REASONS`.
-        grad_scale: The GradScaler scale used for the group, ``None`` without a scaler.
-        dropped: Whether the group was a partial final group dropped by ``partial_group="drop"``.
-        documents: Documents of the group with a supervised token, summed over replicas (0 when none are reported;
-            see :func:`~lightning_accum.document_mean_loss`).
+        grad_scale: The GradScaler scale used, ``None`` without a scaler.
+        dropped: Whether it was a partial final group dropped by ``partial_group="drop"``.
+        documents: Documents with a supervised token, summed over replicas (0 when not reported).
 
     Example:
         >>> record = GroupRecord(loss=3.5, tokens=2048, samples=2, microbatches=2, applied=True)
@@ -64,18 +56,11 @@ class GroupRecord:
 class AccumulationLedger:
     """Exact global counters of a run, kept by the accumulation strategies as ``trainer.strategy.ledger``.
 
-    A dropped partial group is not an attempt: ``microbatches``, ``samples``, ``tokens`` and ``documents`` count
-    what attempted updates consumed (skipped ones included), and the ``dropped_*`` counters what dropped
-    groups held. ``partial_groups`` counts every partial final group met, whatever the policy. ``documents``
-    counts the documents with a supervised token that steps reported (``num_documents``; 0 when none do).
-
-    The state is plain ints, floats, strings and dicts of them, so checkpoints that carry it load with
-    ``torch.load(..., weights_only=True)``.
+    ``microbatches``, ``samples``, ``tokens`` and ``documents`` count what attempted updates consumed (skipped ones
+    included); the ``dropped_*`` counters what dropped partial groups held. Its state loads with ``weights_only=True``.
 
     Example:
         >>> ledger = AccumulationLedger()
-        >>> ledger.updates_attempted, ledger.updates_skipped
-        (0, {'empty': 0, 'nonfinite': 0, 'overflow': 0})
         >>> restored = AccumulationLedger()
         >>> restored.load_state_dict(ledger.state_dict())
         >>> restored == ledger
@@ -128,8 +113,7 @@ class AccumulationLedger:
         return asdict(self)  # dicts copied, the last group's record as a dict
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`; keys added in later versions are read with defaults (a state written
-        before documents were counted reads 0 documents)."""
+        """Restore from :meth:`state_dict`; keys a state lacks are read with defaults."""
         fresh = AccumulationLedger()
         for name in COUNTERS:
             setattr(self, name, int(state.get(name, getattr(fresh, name))))

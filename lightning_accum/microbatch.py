@@ -1,9 +1,4 @@
-"""Reading one micro-batch: what ``training_step`` returned, its unit counts, and the unit of the run.
-
-A micro-batch is read once, where it enters the package: :func:`read_microbatch` forms a :class:`Microbatch` that
-every later layer takes as it is (docs/internals.md, "A micro-batch is read once"). Pure functions over tensors:
-nothing here reads device memory (tensor counts stay on the device until the group closes) nor imports Lightning.
-"""
+"""Reading one micro-batch: what ``training_step`` returned, its unit counts, and the unit of the run."""
 
 from __future__ import annotations
 
@@ -41,17 +36,11 @@ _UNIT_REASONS = {
 
 
 def infer_num_samples(batch: Any) -> int | None:
-    """The leading dimension shared by every tensor of ``batch``, or ``None`` when it is ambiguous or absent.
-
-    Reads only tensor shapes, so it never synchronizes with the device.
+    """The leading dimension shared by every tensor of ``batch`` (shapes only), or ``None`` when ambiguous or absent.
 
     Example:
         >>> infer_num_samples({"input_ids": torch.zeros(4, 7), "labels": torch.zeros(4, 7)})
         4
-        >>> infer_num_samples({"input_ids": torch.zeros(4, 7), "lengths": torch.zeros(3)}) is None
-        True
-        >>> infer_num_samples([{"input_ids": torch.zeros(7)}, {"input_ids": torch.zeros(7)}])  # a list of samples
-        2
     """
     # Fast path for the common flat batch (a dict, list or tuple of tensors): this runs on every micro-batch.
     kind = type(batch)
@@ -75,7 +64,7 @@ def infer_num_samples(batch: Any) -> int | None:
 
 
 def nested_tensors(batch: Any) -> Iterator[Tensor]:
-    """The tensors in ``batch`` and its nested dicts, lists and tuples (walked iteratively: any depth)."""
+    """The tensors in ``batch`` and its nested dicts, lists and tuples, at any depth."""
     pending = [batch]
     while pending:
         obj = pending.pop()
@@ -88,7 +77,6 @@ def nested_tensors(batch: Any) -> Iterator[Tensor]:
 
 
 def _as_count_slow(name: str, value: Tensor, device: torch.device) -> Tensor:
-    """The checks and conversions of a count tensor that is not already a 0-d integer on ``device``."""
     if value.dtype == torch.bool:
         raise TypeError(
             f"`{name}` must be an integer count, got a boolean ({value!r}). "
@@ -118,8 +106,6 @@ def as_count(name: str, value: object, device: torch.device) -> Count:
     """Validate a reported count without reading device memory; negatives in tensors are caught at the close.
 
     Example:
-        >>> as_count("num_tokens", 7, torch.device("cpu"))
-        7
         >>> as_count("num_tokens", 2.5, torch.device("cpu"))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -149,11 +135,6 @@ def parse_step_output(
     output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None = None, infer_samples: bool = True
 ) -> tuple[Tensor | None, object, object]:
     """``(loss, tokens, samples)`` from what ``training_step`` returned; ``loss`` is ``None`` when there is none.
-
-    ``samples`` is inferred from ``batch``'s shapes when not reported (unless ``infer_samples=False``).
-
-    An output that is neither a tensor nor a mapping with a tensor under ``"loss"`` is left to Lightning, which
-    raises its own error for it (``MisconfigurationException``) right after: it is reported as "no loss" here.
 
     Example:
         >>> loss, tokens, samples = parse_step_output({"loss": torch.tensor(2.0), "num_tokens": 5}, torch.zeros(3, 4))
@@ -194,17 +175,14 @@ class Microbatch:
     """One micro-batch as read at the door (:func:`read_microbatch`), handed down unchanged.
 
     Attributes:
-        loss: Its mean loss (a 0-d tensor, graph attached), or ``None`` when the step returned none.
-        tokens: Its supervised tokens, checked (:func:`as_count`), or ``None`` when not reported.
-        samples: Its samples, checked: reported, else given by the caller, else the batch's leading dimension;
-            ``None`` when unknown.
-        size: Its samples as a host int where known without a device read (reported as an int, or from tensor
-            shapes): for the listeners' micro-batch sizes; ``None`` otherwise.
-        reports_samples: The step reported ``num_samples`` itself (it chose samples: no token-weighting hint).
-        label_positions: ``labels.numel()`` of a batch with a ``"labels"`` tensor, when tokens are reported (no
-            token count can exceed it); ``None`` otherwise.
-        batch: The batch itself, for the once-per-run hint that token weighting was probably intended.
-        documents: Its documents with a supervised token (``num_documents``, checked), or ``None`` when not reported.
+        loss: Its mean loss (0-d, graph attached), or ``None``.
+        tokens: Its supervised tokens, checked, or ``None``.
+        samples: Its samples (reported, given, or the leading dimension), or ``None``.
+        size: Its samples as a host int where known without a device read, or ``None``.
+        reports_samples: The step reported ``num_samples`` itself.
+        label_positions: ``labels.numel()`` of a batch with ``"labels"`` when tokens are reported, or ``None``.
+        batch: The batch itself (for the token-weighting hint).
+        documents: Its documents (``num_documents``, checked), or ``None``.
     """
 
     loss: Tensor | None
@@ -223,11 +201,10 @@ def read_microbatch(
     """Read what a step returned for ``batch`` once: the loss, the counts checked, the size and label positions.
 
     Args:
-        output: What the step returned (see :func:`parse_step_output`).
+        output: What the step returned.
         batch: The micro-batch.
         count_tokens: The strategy's ``count_tokens=`` (used when the step reports no ``num_tokens``).
-        num_samples: The micro-batch's samples when the caller knows them (a slice of ``stop - start`` samples):
-            used instead of reading the batch's shapes when the step reports none.
+        num_samples: The micro-batch's samples when the caller knows them (a slice), instead of the shapes.
 
     Example:
         >>> mb = read_microbatch({"loss": torch.tensor(2.0), "num_tokens": 5}, {"labels": torch.zeros(3, 4)})
@@ -267,16 +244,11 @@ def reported_documents(output: Any) -> object:
 def choose_unit(
     normalize: str, has_tokens: bool, has_samples: bool, has_documents: bool = False
 ) -> tuple[str, str | None]:
-    """The unit of the run and, under ``normalize="auto"``, why it was chosen (else ``None``): documents where the
-    step reports them (its loss is a mean over documents), else tokens, else samples, else batches.
+    """The unit of the run (documents, else tokens, samples, batches under ``"auto"``) and why ``"auto"`` chose it.
 
     Example:
         >>> choose_unit("auto", has_tokens=False, has_samples=True)
         ('samples', 'no token count is reported; the number of samples is known')
-        >>> choose_unit("tokens", has_tokens=False, has_samples=True)
-        ('tokens', None)
-        >>> choose_unit("auto", has_tokens=True, has_samples=True, has_documents=True)[0]
-        'documents'
     """
     if normalize != "auto":
         return normalize, None
@@ -288,14 +260,7 @@ _UNITS = ("batches", "samples", "tokens", "documents")  # from the least to the 
 
 
 def refuse_a_finer_unit(fixed: str, normalize: str, reported: str, where: str) -> None:
-    """Under ``normalize="auto"`` the unit is fixed once (by the run's first micro-batch, or the checkpoint it resumed
-    from): a micro-batch (or an evaluation batch) whose counts would choose a more specific unit is an error naming
-    both, never weighted by the fixed unit silently (``reported``: what :func:`choose_unit` picks for it).
-
-    Example:
-        >>> refuse_a_finer_unit("tokens", "auto", "tokens", "a training micro-batch")
-        >>> refuse_a_finer_unit("tokens", "tokens", "documents", "a training micro-batch")  # chosen explicitly
-    """
+    """Under ``normalize="auto"``, refuse a batch whose counts choose a finer unit (``reported``) than ``fixed``."""
     if normalize != "auto" or _UNITS.index(reported) <= _UNITS.index(fixed):
         return
     raise ValueError(
@@ -311,10 +276,7 @@ def refuse_a_finer_unit(fixed: str, normalize: str, reported: str, where: str) -
 def weighting_unit(
     fixed: str | None, normalize: str, microbatch: Microbatch, fix: Callable[[str, str | None, Any], None]
 ) -> str:
-    """The unit ``microbatch`` is weighted by: the run's (``fixed``), or, for the run's first micro-batch, the one
-    ``normalize=`` chooses from its counts, handed to ``fix(unit, reason, batch)`` (``reason``: why ``"auto"`` chose
-    it, else ``None``). Under ``"auto"`` a micro-batch that reports a finer unit than the fixed one is an error
-    (:func:`refuse_a_finer_unit`)."""
+    """The unit ``microbatch`` is weighted by: ``fixed``, or the one chosen, handed to ``fix(unit, reason, batch)``."""
     has = (microbatch.tokens is not None, microbatch.samples is not None, microbatch.documents is not None)
     if fixed is None:
         unit, reason = choose_unit(normalize, *has)

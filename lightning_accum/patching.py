@@ -1,12 +1,4 @@
-"""The one way the package puts its own callable on an object it does not own, and gives it back.
-
-:class:`InstancePatch` sets an *instance attribute* (Lightning looks hooks up with ``getattr``; ``is_overridden``
-reads the class, so the class is never touched). It wraps the callable in force (a user's own instance-level hook, or
-the class's method); :meth:`~InstancePatch.release` (once; a second does nothing) puts back exactly what the instance
-held, or no attribute at all, and removes only its own wrapper: one set above it is re-pointed to what it wrapped, and
-under someone else's wrapper (whose code restores it later) it becomes a pass-through. Every attribute patched this
-way is listed in docs/internals.md.
-"""
+"""The one way the package puts its own callable on an object it does not own, and gives it back."""
 
 from __future__ import annotations
 
@@ -23,26 +15,8 @@ _ACTIVE: weakref.WeakSet[InstancePatch] = weakref.WeakSet()
 
 
 class InstancePatch:
-    """``owner.name`` replaced, on the instance, by ``replacement`` until :meth:`release`.
-
-    Args:
-        owner: The object (a module, a logger, a progress bar, a plugin).
-        name: The attribute.
-        replacement: Called as ``replacement(below, *args, **kwargs)`` in place of ``owner.name(*args, **kwargs)``,
-            where ``below`` is the callable in force when the patch was set.
-        wraps: ``False`` replaces without wrapping: the call then is ``replacement(*args, **kwargs)``.
-
-    Example:
-        >>> class Bar:
-        ...     def get_metrics(self):
-        ...         return {"loss": 1.0}
-        >>> bar = Bar()
-        >>> patch = InstancePatch(bar, "get_metrics", lambda below: {**below(), "tokens": 64})
-        >>> bar.get_metrics()
-        {'loss': 1.0, 'tokens': 64}
-        >>> patch.release(); "get_metrics" in vars(bar)
-        False
-    """
+    """``owner.name`` replaced on the instance until :meth:`release` by ``replacement(below, *args, **kwargs)``,
+    ``below`` the callable in force before (``wraps=False``: ``replacement(*args, **kwargs)``)."""
 
     def __init__(self, owner: Any, name: str, replacement: Callable[..., Any], wraps: bool = True) -> None:
         self.owner = owner
@@ -63,7 +37,7 @@ class InstancePatch:
         _ACTIVE.add(self)
 
     def release(self) -> None:
-        """Give the attribute back: what the instance held before, and nothing of this patch left in force."""
+        """Give back what the instance held (once); under another's wrapper, become a pass-through."""
         if not self._active:
             return
         self._active = False

@@ -1,23 +1,4 @@
-"""One seeded order of the data, dealt to the replicas so that every update holds the same examples at any m, A, D.
-
-Group ``g`` of a run with ``m`` examples per micro-batch, ``A`` micro-batches per group and ``D`` replicas should hold
-the global positions ``[g·B, (g+1)·B)`` of one order of the data, ``B = m·A·D``, whatever the split. Deal the order
-element by element, as torch's ``DistributedSampler`` does: replica ``r`` reads positions ``r, r + D, r + 2D, ...``, so
-its ``j``-th micro-batch holds ``{(j·m + i)·D + r : i < m}``. The micro-batches of slot ``j`` on all ``D`` replicas
-hold ``[j·m·D, (j+1)·m·D)``, and any ``A`` consecutive slots ``j0 .. j0+A-1`` hold ``[j0·m·D, (j0+A)·m·D)``: a
-contiguous block of ``m·A·D`` positions. Group ``g`` starts at slot ``g·A`` (or, under a schedule that changes ``A``
-between groups, at the sum of the earlier groups' sizes), so it holds the next ``B`` positions — the sampler needs to
-know neither ``m`` nor ``A``, only ``D`` and this replica's rank. The order itself (``torch.randperm`` of a generator
-seeded ``seed + epoch``, or ``0 .. N-1``) does not depend on ``D``.
-
-The tail: every replica must run the same number of micro-batches (DDP's collectives pair up by count; map-style data
-is not checked by the data-end agreement). Replica ``r`` reads ``⌊(N - P)/D⌋`` positions from the epoch's start
-position ``P`` (0, or where a resume continues), so the last ``(N - P) mod D`` positions of the order — fewer than
-``D``, none on one replica — are left out of that epoch (:attr:`GlobalOrderSampler.left_out`); with shuffling they are
-other examples each epoch. Nothing is padded, so no example is counted twice. The last micro-batch may be short (the
-same length on every replica), and the last group of the epoch may hold fewer than ``B`` positions: that is the
-partial final group, which the strategy's ``partial_group=`` policy decides on every ``D`` alike.
-"""
+"""One seeded order of the data dealt element-wise to the replicas: the same examples in an update at any m, A, D."""
 
 from __future__ import annotations
 
@@ -46,35 +27,20 @@ def _positive_int(argument: str, value: object, least: int) -> int:
 
 
 class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
-    """The positions of one seeded order of ``dataset``, dealt element-wise to ``num_replicas`` replicas.
-
-    Its order and deal are torch's ``DistributedSampler``'s without the padding (see the module's docstring). It
-    subclasses ``DistributedSampler`` so that Lightning and Fabric recognise it as a distributed sampler and leave it in
-    place.
+    """The positions of one seeded order of ``dataset`` (torch's ``DistributedSampler``'s, without the padding), dealt
+    element-wise to ``num_replicas`` replicas; resumable at a global position under any ``D``.
 
     Args:
         dataset: The data (anything with a ``len``).
         num_replicas: ``D``, the data-parallel replicas (an accumulation strategy with ``global_order=True`` sets it).
         rank: This replica's data-parallel rank, ``0 <= rank < num_replicas``.
         shuffle: Shuffle per epoch by ``seed + epoch``; ``False`` reads ``0 .. N-1`` in order.
-        seed: The seed of the order (the same on every replica and in every run that should see the same order).
-
-    Mid-epoch resume: :meth:`state_dict` says where the epoch's order stands (a global position, the same meaning at
-    any ``D``); after :meth:`load_state_dict` the next iteration of that epoch continues there, with this sampler's
-    ``D``. ``len()`` is the whole epoch's count on this replica also when an iteration resumes (Lightning counts a
-    resumed epoch's batches from its start).
+        seed: The seed of the order (``seed + epoch`` per epoch).
 
     Example:
         >>> data = list(range(10))
         >>> [list(GlobalOrderSampler(data, num_replicas=2, rank=r, shuffle=False)) for r in (0, 1)]
         [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
-        >>> sampler = GlobalOrderSampler(data, num_replicas=3, rank=0, shuffle=False)
-        >>> list(sampler), sampler.left_out
-        ([0, 3, 6], 1)
-        >>> one = GlobalOrderSampler(data, seed=7)
-        >>> two = [GlobalOrderSampler(data, num_replicas=2, rank=r, seed=7) for r in (0, 1)]
-        >>> sorted(list(one)[:4]) == sorted(list(two[0])[:2] + list(two[1])[:2])  # the first 4 positions
-        True
     """
 
     def __init__(
@@ -96,7 +62,7 @@ class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
         self._resume: tuple[int, int] | None = None  # (epoch, position) a loaded state continues
 
     def set_replicas(self, num_replicas: int, rank: int) -> None:
-        """Deal to ``num_replicas`` replicas, this one being ``rank`` (an accumulation strategy calls it at set-up)."""
+        """Deal to ``num_replicas`` replicas, this one being ``rank``."""
         _positive_int("num_replicas", num_replicas, 1)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
             raise ValueError(
@@ -114,12 +80,11 @@ class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
 
     @property
     def left_out(self) -> int:
-        """The positions at the end of the order this epoch leaves out (fewer than ``D``): ``(N - P) mod D``."""
+        """The positions at the end of the order this epoch leaves out: ``(N - P) mod D``, ``P`` its start."""
         return (self.length - self._start) % self.num_replicas
 
     def order(self, epoch: int | None = None) -> list[int]:
-        """The epoch's order of the data (``epoch``: this sampler's by default): position ``p`` holds example
-        ``order()[p]``, the same on every replica and at every ``D``."""
+        """The epoch's order of the data: position ``p`` holds example ``order()[p]``, at every ``D``."""
         epoch = self.epoch if epoch is None else epoch
         if not self.shuffle:
             return list(range(self.length))
@@ -145,15 +110,11 @@ class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
         return self.length // self.num_replicas
 
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
-        """Where the epoch's order stands: ``{"epoch", "position", "seed", "shuffle", "length"}`` (ints, a bool).
+        """Where the epoch's order stands: ``{"epoch", "position", "seed", "shuffle", "length"}``.
 
         Args:
-            position: The global position the epoch has consumed up to (examples of all replicas from the epoch's
-                start), as the training loop counts it; by default what this replica has handed out, times ``D``
-                (exact only where nothing is fetched ahead: no loader workers, no prefetching). An accumulation
-                strategy passes the micro-batches its loop has processed times ``m·D``.
-
-        A position at or past the end of the epoch's dealt positions is saved as the start of the next epoch.
+            position: The examples of all replicas consumed since the epoch's start; by default what this replica
+                handed out times ``D`` (exact only without prefetching).
         """
         if position is None:
             position = self._start + self._dealt * self.num_replicas
@@ -163,8 +124,7 @@ class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
         return {"epoch": epoch, "position": position, "seed": self.seed, "shuffle": self.shuffle, "length": self.length}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the order where ``state`` (a :meth:`state_dict`) stands: the next iteration of its epoch starts at
-        its position, dealt to this sampler's ``D`` (another ``D`` than the writing run's included)."""
+        """Continue the order where ``state`` stands, dealt to this sampler's ``D``."""
         for key in _STATE_KEYS:
             value = state.get(key) if isinstance(state, Mapping) else None
             expected = bool if key == "shuffle" else int
@@ -200,13 +160,8 @@ def global_order_for(
 ) -> GlobalOrderSampler | None:
     """The :class:`GlobalOrderSampler` to read ``loader``'s data with, or ``None`` where ``loader`` keeps its own.
 
-    Replaced: torch's ``DistributedSampler`` itself (the one Lightning or Fabric puts in; its ``shuffle`` and ``seed``
-    kept), and on one replica a ``RandomSampler`` over the whole data without replacement (shuffled by ``seed``) or a
-    ``SequentialSampler`` (in order). A ``GlobalOrderSampler`` already there is dealt to ``num_replicas`` (its own
-    ``shuffle`` and ``seed`` kept). Everything else keeps its order: an iterable dataset, a batch sampler of the
-    user's, another sampler (a weighted one, a sampler with replacement, Lightning's wrapper of a custom sampler).
-    ``in_order=False`` keeps the unshuffled ones too (a Fabric loop's evaluation loaders: their tail must not be left
-    out).
+    Replaced: torch's ``DistributedSampler``, a ``RandomSampler`` without replacement or a ``SequentialSampler``
+    (``in_order=False`` keeps the unshuffled ones), and a ``GlobalOrderSampler`` (dealt to ``num_replicas``).
     """
     sampler = getattr(loader, "sampler", None)
     dataset = getattr(loader, "dataset", None)

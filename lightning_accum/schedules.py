@@ -1,12 +1,4 @@
-"""Step-interval LR schedules that advance on updates (applied or attempted), not on Lightning's batch index.
-
-Under an accumulation strategy an ``interval="step"`` scheduler advances once per applied update (per attempt under
-``schedule_on="attempted"``), on every ``frequency``-th of them, where Lightning calls the module's
-``lr_scheduler_step`` hook: :class:`UpdateSchedules` gates that hook of the module instance during a fit and lets
-Lightning's call through for schedulers an update made due. The scheduler object itself is never wrapped nor its class
-swapped (why: docs/internals.md, "The public seam for callbacks and users"; the behaviour: docs/concepts.md,
-"Schedules follow applied updates").
-"""
+"""Step-interval LR schedules that advance on updates (applied or attempted), not on Lightning's batch index."""
 
 from __future__ import annotations
 
@@ -31,8 +23,7 @@ class UpdateSchedules:
 
     Args:
         module: The LightningModule whose ``lr_scheduler_step`` hook Lightning calls.
-        configs: Lightning's scheduler configs (``trainer.lr_scheduler_configs``); the ``interval="step"``
-            ones that are not ``ReduceLROnPlateau`` are taken over.
+        configs: Lightning's scheduler configs; the ``interval="step"`` ones but ``ReduceLROnPlateau`` are taken over.
 
     Example:
         >>> import torch, lightning as L
@@ -46,8 +37,6 @@ class UpdateSchedules:
         >>> schedules.mark_due(lambda frequency: True)
         >>> opt.step(); module.lr_scheduler_step(sched, None); opt.param_groups[0]["lr"]  # due: the user's hook
         0.5
-        >>> schedules.release(); "lr_scheduler_step" in vars(module)
-        False
     """
 
     def __init__(self, module: Any, configs: list[LRSchedulerConfig]) -> None:
@@ -91,10 +80,7 @@ class UpdateSchedules:
 
 
 def bind_schedulers(configs: Sequence[LRSchedulerConfig], engine: AccumulationEngine) -> None:
-    """Bind every :class:`AxisLR` of ``configs`` to ``engine`` and make its config advance once per update.
-
-    Called by the accumulation strategies in ``setup``, before they take the step-interval schedulers over.
-    """
+    """Bind every :class:`AxisLR` of ``configs`` to ``engine`` and make its config advance once per update."""
     for config in configs:
         scheduler = config.scheduler
         if not isinstance(scheduler, AxisLR):

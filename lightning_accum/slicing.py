@@ -1,10 +1,4 @@
-"""Cutting a loader batch into slices (``microbatch_size=``), and the record of what was cut and retried.
-
-With exact weighting, how a group's examples are cut into micro-batches does not change its update, so a strategy can
-run the loader's batch as slices of at most ``microbatch_size`` samples (lower peak memory, the same objective), and
-under ``"auto"`` shrink them after an out-of-memory error without losing the group (docs/howto.md, "Cut batches into
-slices"). Here: the parts that do not depend on Lightning; :mod:`lightning_accum.strategies.slicing` runs the slices.
-"""
+"""Cutting a loader batch into slices (``microbatch_size=``), and the record of what was cut and retried."""
 
 from __future__ import annotations
 
@@ -44,8 +38,6 @@ def validate_microbatch_size(value: object) -> MicrobatchSize:
     """``value`` if it is a valid ``microbatch_size``, else a ``ValueError`` naming the fix.
 
     Example:
-        >>> validate_microbatch_size(4), validate_microbatch_size("auto"), validate_microbatch_size(None)
-        (4, 'auto', None)
         >>> validate_microbatch_size(0)
         Traceback (most recent call last):
         ...
@@ -63,8 +55,7 @@ def validate_microbatch_size(value: object) -> MicrobatchSize:
 
 
 def count_samples(batch: Any, split_batch: SplitBatch | None = None) -> int:
-    """The number of samples of a loader batch to cut: the leading dimension its tensors share, or ``len(batch)``
-    for a batch type cut by ``split_batch``.
+    """The number of samples of a loader batch: its tensors' shared leading dimension, or ``len(batch)``.
 
     Raises:
         ValueError: The batch has no common leading dimension (and no ``split_batch`` with a sized batch).
@@ -91,11 +82,8 @@ def count_samples(batch: Any, split_batch: SplitBatch | None = None) -> int:
 
 
 def slice_batch(batch: Any, start: int, stop: int, num_samples: int) -> Any:
-    """Samples ``start:stop`` of ``batch``: every tensor whose leading dimension is ``num_samples`` is sliced along
-    it (a view, no copy); a list of ``num_samples`` values that are not tensors (per-sample strings or ids), and a
-    list or tuple of ``num_samples`` mappings (a batch kept as a list of samples), are sliced as lists; other
-    containers (dicts, lists and tuples of tensors, named tuples, dataclasses) are rebuilt, and everything else
-    (0-d tensors, strings, numbers, tuples of them) is passed whole to every slice.
+    """Samples ``start:stop`` of ``batch``: tensors and per-sample lists of length ``num_samples`` sliced (views),
+    containers rebuilt, everything else passed whole.
 
     Example:
         >>> part = slice_batch({"x": torch.arange(8).reshape(4, 2), "name": "b", "ids": [7, 8, 9, 10]}, 1, 3, 4)
@@ -131,11 +119,7 @@ def slice_batch(batch: Any, start: int, stop: int, num_samples: int) -> Any:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is an accelerator (or the CPU allocator) running out of memory.
-
-    ``torch.OutOfMemoryError`` (what CUDA's caching allocator raises; ``torch.cuda.OutOfMemoryError`` is the same
-    class), and the ``RuntimeError`` (or subclass, such as ``torch.AcceleratorError``) other backends and kernels
-    raise for it (MPS: "MPS backend out of memory"; "CUDA error: out of memory").
+    """Whether ``error`` is ``torch.OutOfMemoryError`` or a ``RuntimeError`` saying an accelerator ran out of memory.
 
     Example:
         >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory")), is_out_of_memory(ValueError("x"))
@@ -147,7 +131,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def free_memory(device: torch.device) -> None:
-    """Return what a failed attempt held: collect its reference cycles and, on CUDA, the allocator's cached blocks."""
+    """Free what a failed attempt held (its reference cycles; on CUDA, the allocator's cache)."""
     gc.collect()
     if device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -158,14 +142,14 @@ class OutOfMemoryRetry:
     """One out-of-memory error that was recovered by running a slice again, smaller.
 
     Attributes:
-        update: The attempted update the group belongs to (1-based: ``ledger.updates_attempted + 1``).
+        update: The attempted update the group belongs to (1-based).
         epoch: Lightning's epoch.
-        batch_idx: The loader batch's index in the epoch (Lightning's ``batch_idx``).
+        batch_idx: Lightning's ``batch_idx``.
         rank: The global rank that ran out of memory.
         phase: ``"forward"`` or ``"backward"``.
         failed_size: Samples of the slice that ran out of memory.
         new_size: The slice size used from then on.
-        time: Wall-clock time (seconds since the epoch).
+        time: Wall-clock time (``time.time()``).
     """
 
     update: int
@@ -180,15 +164,13 @@ class OutOfMemoryRetry:
 
 @dataclass
 class SlicingLog:
-    """This rank's record of ``microbatch_size=``: the configured value, the size in force, realized slices, retries.
+    """This rank's record of ``microbatch_size=``.
 
     Attributes:
         configured: The strategy's ``microbatch_size`` (``None``, an int or ``"auto"``).
-        size: The slice size in force: the configured int; under ``"auto"`` ``None`` until an out-of-memory error
-            set one (the whole batch until then), then the smaller size kept for the rest of the run.
-        slice_sizes: How many slices of each size ran (samples -> count), on this rank, over the run; a loader batch
-            that was not cut counts as one slice of its size.
-        retries: Every out-of-memory error recovered on this rank (:class:`OutOfMemoryRetry`).
+        size: The slice size in force (under ``"auto"``: ``None`` until an out-of-memory error set one).
+        slice_sizes: Slices run per size (samples -> count); an uncut batch is one slice.
+        retries: Every out-of-memory error recovered on this rank.
     """
 
     configured: MicrobatchSize = None
@@ -214,7 +196,7 @@ class SlicingLog:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (the size in force is kept only under ``"auto"``: a configured int wins)."""
+        """Restore :meth:`state_dict` (the size in force only under ``"auto"``)."""
         if self.configured == "auto":
             size = state.get("size")
             self.size = int(size) if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None

@@ -24,12 +24,8 @@ __all__ = ["AXES", "AxisLogger", "window_metrics"]
 
 
 def window_metrics(records: Sequence[GroupRecord], unit: str | None) -> dict[str, float]:
-    """The group metrics of one logged point, from the attempted updates since the previous point.
-
-    ``loss``: the groups' losses weighted by their units (over every group with units and a finite loss), which
-    is the token-weighted (or sample-, document-weighted) loss of all their examples together; ``tokens_per_update``
-    and ``samples_per_update`` (and ``documents_per_update`` where the groups hold documents): the mean per attempted
-    update over the window (exact sums divided by the count).
+    """The group metrics of one logged point from the attempted updates since the previous one: ``loss`` weighted by
+    units, ``*_per_update`` the mean per attempted update.
 
     Example:
         >>> a = GroupRecord(loss=2.0, tokens=512, samples=1, microbatches=1, applied=True)
@@ -56,79 +52,40 @@ def window_metrics(records: Sequence[GroupRecord], unit: str | None) -> dict[str
 
 
 class AxisLogger(Callback):
-    """Write the group metrics, and move every other logged scalar, onto one explicit x-axis.
+    """Write the group metrics, and move every other logged scalar, onto one x-axis: the ledger's exact count on
+    ``axis`` (docs/concepts.md, "The logging axis").
 
-    Lightning logs against "batches that stepped", on which runs with different ``m``, ``A`` or ``D`` cannot be
-    compared. Every curve of the run (the keys below, ``self.log`` in training and validation hooks,
-    ``LearningRateMonitor``) is written at x = the exact global count on ``axis`` from ``trainer.strategy.ledger``, so
-    runs of different ``(m, A, D)`` overlay. x is a Python int, never decreases (across a resume too, and across fits:
-    see below), and each tag is written at most once per x (the first value is kept), so the duplicates
-    ``LearningRateMonitor`` emits on every micro-batch of a group disappear. x is each logger's ``step`` and also the
-    metric ``<prefix><axis>`` of every record this callback writes. What TensorBoard, CSV, MLflow and W&B then show
-    (a W&B logger gets no ``step``; its charts are defined on the axis metric) is in docs/howto.md, "Put every curve
-    on a tokens axis".
+    Keys, written by global rank zero every ``log_every_n_steps`` attempted updates and at the end of training, each
+    over the attempted updates since the previous point (those marked † only where they apply):
 
-    Learning rates are plotted at the count *after* the update that used them: ``LearningRateMonitor``'s values are
-    held back from before the update's micro-batches and written when the update closes, in one record with
-    ``accum/lr``, beside that update's loss. A rate that no update used (training ended first) is not written.
-
-    The group metrics follow Lightning's cadence: a point every ``Trainer(log_every_n_steps=N)`` attempted
-    updates (N = 50 by default; ``log_every_n_steps=1`` writes every update), and one more when training ends
-    with updates not yet written. A point covers every attempted update since the previous one, on global rank
-    zero, to every logger of the Trainer:
-
-    =============================== ================== ================================= ===================
-    key                             unit               value at a point (x: axis value)  over ranks
-    =============================== ================== ================================= ===================
-    ``accum/<axis>``                the axis's unit    x (an int), with every x written  summed (the ledger)
-    ``accum/loss``                  loss               weighted by units over the window token-weighted, all
-    ``accum/lr`` (``/pg{i}``)       learning rate      the rate the window's last update same on every rank
-                                                       used
-    ``accum/tokens_per_update``     supervised tokens  mean per attempted update         summed
-    ``accum/samples_per_update``    samples            mean per attempted update         summed
-    ``accum/documents_per_update``  documents          mean per attempted update         summed
-    ``accum/skipped_updates``       updates (total)    skipped so far                    same on every rank
-    ``accum/grad_scale``            GradScaler scale   the window's last update's scale  same on every rank
-    ``accum/global_batch``          samples            the window's last update's stage  same on every rank
-                                                       batch (``batch_schedule=``)
-    ``accum/global_batch_tokens``   tokens             the same, stated in tokens        same on every rank
-    ``accum/batch_stage``           stage index        the window's last update's stage  same on every rank
-    =============================== ================== ================================= ===================
-
-    ``accum/<axis>`` is the only key written without the once-per-x rule (it is x). Written only where they apply:
-    ``accum/loss`` (a group with units and a finite loss in the window), ``accum/documents_per_update`` (steps that
-    report documents), ``accum/lr/pg{i}`` (several parameter groups), ``accum/grad_scale`` (a GradScaler), the
-    stage keys (``batch_schedule=``; ``global_batch_tokens`` for ``batch_unit="tokens"``). With ``axis="updates"`` x
-    counts *applied* updates. The progress bar shows the tokens (or samples; documents with ``axis="documents"``)
-    seen and the skipped updates.
-
-    Several fits (e.g. two training stages, each with a new Trainer) logged by this callback to the same logger
-    continue one axis: a fit whose ledger starts below the highest x already written is shifted to start there
-    (announced once), so the second stage's curves follow the first's instead of being dropped; the axis metric
-    then holds the shifted x too.
+    ================================= =================================================================
+    ``accum/<axis>``                  x, the axis's count (an int)
+    ``accum/loss`` †                  the window's loss weighted by units
+    ``accum/lr`` (``/pg{i}`` †)       the rate the window's last update used
+    ``accum/tokens_per_update``       mean supervised tokens per attempted update (over every replica)
+    ``accum/samples_per_update``      mean samples per attempted update
+    ``accum/documents_per_update`` †  mean documents per attempted update
+    ``accum/skipped_updates``         updates skipped so far
+    ``accum/grad_scale`` †            the GradScaler's scale at the window's last update
+    ``accum/global_batch`` †          the samples per update of the last update's stage (``batch_schedule=``)
+    ``accum/global_batch_tokens`` †   the same in tokens (``batch_unit="tokens"``)
+    ``accum/batch_stage`` †           the last update's stage index
+    ================================= =================================================================
 
     Args:
-        axis: ``"tokens"``, ``"samples"``, ``"documents"`` (documents with a supervised token, reported by
-            :func:`~lightning_accum.document_mean_loss`) or ``"updates"``.
+        axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"`` (applied updates).
         prefix: Prefix of the group metrics' keys, the axis metric's included.
 
     Raises:
         ValueError: For an unknown ``axis``.
-        RuntimeError: When the Trainer's strategy is not an accumulation strategy, or ``axis="tokens"``
-            while the run reports no token counts (raised before the first backward), or ``axis="documents"`` while
-            it reports no document counts (raised at the first update).
+        RuntimeError: The Trainer's strategy is not an accumulation strategy, or the run reports no counts of
+            ``axis`` (tokens: before the first backward; documents: at the first update).
 
     Example:
         >>> import lightning as L
         >>> import lightning_accum
         >>> trainer = L.Trainer(strategy="accum", callbacks=[lightning_accum.AxisLogger(axis="tokens")],
         ...                     accelerator="cpu", logger=False, enable_checkpointing=False)
-        >>> lightning_accum.AxisLogger(axis="samples").axis_key
-        'accum/samples'
-        >>> lightning_accum.AxisLogger(axis="steps")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: `axis` must be one of 'tokens', 'samples', 'updates', 'documents'; got 'steps'. Pass one of ...
     """
 
     def __init__(self, axis: str = "tokens", prefix: str = "accum/") -> None:
@@ -139,11 +96,11 @@ class AxisLogger(Callback):
         self._originals: dict[int, tuple[Logger, InstancePatch, bool]] = {}
         self._last_x: dict[tuple[int, str], int] = {}
         self._high_x = -1  # the highest x written, over every fit of this callback
-        self._offset = 0  # added to the ledger's count in this fit (see "Several fits" above)
+        self._offset = 0  # added to the ledger's count in this fit (a later fit continues the axis)
         self._window: list[GroupRecord] = []
         self._window_lrs: list[float] = []
         self._window_stage: dict[str, int] | None = None  # under `batch_schedule=`: the last update's stage
-        # LearningRateMonitor's values per logger, held until the update that uses them closes (see the docstring).
+        # LearningRateMonitor's values per logger, held until the update that uses them closes.
         self._held_rates: dict[int, dict[str, float]] = {}
         self._rate_monitors: list[LearningRateMonitor] = []
         # Per fit: the ledger, whether this rank writes, the optimizer's parameter groups and the cadence (read at the
@@ -157,8 +114,7 @@ class AxisLogger(Callback):
 
     @property
     def axis_key(self) -> str:
-        """The axis metric's key, ``<prefix><axis>``: ``accum/tokens``, ``accum/samples``, ``accum/documents`` or
-        ``accum/updates``."""
+        """The axis metric's key, ``<prefix><axis>``."""
         return f"{self.prefix}{self.axis}"
 
     @property
@@ -240,7 +196,6 @@ class AxisLogger(Callback):
         self._release(trainer)  # Lightning calls no callback's `teardown` after an exception
 
     def _release(self, trainer: Trainer) -> None:
-        """Give back what the entry point borrowed: the listener, the loggers' and the progress bar's methods."""
         strategy = trainer.strategy
         if isinstance(strategy, ExactAccumulation):
             strategy.remove_group_listener(self._on_group)
@@ -280,12 +235,7 @@ class AxisLogger(Callback):
         run.define_metric("*", step_metric=self.axis_key, step_sync=True)
 
     def _hold_rates(self, logger: Logger, metrics: Mapping[str, float]) -> Mapping[str, float]:
-        """Keep a LearningRateMonitor's values back until the update that uses them closes; the rest, to write now.
-
-        The monitors' keys are the names they track (attributes without an underscore that they fill in
-        ``on_train_start`` and while they read the rates; read with defaults, so a Lightning that renamed them would
-        only put the rates back at the count before their update); a write holding none of them is returned as it is.
-        """
+        """Hold a LearningRateMonitor's values until the update that uses them closes; return the rest."""
         keys: set[str] = set()
         for monitor in self._rate_monitors:
             for names in ("lrs", "last_momentum_values", "last_weight_decay_values"):
@@ -362,7 +312,6 @@ class AxisLogger(Callback):
                 self._write(logger_id, record, x)
 
     def _flush(self, trainer: Trainer) -> None:
-        """Write the point of the attempted updates since the previous one (none pending: nothing)."""
         if not self._window or not trainer.is_global_zero:
             return
         ledger = self._ledger(trainer)
@@ -372,7 +321,6 @@ class AxisLogger(Callback):
             self._write(logger_id, metrics, x)
 
     def _point(self, ledger: AccumulationLedger) -> dict[str, float]:
-        """The group metrics of the attempted updates since the previous point; the window starts anew."""
         records, self._window = self._window, []
         window = window_metrics(records, ledger.normalization)
         metrics: dict[str, float] = {f"{self.prefix}{key}": value for key, value in window.items()}

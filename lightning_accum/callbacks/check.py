@@ -51,9 +51,8 @@ class AccumulationCheckError(RuntimeError):
 
 
 def concat_microbatches(batches: Sequence[Any], ignore_index: int = -100, key: str = "") -> Any:
-    """Concatenate micro-batches along the first dimension, right-padding variable-length tensors.
-
-    Tensors whose key contains ``"label"`` or ``"target"`` are padded with ``ignore_index``, others with 0.
+    """Concatenate micro-batches along the first dimension, right-padding variable-length tensors (label and target
+    tensors with ``ignore_index``, others with 0).
 
     Example:
         >>> a = {"input_ids": torch.ones(1, 2, dtype=torch.long), "labels": torch.ones(1, 2, dtype=torch.long)}
@@ -100,8 +99,7 @@ class CheckResult:
         microbatches: Micro-batches of the checked group on this replica.
         errors: Failures (raised as :class:`AccumulationCheckError` when ``strict``).
         warnings: Findings that are reported but do not fail the check.
-        notes: What the check could not see (one micro-batch on one replica: nothing accumulated), and how close
-            runs of other splits can be expected to stay (Adam-type optimizers); printed with the result.
+        notes: What the check could not see, and how close runs of other splits can be expected to stay.
     """
 
     relative_error: float
@@ -118,8 +116,7 @@ class CheckResult:
 
 @dataclass(frozen=True)
 class _Pass:
-    """What every pass of the check runs on: the fit's Trainer, module, strategy and first optimizer, and the seed
-    both gradients draw their random numbers from."""
+    """What every pass of the check runs on."""
 
     trainer: Trainer
     module: LightningModule
@@ -131,16 +128,11 @@ class _Pass:
 class AccumulationCheck(Callback):
     """Before the first update of ``fit``, check one accumulation group against the same examples in one batch.
 
-    It compares the group's gradient on the strategy's own path (the first ``A`` micro-batches of the real training
-    data) with the gradient of the concatenated batch, with every module in eval mode (BatchNorm excepted), dropout
-    at 0, identical seeds and autocast off, then restores everything it touched, so the training that follows is the
-    training without the check. A failed comparison comes with a diagnosis. Under ``batch_schedule=`` it checks one
-    group, the first that accumulates, and its first note names the stages not checked. The full account (what is
-    compared, the diagnoses, the warnings): docs/concepts.md, "Before a campaign"; schedules: docs/howto.md.
+    The group's gradient on the strategy's own path is compared with the concatenated batch's, deterministically,
+    and everything touched is restored (docs/concepts.md, "Before a campaign").
 
     Args:
-        tolerance: Largest accepted relative error; by default ``1e-4`` (mixed precision included, compared in
-            float32), or ``2e-2`` with 16-bit weights (``"16-true"``, ``"bf16-true"``).
+        tolerance: Largest accepted relative error; by default ``1e-4``, or ``2e-2`` with 16-bit weights.
         strict: Raise :class:`AccumulationCheckError` on failures (``True``) or only warn (``False``).
         collate: ``list of micro-batches -> batch`` for batch structures that cannot be concatenated.
         ignore_index: Padding value for label tensors when right-padding variable lengths.
@@ -286,15 +278,13 @@ class AccumulationCheck(Callback):
         return CheckResult(rel, ratio, len(batches), errors, warnings, notes)
 
     def _seed_noise(self, run: _Pass, batches: list[Any], reference: Tensor) -> float:
-        """How much the one-batch gradient moves under another seed, relative to ``reference`` (0 when the step
-        draws no random numbers): a failed comparison is only judged when it is not noise."""
+        """How much the one-batch gradient moves under another seed, relative to ``reference``."""
         with _float32_compute(run.strategy), _token_hints_muted():
             other = self._batch_gradient(dataclasses.replace(run, seed=run.seed + 1), batches)
         return _relative_error(_flat(other), reference)
 
     def _evaluation_findings(self, strategy: ExactAccumulation) -> list[str]:
-        """Why the validation loss is not on the exact footing, once the strategy has seen a validation step (the
-        sanity check's, before the check runs, or the first validation's; see :meth:`on_validation_end`)."""
+        """Why the validation loss is not on the exact footing, once the strategy has seen a validation step."""
         finding = strategy.evaluation_findings.get("validate", "")
         if finding == "" or self._evaluation_checked:
             return []
@@ -312,12 +302,7 @@ class AccumulationCheck(Callback):
             (rank_zero_info if plain else rank_zero_warn)(f"AccumulationCheck: {message}")
 
     def _alternative_weightings(self, run: _Pass, batches: list[Any], reference: Tensor) -> dict[str, float]:
-        """Relative error against ``reference`` of the group gradient weighted by other counts.
-
-        One extra forward and backward per micro-batch (of all replicas) gives each micro-batch's own mean-loss
-        gradient ``g_i``; for each way of counting, ``Σ w_i g_i / Σ w_i`` is the update that weighting would make.
-        Runs only when the check has already failed.
-        """
+        """Relative error against ``reference`` of the group gradient weighted by other counts."""
         totals = dict.fromkeys((*TOKEN_COUNTS, "samples", "batches"), 0.0)
         sums: dict[str, Tensor] = {}
         for batch in batches:
@@ -398,8 +383,7 @@ class AccumulationCheck(Callback):
         return [_to_device(b, device) for rank_batches in gathered for b in rank_batches]
 
     def _batch_gradient(self, run: _Pass, batches: list[Any]) -> list[Tensor]:
-        """Gradient of the concatenated batch: plain autograd, no weighting, no scaler, no replica averaging (the
-        strategy's :meth:`~lightning_accum.ExactAccumulation.one_batch_reference`)."""
+        """Gradient of the concatenated batch, inside the strategy's ``one_batch_reference``."""
         big = self.collate(batches) if self.collate is not None else concat_microbatches(batches, self.ignore_index)
         with run.strategy.one_batch_reference():
             _reset_for_pass(run.optimizer, run.seed)
@@ -436,9 +420,7 @@ class AccumulationCheck(Callback):
 
 
 def _prepare_batch(trainer: Trainer, module: LightningModule, batch: Any) -> Any:
-    """What Lightning does to a training batch before ``training_step``, through the public hooks: the precision
-    plugin's input conversion, ``on_before_batch_transfer`` of the datamodule and the module, the transfer to the
-    device (``transfer_batch_to_device`` and ``on_after_batch_transfer``)."""
+    """What Lightning does to a training batch before ``training_step``, through the public hooks."""
     batch = trainer.precision_plugin.convert_input(batch)
     datamodule = getattr(trainer, "datamodule", None)
     if datamodule is not None:
@@ -461,9 +443,7 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
 def _checked_size(
     trainer: Trainer, strategy: ExactAccumulation, first_batch: Callable[[], list[Any]]
 ) -> tuple[int, str | None]:
-    """The ``A`` of the group the check runs: the Trainer's, or under ``batch_schedule=`` the schedule's, with the
-    note that names the stage checked. ``first_batch()``: the loader's first batch, for ``m`` where the loader has no
-    ``batch_size``. Raises the schedule's own error for a stage batch that is not a multiple of ``m × D``."""
+    """The ``A`` of the group the check runs (the Trainer's, or the schedule's), with the note naming the stage."""
     schedule, replicas = strategy.batch_schedule, strategy.data_parallel_replicas
     if schedule is None:
         return trainer.accumulate_grad_batches, None
@@ -504,8 +484,7 @@ def _checked_size(
 
 @contextmanager
 def _accumulating(trainer: Trainer, accumulate: int) -> Iterator[None]:
-    """``trainer.accumulate_grad_batches`` reads ``accumulate`` inside the block, as in the run's group: under a batch
-    schedule the check runs before the strategy sets it (the Trainer's own value is given back after)."""
+    """``trainer.accumulate_grad_batches`` reads ``accumulate`` inside the block, as in the run's group."""
     given = trainer.accumulate_grad_batches
     trainer.accumulate_grad_batches = accumulate
     try:
@@ -516,15 +495,7 @@ def _accumulating(trainer: Trainer, accumulate: int) -> Iterator[None]:
 
 @contextmanager
 def _float32_compute(strategy: Any) -> Iterator[None]:
-    """Autocast off for the check's passes under mixed precision ("16-mixed", "bf16-mixed"), so that both
-    gradients are computed in float32 (the weights already are) and compared with a tight tolerance.
-
-    Lightning opens its autocast region in the precision plugin's public ``forward_context()``, which the strategy's
-    ``training_step`` enters (through ``train_step_context()``); an autocast region opened around the call would be
-    re-enabled there, so the check replaces that method on the plugin instance for its passes.
-    ``tests/project/test_private_names.py::test_lightning_opens_mixed_precision_autocast_in_forward_context`` fails
-    if Lightning opens it elsewhere.
-    """
+    """Autocast off for the check's passes under mixed precision, through the plugin's ``forward_context``."""
     plugin = strategy.precision_plugin
     if not isinstance(plugin, MixedPrecision):
         yield
@@ -535,8 +506,7 @@ def _float32_compute(strategy: Any) -> Iterator[None]:
 
 @contextmanager
 def _token_hints_muted() -> Iterator[None]:
-    """The check's scratch engines decide their unit too; the "token weighting is probably intended" warning is
-    the run's to give, once, at its first micro-batch (the check diagnoses the same case itself when it fails)."""
+    """The token-weighting hint muted on the check's scratch engines (it is the run's to give)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=TokenWeightingWarning)
         yield
@@ -609,8 +579,7 @@ def _first_device(obj: Any) -> torch.device:
 
 @contextmanager
 def _restored(module: LightningModule, optimizer: Optimizer) -> Iterator[None]:
-    """Run the check in eval mode (BatchNorm excepted), dropout probabilities at 0 and logging muted; restore the
-    modes, probabilities, weights, optimizer and RNG states after."""
+    """Eval mode (BatchNorm excepted), dropout at 0 and logging muted; everything restored after."""
     weights = copy.deepcopy(module.state_dict())
     optimizer_state = copy.deepcopy(optimizer.state_dict())
     rng_cpu = torch.get_rng_state()

@@ -36,8 +36,8 @@ def format_count(value: int, unit: str = "") -> str:
     """A short, readable count for the progress bar.
 
     Example:
-        >>> format_count(1_234_567, "tok"), format_count(950), format_count(12_300, "sp")
-        ('1.2M tok', '950', '12.3k sp')
+        >>> format_count(1_234_567, "tok")
+        '1.2M tok'
     """
     suffix = f" {unit}" if unit else ""
     for size, letter in ((10**12, "T"), (10**9, "G"), (10**6, "M"), (10**3, "k")):
@@ -61,9 +61,6 @@ def unsupported_strategy_hint(strategy: object) -> str:
     extend.
 
     Example:
-        >>> from lightning.pytorch.strategies import FSDPStrategy
-        >>> unsupported_strategy_hint(FSDPStrategy())[:51]
-        " Lightning's FSDPStrategy (FSDP1) is not supported:"
         >>> unsupported_strategy_hint(object())
         ''
     """

@@ -1,10 +1,4 @@
-"""The diagnoses of :class:`~lightning_accum.AccumulationCheck`: what a failed comparison most likely means, what
-else in the run would mis-train (schedulers counting micro-batches, replicas reading the same data), and what a
-passed one cannot say.
-
-Functions of what the check measured; the check itself (running the group and the one batch) stays in
-:mod:`~lightning_accum.callbacks.check`.
-"""
+"""The diagnoses of :class:`~lightning_accum.AccumulationCheck`: what its measurements most likely mean."""
 
 from __future__ import annotations
 
@@ -46,8 +40,7 @@ def diagnose(
     batches: list[Any],
     alternatives: Mapping[str, float] | None = None,
 ) -> str:
-    """Why the group's gradient is not the one-batch gradient: the loss divided by ``A`` twice, a token count off by
-    the label shift, missing token weighting, or what to look at. ``alternatives``: each count's relative error."""
+    """Why the group's gradient is not the one-batch gradient (``alternatives``: each count's relative error)."""
     measured = f"relative error {rel:.3e} > tolerance {tolerance:.1e}, gradient ratio {ratio:.4f}"
     if a > 1 and abs(ratio - 1.0 / a) < 0.25 / a:
         return (
@@ -132,8 +125,7 @@ def scheduler_findings(trainer: Trainer, accumulate: int) -> list[str]:
 
 
 def replica_findings(trainer: Trainer, batches: list[Any]) -> list[str]:
-    """A training sampler that is not distributed, and replicas whose first micro-batches are the same (one
-    all-gather)."""
+    """A training sampler that is not distributed, and replicas whose first micro-batches are the same."""
     findings = []
     loader = trainer.train_dataloader
     sampler = getattr(loader, "sampler", None)
@@ -175,7 +167,7 @@ def passed_notes(microbatches: int, replicas: int, strategy: ExactAccumulation, 
 
 
 def _fingerprint(batch: Any) -> Tensor:
-    """A float64 number that differs between batches of different content (position-weighted sum)."""
+    """A float64 number that differs between batches of different content."""
     if isinstance(batch, Tensor) and batch.numel() > 0:
         flat = batch.reshape(-1).to(torch.float64)
         return (flat * torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)).sum()

@@ -35,52 +35,26 @@ def _positive(argument: str, value: object) -> int | None:
 
 
 def next_multiple(count: int, every: int) -> int:
-    """The first multiple of ``every`` above ``count``: the next point once ``count`` has been reached.
-
-    Example:
-        >>> next_multiple(0, 100), next_multiple(99, 100), next_multiple(100, 100), next_multiple(250, 100)
-        (100, 100, 200, 300)
-    """
+    """The first multiple of ``every`` above ``count``."""
     return (count // every + 1) * every
 
 
 class Horizon(Callback):
-    """Stop, validate and checkpoint at counts of tokens, samples, documents or applied updates, read from the ledger.
-
-    Language models are planned in tokens ("2 B tokens, evaluate every 100 M, a checkpoint every 250 M"). The Horizon
-    reads the exact global count (``trainer.strategy.ledger``) after every attempted update, alike on every rank, and
-    acts at that update boundary; a count "reaches" a point when it is ``>=`` it (docs/howto.md, "Run on a token
-    budget", has the example and the details):
-
-    * ``stop_at=N``: ``trainer.should_stop`` at the first update that reaches ``N`` (the count ends past it by less
-      than one update). ``max_epochs``/``max_steps`` still end a run first: pass ``max_epochs=-1``.
-    * ``validate_every=V``: a validation run after the first update that reaches each multiple of ``V``, in addition
-      to Lightning's own schedule (one run when both fall on the same micro-batch).
-    * ``checkpoint_every=C``: ``trainer.save_checkpoint`` at each multiple of ``C``, as ``{dirpath}/{axis}={count}.ckpt``
-      (``dirpath``: the argument, else the ``ModelCheckpoint``'s folder, else ``{default_root_dir}/checkpoints``);
-      after the validation when one is due at the same update, so a run resumed from it does not validate again.
-    * with ``stop_at``, the progress bar shows ``budget``: the count against the budget (e.g. ``1.2M/2.0G tok``).
-
-    The Horizon logs no metric. The next points are in :meth:`state_dict`, so a resumed run continues (with other
-    intervals, it recomputes them from the count).
+    """Stop, validate and checkpoint at counts of tokens, samples, documents or applied updates, read from the ledger
+    after every attempted update (docs/howto.md, "Run on a token budget"). It logs no metric; with ``stop_at`` the
+    progress bar shows ``budget``.
 
     Args:
-        axis: ``"tokens"`` (supervised tokens; the run must report them), ``"samples"``, ``"documents"`` (documents
-            with a supervised token; the run must report them, e.g. with :func:`~lightning_accum.document_mean_loss`)
-            or ``"updates"`` (applied updates).
-        stop_at: The budget, or ``None``.
-        validate_every: The validation interval, or ``None``.
-        checkpoint_every: The checkpoint interval, or ``None``.
-        dirpath: Folder of the checkpoints (see above).
+        axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"`` (applied updates).
+        stop_at: The budget: ``trainer.should_stop`` at the first update that reaches it; or ``None``.
+        validate_every: A validation run at each multiple, besides Lightning's schedule; or ``None``.
+        checkpoint_every: ``{dirpath}/{axis}={count}.ckpt`` at each multiple; or ``None``.
+        dirpath: Folder of the checkpoints (:attr:`checkpoint_dir`).
 
     Raises:
         ValueError: For an unknown ``axis`` or a budget or interval that is not a positive int.
-        RuntimeError: When the Trainer's strategy is not an accumulation strategy, or ``axis="tokens"``
-            (``"documents"``) while the run reports no token (document) counts.
-
-    Private Lightning name used: ``trainer.fit_loop.epoch_loop._should_check_val_fx`` (Lightning asks it after every
-    micro-batch whether to validate; ``validate_every`` answers yes after its updates, so Lightning runs its own
-    validation loop, with its bookkeeping, at that point). Checked at ``setup``: an error names it if it is missing.
+        RuntimeError: The Trainer's strategy is not an accumulation strategy, or the run reports no counts of
+            ``axis``.
 
     Example:
         >>> import lightning as L
@@ -88,11 +62,7 @@ class Horizon(Callback):
         >>> horizon = lightning_accum.Horizon(axis="tokens", stop_at=2_000_000_000, validate_every=100_000_000)
         >>> trainer = L.Trainer(strategy="accum", callbacks=[horizon], max_epochs=-1, accelerator="cpu",
         ...                     logger=False, enable_checkpointing=False)
-        >>> lightning_accum.Horizon(stop_at=0)
-        Traceback (most recent call last):
-        ...
-        ValueError: `stop_at` must be a positive int (a count on the Horizon's axis) or None; got 0. Pass e.g. `stop_at=2_000_000_000` for 2 B tokens, or leave it out.
-    """  # noqa: E501
+    """
 
     def __init__(
         self,

@@ -1,9 +1,4 @@
-"""The Rich columns of :class:`~lightning_accum.AxisRichProgressBar`'s training task: ``count/budget unit`` and
-``rate unit/s`` on the run's axis. Other tasks (validation, test, sanity check) keep Lightning's columns.
-
-A module of its own because it imports ``rich``, which the package does not require (as Lightning does not): it is
-imported only once an ``AxisRichProgressBar`` exists, whose construction Lightning refuses without ``rich``.
-"""
+"""The Rich columns of ``AxisRichProgressBar``'s training task (imports ``rich``, which the package does not need)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The optimizer step of automatic optimization: Lightning's closure, then the group's close, inside the optimizer.
-
-Lightning calls the strategy's ``optimizer_step`` on a group's last micro-batch, and the optimizer evaluates the
-closure inside its ``step``. The closure :class:`AutomaticSteps` hands it runs Lightning's and then closes the group,
-before unscale, clipping and the update; a group that makes no update leaves the ``step`` through an exception raised
-from the closure and caught here. A re-evaluation of the closure within one step (LBFGS's line search) is weighted
-exactly on a scratch engine at ``A = 1``, and an error at ``A > 1`` (:func:`reevaluation_message`).
-"""
+"""The optimizer step of automatic optimization: Lightning's closure, then the group's close, inside the optimizer."""
 
 from __future__ import annotations
 
@@ -41,7 +34,7 @@ def reevaluation_message(name: str, accumulate: int) -> str:
 
 
 class StepHost(Protocol):
-    """What :class:`AutomaticSteps` reads of the strategy it serves (:class:`~lightning_accum.ExactAccumulation`)."""
+    """What :class:`AutomaticSteps` reads of the strategy it serves."""
 
     @property
     def engine(self) -> AccumulationEngine: ...
@@ -68,8 +61,7 @@ class _NoUpdate(Exception):  # control flow inside the optimizer step, never see
 
 @dataclass(slots=True)
 class _Step:
-    """One automatic optimizer step: what the group-closing closure needs, read once as the step begins, and the group
-    it closed."""
+    """One automatic optimizer step: what the closing closure needs, and the group it closed."""
 
     host: StepHost
     closing: GroupClosing
@@ -101,10 +93,7 @@ class AutomaticSteps:
         prepare: Callable[[], None],
         lightning_step: Callable[[Callable[..., Any]], Any],
     ) -> Any:
-        """Run ``lightning_step`` (Lightning's ``optimizer_step`` given a closure) with a closure that runs
-        ``closure`` and then closes the group with ``closing`` on ``host.engine``; ``prepare()`` runs between the two
-        (what the close needs first: a carried gradient or a sliced batch's, put back). Returns what Lightning's step
-        returns, or the closure's result when the group made no update."""
+        """Run ``lightning_step`` with a closure: ``closure``, ``prepare()``, the group's close."""
         # Known before the closure runs: Lightning sets the batch's place in the epoch before its step.
         accumulate = trainer.accumulate_grad_batches
         ends_epoch = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)

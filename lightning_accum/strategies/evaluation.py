@@ -1,22 +1,4 @@
-"""Evaluation on the training's footing: the loss of a validation or test set weighted by its units, over every replica.
-
-When ``validation_step`` (or ``test_step``) returns the training contract (``{"loss": mean, "num_tokens": n}``, or a
-loss whose counts the strategy reads as in training), the strategy keeps ``Σ w·loss`` and ``Σ w`` on the device over
-the whole evaluation, adds them over the data-parallel replicas in one all-reduce at the loop's end, and logs their
-ratio through Lightning's ``self.log`` from the module's ``on_validation_epoch_end`` / ``on_test_epoch_end``, under
-:data:`EVALUATION_KEYS` (with ``/dataloader_idx_{i}`` per loader). docs/howto.md ("Evaluate on the same footing")
-says what decides the unit and what is logged when.
-
-Key rules: anything else a step returns runs as under Lightning, with no exact value and one line saying why (a
-warning for a loss without the run's unit count, or for a step that leaves the contract after its first batches; an
-error where a later batch drops the count it reported). Every rank adds, with its sums, what it decided (batches run,
-contract followed, an error), so a rank without a batch neither hangs nor costs the others their value, and replicas
-that decided differently stop with the same error on every rank. Each loader is an
-:class:`~lightning_accum.evaluation_loss.EvaluationLoss`, what a Fabric loop's ``fabric.strategy.evaluation()``
-returns; only their reduction is joined into the loop's one. With
-``allow_zero_length_dataloader_with_multiple_devices=True`` Lightning may skip the loop on some ranks, which would not
-join the reduction: then no exact value is logged on several replicas, and a warning says so.
-"""
+"""A validation or test set's loss weighted by its units over every replica, logged under :data:`EVALUATION_KEYS`."""
 
 from __future__ import annotations
 
@@ -55,13 +37,9 @@ _HEADER = 3
 
 
 def outside_the_contract(output: Any) -> str | None:
-    """What an evaluation step's ``output`` is, for the message, when it is not the training contract (a scalar loss
-    tensor, alone or under ``"loss"``), else ``None``: anything Lightning accepts from an evaluation step is fine, it
-    is only not weighted.
+    """What an evaluation step's ``output`` is, for the message, when it is not the training contract, else ``None``.
 
     Example:
-        >>> outside_the_contract(torch.zeros(4, 2))
-        'a tensor of shape (4, 2) (predictions or per-sample values, not a mean loss)'
         >>> outside_the_contract({"preds": 1})
         "a dict without 'loss' (keys: 'preds')"
     """
@@ -80,7 +58,7 @@ def outside_the_contract(output: Any) -> str | None:
 
 
 class _Run:
-    """One evaluation loop (a ``validate`` or ``test`` stage) on this rank: what its steps reported and the sums."""
+    """One evaluation loop on this rank: what its steps reported and the sums."""
 
     __slots__ = ("adapter", "batches", "broken", "engine", "error", "loaders", "stage", "unit", "why")
 
@@ -106,20 +84,14 @@ class _Run:
         return self.why is not None or self.broken or self.error is not None
 
     def reduce(self, count: int) -> list[float]:
-        """One all-reduce of this rank's header (ran a batch, gave no exact value, stopped with an error) and the
-        vectors of loaders ``0 .. count - 1`` (:meth:`EvaluationLoss.local`), read on the host once."""
+        """One all-reduce of this rank's header and its loaders' vectors, read on the host once."""
         header = torch.tensor([self.batches > 0, self.inactive, self.error is not None], dtype=torch.float64)
         parts = [self.loader(index).local() for index in range(count)]
         return self.adapter.reduce_sum(torch.cat([header.to(parts[0].device, non_blocking=True), *parts])).tolist()
 
 
 class ExactEvaluation:
-    """The strategy's part for ``validation_step`` / ``test_step``: each output read and summed on the device, and at
-    the loop's end one reduction over the replicas and the values logged through the module.
-
-    ``findings`` maps a stage to why its exact loss was not logged (``None`` when it was); a stage not yet evaluated
-    is absent. :class:`~lightning_accum.AccumulationCheck` reports them.
-    """
+    """The strategy's part for evaluation steps; ``findings``: per stage, why its exact loss was not logged, or None."""
 
     def __init__(self) -> None:
         self._run: _Run | None = None
@@ -130,8 +102,7 @@ class ExactEvaluation:
     # ------------------------------------------------------------------ the loop
 
     def start(self, stage: str, module: Any, engine: AccumulationEngine, adapter: EngineAdapter) -> None:
-        """A new evaluation loop of ``stage`` (``"validate"`` or ``"test"``): fresh sums, and the module's epoch-end
-        hook gated so that every rank adds and logs them there (:meth:`end` removes the gate)."""
+        """A new evaluation loop of ``stage``: fresh sums, and the module's epoch-end hook gated to log them."""
         self.end()
         self._run = run = _Run(stage, engine, adapter)
         if module.trainer.barebones:  # Lightning logs nothing then
@@ -147,16 +118,14 @@ class ExactEvaluation:
         self._gate = InstancePatch(module, _EPOCH_END[stage], epoch_end)
 
     def end(self) -> None:
-        """End the loop's run and remove the epoch-end gate (the strategy's ``on_validation_end`` / ``on_test_end`` and
-        ``teardown``): nothing of one evaluation stays on the strategy (a Trainer pickles after it)."""
+        """End the loop's run and remove the epoch-end gate."""
         self._run = None
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.release()
 
     def step(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], engine: AccumulationEngine) -> None:
-        """Add the ``output`` of an evaluation step called with ``args``/``kwargs`` to its loader's sums; the unit is
-        ``engine``'s (its training's, or chosen by its ``normalize=`` option from the first batch)."""
+        """Add the ``output`` of an evaluation step called with ``args``/``kwargs`` to its loader's sums."""
         run = self._run
         if run is None:
             return
@@ -205,8 +174,6 @@ class ExactEvaluation:
     # ------------------------------------------------------------------ the end of the loop
 
     def _reduce_and_log(self, run: _Run, module: Any) -> None:
-        """Every rank: one all-reduce of what this rank ran and each loader's sums, then the same values logged on
-        every rank."""
         trainer, adapter = module.trainer, run.adapter
         stage, loss_key = run.stage, EVALUATION_KEYS[run.stage][0]
         replicas = adapter.data_parallel_size
@@ -291,7 +258,6 @@ def _nan_message(key: str, stage: str, unit: str | None) -> str:
 
 
 def _loader_count(trainer: Any, stage: str) -> int:
-    """The number of loaders of the running evaluation loop (Lightning's batch limit per loader)."""
     if stage == "test":
         limits = trainer.num_test_batches
     else:
@@ -300,7 +266,6 @@ def _loader_count(trainer: Any, stage: str) -> int:
 
 
 def _may_skip_ranks(module: Any, trainer: Any) -> bool:
-    """Whether Lightning may skip the evaluation loop on some ranks only (the module's or datamodule's flag)."""
     datamodule = getattr(trainer, "datamodule", None)
     flag = bool(getattr(module, "allow_zero_length_dataloader_with_multiple_devices", False))
     return flag or bool(getattr(datamodule, "allow_zero_length_dataloader_with_multiple_devices", False))
@@ -311,8 +276,7 @@ _PLAIN = "the step runs as under Lightning, and what it logs itself is unchanged
 
 
 def plain_evaluation(finding: str) -> bool:
-    """Whether ``finding`` (of :attr:`ExactEvaluation.findings`) is about a step outside the contract (predictions,
-    ``None``): ordinary Lightning code, information rather than a warning."""
+    """Whether ``finding`` is about a step outside the contract (information rather than a warning)."""
     return _PLAIN in finding
 
 

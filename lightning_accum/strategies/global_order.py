@@ -1,10 +1,4 @@
-"""``global_order=True`` in a Trainer: the training loader reads one seeded order, dealt to the replicas, resumable.
-
-In the strategy's ``process_dataloader`` (after Lightning put in its ``DistributedSampler``) the training loader is
-re-created around a :class:`~lightning_accum.sampler.GlobalOrderSampler`, with Lightning's own helper. The loader is
-resumable in Lightning's convention (``state_dict`` / ``load_state_dict``): its state is the sampler's at the global
-position the loop has processed (``processed × m × D``); a resume whose ``m × D`` cannot continue it is refused.
-"""
+"""``global_order=True`` in a Trainer: the training loader re-created around a ``GlobalOrderSampler``, resumable."""
 
 from __future__ import annotations
 
@@ -24,13 +18,13 @@ __all__ = ["install_global_order"]
 
 
 def install_global_order(loader: Any, trainer: Trainer, layout: Mapping[str, int] | None) -> Any:
-    """The training ``loader`` reading a :class:`GlobalOrderSampler` (a new loader, resumable mid-epoch), or ``loader``
-    itself where it keeps its own order (see :func:`~lightning_accum.sampler.global_order_for`).
+    """The training ``loader`` re-created around a :class:`GlobalOrderSampler` (resumable mid-epoch), or ``loader``
+    itself where it keeps its own order.
 
     Args:
         loader: What Lightning hands the strategy's ``process_dataloader`` for the training stage.
-        trainer: The Trainer (its loop's count of processed micro-batches is the position a checkpoint saves).
-        layout: The strategy's ``distributed_sampler_kwargs`` (``num_replicas``, ``rank``), ``None`` on one device.
+        trainer: The Trainer (its loop's processed micro-batches are the position a checkpoint saves).
+        layout: The strategy's ``distributed_sampler_kwargs``, ``None`` on one device.
     """
     if not isinstance(loader, DataLoader):
         return loader
@@ -50,7 +44,7 @@ def install_global_order(loader: Any, trainer: Trainer, layout: Mapping[str, int
 
 
 def _processed(trainer: Trainer) -> int:
-    """The micro-batches of this epoch Lightning's loop has processed on each replica (the index it resumes at)."""
+    """The micro-batches of this epoch Lightning's loop has processed on each replica."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
 
 

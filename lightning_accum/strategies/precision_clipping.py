@@ -1,5 +1,4 @@
-"""The Trainer's clipping, set on the precision plugin for a run: Lightning routes ``self.clip_gradients`` and
-``gradient_clip_val=`` through the plugin and has no strategy hook for it."""
+"""The Trainer's clipping, set on the precision plugin for a run (Lightning has no strategy hook for it)."""
 
 from __future__ import annotations
 
@@ -16,16 +15,14 @@ __all__ = ["PrecisionClipping"]
 
 
 class PrecisionClipping:
-    """The plugin's ``clip_gradients`` refused inside a manual loop's open group (as in a Fabric loop), and its clipping
-    by norm and by value the engine adapter's, as a Fabric loop's (over the mesh for FSDP2 and tensor parallelism); a
-    plugin class or instance clipping its own way keeps it. Each an InstancePatch, given back by :meth:`release`."""
+    """The plugin's ``clip_gradients`` refused inside a manual loop's open group, and its clipping by norm and by value
+    the engine adapter's (a plugin clipping its own way keeps it)."""
 
     def __init__(self) -> None:
         self._patches: list[InstancePatch] = []
 
     def install(self, plugin: Precision, adapter: EngineAdapter, refuse: Callable[[str], None] | None) -> None:
-        """Set the methods on ``plugin`` for the run; ``refuse(call)`` raises inside an open group (a manual loop's;
-        ``None`` in automatic optimization, whose clipping runs after the group's close: no guard is installed)."""
+        """Set the methods on ``plugin`` for the run; ``refuse(call)`` raises inside an open group."""
         self._patches = []
         if refuse is not None:
 

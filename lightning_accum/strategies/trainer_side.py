@@ -1,9 +1,4 @@
-"""What only a Trainer asks of an engine, beside the core's adapter (:mod:`lightning_accum.core.adapter`, which
-says why the two are apart): :class:`TrainerSide` (one device; every default),
-:class:`~lightning_accum.strategies.ddp.DDPTrainerSide` or :class:`~lightning_accum.strategies.model_parallel.MeshSide`,
-named in the strategy's ``side_type``. A Fabric loop has no such part (the loop is the user's): what a Fabric user
-meets instead is listed in ``docs/concepts.md``'s deliberate differences.
-"""
+"""What only a Trainer asks of an engine beside the core's adapter: :class:`TrainerSide`, one device's answers."""
 
 from __future__ import annotations
 
@@ -17,8 +12,7 @@ __all__ = ["TrainerSide", "ends_group_by_position"]
 
 
 def ends_group_by_position(trainer: Any) -> bool:
-    """Whether the running micro-batch is its group's last in Lightning's grouping: its index in the epoch closes a
-    group of ``accumulate_grad_batches``, or it is the epoch's last batch (read from the fit loop's progress)."""
+    """Whether the running micro-batch is its group's last in Lightning's grouping (by index, or the epoch's last)."""
     epoch_loop = trainer.fit_loop.epoch_loop
     return (epoch_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
         epoch_loop.batch_progress.is_last_batch
@@ -26,8 +20,7 @@ def ends_group_by_position(trainer: Any) -> bool:
 
 
 class TrainerSide:
-    """The Trainer-only side of an engine, serving ``strategy`` beside its core ``adapter``; each default is what one
-    device does."""
+    """The Trainer-only side of an engine, beside its core ``adapter``; each default is what one device does."""
 
     def __init__(self, strategy: Any, adapter: EngineAdapter) -> None:
         self.strategy, self.adapter = strategy, adapter
@@ -39,14 +32,11 @@ class TrainerSide:
         return self.adapter.data_parallel_size > 1 and ends_group_by_position(trainer)
 
     def microbatch_agreement(self) -> Callable[[Any], None] | None:
-        """What runs before each training micro-batch of the run (not the check's), called with the trainer: an
-        agreement between replicas; ``None`` where there is nothing to agree on, so that no call is made. Read at
-        ``on_train_start``, after :meth:`on_train_start`."""
+        """What runs before each training micro-batch, called with the trainer, or ``None``."""
         return None
 
     def agree_slice_count(self, count: int, num_samples: int) -> int:
-        """The number of slices every rank cuts a loader batch of ``num_samples`` into (``microbatch_size=``);
-        ``count`` (this rank's own) where ranks need not agree."""
+        """The number of slices every rank cuts a loader batch into; ``count`` (this rank's) where none need agree."""
         return count
 
     def before_forward_retry(self) -> None:
@@ -68,15 +58,13 @@ class TrainerSide:
         return None
 
     def may_write_checkpoint(self, filepath: str | Path) -> bool:
-        """Whether this process writes a checkpoint Lightning asks for (the main process of a launch whose workers
-        failed holds no trained state)."""
+        """Whether this process writes a checkpoint Lightning asks for."""
         return True
 
     # ------------------------------------------------------------------ the run
 
     def setup(self, trainer: Any) -> None:
-        """The strategy's ``setup``, before Lightning's: ``configure_model`` ran (a sharded model is sharded), the model
-        is not yet wrapped (DDP), moved to its device or given its optimizers."""
+        """The strategy's ``setup``, before Lightning's: after ``configure_model``, before the model is wrapped."""
 
     def on_train_start(self, trainer: Any) -> None:
         """The strategy's ``on_train_start``."""

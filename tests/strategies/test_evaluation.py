@@ -222,7 +222,7 @@ def test_the_check_diagnoses_a_validation_step_that_reports_nothing() -> None:
 
 
 def test_torchmetrics_mean_metric_is_not_the_weighted_mean_here() -> None:
-    # The reason WeightedMean is kept (its docstring): MeanMetric without a host read per update ignores the weights.
+    # Why WeightedMean is kept (docs/internals.md): MeanMetric without a host read per update ignores the weights.
     from torchmetrics.aggregation import MeanMetric
 
     from lightning_accum.evaluation_loss import WeightedMean
