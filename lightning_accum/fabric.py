@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import DoublePrecision, Precision
 from lightning.fabric.strategies import (
     STRATEGY_REGISTRY,
     DDPStrategy,
@@ -109,6 +110,16 @@ class FabricExactAccumulation(Strategy, CoreSeam):
     def gradient_scaler(self) -> torch.amp.GradScaler | None:
         """The enabled GradScaler of the precision plugin (``precision="16-mixed"``), or ``None``."""
         return enabled_scaler(self.precision)
+
+    @property
+    def precision(self) -> Precision:
+        """Fabric's plugin; ``"64-true"``'s keeps the module's outputs in float64 (docs/howto.md)."""
+        return super().precision
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        plugin = _Float64Outputs() if type(precision) is DoublePrecision else precision
+        super(FabricExactAccumulation, type(self)).precision.__set__(self, plugin)  # type: ignore[attr-defined]
 
     def evaluation(self) -> EvaluationLoss:
         return self._core.evaluation()
@@ -307,6 +318,14 @@ class FabricExactAccumulation(Strategy, CoreSeam):
     def _configuration(self) -> dict[str, Any]:
         """What the checkpoint's groups depend on (a Fabric loop has no ``A`` the strategy knows)."""
         return self._core.configuration(type(self).__name__, accumulate=None)
+
+
+class _Float64Outputs(DoublePrecision):
+    """``"64-true"`` whose outputs stay float64, as the Trainer's (Fabric's are in torch's default dtype, float32)."""
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return data
 
 
 class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):

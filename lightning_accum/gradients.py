@@ -1,8 +1,5 @@
-"""Kernels on the gradients: the group's rescale (with the NaN/Inf check in the same pass), a plain rescale,
-the GradScaler skip test, and the gradient sum over replicas that a checkpoint written inside a group carries.
-
-No Lightning here; collectives arrive as a ``reduce_sum(tensor)`` callable.
-"""
+"""Kernels on the gradients: the group's rescale and its NaN/Inf check, the GradScaler skip test, the sum over replicas
+a checkpoint inside a group carries. No Lightning here; collectives arrive as a ``reduce_sum(tensor)`` callable."""
 
 from __future__ import annotations
 
@@ -31,10 +28,7 @@ def by_kind(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype],
 
 
 def scale_gradients(parameters: Iterable[Tensor], factor: float) -> None:
-    """Multiply every existing gradient in place by ``factor``, one fused kernel per device and dtype.
-
-    Rounded once: half-precision gradients are multiplied in float32 by the float32 factor (torch's
-    ``_foreach_mul_`` with a Python float rounds the factor to the gradient's dtype first on the CPU).
+    """Multiply every existing gradient in place by ``factor``, rounded as :func:`rescale_gradients` rounds.
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.tensor([1.0, 2.0])
@@ -55,15 +49,9 @@ GradientsByKind = Mapping[tuple[torch.device, torch.dtype], list[Tensor]]
 def rescale_gradients(
     gradients: Sequence[Tensor] | GradientsByKind, factor: Tensor | float, check: bool
 ) -> Tensor | None:
-    """Multiply ``gradients`` in place by ``factor`` (a device scalar, or a float known on the host); with ``check``,
-    also return a 0-d tensor that is positive when a gradient held a NaN/Inf before the multiplication (no host read).
-
-    One pass per device and dtype, GradScaler's fused check-and-multiply
-    (``torch._amp_foreach_non_finite_check_and_unscale_``), whose factor is a float32 scalar: gradients up to 32 bits
-    are multiplied in float32 by the float32 factor (a float ``factor`` too), rounded once, as :func:`scale_gradients`.
-    float64 gradients keep their float64 factor: the kernel checks them with the factor 1 (exact) and ``_foreach_mul_``
-    multiplies them. A float ``factor`` of exactly 1.0 (``c · D / W = w / w``) multiplies nothing: the gradients are
-    only checked. ``gradients`` may come grouped already, as :func:`by_kind` returns them.
+    """Multiply ``gradients`` (a list, or :func:`by_kind`'s groups) in place by ``factor``, in float64 for float64
+    gradients, else in float32 by the float32 factor, rounded once (docs/concepts.md, "Cost"); a float 1.0
+    multiplies nothing. With ``check``, also return a 0-d tensor, positive where a gradient held a NaN/Inf before.
 
     Example:
         >>> g = [torch.tensor([1.0, float("nan")])]
@@ -105,19 +93,15 @@ def _one(device: torch.device) -> Tensor:
 
 
 def _float32(factor: Tensor | float, device: torch.device) -> Tensor:
-    """``factor`` as a float32 scalar on ``device``; a float is passed as a kernel argument by ``torch.full`` (on a GPU
-    no copy from host memory, which would wait for the work queued before it)."""
+    """``factor`` as a float32 scalar on ``device`` (a float by ``torch.full``: no host copy that waits on a GPU)."""
     if isinstance(factor, Tensor):
         return factor.to(device, torch.float32)
     return torch.full((), factor, dtype=torch.float32, device=device)
 
 
 def scaler_skipped(scale_before: float, scale_after: float) -> bool:
-    """Whether a GradScaler skipped the update it just made, from its scale before and after ``update()``.
-
-    The scaler multiplies its scale by ``backoff_factor`` (< 1, enforced by torch) exactly when it found an
-    Inf/NaN and skipped the step, for every optimizer, fused ones included (they step unconditionally and
-    read the scaler's flag themselves); otherwise the scale stays or grows.
+    """Whether a GradScaler skipped the update it just made (its scale shrinks exactly then), from its scale before
+    and after ``update()``.
 
     Example:
         >>> scaler_skipped(65536.0, 32768.0), scaler_skipped(65536.0, 65536.0), scaler_skipped(65536.0, 131072.0)
@@ -129,12 +113,8 @@ def scaler_skipped(scale_before: float, scale_after: float) -> bool:
 def summed_gradients(
     named_parameters: Sequence[tuple[str, Tensor]], reduce_sum: Callable[[Tensor], Tensor] | None
 ) -> dict[str, Tensor]:
-    """The accumulated gradient by parameter name, summed over replicas, on the CPU.
-
-    Under DDP the gradient of a group's non-final micro-batches lives on each replica (``no_sync``); the sum is all
-    DDP needs, since it averages the replicas' gradients at the group's last backward. With ``reduce_sum`` this is a
-    collective (every replica must call it with the same parameters in the same order): a mask of which
-    parameters hold a gradient anywhere, then one all-reduce per dtype.
+    """The accumulated gradient by parameter name, summed over replicas (``reduce_sum``: a collective every replica
+    calls with the same parameters in the same order), on the CPU, in each parameter's dtype.
 
     Example:
         >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.ones(2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import inspect
+import itertools
 import math
 import re
 import sys
@@ -29,6 +30,8 @@ from helpers import (
     params_vector,
     random_lengths,
     record_threads_at_exit,
+    relative_error,
+    run_ddp,
     sgd_reference,
 )
 from lightning.fabric.loggers import CSVLogger
@@ -157,6 +160,62 @@ def _ddp_worker(
     train(fabric, model, optimizer, micro_batches(mine, m), accumulate)
     # Plain data back to the main process (a tensor would travel as a shared-memory handle the worker takes away).
     return {"params": params_vector(model).tolist(), "ledger": fabric.strategy.ledger.state_dict()}
+
+
+RAMP = (1, 2, 3, 4)  # a group's micro-batches (of 2 examples), one update each: 20 examples
+
+
+def _ramp_loop(fabric: L.Fabric, examples: list[dict[str, Tensor]], set_to_none: bool = True) -> Tensor:
+    """A loop under `precision="64-true"` of a float32-built TinyNet (Fabric converts it), groups of RAMP's sizes."""
+    model, optimizer = fabric.setup(*_model_and_optimizer(dtype=torch.float32))
+    batches = iter(micro_batches(examples, 2))
+    for size in RAMP:
+        for _ in range(size):
+            batch = next(batches)
+            logits = model(batch["input_ids"])
+            assert logits.dtype == torch.float64  # Fabric's plugin would hand them back in float32
+            loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+            tokens = (batch["labels"] != IGNORE).sum()
+            fabric.backward(fabric.strategy.accumulate(loss, num_tokens=tokens, batch=batch))
+        fabric.strategy.close_group(optimizer, group_size=size)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    return params_vector(model)
+
+
+RAMP_EXAMPLES = make_examples(random_lengths(40, seed=12), seed=12)
+
+
+def _ramp_groups(replicas: int) -> list[list[dict[str, Tensor]]]:
+    """The examples of each update: RAMP's sizes × 2 examples × `replicas`."""
+    bounds = [2 * replicas * sum(RAMP[:i]) for i in range(len(RAMP) + 1)]
+    return [RAMP_EXAMPLES[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_precision_64_true_is_float64_exact_with_the_default_dtype_at_float32(set_to_none: bool) -> None:
+    # Before: 2.7e-9 from the float64 loop (Fabric's DoublePrecision hands the outputs back in the default float32).
+    assert torch.get_default_dtype() == torch.float32
+    fabric = L.Fabric(strategy="accum", accelerator="cpu", precision="64-true")
+    params = _ramp_loop(fabric, RAMP_EXAMPLES[:20], set_to_none)
+    assert relative_error(params, sgd_reference(TinyNet(), _ramp_groups(1), lr=LR)) < 1e-12
+
+
+def _ramp_worker(rank: int, folder: str) -> None:
+    fabric = L.Fabric(strategy="accum_ddp", devices=2, accelerator="cpu", precision="64-true")
+    fabric.launch()  # the processes exist (run_ddp)
+    mine = [e for group in _ramp_groups(2) for e in group[rank::2]]  # together the replicas read each group
+    torch.save(_ramp_loop(fabric, mine), Path(folder) / f"rank{rank}.pt")
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_precision_64_true_on_two_processes_is_float64_exact(tmp_path: Path) -> None:
+    # Before: 3.1e-9 from the float64 loop (rank 0).
+    run_ddp(_ramp_worker, str(tmp_path))
+    reference = sgd_reference(TinyNet(), _ramp_groups(2), lr=LR)
+    for rank in range(2):
+        assert relative_error(torch.load(tmp_path / f"rank{rank}.pt"), reference) < 1e-12
 
 
 @pytest.mark.ddp

@@ -135,6 +135,17 @@ def test_exact_updates_whatever_the_split_against_a_float64_reference(pieces: in
     assert trainer.global_step == 2
 
 
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_precision_64_true_is_float64_exact_with_the_default_dtype_at_float32(pieces: int) -> None:
+    # A float32-built module that the precision plugin converts; the close's factor in the gradients' float64.
+    assert torch.get_default_dtype() == torch.float32
+    examples = make_examples(random_lengths(18, seed=9), seed=9)
+    model = ManualLM(pieces=pieces, batches_per_group=3, seed=9, lr=0.5)
+    expected = sgd_reference(model, [examples[:9], examples[9:]], lr=0.5)
+    fit(model, examples, batch_size=3, accumulate=1, precision="64-true")
+    assert relative_error(params_vector(model), expected) < 1e-12
+
+
 def fp16() -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
 

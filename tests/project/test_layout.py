@@ -357,7 +357,6 @@ TESTS_OF: dict[str, str] = {
     "core/reading": "strategies/test_checkpoint.py",
     "decision": "test_engine.py",
     "evaluation_loss": "test_fabric_evaluation.py",
-    "gradients": "test_engine.py",
     "group": "test_engine.py",
     "options": "strategies/test_base.py",
     "slicing": "strategies/test_slicing.py",

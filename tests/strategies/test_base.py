@@ -67,6 +67,18 @@ def test_several_updates_match_reference_and_ledger_counts() -> None:
     assert ledger.last_group.applied and ledger.last_group.samples == 6
 
 
+@pytest.mark.parametrize(("m", "accumulate"), [(2, 3), (1, 4)])
+def test_precision_64_true_is_float64_exact_with_the_default_dtype_at_float32(m: int, accumulate: int) -> None:
+    # A float32-built module that the precision plugin converts; the close's factor in the gradients' float64.
+    assert torch.get_default_dtype() == torch.float32
+    examples = make_examples(random_lengths(24, seed=5), seed=5)
+    model = TinyLM(lr=0.5, seed=5)
+    groups = [examples[i : i + m * accumulate] for i in range(0, 24, m * accumulate)]
+    expected = sgd_reference(model, groups, lr=0.5)
+    fit(model, examples, batch_size=m, accumulate=accumulate, precision="64-true")
+    assert relative_error(params_vector(model), expected) < 1e-12
+
+
 def test_partial_final_group_rescale_uses_its_real_denominator() -> None:
     # 7 micro-batches with A = 3: updates of 3, 3 and 1 micro-batches.
     examples = make_examples(random_lengths(14, seed=11), seed=11)
