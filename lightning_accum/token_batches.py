@@ -143,7 +143,8 @@ class _Group(NamedTuple):
 
 
 class TokenBatchSampler(Sampler[list[int]]):
-    """A batch sampler: each update holds the ``B`` examples of a fixed-``m`` run's group, cut by tokens.
+    """A batch sampler: each update holds the ``B`` examples of a fixed-``m`` run's group, cut by tokens. Its
+    ``sampler`` is the order (a :class:`~lightning_accum.GlobalOrderSampler`), whose ``set_epoch`` Lightning calls.
 
     Args:
         dataset: The map-style data (an ``IterableDataset`` is refused: the lengths need positions).
@@ -202,7 +203,8 @@ class TokenBatchSampler(Sampler[list[int]]):
         self.long_rows = validate_choice("long_rows", long_rows, LONG_ROWS)
         self.dataset, self.max_tokens, self.max_samples = dataset, max_tokens, max_samples
         self.samples_per_update, self.plan_ahead = samples_per_update, bool(plan_ahead)
-        self._order = GlobalOrderSampler(range(len(dataset)), shuffle=shuffle, seed=seed)  # checks both
+        # The order (it checks both), where Lightning's loops look for a batch sampler's `set_epoch`.
+        self.sampler = GlobalOrderSampler(range(len(dataset)), shuffle=shuffle, seed=seed)
         self.shuffle, self.seed = shuffle, seed
         self.set_replicas(num_replicas, rank)
         self.lengths = _read_lengths(dataset, lengths)
@@ -215,7 +217,7 @@ class TokenBatchSampler(Sampler[list[int]]):
                 f" tokens, index {longest}). Raise `max_tokens` to {self.lengths[longest]}, pass `long_rows='alone'`"
                 " to run each as a micro-batch of its own, or filter them out."
             )
-        self.epoch, self._warned, self._yielded = 0, False, 0
+        self._warned, self._yielded = False, 0
         self._resume: tuple[int, _Origin] | None = None  # (epoch, origin) a loaded state continues
         self._iteration: tuple[int, _Origin] | None = None
         self._key: tuple[int, ...] = ()
@@ -224,7 +226,7 @@ class TokenBatchSampler(Sampler[list[int]]):
 
     def set_replicas(self, num_replicas: int, rank: int) -> None:
         """Deal to ``num_replicas`` replicas, this one being ``rank`` (an accumulation strategy calls it at set-up)."""
-        self._order.set_replicas(num_replicas, rank)
+        self.sampler.set_replicas(num_replicas, rank)
         if self.length < num_replicas:
             raise ValueError(
                 f"`num_replicas={num_replicas}` exceeds the data's {self.length} examples: every replica needs a row"
@@ -235,13 +237,18 @@ class TokenBatchSampler(Sampler[list[int]]):
         self.num_replicas, self.rank = num_replicas, rank
 
     def set_epoch(self, epoch: int) -> None:
-        """Plan epoch ``epoch`` (its order: ``seed + epoch``); the loops call it before each epoch."""
-        self.epoch, self._yielded = epoch, 0
+        """Plan epoch ``epoch`` (its order: ``seed + epoch``), as ``self.sampler.set_epoch`` does."""
+        self.sampler.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch planned: the order's."""
+        return int(self.sampler.epoch)
 
     @property
     def length(self) -> int:
         """``N``, the number of examples of the data."""
-        return self._order.length
+        return self.sampler.length
 
     def _origin(self) -> _Origin:
         """Where this epoch's iteration starts (a loaded state's place, or the epoch's start)."""
@@ -275,7 +282,7 @@ class TokenBatchSampler(Sampler[list[int]]):
         if start >= end:
             return False
         if self._order_of[0] != self.epoch:
-            self._order_of = (self.epoch, np.asarray(self._order.order(self.epoch), dtype=np.int64))
+            self._order_of = (self.epoch, np.asarray(self.sampler.order(self.epoch), dtype=np.int64))
         samples = origin.samples if not planned and origin.samples else self._samples_at(start)
         rows = self._order_of[1][start : min(start + samples, end)]
         seed = (self.seed, self.epoch, start)
@@ -373,7 +380,9 @@ class TokenBatchSampler(Sampler[list[int]]):
         any ``D`` continues), the epoch's ``microbatches`` per replica, ``replicas``, ``seed``, ``shuffle``, ``length``.
         """
         origin = self._origin()
-        ran = self._yielded if microbatches is None else microbatches
+        ran = microbatches
+        if ran is None:  # handed out by this epoch's iteration
+            ran = self._yielded if self._iteration is not None and self._iteration[0] == self.epoch else 0
         position, done, samples = origin.start, origin.skip + ran, 0
         for group in self._plan():
             if done < len(group.ranks[0]):
@@ -410,7 +419,8 @@ class TokenBatchSampler(Sampler[list[int]]):
                 " Pass a state written by `TokenBatchSampler.state_dict()` for this data."
             )
         fields = (state["position"], state["done"], state["microbatches"], state["samples"], state["replicas"])
-        self.epoch, self._yielded, self._resume = state["epoch"], 0, (state["epoch"], _Origin(*fields))
+        self.sampler.set_epoch(state["epoch"])
+        self._yielded, self._resume = 0, (state["epoch"], _Origin(*fields))
 
 
 def _not_a_multiple(samples: object, replicas: int, where: str = "") -> ValueError:

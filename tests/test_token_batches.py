@@ -336,3 +336,45 @@ def test_a_bad_state_is_refused(change: dict[str, Any], match: str) -> None:
     state = {**sampler.state_dict(2), **change}
     with pytest.raises(ValueError, match=match):
         TokenBatchSampler(range(8), [2] * 8, max_tokens=4, samples_per_update=4).load_state_dict(state)
+
+
+def test_lightnings_loop_sets_each_epochs_order_and_reads_every_micro_batch_of_it() -> None:
+    import lightning as L
+    from torch.nn.utils.rnn import pad_sequence
+
+    lengths = [1 + i % 9 for i in range(40)]
+    data = [torch.full((n,), float(i)) for i, n in enumerate(lengths)]
+    options: dict[str, Any] = {"max_tokens": 20, "samples_per_update": 8, "seed": 3}
+    seen: dict[int, list[list[int]]] = {0: [], 1: []}
+
+    class Rows(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(()))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            seen[self.current_epoch].append(batch[:, 0].long().tolist())  # every row's first value is its index
+            return (self.weight * batch).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = DataLoader(
+        data,
+        batch_sampler=TokenBatchSampler(data, lengths, **options),
+        collate_fn=lambda rows: pad_sequence(rows, batch_first=True),
+    )
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Rows(), loader)
+    for epoch in (0, 1):  # Lightning set each epoch through the batch sampler's `sampler`
+        planned = TokenBatchSampler(data, lengths, **options)
+        planned.set_epoch(epoch)
+        assert seen[epoch] == list(planned)
+    assert seen[0] != seen[1]
