@@ -47,6 +47,7 @@ from lightning_accum.strategies import (
     ModelParallelAccumulationStrategy,
     register,
 )
+from lightning_accum.token_batches import TokenBatchSampler
 from lightning_accum.tokens import TokenWeightingWarning, causal_lm_tokens, seq2seq_tokens, supervised_tokens
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "GroupRecord",
     "Horizon",
     "ModelParallelAccumulationStrategy",
+    "TokenBatchSampler",
     "TokenWeightingWarning",
     "causal_lm_tokens",
     "document_mean_loss",
