@@ -17,12 +17,10 @@ __all__ = ["TrainerSide", "ends_group_by_position"]
 
 
 def ends_group_by_position(trainer: Any) -> bool:
-    """Whether the running micro-batch is its group's last in Lightning's grouping: its index in the epoch closes a
-    group of ``accumulate_grad_batches``, or it is the epoch's last batch (read from the fit loop's progress)."""
+    """Whether the running micro-batch is its group's last in Lightning's grouping: the fit loop's own answer (the
+    strategy's group boundaries where groups vary), or it is the epoch's last batch."""
     epoch_loop = trainer.fit_loop.epoch_loop
-    return (epoch_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
-        epoch_loop.batch_progress.is_last_batch
-    )
+    return bool(epoch_loop._accumulated_batches_reached() or epoch_loop.batch_progress.is_last_batch)
 
 
 class TrainerSide:
