@@ -32,7 +32,6 @@ __all__ = [
     "GroupSums",
     "ReducedGroup",
     "Slot",
-    "group_position",
     "split",
 ]
 
@@ -76,17 +75,6 @@ CARRIED = (
     Slot.DOCUMENTS_HI,
     Slot.DOCUMENTS_LO,
 )
-
-
-def group_position(batch_idx: int, accumulate: int) -> int:
-    """How many micro-batches of the current group come before batch ``batch_idx`` of an epoch (Lightning's
-    groups start at multiples of ``accumulate``).
-
-    Example:
-        >>> group_position(5, 4), group_position(8, 4)
-        (1, 0)
-    """
-    return batch_idx % accumulate
 
 
 def split(total: int) -> tuple[float, float]:

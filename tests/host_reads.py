@@ -69,7 +69,9 @@ class HostReadProbe(TorchDispatchMode):
 
 
 class MicroBatchSyncCounter(L.Callback):
-    """Counts the package's host reads in non-final micro-batches and in group-closing ones, separately."""
+    """Counts the package's host reads in non-final micro-batches and in group-closing ones, separately: a micro-batch
+    closes its group where Lightning's loop says its group ends (the strategy's group boundaries, where groups vary),
+    or at the epoch's last batch."""
 
     def __init__(self) -> None:
         self.non_final = HostReadProbe()
@@ -78,19 +80,22 @@ class MicroBatchSyncCounter(L.Callback):
         self.final_batches = 0
         self._active: HostReadProbe | None = None
 
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        last = batch_idx + 1 == trainer.num_training_batches
-        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0 and not last:
-            self.non_final_batches += 1
-            self._active = self.non_final
-        else:
-            self.final_batches += 1
-            self._active = self.final
-        self._active.__enter__()
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._active = HostReadProbe().__enter__()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self._active is not None:
-            self._active.__exit__(None, None, None)
-            self._active = None
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._active is None:
+            return
+        self._active.__exit__(None, None, None)
+        last = batch_idx + 1 == trainer.num_training_batches
+        if trainer.fit_loop.epoch_loop._accumulated_batches_reached() or last:
+            self.final_batches += 1
+            probe = self.final
+        else:
+            self.non_final_batches += 1
+            probe = self.non_final
+        probe.hits += self._active.hits
+        probe.package_ops += self._active.package_ops
+        self._active = None

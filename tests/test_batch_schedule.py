@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import pickle
-
 import lightning as L
 import pytest
 import torch
 from helpers import TinyLM, hand_trail, make_examples, params_vector, random_lengths, relative_error
 
 from lightning_accum import AccumulationLedger, BatchSchedule
-from lightning_accum.batch_schedule import GroupSize, as_schedule, parse_count, parse_stages
+from lightning_accum.batch_schedule import as_schedule, parse_count, parse_stages
 
 
 def test_the_three_forms_give_the_same_stages() -> None:
@@ -110,16 +108,6 @@ def test_a_batch_not_divisible_by_m_times_d_names_the_stage_and_the_nearest_size
         schedule.check(microbatch_size=4, replicas=2)
     with pytest.raises(ValueError, match=r"stage 0 \(from 0 samples\) holds 8 .* = 16 .* Use 16 for that stage"):
         schedule.microbatches(AccumulationLedger(), microbatch_size=8, replicas=2)
-
-
-def test_group_size_is_the_position_inside_groups_that_start_at_its_phase() -> None:
-    # Groups of 2 at batches 0, 2, 4, then of 3 from batch 6: Lightning's `index % A` checks, under the group of 3.
-    size = GroupSize(3, phase=6)
-    assert [i % size for i in range(6, 13)] == [0, 1, 2, 0, 1, 2, 0]
-    assert int(size) == 3 and size == 3 and f"{size}" == "3" and repr(size) == "3"
-    assert 7 / size == 7 / 3 and size + 1 == 4
-    assert pickle.loads(pickle.dumps(size)) % 1 == 0 and 7 % pickle.loads(pickle.dumps(size)) == 1
-    assert 5 % GroupSize(4) == 5 % 4
 
 
 def test_a_fabric_loop_ramps_with_two_changed_lines_and_matches_the_float64_hand_loop() -> None:

@@ -16,7 +16,6 @@ hidden in ``**kwargs`` would vanish from ``--help`` and from config validation.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -27,7 +26,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -41,16 +40,15 @@ from lightning_accum.core.checkpoint import CHECKPOINT_KEY
 from lightning_accum.core.closing import enabled_scaler
 from lightning_accum.core.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam
 from lightning_accum.engine import AccumulationEngine
-from lightning_accum.group import group_position
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.options import AccumulationOptions
-from lightning_accum.patching import InstancePatch
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
 from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
 from lightning_accum.strategies.automatic import CLOSURE_EVALUATING, AutomaticSteps, reevaluation_message
 from lightning_accum.strategies.checkpoint import TrainerCheckpoint
 from lightning_accum.strategies.evaluation import ExactEvaluation
 from lightning_accum.strategies.global_order import install_global_order
+from lightning_accum.strategies.group_boundaries import GroupBoundaries, UnknownUpdates
 from lightning_accum.strategies.precision_clipping import PrecisionClipping
 from lightning_accum.strategies.scheduled_groups import ScheduledGroups
 from lightning_accum.strategies.slicing import BatchSlicer
@@ -59,25 +57,6 @@ from lightning_accum.strategies.trainer_side import TrainerSide
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 
 _Path = str | Path  # what Lightning's checkpoint methods accept
-
-#: The start of Lightning's own warning for an epoch shorter than one group (``FitLoop.setup_data``, Lightning's PR
-#: #21811, not in a release yet). The package's (:func:`~lightning_accum.decision.short_epoch_message`) tells the same
-#: and what this strategy does of it (the real denominator; an error under ``partial_group="drop"``): one is shown.
-_LIGHTNINGS_SHORT_EPOCH = r"The number of training batches \(\d+\) is smaller than `accumulate_grad_batches="
-
-
-def _one_short_epoch_warning(trainer: Trainer) -> InstancePatch | None:
-    """The fit loop's ``setup_data`` run with Lightning's short-epoch warning muted, until released (``None`` where
-    the loop has no such method: both warnings are shown then)."""
-    if not callable(getattr(trainer.fit_loop, "setup_data", None)):
-        return None
-
-    def setup_data(below: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_LIGHTNINGS_SHORT_EPOCH)
-            return below(*args, **kwargs)
-
-    return InstancePatch(trainer.fit_loop, "setup_data", setup_data)
 
 
 class ExactAccumulation(Strategy, CoreSeam):
@@ -120,6 +99,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._evaluation = ExactEvaluation()
         self._side = self.side_type(self, self._core.adapter)
         self._scheduled = ScheduledGroups(as_schedule(batch_schedule))  # the groups' sizes under `batch_schedule=`
+        self._groups = GroupBoundaries()  # where the fit's groups start and end
         self._checkpoints = TrainerCheckpoint(
             self, self._core, self._side, self._slicer, self._attached_trainer, self._scheduled
         )
@@ -129,7 +109,6 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._failed = False  # the entry point running raised (Lightning called `on_exception`)
         self._sync_blocked = False  # inside a `block_backward_sync` that blocks FSDP2's reduction (model parallel)
         self._clipping = PrecisionClipping()  # the precision plugin's clip methods, for the run
-        self._short_epoch: InstancePatch | None = None  # the fit loop's `setup_data`, for the run
 
     # ------------------------------------------------------------------ the public interface
 
@@ -244,12 +223,12 @@ class ExactAccumulation(Strategy, CoreSeam):
             self._agreement(trainer)
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx  # the index Lightning's hooks of this batch receive
         accumulate = trainer.accumulate_grad_batches
-        core = self._core
+        core, groups = self._core, self._groups
         if core.group.loaded is not None:
-            position = group_position(batch_idx, accumulate)  # the group's micro-batches Lightning ran already
+            position = groups.position(batch_idx, accumulate)  # the group's micro-batches Lightning ran already
             core.reopen(self._checkpoints.configuration(), position, self._parameters())
         engine = core.engine
-        if engine.microbatches_in_group and group_position(batch_idx, accumulate) == 0:
+        if engine.microbatches_in_group and groups.position(batch_idx, accumulate) == 0:
             # Lightning starts a group (and zeroes the gradient) while the previous one never reached an optimizer
             # step: the loader yielded fewer batches than its length announced, so Lightning's epoch ended early.
             lost = engine.discard_open_group()
@@ -260,7 +239,10 @@ class ExactAccumulation(Strategy, CoreSeam):
                 " ledger does not count them. Make the loader's length match what it yields."
             )
         if self._slicer.enabled:
-            return self._slicer.training_step(self, super().training_step, args, kwargs, batch_idx, accumulate)
+            position = groups.position(batch_idx, accumulate)
+            return self._slicer.training_step(
+                self, super().training_step, args, kwargs, batch_idx, accumulate, position
+            )
         output = super().training_step(*args, **kwargs)
         # An output Lightning rejects (not a tensor, a mapping with "loss", or None) is read as "no loss"; Lightning
         # raises its own MisconfigurationException for it right after this hook. The micro-batch is read once here.
@@ -316,10 +298,11 @@ class ExactAccumulation(Strategy, CoreSeam):
             return self._core.optimizer_step(
                 optimizer, closure, self.gradient_scaler, lambda: lightning_step(optimizer, closure, model, **kwargs)
             )
-        if self._scheduled.schedule is not None:  # the stage's learning-rate factor, if any
+        schedule = self._scheduled.schedule
+        if schedule is not None and schedule.lr_scaling is not None:  # the stage's learning-rate factor
             with self._scheduled.scaled_lr(optimizer):
                 return self._automatic_step(optimizer, closure, lambda c: lightning_step(optimizer, c, model, **kwargs))
-        # Without a schedule, no context: a `nullcontext` would add two calls to every update.
+        # Without a factor, no context: a `nullcontext` would add two calls to every update.
         return self._automatic_step(optimizer, closure, lambda c: lightning_step(optimizer, c, model, **kwargs))
 
     def _automatic_step(
@@ -434,10 +417,14 @@ class ExactAccumulation(Strategy, CoreSeam):
     @override
     def setup(self, trainer: Trainer) -> None:
         self._side.setup(trainer)
-        # Before Lightning's `setup`: `configure_optimizers` may read `trainer.estimated_stepping_batches`, which
-        # sets up the training data (and warns of a short epoch) then.
-        self._short_epoch = _one_short_epoch_warning(trainer)
-        super().setup(trainer)
+        # In `configure_optimizers` under a schedule, the number of updates is unknown: its reading is refused.
+        given = trainer.accumulate_grad_batches
+        if self._scheduled.schedule is not None and trainer.state.fn == TrainerFn.FITTING:
+            trainer.accumulate_grad_batches = UnknownUpdates()  # type: ignore[assignment]
+        try:
+            super().setup(trainer)
+        finally:
+            trainer.accumulate_grad_batches = given
         manual = trainer.lightning_module is not None and not trainer.lightning_module.automatic_optimization
         refuse = self._core.refuse_clipping if manual else None  # automatic optimization clips after the close only
         self._clipping.install(self.precision_plugin, self._core.adapter, refuse)
@@ -455,7 +442,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         super().on_train_start()
         trainer = self._trainer()
         _check_supported(self, trainer)
-        self._scheduled.start(trainer, self.data_parallel_replicas)
+        self._groups.install(trainer, self._scheduled.start(trainer, self._core, self._slicer.split_batch))
         self.add_group_listener(self._scheduled.on_group)
         _warn_of_slashes_in_checkpoint_names(trainer)
         self._side.on_train_start(trainer)
@@ -467,9 +454,12 @@ class ExactAccumulation(Strategy, CoreSeam):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._scheduled.schedule is not None:  # a group's first batch: its size from the ledger's stage
-            trainer = self._trainer_ref if self._trainer_ref is not None else self._trainer()
-            self._scheduled.batch_start(trainer, batch, batch_idx, self._core, self._slicer.split_batch)
+        trainer = self._trainer_ref if self._trainer_ref is not None else self._trainer()
+        groups = self._groups
+        if trainer.accumulate_grad_batches != groups.accumulate:  # after the callbacks' and the module's hooks
+            groups.written(trainer, batch_idx)  # taken at an epoch's first batch without a schedule, else refused
+        if groups.sizer is not None and not 0 <= batch_idx - groups.first < groups.size:
+            groups.begin(trainer, batch, batch_idx, self._core.group.loaded)  # a group starts: sized
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -500,11 +490,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._clipping.release()
         self.remove_group_listener(self._scheduled.on_group)
         self._scheduled.forget_resume()
-        if self._trainer_ref is not None:
-            self._scheduled.end(self._trainer_ref)
-        if self._short_epoch is not None:
-            self._short_epoch.release()
-            self._short_epoch = None
+        self._groups.release(self._trainer_ref)
         self._evaluation.end()
         self._slicer.reset()
         self._trainer_ref = None

@@ -186,7 +186,9 @@ class DDPTrainerSide(TrainerSide):
         indices, so these collectives pair up until the first batch where one replica's data ends: the one checked."""
         epoch_loop = trainer.fit_loop.epoch_loop
         batch_idx = epoch_loop.batch_idx
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+        if (
+            epoch_loop._accumulated_batches_reached()
+        ):  # Lightning's grouping (the strategy's boundaries where they vary)
             return
         ends = bool(epoch_loop.batch_progress.is_last_batch)
         flag = torch.tensor([1 if ends else 0], dtype=torch.int64)  # on the CPU: no device synchronisation

@@ -1,24 +1,17 @@
-"""A batch schedule in a Trainer: the size of each group set at its start, where Lightning's grouping reads it.
+"""A batch schedule in a Trainer: the size of each group, decided at its start from the stage the run is in.
 
 Decision: the schedule is a strategy argument (``batch_schedule=``), not a callback. The group's size is the
 strategy's arithmetic (its target ``A`` is the partial-group policy's denominator, the checkpoint's configuration and
 the entry's open group record it), the strategy's options reach LightningCLI's config and ``--help``, and a callback
-would run its ``on_train_batch_start`` among the user's callbacks, in an order nobody controls.
-
-Lightning ends a group where the batch's position modulo ``trainer.accumulate_grad_batches`` is 0. At each group's
-first batch (the strategy's ``on_train_batch_start``, after the callbacks' and before the batch runs)
-:class:`ScheduledGroups` reads the group's stage from the ledger and sets that attribute to a
-:class:`~lightning_accum.batch_schedule.GroupSize`, whose modulo counts from the group's first batch, so Lightning's
-own checks end the group after exactly its scheduled size. Every stage's batch is checked against ``m × D`` in the
-strategy's ``on_train_start`` (or at the first batch, for a loader without ``batch_size``). What each stage reached
-consumed (:attr:`stages`) is written into the checkpoint's entry and restored by a fit that resumes from it, only
-for groups of the same stage. The rules: docs/howto.md, "Ramp the batch by tokens".
+would run its ``on_train_batch_start`` among the user's callbacks, in an order nobody controls. The rules:
+docs/howto.md, "Ramp the batch by tokens"; where groups start and end: docs/internals.md, "Group boundaries".
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -27,9 +20,10 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_accum.axis_lr import check_counts_reported
-from lightning_accum.batch_schedule import BatchSchedule, GroupSize, Stage
+from lightning_accum.batch_schedule import BatchSchedule, Stage
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.slicing import SplitBatch, count_samples
+from lightning_accum.strategies.group_boundaries import GroupSizer
 
 __all__ = ["ScheduledGroups", "loader_batch_size"]
 
@@ -44,31 +38,26 @@ class ScheduledGroups:
         self.stage: Stage | None = None  # the stage of the open group
         self.stages: list[dict[str, int]] = []  # per stage reached: what its groups consumed
         self._counts_checked = False
-        self._given = 1
         self._resumed = False  # `stages` holds a checkpoint's record, for the fit that resumes from it
 
     def load_state(self, stages: list[dict[str, int]] | None) -> None:
-        """A fit resumes from a checkpoint whose entry holds ``stages`` (``None``: a checkpoint without the record):
-        its record continues from there (read by :meth:`start`; a run without a schedule keeps none)."""
+        """A fit resumes from a checkpoint whose entry holds ``stages`` (``None``: none): its record continues."""
         self.stages = [dict(stage) for stage in stages or []] if self.schedule is not None else []
         self._resumed = True
 
     def forget_resume(self) -> None:
-        """The entry point ends: a checkpoint's record read by a fit that never started training reaches no later
-        fit."""
+        """The entry point ends: a checkpoint's record a fit did not train from reaches no later fit."""
         self._resumed = False
 
-    def start(self, trainer: Trainer, replicas: int) -> None:
-        """Refuse what cannot share the groups with the schedule, and a stage's batch that is not a multiple of the
-        loader's ``batch_size`` × ``replicas`` (``D``); forget the previous fit's batch size, and its record unless
-        the fit resumes from a checkpoint."""
+    def start(self, trainer: Trainer, core: Any, split_batch: SplitBatch | None) -> GroupSizer | None:
+        """The sizer of the fit's groups (:meth:`group_size`; ``None`` without a schedule), after refusing what cannot
+        share the groups with the schedule. ``core``: the strategy's (its ledger, ``D``)."""
         self.microbatch_size, self.stage, self._counts_checked = None, None, False
         if not self._resumed:  # (a resumed run without a schedule loaded none)
             self.stages = []
         self._resumed = False
         if self.schedule is None:
-            return
-        self._given = trainer.accumulate_grad_batches  # the Trainer's own value, given back by `end`
+            return None
         if not trainer.lightning_module.automatic_optimization:
             raise ValueError(
                 f"`batch_schedule={self.schedule!r}` sets the groups of automatic optimization, but this"
@@ -91,43 +80,27 @@ class ScheduledGroups:
             )
         m = loader_batch_size(trainer.train_dataloader)
         if m is not None:  # else at the first batch, from its samples
-            self.schedule.check(m, replicas)
+            self.schedule.check(m, core.data_parallel_replicas)
+        return partial(self.group_size, core, split_batch)
 
-    def end(self, trainer: Trainer) -> None:
-        """Give the Trainer back its own ``accumulate_grad_batches`` (the fit's groups end with it)."""
-        if isinstance(trainer.accumulate_grad_batches, GroupSize):
-            trainer.accumulate_grad_batches = self._given
-
-    def batch_start(
-        self, trainer: Trainer, batch: Any, batch_idx: int, core: Any, split_batch: SplitBatch | None
-    ) -> None:
-        """Before a training batch: at a group's first batch, set ``trainer.accumulate_grad_batches`` to the size of
-        the stage the ledger is in (at the fit's first batch a group resumed from a checkpoint keeps its size).
-        ``core``: the strategy's core (its ledger, ``D``, a checkpoint's group), read at a group's first batch only."""
+    def group_size(self, core: Any, split: SplitBatch | None, batch: Any, batch_idx: int, resumed: int | None) -> int:
+        """The :data:`~lightning_accum.strategies.group_boundaries.GroupSizer` of the schedule: the ledger's stage's
+        batch over ``m × D`` (a checkpoint's group: ``resumed``)."""
         schedule = self.schedule
-        if schedule is None:
-            return
-        first = self.microbatch_size is None
-        if not first and batch_idx and batch_idx % trainer.accumulate_grad_batches:
-            return  # inside a group: its size stays
+        assert schedule is not None
         ledger, replicas = core.engine.ledger, core.data_parallel_replicas
-        if first:
-            self.microbatch_size = count_samples(batch, split_batch)
+        if self.microbatch_size is None:  # the fit's first group
+            self.microbatch_size = count_samples(batch, split)
             schedule.check(self.microbatch_size, replicas)
-            resumed = core.group.loaded
-            done = int(resumed.get("microbatches", 0)) if resumed else 0
-            if done:  # the checkpoint's group: its size as written, its first batch `done` batches back
-                size = int(resumed.get("accumulate") or (resumed.get("config") or {}).get("accumulate") or 1)  # type: ignore[union-attr]
-                trainer.accumulate_grad_batches = GroupSize(size, phase=batch_idx - done)
-                self._enter(schedule.stage_at(ledger), size)
-                return
+            if resumed is not None:
+                self._enter(schedule.stage_at(ledger), resumed)
+                return resumed
         if not self._counts_checked and ledger.updates_attempted:
             self._counts_checked = check_counts_reported("BatchSchedule", schedule.axis, ledger)
-        assert self.microbatch_size is not None
         stage = schedule.stage_at(ledger)
         size = stage.samples // (self.microbatch_size * replicas)
-        trainer.accumulate_grad_batches = GroupSize(size, phase=batch_idx)
         self._enter(stage, size)
+        return size
 
     def _enter(self, stage: Stage, size: int) -> None:
         """A group of ``size`` micro-batches per replica starts in ``stage``: its record entry, new or continued."""

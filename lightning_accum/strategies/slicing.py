@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_accum.group import group_position
 from lightning_accum.microbatch import Count, Microbatch
 from lightning_accum.slicing import (
     MicrobatchSize,
@@ -175,11 +174,12 @@ class BatchSlicer:
         kwargs: dict[str, Any],
         batch_idx: int,
         accumulate: int,
+        position: int,
     ) -> Any:
         """Run the loader batch in ``args``/``kwargs`` as slices; return the last slice's output (the batch's loss).
 
         ``forward(*args, **kwargs)`` is the strategy's own ``training_step`` path (DDP's wrapper), used for the last
-        slice, whose backward Lightning calls next.
+        slice, whose backward Lightning calls next. ``position``: the batch's in its group (the strategy's groups').
         """
         batch = args[0] if args else kwargs["batch"]
         n = count_samples(batch, self.split_batch)
@@ -188,7 +188,7 @@ class BatchSlicer:
         sizes: list[int] = []
         # Lightning zeroes the gradient after the step of a group's first batch (its place in the epoch, and no
         # micro-batch in the open group yet: AccumulationCheck runs a group's batches without Lightning's loop).
-        first_of_group = group_position(batch_idx, accumulate) == 0 and engine.microbatches_in_group == 0
+        first_of_group = position == 0 and engine.microbatches_in_group == 0
         released = False
         retry_forward = False
         plan = self._plan(strategy, n)

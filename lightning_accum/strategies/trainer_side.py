@@ -12,11 +12,9 @@ __all__ = ["TrainerSide", "ends_group_by_position"]
 
 
 def ends_group_by_position(trainer: Any) -> bool:
-    """Whether the running micro-batch is its group's last in Lightning's grouping (by index, or the epoch's last)."""
+    """Whether the running micro-batch ends its group in Lightning's grouping (the fit loop's answer) or its epoch."""
     epoch_loop = trainer.fit_loop.epoch_loop
-    return (epoch_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
-        epoch_loop.batch_progress.is_last_batch
-    )
+    return bool(epoch_loop._accumulated_batches_reached() or epoch_loop.batch_progress.is_last_batch)
 
 
 class TrainerSide:

@@ -141,23 +141,50 @@ def test_the_slicers_protected_backward_is_lightnings_strategy_backward() -> Non
     assert copied == lightning
 
 
-def test_lightnings_grouping_reads_the_position_modulo_accumulate_grad_batches() -> None:
-    # `_AutomaticOptimization._make_zero_grad_fn` zeroes at `batch_idx % A == 0` and
-    # `_TrainingEpochLoop._accumulated_batches_reached` steps at `batch_progress.current.ready % A == 0`, the position
-    # on the left: so a `GroupSize` (whose `__rmod__` Python asks first) decides both, on Lightning's own strategy.
+def test_lightning_decides_a_groups_end_and_start_in_the_two_methods_the_boundaries_answer() -> None:
+    # Lightning decides a group's end in `_TrainingEpochLoop._accumulated_batches_reached()` (read by
+    # `_should_accumulate`: the optimizer step, DDP's `no_sync`, step-interval schedulers, `_batches_that_stepped`,
+    # logging) and its start in `_AutomaticOptimization._make_zero_grad_fn(batch_idx, optimizer)` (from
+    # `_make_closure`), whose function runs `_on_before_zero_grad` then `_optimizer_zero_grad` unless `_skip_backward`:
+    # GroupBoundaries answers both, and builds that function at a group's first batch.
     import lightning as L
     from helpers import EXAMPLES_FOR_GROUPING, ListDataset, TinyLM
+    from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
     from torch.utils.data import DataLoader
 
-    from lightning_accum.batch_schedule import GroupSize
+    from lightning_accum.strategies.group_boundaries import GroupBoundaries
 
-    class Record(L.Callback):
+    def parameters(method: object) -> list[str]:
+        return list(inspect.signature(method).parameters)  # type: ignore[arg-type]
+
+    assert parameters(_TrainingEpochLoop._accumulated_batches_reached) == ["self"]
+    assert parameters(_AutomaticOptimization._make_zero_grad_fn) == ["self", "batch_idx", "optimizer"]
+    assert parameters(_AutomaticOptimization._on_before_zero_grad) == ["self", "optimizer"]
+    assert parameters(_AutomaticOptimization._optimizer_zero_grad) == ["self", "batch_idx", "optimizer"]
+    assert "self._accumulated_batches_reached()" in inspect.getsource(_TrainingEpochLoop._should_accumulate)
+    assert "self._make_zero_grad_fn(batch_idx, optimizer)" in inspect.getsource(_AutomaticOptimization._make_closure)
+    lightnings = inspect.getsource(_AutomaticOptimization._make_zero_grad_fn)
+    assert "if self._skip_backward:" in lightnings
+    assert _calls(lightnings) == ["self._on_before_zero_grad", "self._optimizer_zero_grad"]
+    ours = re.findall(r"steps\.(_\w+)\(", inspect.getsource(GroupBoundaries._zero_grad_fn))
+    assert ours == ["_on_before_zero_grad", "_optimizer_zero_grad"]
+
+    class Told(L.Callback):  # groups [0], [1, 2, 3], [4, 5, 6] on Lightning's own strategy
         def __init__(self) -> None:
+            self.groups = GroupBoundaries()
             self.zeroed: list[int] = []
             self.stepped: list[int] = []
 
-        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            trainer.accumulate_grad_batches = GroupSize(3, phase=1)  # groups [0], [1, 2, 3], [4, 5, 6]
+        def on_train_start(self, trainer: L.Trainer, *args: object) -> None:
+            self.groups.install(trainer, lambda batch, batch_idx, resumed: 1 if batch_idx == 0 else 3)
+
+        def on_train_batch_start(self, trainer: L.Trainer, module: object, batch: object, batch_idx: int) -> None:
+            if not 0 <= batch_idx - self.groups.first < self.groups.size:
+                self.groups.begin(trainer, batch, batch_idx)
+
+        def on_train_end(self, trainer: L.Trainer, *args: object) -> None:
+            self.groups.release(trainer)
 
         def on_before_zero_grad(self, trainer: L.Trainer, *args: object) -> None:
             self.zeroed.append(trainer.fit_loop.epoch_loop.batch_idx)
@@ -165,10 +192,11 @@ def test_lightnings_grouping_reads_the_position_modulo_accumulate_grad_batches()
         def on_before_optimizer_step(self, trainer: L.Trainer, *args: object) -> None:
             self.stepped.append(trainer.fit_loop.epoch_loop.batch_idx)
 
-    record = Record()
-    trainer = make_trainer(strategy="auto", callbacks=[record])
+    told = Told()
+    trainer = make_trainer(strategy="auto", callbacks=[told])
     trainer.fit(TinyLM(), DataLoader(ListDataset(EXAMPLES_FOR_GROUPING), batch_size=1))
-    assert record.stepped == [0, 3, 6] and record.zeroed == [1, 4]  # batch 0 closes the group before it
+    assert (told.stepped, told.zeroed) == ([0, 3, 6], [0, 1, 4])
+    assert "_accumulated_batches_reached" not in vars(trainer.fit_loop.epoch_loop)
 
 
 def test_lightning_opens_mixed_precision_autocast_in_forward_context() -> None:
@@ -190,14 +218,6 @@ def test_lightning_opens_mixed_precision_autocast_in_forward_context() -> None:
             assert not torch.is_autocast_enabled("cpu")
             assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
         assert "forward_context" not in vars(strategy.precision_plugin)
-
-
-def test_the_fit_loop_sets_up_the_training_data_in_setup_data() -> None:
-    # The accumulation strategies run the fit loop's `setup_data` with Lightning's short-epoch warning (PR #21811)
-    # muted, the package's own being shown instead (strategies/base.py); without the method both would be shown.
-    trainer = make_trainer(strategy="accum")
-    assert callable(getattr(trainer.fit_loop, "setup_data", None))
-    assert inspect.signature(trainer.fit_loop.setup_data).parameters == {}
 
 
 def test_lightning_takes_remote_checkpoint_paths_where_the_package_says_it_does(tmp_path: Path) -> None:

@@ -120,9 +120,9 @@ def test_partial_final_group_drop_records_and_leaves_state_untouched() -> None:
 
 
 def test_epoch_shorter_than_a_group_warns_once_and_drop_raises() -> None:
-    # One warning for one short epoch: the package's, which says what the strategy does of it. A Lightning that warns
-    # of it too (Lightning's PR #21811) is muted under the accumulation strategies; `estimated_stepping_batches` read in
-    # `configure_optimizers` sets up the training data before the fit loop does, and is covered too.
+    # One warning for one short epoch: the package's, which says what the strategy does of it (Lightning 2.6 has none;
+    # its PR #21811 adds one, shown beside it: docs/internals.md, "Lightning versions"). `estimated_stepping_batches`
+    # read in `configure_optimizers` sets up the training data before the fit loop does.
     class ReadsSteppingBatches(TinyLM):
         def configure_optimizers(self) -> Any:
             assert self.trainer.estimated_stepping_batches == 1
@@ -132,15 +132,14 @@ def test_epoch_shorter_than_a_group_warns_once_and_drop_raises() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = fit(ReadsSteppingBatches(), examples, batch_size=2, accumulate=4)
-    said = [str(w.message) for w in caught if "accumulate_grad_batches" in str(w.message)]
+    said = [str(w.message) for w in caught if str(w.message).startswith("An epoch has")]
     assert len(said) == 1 and said[0].startswith("An epoch has 2 training batches but `accumulate_grad_batches=4`")
     assert trainer.strategy.ledger.updates_applied == 1 and trainer.strategy.ledger.partial_groups == 1
-    assert "setup_data" not in vars(trainer.fit_loop)  # given back at the end of the fit
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(ValueError, match=r"with `partial_group='drop'` no update would ever happen.*at most 2"):
             fit(TinyLM(), examples, batch_size=2, accumulate=4, strategy=AccumulationStrategy(partial_group="drop"))
-    assert not [w for w in caught if "accumulate_grad_batches" in str(w.message)]  # the error alone
+    assert not [w for w in caught if str(w.message).startswith("An epoch has")]  # the error alone
 
 
 def test_zero_token_microbatch_and_zero_token_group() -> None:
@@ -354,6 +353,20 @@ def test_hook_order_is_lightnings() -> None:
     assert orders[0] == orders[1]
     # The optimizer evaluates the closure inside its step: the group's last training_step runs after step_start.
     assert orders[1][:6] == ["training_step", "zero_grad", "backward", "step_start", "training_step", "backward"]
+
+
+def test_hook_order_under_a_schedule_is_lightnings_group_by_group() -> None:
+    # Groups of 1, 1, 3 and 3 micro-batches (a schedule on samples, m = 1; the groups of 3 start at batches 2 and 5):
+    # each group's hooks in the order Lightning's own loop gives a group of its size.
+    def lightnings(size: int) -> list[str]:
+        model = _Recorder()
+        fit(model, make_examples([3] * size), batch_size=1, accumulate=size, strategy="auto")
+        return model.events
+
+    model = _Recorder()
+    schedule = lightning_accum.BatchSchedule({0: 1, 2: 3}, axis="samples")
+    fit(model, make_examples([3, 4, 5, 2, 6, 1, 3, 4]), 1, 1, strategy=AccumulationStrategy(batch_schedule=schedule))
+    assert model.events == 2 * lightnings(1) + 2 * lightnings(3)
 
 
 def test_lbfgs_at_one_micro_batch_per_update_evaluates_the_closure_as_in_lightning() -> None:
