@@ -19,6 +19,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_accum.carry import Carried
 from lightning_accum.core.closing import GroupClosing
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine
@@ -75,7 +76,7 @@ class _Step:
     closing: GroupClosing
     optimizer: Optimizer
     closure: Callable[..., Any]
-    prepare: Callable[[], None]
+    prepare: Callable[[], Carried | None]
     engine: AccumulationEngine
     scaler: torch.amp.GradScaler | None
     module: LightningModule | None
@@ -98,12 +99,13 @@ class AutomaticSteps:
         optimizer: Optimizer,
         closure: Callable[..., Any],
         trainer: Trainer,
-        prepare: Callable[[], None],
+        prepare: Callable[[], Carried | None],
         lightning_step: Callable[[Callable[..., Any]], Any],
     ) -> Any:
         """Run ``lightning_step`` (Lightning's ``optimizer_step`` given a closure) with a closure that runs
         ``closure`` and then closes the group with ``closing`` on ``host.engine``; ``prepare()`` runs between the two
-        (what the close needs first: a carried gradient or a sliced batch's, put back). Returns what Lightning's step
+        (what the close needs first: a carried gradient or a sliced batch's, put back; it returns what a checkpoint
+        carried into the group). Returns what Lightning's step
         returns, or the closure's result when the group made no update."""
         # Known before the closure runs: Lightning sets the batch's place in the epoch before its step.
         accumulate = trainer.accumulate_grad_batches
@@ -129,10 +131,10 @@ class AutomaticSteps:
         if step.outcome is not None:  # the optimizer evaluates the closure again (LBFGS): same batch, new parameters
             return self._reevaluate(step, *args, **kw)
         result = step.closure(*args, **kw)
-        step.prepare()
+        carried = step.prepare()
         closing, scaler = step.closing, step.scaler
         outcome = step.outcome = closing.close(
-            step.engine, step.optimizer, step.module, step.accumulate, step.ends_epoch, scaler
+            step.engine, step.optimizer, step.module, step.accumulate, step.ends_epoch, scaler, None, carried
         )
         step.scale_before = closing.scale_now(scaler)
         if outcome.action != "apply":

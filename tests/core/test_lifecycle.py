@@ -109,7 +109,7 @@ def test_teardown_ends_the_group_in_one_place(tmp_path: Path) -> None:
     fabric.strategy.teardown()
     group = fabric.strategy._core.group  # type: ignore[attr-defined]
     assert group.state is GroupState.IDLE and fabric.strategy.engine.microbatches_in_group == 0
-    assert (group.handed_out, group.closed, group.loaded, group.carried, group.reopen_later) == (None,) * 5
+    assert (group.handed_out, group.closed, group.loaded, group.written, group.deferred, group.carried) == (None,) * 6
 
 
 # ------------------------------------------------------------ state scoped to the entry point
