@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_accum.group import CARRIED, COUNT_SPLIT, UNIT_CODES
-from lightning_accum.ledger import COUNTERS, SKIP_REASONS, GroupRecord
+from lightning_accum.ledger import SKIP_REASONS, AccumulationLedger, GroupRecord
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -115,6 +115,17 @@ NAMES = Form("a list of parameter names", lambda v: isinstance(v, list) and all(
 _SCALE = _maybe(Form("a number > 0", lambda v: _number(v) and v > 0))
 _WHOLE = Form("a whole number in [0, 2**53) (a count)", lambda v: float(v).is_integer() and 0 <= v < 2**53)
 _LOW = Form(f"below {COUNT_SPLIT} (the low part of a count)", lambda v: v < COUNT_SPLIT)
+#: The form of a dataclass field written as its type (``int``: a count), where the schema does not say another.
+_OF_TYPE = {"int": COUNT, "bool": FLAG, "float | None": _maybe(Form("a number", _number))}
+
+
+def _typed(where: str, kind: type, optional: set[str], **forms: Form) -> dict[str, Form]:
+    """The rows of a dataclass's fields as its ``state_dict`` writes them under ``where``: each its type's form
+    (:data:`_OF_TYPE`) unless ``forms`` says another; those in ``optional`` may be absent."""
+    fields = dataclasses.fields(kind)
+    return {f"{where}.{f.name}{'?' * (f.name in optional)}": forms.get(f.name) or _OF_TYPE[str(f.type)] for f in fields}
+
+
 _RANK = {  # one record of `microbatch_size=` (`SlicingLog.state_dict`)
     "size": _maybe(POSITIVE),
     "slice_sizes": Form("a dict of size -> int >= 0", _dict_of(POSITIVE.test, _count)),
@@ -127,21 +138,27 @@ _RANK = {  # one record of `microbatch_size=` (`SlicingLog.state_dict`)
 #: a dict that is absent or ``None`` is not looked at.
 FIELDS: dict[str, Form | tuple[Form, ...]] = {
     "ledger": DICT.said("a dict of the ledger's counters"),
-    **{f"ledger.{name}{'?' * (name in _SINCE_DOCUMENTS)}": COUNT for name in COUNTERS},
-    "ledger.updates_skipped": Form(
-        f"a dict of reason -> int >= 0 for each of {SKIP_REASONS}",
-        lambda v: _dict_of(lambda key: isinstance(key, str), _count)(v) and set(SKIP_REASONS) <= set(v),
+    **_typed(
+        "ledger",
+        AccumulationLedger,
+        _SINCE_DOCUMENTS,
+        updates_skipped=Form(
+            f"a dict of reason -> int >= 0 for each of {SKIP_REASONS}",
+            lambda v: _dict_of(lambda key: isinstance(key, str), _count)(v) and set(SKIP_REASONS) <= set(v),
+        ),
+        normalization=_maybe(_among(_UNITS)),
+        last_group=_maybe(Form(f"a dict with {sorted(_RECORD)}", _keyed(_RECORD - _SINCE_DOCUMENTS, _RECORD))),
     ),
-    "ledger.normalization": _maybe(_among(_UNITS)),
-    "ledger.last_group": _maybe(Form(f"a dict with {sorted(_RECORD)}", _keyed(_RECORD - _SINCE_DOCUMENTS, _RECORD))),
-    "ledger.last_group.loss?": Form(
-        "a number (NaN or inf where the group had no weight or a non-finite loss)", lambda v: _number(v, False)
+    **_typed(
+        "ledger.last_group",
+        GroupRecord,
+        _RECORD,  # its keys are checked as a whole above
+        loss=Form(
+            "a number (NaN or inf where the group had no weight or a non-finite loss)",
+            lambda v: _number(v, finite=False),
+        ),
+        skip_reason=_maybe(_among(SKIP_REASONS)),
     ),
-    **{f"ledger.last_group.{name}?": COUNT for name in ("tokens", "samples", "microbatches", "documents")},
-    "ledger.last_group.applied?": FLAG,
-    "ledger.last_group.dropped?": FLAG,
-    "ledger.last_group.skip_reason?": _maybe(_among(SKIP_REASONS)),
-    "ledger.last_group.grad_scale?": _maybe(Form("a number", _number)),
     "scale_ref": _SCALE,
     "consecutive_skips": COUNT,
     "open_group_microbatches": COUNT,

@@ -128,8 +128,8 @@ class GroupLifecycle:
         """Refuse ``transition`` from the current state: with the manual API's rule where a loop's ``call`` causes it
         (``optimizer``: the class of the one stepped), else as an internal error naming the states."""
         state, held = self.state, self.engine.microbatches_in_group
-        if state is GroupState.CLOSED and transition != "end":
-            refuse("step_pending", call=call or transition, optimizer=type(self.closed.optimizer).__name__)  # type: ignore[union-attr]
+        if state is GroupState.CLOSED and call:
+            refuse("step_pending", call=call, optimizer=type(self.closed.optimizer).__name__)  # type: ignore[union-attr]
         if transition == "close" and state in (GroupState.IDLE, GroupState.OPEN):
             last = self.engine.ledger.last_group
             after = (

@@ -247,30 +247,29 @@ class ExactAccumulation(Strategy, CoreSeam):
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx  # the index Lightning's hooks of this batch receive
         accumulate = trainer.accumulate_grad_batches
         core = self._core
-        group = core.group
-        if group.state is GroupState.LOADED:
+        if core.group.state is GroupState.LOADED:
             position = group_position(batch_idx, accumulate)  # the group's micro-batches Lightning ran already
             core.reopen(self._checkpoints.configuration(), position, self._parameters())
-        elif group.state is GroupState.OPEN and group_position(batch_idx, accumulate) == 0:
+        engine = core.engine
+        if core.group.state is GroupState.OPEN and group_position(batch_idx, accumulate) == 0:
             # Lightning starts a group (and zeroes the gradient) while the previous one never reached an optimizer
             # step: the loader yielded fewer batches than its length announced, so Lightning's epoch ended early.
-            lost = group.end("the training loader ended early")
+            lost = core.group.end("the training loader ended early")
             rank_zero_warn(
                 f"lightning_accum: {lost} micro-batch(es) at the end of the previous epoch never reached an optimizer"
                 " step: the training loader ended before the number of batches it announced (`len()`), and"
                 " Lightning only steps on the batch it expects to be last. Their gradient is discarded and the"
                 " ledger does not count them. Make the loader's length match what it yields."
             )
-        if group.state is GroupState.IDLE:
-            group.open()
+        if core.group.state is GroupState.IDLE:
+            core.group.open()
         if self._slicer.enabled:
             return self._slicer.training_step(self, super().training_step, args, kwargs, batch_idx, accumulate)
-        engine = core.engine
         output = super().training_step(*args, **kwargs)
         # An output Lightning rejects (not a tensor, a mapping with "loss", or None) is read as "no loss"; Lightning
         # raises its own MisconfigurationException for it right after this hook. The micro-batch is read once here.
-        # A = 1 (the batch not cut into slices): the group's only micro-batch (c = w, no factor to apply).
-        sole = accumulate == 1 and group.carried is None
+        # A = 1 (the batch not cut into slices, nothing carried in): the group's only micro-batch (c = w, no factor).
+        sole = accumulate == 1 and core.group.carried is None
         engine.record(engine.read(output, args[0] if args else kwargs.get("batch")), accumulate, sole=sole)
         return output
 
