@@ -150,14 +150,16 @@ class GroupLifecycle:
 
     # ------------------------------------------------------------------ the group's micro-batches
 
-    def open(self, watched: NamedParameters = [], opened_on: list[str] = [], stale: Tensor | None = None) -> None:  # noqa: B006
+    def open(
+        self, watched: NamedParameters | None = None, opened_on: list[str] | None = None, stale: Tensor | None = None
+    ) -> None:
         """A micro-batch opens a group (a manual one on the gradients of ``watched``; ``opened_on``, ``stale``: those
-        that held one, and how many nonzero, counted on the device)."""
+        that held one, and how many are nonzero, counted on the device)."""
         if self.state is not GroupState.IDLE:
             self.refuse("open", "accumulate")
         self.state = GroupState.OPEN
         if watched:
-            self._watch(watched, opened_on, stale)
+            self._watch(watched, opened_on or [], stale)
 
     def hand_out(self, tensor: Tensor) -> None:
         """``accumulate`` handed out ``tensor``, to be back-propagated before its next call or the close."""
