@@ -1,37 +1,25 @@
-"""An accumulation group across a checkpoint: what a checkpoint written inside it carries, and the group reopened.
-
-The checkpoint holds the group's additive sums (:data:`~lightning_accum.group.CARRIED`), summed over the replicas, and
-its ``c``; the strategy saves the accumulated gradient next to them. The resumed run reopens the group with those sums
-on exactly one replica (the close's all-reduce adds them to the others'), so it closes as if never interrupted, also
-under another ``A`` or number of replicas. Pure functions over plain values, composed by the engine; the entry around
-them is :mod:`lightning_accum.core.checkpoint`.
-"""
+"""An accumulation group across a checkpoint: the sums its entry carries (:func:`carried_state`), and
+:class:`Carried`, what the resumed run's group brings in from it. The lifecycle holds a :class:`Carried`; the engine's
+close adds it (docs/reliability.md, "What a checkpoint written inside a group carries")."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_accum.group import CARRIED, COUNT_SPLIT, GroupSums, Slot
+from lightning_accum.group import CARRIED, COUNT_SPLIT, Slot
 
-__all__ = ["carried_state", "reopened_group"]
-
-GroupScale = float | Tensor
+__all__ = ["Carried", "carried_state"]
 
 
 def carried_state(
-    microbatches: int, reduced: Sequence[float], group_scale: GroupScale | None, consistent: bool
+    microbatches: int, reduced: Sequence[float], scale: float | Tensor | None, consistent: bool
 ) -> dict[str, Any]:
-    """The entry of an open group, from its vector summed over the replicas (``reduced``, read on the host).
-
-    Returns:
-        ``microbatches`` (per replica), ``sums`` (the carried slots by name, floats), ``scale_ref`` (the group's
-        ``c``, or ``None`` if no micro-batch reported a loss; the key keeps its written name), ``scale_ref_is_tensor``
-        (the run's first group forms ``w / c`` with ``c`` a float64 tensor: resumed, it must do the same) and
-        ``consistent`` (the gradient holds exactly the recorded micro-batches).
+    """The counters of an open group's entry, from its vector summed over the replicas (``reduced``, on the host).
 
     Example:
         >>> from lightning_accum.group import VECTOR_SIZE
@@ -42,40 +30,45 @@ def carried_state(
     return {
         "microbatches": microbatches,
         "sums": {slot.name.lower(): float(reduced[slot]) for slot in CARRIED},
-        "scale_ref": float(group_scale) if group_scale is not None else None,
-        "scale_ref_is_tensor": isinstance(group_scale, Tensor),
+        "scale_ref": float(scale) if scale is not None else None,
+        "scale_ref_is_tensor": isinstance(scale, Tensor),
         "consistent": consistent,
     }
 
 
-def reopened_group(
-    state: Mapping[str, Any], holds_sums: bool, position: int | None, total: int
-) -> tuple[GroupSums, GroupScale | None]:
-    """The group a checkpoint was written in, reopened: its sums and its ``c``.
+@dataclass(frozen=True)
+class Carried:
+    """What a checkpoint's group brings into the resumed run's group.
 
-    Args:
-        state: What :func:`carried_state` gave when the checkpoint was written.
-        holds_sums: Whether this replica adds the carried sums to the group (exactly one replica does).
-        position: ``None``: the run resumes where the group's micro-batches left off (the same grouping). Else the
-            places of the group that Lightning's grouping counts as done now (another ``A`` or ``D``): the carried
-            micro-batches then count as ``total``, wherever they fall.
-        total: The carried micro-batches over all replicas of the run that wrote the checkpoint.
+    Attributes:
+        done: The group's places the resumed loop counts as done (its position), carried or lost.
+        microbatches: The carried micro-batches over all replicas of the run that wrote it.
+        samples: The carried samples over all replicas (where the group resumes under another ``m`` or ``D``).
+        sums: The carried sums by slot, on the one replica that adds them (empty on the others).
+        scale: The group's ``c`` (``None`` where no micro-batch before the checkpoint reported a loss).
+        gradients: The carried gradient by parameter name until it is installed, and the parameters it is added to.
     """
-    group = GroupSums()
-    if holds_sums:  # an entry written before documents were counted has no documents' sums: 0
-        group.carried = {slot: float(state["sums"].get(slot.name.lower(), 0.0)) for slot in CARRIED}
-    if position is None:
-        group.microbatches = int(state["microbatches"])
-    else:
-        group.missing = position
-        group.carried_microbatches = total
-        sums = state["sums"]  # the carried samples, known alike on every replica: where the group resumes, in samples
-        group.carried_samples = int(sums.get("samples_hi", 0.0)) * COUNT_SPLIT + int(sums.get("samples_lo", 0.0))
+
+    done: int = 0
+    microbatches: int = 0
+    samples: int = 0
+    sums: Mapping[Slot, float] = field(default_factory=dict)
+    scale: float | Tensor | None = None
+    gradients: dict[str, Tensor] | None = None
+    targets: list[tuple[str, Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def from_entry(cls, group: Mapping[str, Any], holds_sums: bool, position: int, total: int) -> Carried:
+        """What the entry's ``group`` carries, ``total`` micro-batches, into a group at ``position`` of the resumed
+        loop's; ``holds_sums``: this replica adds the sums (an entry written before documents were counted has none)."""
+        sums = group["sums"]
+        carried = {slot: float(sums.get(slot.name.lower(), 0.0)) for slot in CARRIED} if holds_sums else {}
         if holds_sums:
-            group.carried[Slot.MICROBATCHES] = float(total)
-    scale = state.get("scale_ref")
-    if scale is None:
-        return group, None
-    if state.get("scale_ref_is_tensor"):
-        return group, torch.tensor(float(scale), dtype=torch.float64)  # a 0-d CPU tensor works on any device
-    return group, float(scale)
+            carried[Slot.MICROBATCHES] = float(total)
+        scale = group.get("scale_ref")
+        if scale is not None:  # a tensor c where the writing run formed one: the resumed group's `w / c` does too
+            scale = (
+                torch.tensor(float(scale), dtype=torch.float64) if group.get("scale_ref_is_tensor") else float(scale)
+            )
+        samples = int(sums.get("samples_hi", 0.0)) * COUNT_SPLIT + int(sums.get("samples_lo", 0.0))
+        return cls(position, total, samples, carried, scale)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lightning_accum.carry import Carried
 from lightning_accum.group import UNIT_CODES, GroupSums, ReducedGroup
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.options import AccumulationOptions
@@ -277,6 +278,9 @@ def short_epoch_message(batches_per_epoch: float, accumulate: int, partial_group
     )
 
 
+_NOTHING_CARRIED = Carried()
+
+
 class GroupDecisions:
     """What happens to the closed groups of a run: each one decided (:meth:`decide`), then booked (:meth:`finish`).
 
@@ -304,9 +308,10 @@ class GroupDecisions:
         scaled: bool,
         describe_nonfinite: Callable[[], str] | None,
         say: tuple[Say, Say],
+        carried: Carried | None = None,
     ) -> GroupOutcome:
         """The record and action of the group whose local ``sums`` reduced to ``reduced`` (every close ends here);
-        messages go to ``say`` = ``(info, warn)``.
+        messages go to ``say`` = ``(info, warn)``; ``carried``: what a checkpoint carried into the group.
 
         Raises:
             RuntimeError: The replicas closed the group differently (:func:`check_agreement`), or its gradient is
@@ -315,15 +320,21 @@ class GroupDecisions:
         """
         info, warn = say
         k, unit = sums.microbatches, self.ledger.normalization
-        carried = sums.carried_microbatches  # known alike on every replica (from the checkpoint)
-        checked = dataclasses.replace(reduced, microbatches=reduced.microbatches - carried) if carried else reduced
-        check_agreement(checked, k, replicas, ends_epoch, unit)
+        carried = carried or _NOTHING_CARRIED  # known alike on every replica (from the checkpoint)
+        own = reduced.microbatches - carried.microbatches
+        check_agreement(
+            dataclasses.replace(reduced, microbatches=own) if own != reduced.microbatches else reduced,
+            k,
+            replicas,
+            ends_epoch,
+            unit,
+        )
         record = group_record(reduced)
-        partial = k + sums.missing < accumulate
-        if partial and carried and sums.carried_samples and k:
+        partial = k + carried.done < accumulate
+        if partial and carried.microbatches and carried.samples and k:
             # Resumed under another m or D: the carried samples say how much of the group ran, in this run's
             # micro-batches (each replica's m' = the new samples / (k · D)): complete iff Σ samples ≥ A · m' · D.
-            partial = reduced.samples * k < accumulate * (reduced.samples - sums.carried_samples)
+            partial = reduced.samples * k < accumulate * (reduced.samples - carried.samples)
         if partial:
             self.ledger.partial_groups += 1
             self._say_once("partial", info, partial_message(k, accumulate, self.options.partial_group))

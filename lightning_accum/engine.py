@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_accum.carry import carried_state, reopened_group
+from lightning_accum.carry import Carried, carried_state
 from lightning_accum.decision import (
     GroupDecisions,
     GroupListener,
@@ -264,8 +264,9 @@ class AccumulationEngine:
                 weighted like any micro-batch (exact: a slice's weight is its own units), but the group's micro-batch
                 count does not grow. :meth:`retract_microbatch` forgets the last call.
             sole: The caller knows that this micro-batch is its group's only one (automatic optimization with
-                ``A = 1``, the batch not cut into slices). On one replica, with an empty open group, ``c = w``: the
-                loss itself is returned and the close's factor is exactly 1; else ignored.
+                ``A = 1``, the batch not cut into slices, nothing carried from a checkpoint). On one replica, with an
+                empty open group, ``c = w``: the loss itself is returned and the close's factor is exactly 1; else
+                ignored.
 
         Returns:
             ``loss · w / c`` (the loss itself for a sole micro-batch), or ``None`` when the step returned no loss.
@@ -286,7 +287,7 @@ class AccumulationEngine:
         weight = unit_weight(unit, self.options.normalize, tokens, samples, documents)
         self.last_weight = weight
         sums.add(microbatch, continues)
-        if sole and not continues and sums.microbatches == 1 and self.replicas.alone and sums.carried_nothing:
+        if sole and not continues and sums.microbatches == 1 and self.replicas.alone:
             # c = w: the loss itself is back-propagated, and the close's factor c · D / W is exactly 1.
             sums.sole = True
             self._group_scale = weight if isinstance(weight, Tensor) else float(weight)
@@ -373,6 +374,7 @@ class AccumulationEngine:
         check_gradients: bool = False,
         describe_nonfinite: Callable[[], str] | None = None,
         stale: Tensor | None = None,
+        carried: Carried | None = None,
     ) -> GroupOutcome:
         """Reduce the group's sums over replicas (one all-reduce, one host read) and decide what to do.
 
@@ -390,6 +392,7 @@ class AccumulationEngine:
             stale: A manual group that opened on gradients already there: how many of them are nonzero (a device
                 scalar), read with the group's values (:attr:`GroupOutcome.stale
                 <lightning_accum.decision.GroupOutcome.stale>`, summed over the replicas).
+            carried: What a checkpoint written inside the group carried into it (the lifecycle's).
 
         Raises:
             ValueError: A reported count was negative (on every replica alike, so none of them hangs).
@@ -399,21 +402,28 @@ class AccumulationEngine:
         sums, unit = self._sums, self.ledger.normalization
         sums.stale = stale
         scale = self._group_scale if self._group_scale is not None else accumulate * (self.reference_weight or 1.0)
-        if self.replicas.alone and sums.carried_nothing:  # nothing to sum: the values read as they are
+        if self.replicas.alone and carried is None:  # nothing to sum: the values read as they are
             reduced, nonfinite = _local_close(sums, unit, ends_epoch, scale, gradients, check_gradients)
         else:
-            reduced, nonfinite = self._reduce(sums, unit, ends_epoch, scale, gradients, check_gradients)
+            reduced, nonfinite = self._reduce(sums, unit, ends_epoch, scale, gradients, check_gradients, carried)
         # The next group opens (whatever the decision raises); M is raised by the closed one.
         self._sums, self._group_scale = GroupSums(), None
         self.reference_weight = raised_reference(self.reference_weight, reduced)
         size, scaled = self.replicas.size, bool(gradients)
         say = (self.info, self.warn)
         return self.decisions.decide(
-            sums, reduced, accumulate, size, ends_epoch, nonfinite, scaled, describe_nonfinite, say
+            sums, reduced, accumulate, size, ends_epoch, nonfinite, scaled, describe_nonfinite, say, carried
         )
 
     def _reduce(
-        self, sums: GroupSums, unit: str | None, ends_epoch: bool, scale: float | Tensor, gradients: Any, check: bool
+        self,
+        sums: GroupSums,
+        unit: str | None,
+        ends_epoch: bool,
+        scale: float | Tensor,
+        gradients: Any,
+        check: bool,
+        carried: Carried | None,
     ) -> tuple[ReducedGroup, bool]:
         """The general close: the vector, its sum over the replicas, the rescale with its check, one host read."""
         extra = {
@@ -422,7 +432,9 @@ class AccumulationEngine:
             Slot.UNIT_CODE_SQUARED: UNIT_CODES.get(unit or "", 0.0) ** 2,
             Slot.LAST: 1.0 if ends_epoch else 0.0,
         }
-        vector = self.replicas.sum_(sums.local_vector(self.device, unit, extra, scale))
+        vector = self.replicas.sum_(
+            sums.local_vector(self.device, unit, extra, scale, None if carried is None else carried.sums)
+        )
         found: Tensor | None = None
         if gradients:
             # c · D / W on the device: the gradient is rescaled before anything is read on the host.
@@ -439,40 +451,25 @@ class AccumulationEngine:
 
     # ------------------------------------------------------------------ groups across a checkpoint
 
-    def open_group_state(self) -> dict[str, Any]:
-        """The open group's counters summed over replicas (:func:`~lightning_accum.carry.carried_state`), for a
-        checkpoint written inside a group: a collective with several replicas, one host read."""
-        vector = self.replicas.sum_(self._sums.local_vector(self.device, self.ledger.normalization))
+    def open_group_state(self, carried: Carried | None = None) -> dict[str, Any]:
+        """The open group's counters summed over replicas (:func:`~lightning_accum.carry.carried_state`), with what
+        ``carried`` brought into it, for a checkpoint written inside a group: a collective with several replicas."""
+        sums = self._sums.local_vector(
+            self.device, self.ledger.normalization, carried=None if carried is None else carried.sums
+        )
+        vector = self.replicas.sum_(sums)
         return carried_state(self._sums.microbatches, vector.tolist(), self._group_scale, self.group_consistent)
 
-    def resume_open_group(
-        self, state: Mapping[str, Any], holds_sums: bool, position: int | None = None, total: int | None = None
-    ) -> None:
-        """Reopen the group a checkpoint was written in (``state``: what :meth:`open_group_state` returned), so that it
-        closes exactly as if never interrupted; the arguments are :func:`~lightning_accum.carry.reopened_group`'s
-        (``total`` defaults to the written micro-batches on this run's replicas)."""
-        carried = int(total if total is not None else int(state["microbatches"]) * self.replicas.size)
-        self._sums, self._group_scale = reopened_group(state, holds_sums, position, carried)
-
-    @property
-    def carried_microbatches(self) -> int:
-        """Micro-batches of the open group carried over from a checkpoint, over all replicas of the run that wrote it
-        (0 unless the group was reopened with a ``position``)."""
-        return self._sums.carried_microbatches
+    def resume_open_group(self, scale: float | Tensor | None) -> None:
+        """Open a group that continues the one a checkpoint was written in: its ``c`` is ``scale``, the written one
+        (what the checkpoint carried is handed to the close: :class:`~lightning_accum.carry.Carried`)."""
+        self._sums, self._group_scale = GroupSums(), scale
 
     def discard_open_group(self) -> int:
         """Forget the open group (its gradient was discarded by ``zero_grad``); return its micro-batch count."""
         count = self._sums.microbatches
         self._sums, self._group_scale = GroupSums(), None
         return count
-
-    def note_missing_microbatches(self, count: int) -> None:
-        """The open group lost its first ``count`` micro-batches (a checkpoint that could not carry them).
-
-        The group still counts as a full one (not a partial group, so ``partial_group="drop"`` does not drop
-        the micro-batches that remain); the ledger counts only the micro-batches that reached the update.
-        """
-        self._sums.missing = count
 
     # ------------------------------------------------------------------ state
 

@@ -269,9 +269,9 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         config = self._configuration()
         if self._optimizers or not total:  # a checkpoint written between groups carries nothing to wait for
             self._core.reopen(config, position, self._parameters())
-        else:  # loaded before `setup_optimizers` (FSDP2's order): reopened at the loop's next accumulate, backward,
-            # close or save, when the parameters its optimizer holds are known
-            self._core.group.reopen_later = lambda: self._core.reopen(config, position, self._parameters())
+        else:  # loaded before `setup_optimizers` (FSDP2's order): reopened at the loop's next accumulate, backward or
+            # close, when the parameters its optimizer holds are known (a save before writes the group as read)
+            self._core.group.reopen_later(config, position)
         return remainder
 
     @override

@@ -138,17 +138,6 @@ class GroupSums:
 
     def __init__(self) -> None:
         self.microbatches = 0
-        #: Sums of micro-batches carried over from a checkpoint written inside this group, by slot (on one
-        #: replica only; see :mod:`lightning_accum.carry`).
-        self.carried: dict[Slot, float] = {}
-        #: Micro-batches of this group that ran before a checkpoint but could not be carried over (lost).
-        self.missing = 0
-        #: Micro-batches carried over from a checkpoint over all replicas of the run that wrote it (identical on
-        #: every replica; one replica adds them to the reduced vector, see :attr:`carried`).
-        self.carried_microbatches = 0
-        #: Samples carried over from a checkpoint over all replicas (identical on every replica; 0 when the group
-        #: resumes in the grouping that wrote it): where the group resumes when ``m`` or ``D`` changed.
-        self.carried_samples = 0
         self.losses: list[Tensor] = []
         self.tokens: list[Count] = []
         #: The label positions of the batch of each entry of :attr:`tokens` (``labels.numel()``), or ``None``.
@@ -164,11 +153,6 @@ class GroupSums:
         #: nonzero value, counted on the device when it opened, given to the close and read with its values (no host
         #: read of its own): a gradient zeroed in place is harmless, a stale one an error at the close.
         self.stale: Tensor | None = None
-
-    @property
-    def carried_nothing(self) -> bool:
-        """Whether nothing of this group comes from a checkpoint (carried sums, or lost micro-batches)."""
-        return not self.carried and not self.missing and not self.carried_microbatches
 
     def add(self, microbatch: Microbatch, continues: bool = False) -> None:
         """Record one micro-batch as read (:func:`~lightning_accum.microbatch.read_microbatch`; no loss: the step
@@ -227,15 +211,17 @@ class GroupSums:
         unit: str | None,
         extra: Mapping[Slot, float] | None = None,
         group_scale: float | Tensor = 0.0,
+        carried: Mapping[Slot, float] | None = None,
     ) -> Tensor:
         """This replica's contribution to the group's reduced vector (:class:`Slot` layout), a new float64 tensor.
 
-        ``extra`` adds host values by slot; ``group_scale`` is ``c`` (a float, or a device scalar). Host values (ints
-        reported as such, ``c`` as a float, ``extra``, what a checkpoint carried) are summed on the host, exactly;
-        values reported as tensors are summed on the device (a handful of operations whatever the group's size).
+        ``extra`` and ``carried`` (what a checkpoint carried into the group) add host values by slot; ``group_scale``
+        is ``c`` (a float, or a device scalar). Host values (ints reported as such, ``c`` as a float, ``extra``,
+        ``carried``) are summed on the host, exactly; values reported as tensors are summed on the device (a handful of
+        operations whatever the group's size).
         """
         host = [0.0] * VECTOR_SIZE
-        for slot, value in (*(extra or {}).items(), *self.carried.items()):
+        for slot, value in (*(extra or {}).items(), *(carried or {}).items()):
             host[slot] += value
         host[Slot.EXCESS] += self.host_excess()
         # Device values and the slots they are added to (first: the count of stale gradients, where one was given).

@@ -13,6 +13,7 @@ from host_reads import HostReadProbe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lightning_accum.carry import Carried
 from lightning_accum.engine import AccumulationEngine, Replicas
 from lightning_accum.gradients import scale_gradients
 from lightning_accum.microbatch import infer_num_samples
@@ -362,21 +363,24 @@ def test_a_group_reopened_from_its_saved_state_closes_like_the_uninterrupted_one
         0.0,
     )
 
+    # The group carried in at its third place: its c goes to the engine, the rest to the close.
+    carried = Carried.from_entry(saved["group"], holds_sums=True, position=2, total=2)
     second = AccumulationEngine(normalize="tokens")
     second.load_state_dict(saved["engine"])
-    second.resume_open_group(saved["group"], holds_sums=True)
-    assert second.microbatches_in_group == 2
+    second.resume_open_group(carried.scale)
     torch.testing.assert_close(add(second, *microbatches[2]), whole_backward[2], rtol=0, atol=0)  # the same w / c
-    outcome = second.close_group(accumulate=3)
+    outcome = second.close_group(accumulate=3, carried=carried)
     assert outcome.record == expected.record and outcome.factor == expected.factor
     assert outcome.record.loss == (512 * 2.0 + 1536 * 4.0 + 100 * 1.0) / 2148
 
     # A replica that does not hold the sums contributes only its own micro-batches (the holder adds the rest).
+    elsewhere = Carried.from_entry(saved["group"], holds_sums=False, position=2, total=2)
+    assert not elsewhere.sums and elsewhere.microbatches == 2 and elsewhere.done == 2
     other = AccumulationEngine(normalize="tokens")
     other.load_state_dict(saved["engine"])
-    other.resume_open_group(saved["group"], holds_sums=False)
+    other.resume_open_group(elsewhere.scale)
     add(other, *microbatches[2])
-    assert other.close_group(accumulate=3).record.tokens == 100
+    assert other.open_group_state(elsewhere)["sums"]["tokens_lo"] == 100
 
 
 def test_a_group_is_inconsistent_between_a_training_step_and_the_end_of_its_backward() -> None:

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_accum.carry import Carried
 from lightning_accum.decision import GroupOutcome, schedule_due
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.gradients import GradientsByKind, scaler_skipped
@@ -77,9 +78,11 @@ class GroupClosing:
         ends_epoch: bool,
         scaler: torch.amp.GradScaler | None,
         stale: Tensor | None = None,
+        carried: Carried | None = None,
     ) -> GroupOutcome:
-        """Close the open group over ``optimizer``'s gradients: one all-reduce, the rescale, the decision (``stale``:
-        see :meth:`AccumulationEngine.close_group <lightning_accum.engine.AccumulationEngine.close_group>`)."""
+        """Close the open group over ``optimizer``'s gradients: one all-reduce, the rescale, the decision (``stale``
+        and ``carried``: see :meth:`AccumulationEngine.close_group
+        <lightning_accum.engine.AccumulationEngine.close_group>`)."""
         return engine.close_group(
             accumulate=accumulate,
             ends_epoch=ends_epoch,
@@ -87,6 +90,7 @@ class GroupClosing:
             check_gradients=scaler is None and engine.options.on_nonfinite != "ignore",
             describe_nonfinite=lambda: self.first_nonfinite(optimizer, module),
             stale=stale,
+            carried=carried,
         )
 
     def gradients_by_kind(self, optimizer: Optimizer) -> GradientsByKind:

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from lightning_accum.core.adapter import EngineAdapter, NamedParameters
 from lightning_accum.core.checkpoint import OpenGroupCheckpoint
 from lightning_accum.core.closing import GroupClosing
-from lightning_accum.core.lifecycle import GroupLifecycle
+from lightning_accum.core.lifecycle import GroupLifecycle, GroupState
 from lightning_accum.core.manual import ManualGroups
 from lightning_accum.core.rules import refuse
 from lightning_accum.engine import AccumulationEngine
@@ -199,7 +199,7 @@ class AccumulationCore:
         micro-batch, and whether the door ran it with gradient synchronisation blocked (``unsynced``); another tensor
         with a graph inside the open group is an error."""
         self.install_carried()
-        ours = self.manual.is_handed_out(tensor)
+        ours = self.group.back_propagated(tensor)
         held = self.engine.microbatches_in_group
         if not ours and held and tensor.requires_grad:
             refuse("foreign_backward", held=held)
@@ -210,7 +210,7 @@ class AccumulationCore:
             result = run()
         if ours:
             self.engine.backward_finished()
-            self.manual.note_backward(unsynced, self.parameters)
+            self.group.backward_ran(unsynced, self.parameters)
         return result
 
     @contextmanager
@@ -274,7 +274,6 @@ class AccumulationCore:
     ) -> dict[str, Any]:
         """The package's checkpoint entry: the ledger, ``config`` and, inside a group, the group with its gradient
         summed over the replicas (collectives, unless ``failed`` says why the replicas cannot be reached)."""
-        self.reopen_deferred()  # a loaded group waiting for its optimizer is written as the open group it is
         return self.checkpoint.entry(
             self.engine,
             config,
@@ -286,18 +285,19 @@ class AccumulationCore:
 
     def reopen(self, config: dict[str, Any], position: int, parameters: NamedParameters) -> None:
         """Finish, exactly, the group a checkpoint was written in, at ``position`` of the resumed loop's group."""
-        self.checkpoint.reopen(self.engine, config, position, self.adapter.holds_group_sums(), parameters)
+        self.checkpoint.reopen(config, position, self.adapter.holds_group_sums(), parameters)
 
     def reopen_deferred(self) -> None:
-        """Run, once, the reopen of a group loaded before the loop set up its optimizer (``group.reopen_later``)."""
-        reopen, self.group.reopen_later = self.group.reopen_later, None
-        if reopen is not None:
-            reopen()
+        """The reopen of a group loaded before the loop set up its optimizers (``group.reopen_later``), once they
+        are."""
+        deferred = self.group.deferred
+        if deferred is not None:
+            self.reopen(*deferred, self.parameters())
 
     def install_carried(self) -> None:
         """A group resumed from a checkpoint: its gradient is added before the loop's first backward (or close)."""
         self.reopen_deferred()
-        if self.group.carried is not None:
+        if self.group.state is GroupState.REOPENED:
             self.checkpoint.install(self.adapter.carried_part)
 
     def end(self, why: str, say: Callable[[str], None] | None = None, then: str = "") -> int:

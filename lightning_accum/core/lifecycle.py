@@ -1,53 +1,59 @@
-"""The one owner of an accumulation group's lifecycle, at both doors: :class:`GroupLifecycle`.
+"""The one owner of an accumulation group's state, at both doors: :class:`GroupLifecycle`.
 
-A group is opened by its first micro-batch, closed by the close, and may cross a checkpoint (written inside it,
-reopened in another run, its carried gradient installed before the next backward). Every piece of state that lives
-while a group lives is held here and nowhere else: what the manual API handed out and closed, the gradients the open
-group owns (their host marks), a checkpoint's group waiting for the loop, and its carried gradient. The group's
-arithmetic (its sums, its ``c``) is the engine's, which the lifecycle reads for its counts.
-
-Its state is one read, :attr:`GroupLifecycle.state`:
-
-============ ==========================================================================================
-``IDLE``     no group: the next micro-batch opens one
-``OPEN``     micro-batches reported on this replica since the last close (or a carried group, installed)
-``CLOSED``   closed by ``close_group``, waiting for its ``optimizer.step()``
-``LOADED``   a checkpoint's group read, waiting for the loop: its optimizers (Fabric's ``setup_optimizers``
-             after ``load``) or its position (the Trainer's first micro-batch), to reopen it
-``REOPENED`` reopened: its carried gradient waits for the first backward (or the close) to be added
-============ ==========================================================================================
-
-and it ends in one place, :meth:`GroupLifecycle.end`, which both doors' teardowns call.
+Its state is held in one field, :class:`GroupState`, changed only by its transitions (:data:`LEAVES`), each of which
+checks the state it leaves: a move a user's loop can cause is refused with the manual API's rule
+(:mod:`~lightning_accum.core.rules`), any other is an internal error. It ends in one place, :meth:`GroupLifecycle.end`,
+which both doors' teardowns call. No other module writes its fields (``tests/project/test_layout.py`` checks it).
+docs/internals.md ("The group's lifecycle") has the table of states and transitions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_accum.carry import Carried
 from lightning_accum.core.adapter import NamedParameters
+from lightning_accum.core.rules import refuse
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine
 
-__all__ = ["Closed", "GroupLifecycle", "GroupState", "Marks"]
+__all__ = ["LEAVES", "Closed", "GroupLifecycle", "GroupState", "Marks", "marks_of"]
 
 #: Each gradient of the open group as a host mark: its identity and version counter (``None`` without one).
 Marks = list[tuple[int, int] | None]
 
 
 class GroupState(enum.Enum):
-    """Where a group is in its lifecycle (see the module's table)."""
+    """Where a group is in its lifecycle."""
 
-    IDLE = "idle"
-    OPEN = "open"
-    CLOSED = "closed"
-    LOADED = "loaded"
-    REOPENED = "reopened"
+    IDLE = "idle"  #: no group: the next micro-batch opens one
+    OPEN = "open"  #: micro-batches reported since the last close (or a carried group, installed)
+    CLOSED = "closed"  #: closed by ``close_group``, waiting for its ``optimizer.step()``
+    LOADED = "loaded"  #: a checkpoint's entry read, waiting for the loop (its optimizers or its position)
+    REOPENED = "reopened"  #: a checkpoint's group reopened: its gradient waits for the first backward or the close
+
+
+_IDLE, _OPEN, _CLOSED, _LOADED, _REOPENED = GroupState
+#: Each transition and the states it may leave; :meth:`GroupLifecycle.refuse` says why any other is refused.
+LEAVES: dict[str, tuple[GroupState, ...]] = {
+    "open": (_IDLE,),
+    "hand_out": (_OPEN, _REOPENED),
+    "close": (_OPEN,),
+    "await_step": (_IDLE,),
+    "stepped": (_CLOSED,),
+    "load": (_IDLE, _LOADED),
+    "reopen_later": (_LOADED,),
+    "reopen": (_LOADED,),
+    "install": (_REOPENED,),
+    "end": tuple(GroupState),
+}
 
 
 @dataclass
@@ -59,11 +65,16 @@ class Closed:
     scale_before: Tensor | None = None  # the GradScaler's scale, read on the device (no host read)
 
 
+def marks_of(parameters: NamedParameters) -> Marks:
+    """Each parameter's gradient as a host mark: its identity and version counter (``None`` without one)."""
+    return [(id(g), g._version) if (g := p.grad) is not None else None for _, p in parameters]
+
+
 class GroupLifecycle:
     """The state of the group one strategy runs, whatever door and engine; see the module.
 
     Args:
-        engine: The engine whose sums are the group's arithmetic (read for its micro-batch counts).
+        engine: The engine whose sums are the group's arithmetic (its open micro-batches are discarded at the end).
     """
 
     def __init__(self, engine: AccumulationEngine) -> None:
@@ -71,51 +82,170 @@ class GroupLifecycle:
         self._forget()
 
     def _forget(self) -> None:
-        # The manual API: the last tensor `accumulate` returned until it is back-propagated, the group closed and
-        # waiting for its step, and whether the group's latest (any) backward ran with synchronisation blocked.
+        self.state = GroupState.IDLE
+        # The manual API: the tensor `accumulate` handed out until it is back-propagated, the group closed and waiting
+        # for its step, whether the group's last (any) backward ran with synchronisation blocked, what it watches.
         self.handed_out: Tensor | None = None
         self.closed: Closed | None = None
-        self.last_unsynced = False
-        self.unsynced = False  # a backward of it did (its gradient may be held unreduced inside FSDP2)
-        self.unwatch()
-        # A checkpoint's group: read and waiting for the loop (`loaded`, as the entry was read in `pending_entry`),
-        # reopened later where the loop's optimizers are not set up yet (`reopen_later`), and its gradient waiting
-        # for the first backward (`carried`, added to `targets`).
-        self.loaded: dict[str, Any] | None = None
-        self.pending_entry: tuple[int, dict[str, Any] | None, dict[str, Any] | None] | None = None
-        self.reopen_later: Callable[[], None] | None = None
-        self.carried: dict[str, Tensor] | None = None
-        self.targets: NamedParameters = []
+        self.last_unsynced = self.unsynced = False
+        self._watch([], [], None)
+        # A checkpoint's group: its entry's open group and configuration as read (`written`, also what a checkpoint
+        # written before the group changes writes again), a reopen waiting for the loop's optimizers (`deferred`: its
+        # configuration and position), and what the group carries in (`carried`).
+        self.written: tuple[dict[str, Any] | None, dict[str, Any]] | None = None
+        self.deferred: tuple[dict[str, Any], int] | None = None
+        self.carried: Carried | None = None
 
-    def unwatch(self) -> None:
-        """Forget the gradients a manual group owned (its close, or a new group)."""
-        self.watched: NamedParameters = []  # the open group's parameters, whose gradients it owns
-        self.marks: Marks | None = None  # each gradient's (id, version) after the group's last backward
-        self.held: list[Tensor | None] = []  # those gradients, kept so that no new one reuses an id
-        self.opened_on: list[str] = []  # the parameters that held a gradient when the group opened
-        self.stale: Tensor | None = None  # how many of them are nonzero, counted on the device (read by the close)
+    def _watch(self, watched: NamedParameters, opened_on: list[str], stale: Tensor | None) -> None:
+        self.watched = watched  # the open manual group's parameters, whose gradients it owns
+        self.held = [p.grad for _, p in watched]  # their gradients, kept so that no new one reuses an id
+        self.marks: Marks | None = marks_of(watched) if watched else None  # each gradient's (id, version)
+        self.opened_on = opened_on  # the parameters that held a gradient when the group opened
+        self.stale = stale  # how many of them are nonzero, counted on the device (read by the close)
+
+    # ------------------------------------------------------------------ reads
 
     @property
-    def state(self) -> GroupState:
-        """Where the group is (see the module's table)."""
-        if self.closed is not None:
-            return GroupState.CLOSED
-        if self.loaded is not None or self.reopen_later is not None:
-            return GroupState.LOADED
-        if self.carried is not None:
-            return GroupState.REOPENED
-        if self.engine.microbatches_in_group or self.engine.carried_microbatches:
-            return GroupState.OPEN
-        return GroupState.IDLE
+    def loaded(self) -> dict[str, Any] | None:
+        """While ``LOADED``: the checkpoint's open group with its ``config`` (``{"microbatches": 0}`` if none,
+        ``"unknown"`` where the checkpoint had no entry)."""
+        if self.state is not GroupState.LOADED:
+            return None
+        if self.written is None:
+            return {"microbatches": 0, "unknown": True}
+        group, config = self.written
+        return {**(group or {"microbatches": 0}), "config": config}
 
     @property
     def group_open(self) -> bool:
         """Whether a group is open: micro-batches reported since the last close, a carried group reopened, or a
         checkpoint's group of at least one micro-batch waiting for the loop (one written between groups is not)."""
-        state = self.state
-        if state is GroupState.LOADED:
+        if self.state is GroupState.LOADED:
             return int((self.loaded or {}).get("microbatches", 0)) > 0
-        return state in (GroupState.OPEN, GroupState.REOPENED)
+        return self.state in (GroupState.OPEN, GroupState.REOPENED)
+
+    def refuse(self, transition: str, call: str = "", optimizer: str = "") -> NoReturn:
+        """Refuse ``transition`` from the current state: with the manual API's rule where a loop's ``call`` causes it
+        (``optimizer``: the class of the one stepped), else as an internal error naming the states."""
+        state, held = self.state, self.engine.microbatches_in_group
+        if state is GroupState.CLOSED and call:
+            refuse("step_pending", call=call, optimizer=type(self.closed.optimizer).__name__)  # type: ignore[union-attr]
+        if transition == "close" and state in (GroupState.IDLE, GroupState.OPEN):
+            last = self.engine.ledger.last_group
+            after = (
+                f" The last group ({last.microbatches} micro-batch(es)) was closed already: a group is closed once,"
+                " over one optimizer's parameters; with several optimizers over one loss, give them one optimizer"
+                " (parameter groups) or accumulate each one's loss separately."
+                if last is not None
+                else ""
+            )
+            refuse("close_without_microbatches", after=after)
+        if transition == "stepped" and state in (GroupState.OPEN, GroupState.REOPENED):
+            refuse("step_inside_open_group", optimizer=optimizer, held=held)
+        allowed = " or ".join(s.value for s in LEAVES[transition])
+        raise RuntimeError(
+            f"lightning_accum: the accumulation group cannot `{transition}` while it is {state.value} ({held}"
+            f" micro-batch(es) held; it leaves {allowed} that way). This is a bug of lightning_accum: please report it."
+        )
+
+    # ------------------------------------------------------------------ the group's micro-batches
+
+    def open(
+        self, watched: NamedParameters | None = None, opened_on: list[str] | None = None, stale: Tensor | None = None
+    ) -> None:
+        """A micro-batch opens a group (a manual one on the gradients of ``watched``; ``opened_on``, ``stale``: those
+        that held one, and how many are nonzero, counted on the device)."""
+        if self.state is not GroupState.IDLE:
+            self.refuse("open", "accumulate")
+        self.state = GroupState.OPEN
+        if watched:
+            self._watch(watched, opened_on or [], stale)
+
+    def hand_out(self, tensor: Tensor) -> None:
+        """``accumulate`` handed out ``tensor``, to be back-propagated before its next call or the close."""
+        if self.state not in LEAVES["hand_out"]:
+            self.refuse("hand_out", "accumulate")
+        self.handed_out = tensor
+
+    def back_propagated(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``, about to be back-propagated, is the one handed out last (then no longer outstanding)."""
+        if self.handed_out is None or tensor is not self.handed_out:
+            return False
+        self.handed_out = None
+        return True
+
+    def backward_ran(self, unsynced: bool, parameters: Callable[[], NamedParameters]) -> None:
+        """The handed-out tensor's backward ran, with gradient synchronisation blocked or not; the group's gradients
+        are marked as it left them (``parameters``: the group's, where no ``accumulate`` opened it)."""
+        self.last_unsynced = unsynced
+        self.unsynced = self.unsynced or unsynced
+        watched = self.watched or parameters()
+        self.watched, self.held, self.marks = watched, [p.grad for _, p in watched], marks_of(watched)
+
+    def close(self) -> Carried | None:
+        """The group's micro-batches go to the close (the next micro-batch opens a new group, whatever the close
+        raises); returns what a checkpoint carried into the group, for the engine's close."""
+        if self.state is not GroupState.OPEN:
+            self.refuse("close", "close_group")
+        carried, self.carried = self.carried, None
+        self.state, self.last_unsynced, self.unsynced = GroupState.IDLE, False, False
+        if self.watched:
+            self._watch([], [], None)
+        return carried
+
+    def await_step(self, closed: Closed) -> None:
+        """A manual close's group waits for its ``optimizer.step()``."""
+        if self.state is not GroupState.IDLE:
+            self.refuse("await_step", "close_group")
+        self.state, self.closed = GroupState.CLOSED, closed
+
+    def stepped(self, optimizer: Optimizer) -> Closed:
+        """``optimizer.step()`` of the closed group: returns it, then no group is open."""
+        closed = self.closed
+        if self.state is not GroupState.CLOSED or closed is None:
+            self.refuse("stepped", optimizer=type(optimizer).__name__)
+        if closed.optimizer is not optimizer:
+            refuse(
+                "step_of_another_optimizer", optimizer=type(optimizer).__name__, closed=type(closed.optimizer).__name__
+            )
+        self.state, self.closed = GroupState.IDLE, None
+        return closed
+
+    # ------------------------------------------------------------------ a group across a checkpoint
+
+    def load(self, written: tuple[dict[str, Any] | None, dict[str, Any]] | None) -> None:
+        """A checkpoint's entry is read: its open group (or ``None``) and configuration (``None``: it had no entry)."""
+        if self.state not in LEAVES["load"]:
+            self.refuse("load")
+        self._forget()
+        self.state, self.written = GroupState.LOADED, written
+
+    def reopen_later(self, config: dict[str, Any], position: int) -> None:
+        """The loaded group is reopened (:meth:`reopen`) once the loop's optimizers are set up."""
+        if self.state is not GroupState.LOADED:
+            self.refuse("reopen_later")
+        self.deferred = (config, position)
+
+    def reopen(self, carried: Carried | None) -> None:
+        """The loaded group is reopened with what it ``carried`` (its gradient waits to be installed), or ends (nothing
+        carried, or the places a lost group leaves done). The engine's open group takes the carried ``c``."""
+        if self.state is not GroupState.LOADED:
+            self.refuse("reopen")
+        self.deferred, self.carried = None, carried
+        if carried is None or carried.gradients is None:
+            self.state, self.written = GroupState.IDLE, None
+            return
+        self.state = GroupState.REOPENED
+        self.engine.resume_open_group(carried.scale)
+
+    def install(self) -> tuple[dict[str, Tensor], NamedParameters]:
+        """The carried gradient and its parameters, handed out once to be added (the group is then open)."""
+        carried = self.carried
+        if self.state is not GroupState.REOPENED or carried is None:
+            self.refuse("install")
+        self.carried = dataclasses.replace(carried, gradients=None, targets=[])
+        self.state, self.written = GroupState.OPEN, None
+        return carried.gradients or {}, carried.targets
 
     def end(self, why: str, say: Callable[[str], None] | None = None, then: str = "") -> int:
         """End the group with the entry point that ran it: the engine's open micro-batches are discarded and

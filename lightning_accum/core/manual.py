@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from lightning_accum.core.adapter import NamedParameters
 from lightning_accum.core.closing import GroupClosing
-from lightning_accum.core.lifecycle import Closed, GroupLifecycle, Marks
+from lightning_accum.core.lifecycle import Closed, GroupLifecycle, GroupState, Marks, marks_of
 from lightning_accum.core.rules import refuse
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import GroupRecord
@@ -32,27 +32,12 @@ __all__ = ["ManualGroups"]
 
 
 class ManualGroups:
-    """The manual API's operations on the group: what a manual loop reports, closes and steps. Its state (the tensor
-    handed out, the group waiting for its step, the gradients the group owns) is the lifecycle's."""
+    """The manual API's operations on the group: what a manual loop reports, closes and steps, its rules checked
+    where the mistake happens. Its state (the tensor handed out, the group waiting for its step, the gradients the group
+    owns) is the lifecycle's, changed through its transitions."""
 
     def __init__(self, group: GroupLifecycle) -> None:
         self.group = group
-
-    def _mark(self) -> None:
-        group = self.group
-        group.held = [p.grad for _, p in group.watched]
-        group.marks = _marks_of(group.watched)
-
-    def note_backward(self, unsynced: bool, parameters: Callable[[], NamedParameters]) -> None:
-        """The handed-out tensor was back-propagated, with gradient synchronisation blocked or not (as the door that
-        ran it saw: Fabric's ``no_backward_sync``, DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``); the
-        group's gradients are marked as this backward left them (``parameters``: the group's, where it did not open
-        with an ``accumulate``, as one reopened from a checkpoint)."""
-        self.group.last_unsynced = unsynced
-        self.group.unsynced = self.group.unsynced or unsynced
-        if not self.group.watched:
-            self.group.watched = parameters()
-        self._mark()
 
     def check_untouched(self, engine: AccumulationEngine, call: str) -> None:
         """Refuse a group whose gradients changed since its last backward (or its opening) other than through the
@@ -60,7 +45,7 @@ class ManualGroups:
         marks = self.group.marks
         if marks is None:
             return
-        now = _marks_of(self.group.watched)
+        now = marks_of(self.group.watched)
         if now != marks:
             refuse(
                 "gradient_changed_outside",
@@ -83,13 +68,15 @@ class ManualGroups:
         """Record one micro-batch in the open group; return ``loss · w / c`` (see ``ExactAccumulation.accumulate``).
         ``opening``: the micro-batch opens a group, on these parameters (a gradient already there must be zero: told
         at the close); ``local``: the part of a gradient this rank holds (a DTensor's shard)."""
-        self._check_no_step_pending("accumulate")
+        group = self.group
+        if group.state is GroupState.CLOSED:
+            group.refuse("hand_out", "accumulate")
         self._check_handed_out_used("accumulate")
         if not isinstance(loss, Tensor):
             refuse("loss_not_a_tensor", kind=type(loss).__name__)
         # `group_size=1` declares the group's only micro-batch: on one replica it is back-propagated as it is (c = w,
         # the close's factor exactly 1), as the Trainer's `A = 1` is, so the update is the plain loop's bit for bit.
-        sole = group_size == 1 and not isinstance(group_size, bool)
+        sole = group_size == 1 and not isinstance(group_size, bool) and group.carried is None
         _check_group_size(group_size)
         if group_size is None:
             last = engine.ledger.last_group
@@ -98,22 +85,12 @@ class ManualGroups:
             refuse("sole_microbatch_joined")
         output = {"loss": loss, **{key: value for key, value in counts.items() if value is not None}}
         if opening is not None:
-            self.group.unwatch()
-            self.group.watched = opening()
-            self.group.opened_on, self.group.stale = _nonzero_gradients(self.group.watched, local, engine.device)
-            self._mark()
+            watched = opening()
+            group.open(watched, *_nonzero_gradients(watched, local, engine.device))
         tensor = engine.add_microbatch(output, batch, accumulate=group_size, sole=sole)
         assert tensor is not None  # a tensor loss always gives one
-        self.group.handed_out = tensor
+        group.hand_out(tensor)
         return tensor
-
-    def is_handed_out(self, tensor: Tensor) -> bool:
-        """Whether ``tensor``, about to be back-propagated, is the one :meth:`accumulate` handed out last (then no
-        longer outstanding)."""
-        if self.group.handed_out is None or tensor is not self.group.handed_out:
-            return False
-        self.group.handed_out = None
-        return True
 
     def close(
         self,
@@ -130,19 +107,11 @@ class ManualGroups:
         ``optimizers``: every optimizer of the loop (a backward that reached another one's parameters is refused);
         ``sync_matters``: whether a last backward with synchronisation blocked leaves the group's gradient uncombined
         (several DDP replicas, FSDP2), which is then refused."""
-        self._check_no_step_pending("close_group")
+        group = self.group
         held = engine.microbatches_in_group
-        if held == 0:
-            last = engine.ledger.last_group
-            after = (
-                f" The last group ({last.microbatches} micro-batch(es)) was closed already: a group is closed once,"
-                " over one optimizer's parameters; with several optimizers over one loss, give them one optimizer"
-                " (parameter groups) or accumulate each one's loss separately."
-                if last is not None
-                else ""
-            )
-            refuse("close_without_microbatches", after=after)
-        if self.group.last_unsynced and sync_matters:
+        if group.state is not GroupState.OPEN or not held:
+            group.refuse("close", "close_group")
+        if group.last_unsynced and sync_matters:
             refuse("last_backward_unsynced")
         self.check_untouched(engine, "close_group")
         _refuse_gradients_of_other_optimizers(optimizer, optimizers)
@@ -151,19 +120,16 @@ class ManualGroups:
         if group_size is not None and held > group_size:
             refuse("group_size_exceeded", group_size=group_size, held=held)
         accumulate = group_size if group_size is not None else held
-        outcome = closing.close(
-            engine, optimizer, module, accumulate, ends_epoch=False, scaler=scaler, stale=self.group.stale
-        )
-        self.group.last_unsynced = self.group.unsynced = False
-        opened_on = self.group.opened_on
-        self.group.unwatch()
+        stale, opened_on = group.stale, group.opened_on
+        carried = group.close()
+        outcome = closing.close(engine, optimizer, module, accumulate, False, scaler, stale, carried)
         if outcome.stale:
             refuse("stale_gradient_at_opening", count=outcome.stale, names=_names(opened_on))
         if outcome.action != "apply":
             optimizer.zero_grad(set_to_none=True)
-            self.group.closed = Closed(optimizer, None)
+            group.await_step(Closed(optimizer, None))
             return closing.finish(engine, outcome, applied=False)
-        self.group.closed = Closed(optimizer, outcome, closing.scale_now(scaler))
+        group.await_step(Closed(optimizer, outcome, closing.scale_now(scaler)))
         return outcome.record
 
     def optimizer_step(
@@ -177,18 +143,9 @@ class ManualGroups:
     ) -> Any:
         """``optimizer.step()`` in a manual loop: ``lightning_step()`` (Lightning's own) after a group closed as
         "apply", nothing after one that makes no update, Lightning's behaviour when no group was reported."""
-        closed = self.group.closed
-        if closed is None:
-            if engine.microbatches_in_group:
-                refuse("step_inside_open_group", optimizer=type(optimizer).__name__, held=engine.microbatches_in_group)
+        if self.group.state is not GroupState.CLOSED and not engine.microbatches_in_group:
             return lightning_step()
-        if closed.optimizer is not optimizer:
-            refuse(
-                "step_of_another_optimizer",
-                optimizer=type(optimizer).__name__,
-                closed=type(closed.optimizer).__name__,
-            )
-        self.group.closed = None
+        closed = self.group.stepped(optimizer)
         if closed.outcome is None:
             closure()  # the group makes no update; the user's closure (if any) still runs, as step would run it
             return None
@@ -203,10 +160,6 @@ class ManualGroups:
         held = engine.microbatches_in_group
         if held:
             refuse("clipping_inside_open_group", call=call, held=held)
-
-    def _check_no_step_pending(self, what: str) -> None:
-        if self.group.closed is not None:
-            refuse("step_pending", call=what, optimizer=type(self.group.closed.optimizer).__name__)
 
     def _check_handed_out_used(self, what: str) -> None:
         if self.group.handed_out is not None:
@@ -227,11 +180,6 @@ def _refuse_gradients_of_other_optimizers(closed: Optimizer, optimizers: Sequenc
             continue
         if any(p.grad is not None and id(p) not in mine for g in other.param_groups for p in g["params"]):
             refuse("another_optimizers_gradient", closed=type(closed).__name__, other=type(other).__name__)
-
-
-def _marks_of(parameters: NamedParameters) -> Marks:
-    """Each parameter's gradient as a host mark: its identity and version counter (``None`` without one)."""
-    return [(id(g), g._version) if (g := p.grad) is not None else None for _, p in parameters]
 
 
 def _nonzero_gradients(

@@ -31,7 +31,7 @@ from lightning_accum.core.adapter import (
     Write,
     collective_failure,
 )
-from lightning_accum.core.entry import CHECKPOINT_KEY, DISTRIBUTED_KEY, malformed
+from lightning_accum.core.entry import CHECKPOINT_KEY, DISTRIBUTED_KEY, check_gradient, malformed
 from lightning_accum.core.mesh_clipping import clip_grad_norm_, clip_grad_value_, local_part
 from lightning_accum.core.reading import checkpoint_location, fsspec_reader
 from lightning_accum.engine import Replicas
@@ -318,20 +318,15 @@ class MeshAdapter(EngineAdapter):
             reader = FileSystemReader(folder) if isinstance(folder, Path) else fsspec_reader()(folder)
             stored = reader.read_metadata().state_dict_metadata
             by_name = dict(parameters())
+            shapes = {n: tuple(p.shape) for n, p in by_name.items()}
             templates: dict[str, Tensor] = {}
             for name in names:
-                key = f"open_group.gradients[{name!r}]"
-                p = by_name.get(name)
-                if p is None:
-                    raise malformed(key, f"the gradient of one of the parameters {sorted(by_name)}", name)
                 meta = stored.get(f"{DISTRIBUTED_KEY}.{name}")
                 if not isinstance(meta, TensorStorageMetadata):
-                    raise malformed(key, f"a tensor in the distributed checkpoint under {DISTRIBUTED_KEY!r}", "missing")
-                if tuple(meta.size) != tuple(p.shape):
-                    raise malformed(key, f"a tensor of shape {tuple(p.shape)}", meta.size)
-                if not meta.properties.dtype.is_floating_point:
-                    raise malformed(key, "a floating-point tensor", meta.properties.dtype)
-                templates[name] = torch.zeros_like(p, dtype=meta.properties.dtype)
+                    expected = f"a tensor in the distributed checkpoint under {DISTRIBUTED_KEY!r}"
+                    raise malformed(f"open_group.gradients[{name!r}]", expected, "missing")
+                check_gradient(name, meta.size, meta.properties.dtype, shapes)
+                templates[name] = torch.zeros_like(by_name[name], dtype=meta.properties.dtype)
             load({DISTRIBUTED_KEY: templates}, checkpoint_id=folder)
             return templates
 

@@ -1,9 +1,5 @@
-"""A checkpoint file (or sharded folder) as it is read: Lightning's read, or the package's error for one that cannot
-be read (:func:`read_checkpoint`: the path, its size and torch's own error; a folder the strategy cannot read refused
-before the read), where a model-parallel checkpoint is (:func:`checkpoint_location`), and the gradient of a group open
-at a sharded checkpoint (:func:`distributed_gradients`). What is read is checked by :mod:`~lightning_accum.core.entry`.
-See ``docs/reliability.md``.
-"""
+"""A checkpoint file (or sharded folder) as it is read: :func:`read_checkpoint`, :func:`checkpoint_location`, and the
+gradient of a group open at a sharded checkpoint (:func:`distributed_gradients`); docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -11,6 +7,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric import __version__ as fabric_version
 from lightning.fabric.utilities import cloud_io
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
@@ -48,9 +45,8 @@ _READ_ERRORS = (Exception, CheckpointException)
 def read_checkpoint(
     read: Callable[[], dict[str, Any]], path: _Path, refuse_folder: Callable[[Path], str | None] | None = None
 ) -> dict[str, Any]:
-    """``read()`` (Lightning's read of the checkpoint at ``path``), or the package's error for a file that cannot
-    be read. ``refuse_folder``, asked before the read, says why the reading strategy cannot read a local folder at all
-    (``None``: it can try); without it no folder is refused before the read.
+    """``read()`` (Lightning's read of the checkpoint at ``path``); ``refuse_folder`` says, before it, why the reading
+    strategy cannot read a local folder at all (``None``: it can try).
 
     Raises:
         ValueError: A folder this strategy cannot read, or a file or folder torch's read failed on (the path, its size
@@ -72,9 +68,8 @@ def read_checkpoint(
 
 
 def _from_torch_read(error: BaseException) -> bool:
-    """Whether ``error`` is torch's read of the file failing (raised inside ``torch.load``, or torch's
-    distributed-checkpoint error), not Lightning's or the model's side of the load (a missing file, a state that does
-    not fit)."""
+    """Whether ``error`` is torch's read of the file failing (inside ``torch.load``, or torch's distributed-checkpoint
+    error), not Lightning's or the model's side of the load."""
     if isinstance(error, CheckpointException):
         return True
     trace = error.__traceback__
@@ -105,19 +100,16 @@ def local_path(path: _Path) -> Path | None:
 
 
 def checkpoint_location(path: _Path) -> Path | str:
-    """Where the model-parallel checkpoint (a sharded folder or a file) ``path`` is: a local ``Path``, or, where
-    Lightning takes URLs (:data:`LIGHTNING_TAKES_REMOTE_FOLDERS`), a ``file://`` URL's local ``Path`` or a remote fsspec
-    URL as given (``s3://...``, ``memory://...``).
+    """Where the model-parallel checkpoint ``path`` is: a local ``Path``, or a remote fsspec URL as given where
+    Lightning takes URLs (:data:`LIGHTNING_TAKES_REMOTE_FOLDERS`).
 
     Raises:
         ValueError: A URL on a Lightning whose model-parallel strategy takes local paths only.
     """
     text = str(path)
     if "://" in text and not LIGHTNING_TAKES_REMOTE_FOLDERS:
-        import lightning
-
         raise ValueError(
-            f"A checkpoint at {text!r}: Lightning {lightning.__version__}'s model-parallel strategy writes and reads"
+            f"A checkpoint at {text!r}: Lightning {fabric_version}'s model-parallel strategy writes and reads"
             " checkpoints at local paths only (a URL would be written as a local path of another name: 's3://b/c' as"
             " 's3:/b/c'). Give a local path, or use a Lightning whose model-parallel strategy takes URLs (2.7 and"
             " later)."
@@ -127,9 +119,7 @@ def checkpoint_location(path: _Path) -> Path | str:
 
 
 def fsspec_reader() -> Any:
-    """torch's reader of a distributed checkpoint at an fsspec URL (``FsspecReader``): public in
-    ``torch.distributed.checkpoint.fsspec_filesystem`` where torch has it (2.15: the private ``_fsspec_filesystem``
-    warns that it is deprecated there), private before."""
+    """torch's ``FsspecReader``: public where torch has it (2.15, whose private module warns), private before."""
     try:
         from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader
     except ImportError:
@@ -143,8 +133,7 @@ def distributed_gradients(
     path: str,
     read: Callable[[list[str]], dict[str, Tensor]] | None,
 ) -> dict[str, Tensor]:
-    """The open group's gradient stored in a distributed checkpoint's shards (or in one file it was consolidated into,
-    which holds it under :data:`DISTRIBUTED_KEY`)."""
+    """The open group's gradient stored in a distributed checkpoint's shards (or consolidated into one file)."""
     if DISTRIBUTED_KEY in checkpoint:
         return dict(checkpoint[DISTRIBUTED_KEY])
     if read is None:

@@ -12,6 +12,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_accum.carry import Carried
 from lightning_accum.core.closing import GroupClosing
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine
@@ -67,7 +68,7 @@ class _Step:
     closing: GroupClosing
     optimizer: Optimizer
     closure: Callable[..., Any]
-    prepare: Callable[[], None]
+    prepare: Callable[[], Carried | None]
     engine: AccumulationEngine
     scaler: torch.amp.GradScaler | None
     module: LightningModule | None
@@ -90,10 +91,11 @@ class AutomaticSteps:
         optimizer: Optimizer,
         closure: Callable[..., Any],
         trainer: Trainer,
-        prepare: Callable[[], None],
+        prepare: Callable[[], Carried | None],
         lightning_step: Callable[[Callable[..., Any]], Any],
     ) -> Any:
-        """Run ``lightning_step`` with a closure: ``closure``, ``prepare()``, the group's close."""
+        """Run ``lightning_step`` with a closure: ``closure``, ``prepare()`` (returning what a checkpoint carried into
+        the group), the group's close."""
         # Known before the closure runs: Lightning sets the batch's place in the epoch before its step.
         accumulate = trainer.accumulate_grad_batches
         ends_epoch = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
@@ -118,10 +120,10 @@ class AutomaticSteps:
         if step.outcome is not None:  # the optimizer evaluates the closure again (LBFGS): same batch, new parameters
             return self._reevaluate(step, *args, **kw)
         result = step.closure(*args, **kw)
-        step.prepare()
+        carried = step.prepare()
         closing, scaler = step.closing, step.scaler
         outcome = step.outcome = closing.close(
-            step.engine, step.optimizer, step.module, step.accumulate, step.ends_epoch, scaler
+            step.engine, step.optimizer, step.module, step.accumulate, step.ends_epoch, scaler, None, carried
         )
         step.scale_before = closing.scale_now(scaler)
         if outcome.action != "apply":

@@ -35,10 +35,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum.batch_schedule import BatchSchedule, as_schedule
+from lightning_accum.carry import Carried
 from lightning_accum.core.adapter import EngineAdapter, NamedParameters, optimized_parameters
 from lightning_accum.core.checkpoint import CHECKPOINT_KEY
 from lightning_accum.core.closing import enabled_scaler
 from lightning_accum.core.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam
+from lightning_accum.core.lifecycle import GroupState
 from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import GroupRecord
 from lightning_accum.options import AccumulationOptions
@@ -213,7 +215,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         # The hooks of every micro-batch read the module and the Trainer inline: no package call on the hot path.
         module = self.lightning_module
         if module is not None and not module.automatic_optimization:
-            if self._core.group.loaded is not None:
+            if self._core.group.state is GroupState.LOADED:
                 # A manual loop resumes at the micro-batch after the checkpoint, as a Fabric loop does: the group it
                 # was written in is reopened there (position 0) and closed by the loop's own `close_group`.
                 self._core.reopen(self._checkpoints.configuration(), 0, self._parameters())
@@ -224,20 +226,22 @@ class ExactAccumulation(Strategy, CoreSeam):
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx  # the index Lightning's hooks of this batch receive
         accumulate = trainer.accumulate_grad_batches
         core, groups = self._core, self._groups
-        if core.group.loaded is not None:
+        if core.group.state is GroupState.LOADED:
             position = groups.position(batch_idx, accumulate)  # the group's micro-batches Lightning ran already
             core.reopen(self._checkpoints.configuration(), position, self._parameters())
         engine = core.engine
-        if engine.microbatches_in_group and groups.position(batch_idx, accumulate) == 0:
+        if core.group.state is GroupState.OPEN and groups.position(batch_idx, accumulate) == 0:
             # Lightning starts a group (and zeroes the gradient) while the previous one never reached an optimizer
             # step: the loader yielded fewer batches than its length announced, so Lightning's epoch ended early.
-            lost = engine.discard_open_group()
+            lost = core.group.end("the training loader ended early")
             rank_zero_warn(
                 f"lightning_accum: {lost} micro-batch(es) at the end of the previous epoch never reached an optimizer"
                 " step: the training loader ended before the number of batches it announced (`len()`), and"
                 " Lightning only steps on the batch it expects to be last. Their gradient is discarded and the"
                 " ledger does not count them. Make the loader's length match what it yields."
             )
+        if core.group.state is GroupState.IDLE:
+            core.group.open()
         if self._slicer.enabled:
             position = groups.position(batch_idx, accumulate)
             return self._slicer.training_step(
@@ -246,13 +250,14 @@ class ExactAccumulation(Strategy, CoreSeam):
         output = super().training_step(*args, **kwargs)
         # An output Lightning rejects (not a tensor, a mapping with "loss", or None) is read as "no loss"; Lightning
         # raises its own MisconfigurationException for it right after this hook. The micro-batch is read once here.
-        # A = 1 (the batch not cut into slices): the group's only micro-batch (c = w, no factor to apply).
-        engine.record(engine.read(output, args[0] if args else kwargs.get("batch")), accumulate, sole=accumulate == 1)
+        # A = 1 (the batch not cut into slices, nothing carried in): the group's only micro-batch (c = w, no factor).
+        sole = accumulate == 1 and core.group.carried is None
+        engine.record(engine.read(output, args[0] if args else kwargs.get("batch")), accumulate, sole=sole)
         return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._core.group.carried is not None:  # a resumed group's gradient, added before its first backward
+        if self._core.group.state is GroupState.REOPENED:  # a resumed group's gradient, added before its first backward
             self._core.install_carried()
         lightning_backward = super().backward
         module = self.lightning_module
@@ -314,13 +319,15 @@ class ExactAccumulation(Strategy, CoreSeam):
             self, self._core.closing, optimizer, closure, trainer, self._before_close, lightning_step
         )
 
-    def _before_close(self) -> None:
+    def _before_close(self) -> Carried | None:
         """What a group's close needs first, after Lightning's closure: the gradient of a resumed group whose
-        remaining micro-batches had no backward, and a last slice's batch that Lightning did not put back."""
-        if self._core.group.carried is not None:
+        remaining micro-batches had no backward, and a last slice's batch that Lightning did not put back; then the
+        group closes in the lifecycle, which hands the close what a checkpoint carried into it."""
+        if self._core.group.state is GroupState.REOPENED:
             self._core.install_carried()
         if self._slicer.enabled:
             self._slicer.install_pending()
+        return self._core.group.close()
 
     # ------------------------------------------------------------------ manual optimization
 

@@ -1,7 +1,6 @@
-"""The Trainer strategy's checkpoints, :class:`TrainerCheckpoint`; the entry and the open group's lifecycle are the
-core's (:mod:`lightning_accum.core.checkpoint`). What only a Trainer adds to the entry: every rank's record of
-``microbatch_size=`` (``slicing``) and, under ``batch_schedule=``, the record of the stages reached
-(``batch_stages``, see :mod:`~lightning_accum.strategies.scheduled_groups`)."""
+"""The Trainer strategy's checkpoints, :class:`TrainerCheckpoint`: the core's entry
+(:mod:`lightning_accum.core.checkpoint`) with what only a Trainer adds to it, every rank's record of
+``microbatch_size=`` and the stages ``batch_schedule=`` reached."""
 
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ __all__ = ["TrainerCheckpoint", "own_slicing", "save_without_peers", "slicing_st
 
 
 def slicing_state(mine: dict[str, Any], world: int, gather: bool) -> dict[str, Any]:
-    """Every rank's slicing record (``per_rank``; a collective with several processes), so that each rank resumes
-    with its own slice size; this rank's alone when the others cannot be reached."""
+    """Every rank's slicing record (``per_rank``; a collective), so that each rank resumes with its own slice size;
+    this rank's alone when the others cannot be reached."""
     rows: list[Any] = [mine]
     if gather and world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         rows = [None] * world
@@ -62,7 +61,7 @@ def save_without_peers(
 
 def folder_refusal(folder: Path, strategy: Any) -> str | None:
     """Why ``strategy`` cannot read the folder at all (``None``: it can try): Lightning's single-file strategies read
-    files only, and Lightning's model-parallel strategy reads a sharded folder into a sharded (DTensor) model only."""
+    files only, its model-parallel strategy a sharded folder into a sharded (DTensor) model only."""
     named = f"`ckpt_path={str(folder)!r}`"
     # A distributed checkpoint written by Lightning: torch's index of the shards, and Lightning's metadata file.
     if not ((folder / ".metadata").is_file() and (folder / _METADATA_FILENAME).is_file()):
@@ -87,17 +86,16 @@ def folder_refusal(folder: Path, strategy: Any) -> str | None:
 
 
 def _sharded_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Lightning's checkpoint split as its distributed save splits it: the module's and the optimizers' state, taken
-    out, and the rest (the metadata file's)."""
+    """Lightning's checkpoint split as its distributed save splits it: the module's and the optimizers' state (taken
+    out), and the metadata file's."""
     optimizers = {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
     return {"state_dict": checkpoint.pop("state_dict"), **optimizers}, checkpoint
 
 
 class TrainerCheckpoint:
-    """The Trainer strategy's ``save_checkpoint`` / ``load_checkpoint``: the entry (with every rank's slicing record)
-    written, by the survivors alone when a peer is lost, and read back by a ``fit`` only. It reads the strategy's
-    Lightning's public members and is handed the rest: ``core`` (its ``AccumulationCore``), ``side`` (its
-    ``TrainerSide``), the slicer and the strategy's accessor of its Trainer."""
+    """The Trainer strategy's ``save_checkpoint`` / ``load_checkpoint``: the entry written (by the survivors alone
+    when a peer is lost) and read back by a ``fit`` only. It reads the strategy's public members and is handed the
+    rest: its ``AccumulationCore``, ``TrainerSide``, slicer, accessor of its Trainer and scheduled groups."""
 
     def __init__(
         self,
@@ -109,10 +107,7 @@ class TrainerCheckpoint:
         scheduled: ScheduledGroups,
     ) -> None:
         self.strategy, self.core, self.side, self.slicer = strategy, core, side, slicer
-        #: The groups under ``batch_schedule=``: their per-stage record is written and read back.
-        self.scheduled = scheduled
-        #: The Trainer running the strategy, or ``None`` (the strategy's one accessor, handed in).
-        self.trainer = trainer
+        self.scheduled, self.trainer = scheduled, trainer
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None, write: Write) -> None:
         """Add the package's entry to ``checkpoint`` and write it (``write``: Lightning's ``save_checkpoint``)."""
@@ -172,8 +167,8 @@ class TrainerCheckpoint:
         return checkpoint
 
     def configuration(self) -> dict[str, Any]:
-        """What the checkpoint's groups depend on (``A`` where a Trainer says it): see
-        :meth:`AccumulationCore.configuration <lightning_accum.core.core.AccumulationCore.configuration>`."""
+        """What the checkpoint's groups depend on (:meth:`AccumulationCore.configuration
+        <lightning_accum.core.core.AccumulationCore.configuration>`)."""
         trainer = self.trainer()
         accumulate = None if trainer is None else trainer.accumulate_grad_batches
         return self.core.configuration(type(self.strategy).__name__, accumulate)  # type: ignore[no-any-return]

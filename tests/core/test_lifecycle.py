@@ -23,7 +23,9 @@ from helpers import (
 from test_fabric import EXAMPLES, LR, TinyNet, _groups, _model_and_optimizer, micro_batches, train
 from torch.utils.data import DataLoader
 
-from lightning_accum.core.lifecycle import GroupState
+from lightning_accum.carry import Carried
+from lightning_accum.core.lifecycle import LEAVES, Closed, GroupLifecycle, GroupState
+from lightning_accum.engine import AccumulationEngine
 from lightning_accum.ledger import COUNTERS
 
 M, A = 2, 4  # micro-batches of 2 examples, groups of 4
@@ -101,6 +103,32 @@ def test_a_checkpoint_written_between_groups_opens_no_group_and_loads_again(tmp_
     torch.testing.assert_close(params_vector(model), reference, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("optimizers", ["set up first", "set up after the load"])
+def test_a_save_right_after_a_mid_group_load_writes_the_group_as_read(tmp_path: Path, optimizers: str) -> None:
+    # Before: the group was reopened (at once, or by the save itself when its optimizers were not set up yet) and then
+    # written from the parameters' gradients, which did not hold its carried gradient yet: the run resumed from the
+    # second file ended 0.024 off the uninterrupted one, said to "close exactly".
+    path, again = _saved(tmp_path, stop=6), tmp_path / "again.ckpt"  # 2 of the second group's 4 micro-batches
+    fabric = _fabric()
+    if optimizers == "set up first":
+        model, optimizer = fabric.setup(*_model_and_optimizer())
+        fabric.load(path, {"model": model, "optimizer": optimizer})
+        assert _state(fabric) is GroupState.REOPENED  # its gradient waits for the first backward
+    else:
+        model = fabric.setup_module(TinyNet().double())
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        fabric.load(path, {"model": model, "optimizer": optimizer})
+        assert _state(fabric) is GroupState.LOADED  # waits for its optimizers
+    fabric.save(again, {"model": model, "optimizer": optimizer})
+    assert torch.load(again, weights_only=True)["lightning_accum"]["open_group"]["microbatches"] == 2
+    fabric = _fabric()
+    model, optimizer = fabric.setup(*_model_and_optimizer())
+    fabric.load(again, {"model": model, "optimizer": optimizer})
+    train(fabric, model, optimizer, micro_batches(EXAMPLES, M), A, start=6)
+    reference = sgd_reference(TinyNet(), _groups(EXAMPLES, 8), lr=LR)
+    torch.testing.assert_close(params_vector(model), reference, rtol=0, atol=1e-12)
+
+
 def test_teardown_ends_the_group_in_one_place(tmp_path: Path) -> None:
     fabric = _fabric()
     model, optimizer = fabric.setup(*_model_and_optimizer())
@@ -109,7 +137,7 @@ def test_teardown_ends_the_group_in_one_place(tmp_path: Path) -> None:
     fabric.strategy.teardown()
     group = fabric.strategy._core.group  # type: ignore[attr-defined]
     assert group.state is GroupState.IDLE and fabric.strategy.engine.microbatches_in_group == 0
-    assert (group.handed_out, group.closed, group.loaded, group.carried, group.reopen_later) == (None,) * 5
+    assert (group.handed_out, group.closed, group.loaded, group.written, group.deferred, group.carried) == (None,) * 6
 
 
 # ------------------------------------------------------------ state scoped to the entry point
@@ -210,3 +238,86 @@ def test_a_group_a_fit_left_open_ends_with_that_fit_and_says_why(how: str) -> No
         trainer.fit(model, _loader())
     # The second fit is not taken for one whose loader yielded fewer batches than its length announced.
     assert not [w for w in caught if "loader ended" in str(w.message) or "stopped inside" in str(w.message)]
+
+
+# ------------------------------------------------------------ the transitions, each from the states it leaves
+
+_OPTIMIZER = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+#: Each transition, called with what its callers hand it.
+_CALLS: dict[str, Any] = {
+    "open": lambda group: group.open(),
+    "hand_out": lambda group: group.hand_out(torch.zeros(())),
+    "close": lambda group: group.close(),
+    "await_step": lambda group: group.await_step(Closed(_OPTIMIZER, None)),
+    "stepped": lambda group: group.stepped(_OPTIMIZER),
+    "load": lambda group: group.load(None),
+    "reopen_later": lambda group: group.reopen_later({}, 0),
+    "reopen": lambda group: group.reopen(None),
+    "install": lambda group: group.install(),
+    "end": lambda group: group.end("the test ended it"),
+}
+#: Where each transition goes from each state it leaves (with the arguments above).
+_TO = {"open": "open", "close": "idle", "await_step": "closed", "stepped": "idle", "load": "loaded"}
+_TO |= {"reopen_later": "loaded", "reopen": "idle", "install": "open", "end": "idle"}
+
+
+def _in(state: GroupState) -> GroupLifecycle:
+    """A lifecycle driven into ``state`` through its transitions."""
+    group = GroupLifecycle(AccumulationEngine())
+    steps = {
+        GroupState.IDLE: [],
+        GroupState.OPEN: ["open"],
+        GroupState.CLOSED: ["open", "close", "await_step"],
+        GroupState.LOADED: ["load"],
+    }
+    for name in steps.get(state, ["load"]):
+        _CALLS[name](group)
+    if state is GroupState.REOPENED:
+        group.reopen(Carried(microbatches=2, gradients={}))
+    assert group.state is state
+    return group
+
+
+@pytest.mark.parametrize("state", list(GroupState), ids=lambda state: state.value)
+@pytest.mark.parametrize("transition", list(_CALLS))
+def test_each_transition_leaves_only_its_states_and_refuses_the_others(transition: str, state: GroupState) -> None:
+    group = _in(state)
+    if state in LEAVES[transition]:
+        _CALLS[transition](group)
+        assert group.state.value == (state.value if transition == "hand_out" else _TO[transition])
+        return
+    with pytest.raises(RuntimeError) as refused:
+        _CALLS[transition](group)
+    assert group.state is state  # refused: nothing changed
+    message = str(refused.value)
+    if state is GroupState.CLOSED and transition in ("open", "hand_out", "close", "await_step"):  # a loop's mistake
+        assert "still waits for its update. Call `optimizer.step()` right after `close_group`" in message
+    elif (transition, state) == ("close", GroupState.IDLE):
+        assert message.startswith("`strategy.close_group` found no micro-batch in the open group.")
+    elif transition == "stepped" and state in (GroupState.OPEN, GroupState.REOPENED):
+        assert message.startswith("`SGD.step()` was called while 0 micro-batch(es) reported with")
+    else:  # no loop can cause it
+        assert message == (
+            f"lightning_accum: the accumulation group cannot `{transition}` while it is {state.value} (0"
+            f" micro-batch(es) held; it leaves {' or '.join(s.value for s in LEAVES[transition])} that way). This is a"
+            " bug of lightning_accum: please report it."
+        )
+
+
+def test_a_step_of_another_optimizer_is_refused_and_the_group_still_waits() -> None:
+    group, other = _in(GroupState.CLOSED), torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(RuntimeError, match=r"`Adam.step\(\)` was called while the group closed by .* \(SGD\)"):
+        group.stepped(other)
+    assert group.state is GroupState.CLOSED and group.stepped(_OPTIMIZER).optimizer is _OPTIMIZER
+
+
+def test_the_transitions_table_of_the_docs_is_the_codes() -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "internals.md").read_text()
+    table = docs.split("## The group's lifecycle", 1)[1].split("\n\n| transition |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1:4] for line in table.splitlines()[2:]]
+    documented = {row[0].strip().strip("`"): (row[1].strip(), row[2].strip()) for row in rows}
+    assert list(documented) == list(LEAVES)
+    for name, (leaves, to) in documented.items():
+        expected = "any" if LEAVES[name] == tuple(GroupState) else ", ".join(s.value for s in LEAVES[name])
+        assert leaves == expected, name
+        assert to.split(", or ")[-1] == ("the same" if name == "hand_out" else _TO[name]), name

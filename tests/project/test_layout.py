@@ -108,15 +108,16 @@ def _absolute(node: ast.ImportFrom, path: Path, package: Path) -> str | None:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
-def _imported_names(path: Path, package: Path = PACKAGE) -> list[str]:
+def _imported_names(path: Path, package: Path = PACKAGE, imported_only: bool = False) -> list[str]:
     """Every module name ``path`` imports, anywhere in it (``TYPE_CHECKING`` blocks and functions included), relative
-    imports resolved."""
+    imports resolved: a ``from a import b`` gives ``a`` and ``a.b`` (``imported_only``: ``a.b`` alone, the name it
+    takes)."""
     names: list[str] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             module = _absolute(node, path, package)
             if module:
-                names += [module] + [f"{module}.{alias.name}" for alias in node.names]
+                names += ([] if imported_only else [module]) + [f"{module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
     return names
@@ -314,11 +315,17 @@ def _door_crossings(package: Path) -> list[str]:
             if other is not None and other != door:
                 found.append(f"{module} ({door or 'core'}) imports {imported} ({other})")
         if door != "trainer":
-            pytorch = sorted(
-                {n for n in _imported_names(path, package) if n.split(".")[:2] == ["lightning", "pytorch"]}
-            )
-            found += [f"{module} ({door or 'core'}) imports {name}" for name in pytorch[:1]]
+            outside = sorted({name for name in _imported_names(path, package, True) if _loads_the_trainer(name)})
+            found += [f"{module} ({door or 'core'}) imports {name}" for name in outside[:1]]
     return found
+
+
+def _loads_the_trainer(name: str) -> bool:
+    """Whether importing ``name`` names Lightning outside ``lightning.fabric``: ``lightning.pytorch``, the unified
+    package itself (``import lightning``, ``from lightning import Trainer``: its ``__init__`` imports
+    ``lightning.pytorch``) or ``pytorch_lightning``."""
+    parts = name.split(".")
+    return parts[0] == "pytorch_lightning" or (parts[0] == "lightning" and parts[1:2] != ["fabric"])
 
 
 def test_no_door_imports_the_other_and_the_core_imports_neither() -> None:
@@ -333,11 +340,17 @@ def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
         (package / folder / "__init__.py").write_text("")
     (package / "core" / "manual.py").write_text("from lightning.pytorch import Trainer\n")
     (package / "core" / "closing.py").write_text("def f():\n    from ..strategies.base import ExactAccumulation\n")
-    (package / "strategies" / "base.py").write_text("from lightning_accum.core.manual import x\n")
+    # The unified package loads `lightning.pytorch` in its `__init__`: a bare import, or a name taken from it, is one.
+    (package / "core" / "reading.py").write_text("def version():\n    import lightning\n")
+    (package / "core" / "entry.py").write_text("from lightning import Fabric\nfrom lightning.fabric import x\n")
+    (package / "core" / "rules.py").write_text("import lightning.fabric\nfrom lightning import fabric\n")  # fine
+    (package / "strategies" / "base.py").write_text("from lightning_accum.core.manual import x\nimport lightning\n")
     (package / "fabric.py").write_text("from lightning_accum.strategies.base import ExactAccumulation\n")
     assert _door_crossings(package) == [
         "core/closing (core) imports strategies/base (trainer)",
-        "core/manual (core) imports lightning.pytorch",
+        "core/entry (core) imports lightning.Fabric",
+        "core/manual (core) imports lightning.pytorch.Trainer",
+        "core/reading (core) imports lightning",
         "fabric (fabric) imports strategies/base (trainer)",
     ]
 
@@ -380,3 +393,108 @@ def test_every_module_has_its_tests_found_by_name() -> None:
     unnamed = [m for m in modules if not (tests / _test_path(m)).exists()]
     assert sorted(TESTS_OF) == unnamed, "a module without tests/<folder>/test_<module>.py needs its row in TESTS_OF"
     assert [f for f in TESTS_OF.values() if not (tests / f).exists()] == []
+
+
+# ------------------------------------------------------------------ the lifecycle owns its state
+#: The one module that writes a group's lifecycle (its transitions); every other one reads it or calls them.
+LIFECYCLE = "core/lifecycle.py"
+
+
+def _reaches_lifecycle(node: ast.AST, aliases: set[str]) -> bool:
+    """Whether ``node`` (an assignment's target, ``setattr``'s object) is a lifecycle's field or lies inside one: a
+    chain of attributes and items that passes through a lifecycle (``<anything>.group``, a name bound to one, a
+    parameter annotated ``GroupLifecycle``) by an attribute."""
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        holder = node.value
+        if isinstance(node, ast.Attribute) and (
+            (isinstance(holder, ast.Attribute) and holder.attr == "group")
+            or (isinstance(holder, ast.Name) and holder.id in aliases)
+        ):
+            return True
+        node = holder
+    return False
+
+
+def _lifecycle_aliases(tree: ast.AST) -> set[str]:
+    """The names that hold a lifecycle anywhere in a module: bound to ``<anything>.group``, or annotated
+    ``GroupLifecycle`` (a parameter, an annotated assignment)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and node.value.attr == "group":
+            names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+        elif isinstance(node, ast.arg) and node.annotation and "GroupLifecycle" in ast.unparse(node.annotation):
+            names.add(node.arg)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names |= {node.target.id} if "GroupLifecycle" in ast.unparse(node.annotation) else set()
+    return names
+
+
+def _lifecycle_writes(package: Path) -> list[str]:
+    """Every write to a lifecycle's fields from a module other than :data:`LIFECYCLE`: ``x.field = ...`` (in a tuple,
+    annotated, augmented, or an item or attribute inside the field), ``del x.field``, ``setattr`` / ``delattr`` /
+    ``object.__setattr__`` of ``x``, where ``x`` is a lifecycle; ``path:line target``."""
+    writes = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package).as_posix()
+        if where == LIFECYCLE:
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = _lifecycle_aliases(tree)
+        for node in ast.walk(tree):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign | ast.Delete):
+                targets = list(node.targets)
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif (
+                isinstance(node, ast.Call)
+                and node.args
+                and any(w in ast.unparse(node.func) for w in ("setattr", "delattr"))
+            ):
+                targets = [ast.Attribute(value=node.args[0], attr="?")]
+            if any(_reaches_lifecycle(leaf, aliases) for target in targets for leaf in ast.walk(target)):
+                writes.append(
+                    f"{where}:{node.lineno} {ast.unparse(node if isinstance(node, ast.Call) else targets[0])}"
+                )
+    return sorted(writes)
+
+
+def test_only_the_lifecycle_writes_its_fields() -> None:
+    # Issue #64: every stale-state bug of three rounds was a field of the group's state written by a module other than
+    # its owner. The lifecycle's transitions are its only writers; the others read it or call them.
+    assert _lifecycle_writes(PACKAGE) == []
+    assert (PACKAGE / LIFECYCLE).exists()
+
+
+def test_a_planted_write_to_the_lifecycle_is_caught(tmp_path: Path) -> None:
+    package = tmp_path / "lightning_accum"
+    (package / "core").mkdir(parents=True)
+    (package / "core" / "lifecycle.py").write_text(
+        "class GroupLifecycle:\n    def open(self):\n        self.state = 1\n"
+    )
+    (package / "planted.py").write_text(
+        "def f(self, core, lifecycle: GroupLifecycle, sums):\n"
+        "    core.group.state = 1\n"  # 2
+        "    group = self._core.group\n"
+        "    group.closed, other = None, 2\n"  # 4
+        "    group.held += [1]\n"  # 5
+        "    self.group.loaded['k'] = 1\n"  # 6
+        "    lifecycle.carried: int = 3\n"  # 7
+        "    setattr(self.group, 'written', None)\n"  # 8
+        "    del core.group.deferred\n"  # 9
+        "    object.__setattr__(lifecycle, 'state', 0)\n"  # 10: `__setattr__` ends with `setattr`
+        "    self.group = GroupLifecycle(engine)\n"  # the holder's own field: fine
+        "    sums.stale = 1\n"  # not a lifecycle: fine
+        "    group.open()\n"  # a transition: fine
+        "    x = group.state\n"  # a read: fine
+    )
+    assert _lifecycle_writes(package) == [
+        "planted.py:10 object.__setattr__(lifecycle, 'state', 0)",
+        "planted.py:2 core.group.state",
+        "planted.py:4 (group.closed, other)",
+        "planted.py:5 group.held",
+        "planted.py:6 self.group.loaded['k']",
+        "planted.py:7 lifecycle.carried",
+        "planted.py:8 setattr(self.group, 'written', None)",
+        "planted.py:9 core.group.deferred",
+    ]
