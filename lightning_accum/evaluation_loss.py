@@ -197,7 +197,7 @@ class EvaluationLoss:
         with torch.no_grad():
             for batch in val_loader:
                 loss = F.cross_entropy(...)  # the batch's mean over its supervised tokens
-                evaluation.add(loss, num_tokens=supervised_tokens(batch["labels"]))
+                evaluation.add(loss, num_tokens=supervised_tokens(batch["labels"], shift=True))
         result = evaluation.compute()  # one all-reduce: the same EvaluationRecord on every rank
         evaluation.reset()  # before the next evaluation (or take a new object from `fabric.strategy.evaluation()`)
 
@@ -337,6 +337,6 @@ class EvaluationLoss:
         return (
             f"`evaluation.add`: this evaluation weights its batches by {unit} ({why}), but this batch reports no"
             f" `{name}`. Pass `{name}=` to every `add` of one evaluation (a set weighted partly by one count and partly"
-            " by another has no single meaning); for tokens e.g."
-            " `num_tokens=lightning_accum.supervised_tokens(labels)`, or `batch=` with the strategy's `count_tokens=`."
+            " by another has no single meaning); for tokens e.g. `num_tokens=lightning_accum.supervised_tokens(labels,"
+            " shift=True)`, or `batch=` with the strategy's `count_tokens=`."
         )
