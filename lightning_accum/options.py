@@ -1,14 +1,10 @@
-"""The options of exact accumulation: allowed values, validation, and one frozen record of them.
-
-Pure Python: no torch, no Lightning. The strategies take these as keyword arguments and hand them to the
-engine as one :class:`AccumulationOptions`.
-"""
+"""The options of exact accumulation: allowed values, validation, and one frozen record of them (pure Python)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
 __all__ = [
     "NORMALIZE_CHOICES",
@@ -16,13 +12,25 @@ __all__ = [
     "PARTIAL_GROUP_CHOICES",
     "SCHEDULE_ON_CHOICES",
     "AccumulationOptions",
+    "Normalize",
+    "OnNonfinite",
+    "PartialGroup",
+    "ScheduleOn",
+    "TokenCounter",
     "validate_choice",
 ]
 
-NORMALIZE_CHOICES: tuple[str, ...] = ("auto", "tokens", "samples", "batches", "documents")
-PARTIAL_GROUP_CHOICES: tuple[str, ...] = ("rescale", "drop")
-SCHEDULE_ON_CHOICES: tuple[str, ...] = ("applied", "attempted")
-ON_NONFINITE_CHOICES: tuple[str, ...] = ("skip", "raise", "ignore")
+# The string options as `Literal`s in the strategies' constructors: LightningCLI's `--help` lists their choices.
+Normalize = Literal["auto", "tokens", "samples", "batches", "documents"]
+PartialGroup = Literal["rescale", "drop"]
+ScheduleOn = Literal["applied", "attempted"]
+OnNonfinite = Literal["skip", "raise", "ignore"]
+#: ``count_tokens=``: ``batch -> int | Tensor`` (``Any``: a ``Tensor`` in it makes ``--help`` list its subclasses).
+TokenCounter = Callable[[Any], Any]
+NORMALIZE_CHOICES: tuple[str, ...] = get_args(Normalize)
+PARTIAL_GROUP_CHOICES: tuple[str, ...] = get_args(PartialGroup)
+SCHEDULE_ON_CHOICES: tuple[str, ...] = get_args(ScheduleOn)
+ON_NONFINITE_CHOICES: tuple[str, ...] = get_args(OnNonfinite)
 
 
 def validate_choice(argument: str, value: object, choices: Iterable[str]) -> str:
