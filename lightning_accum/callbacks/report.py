@@ -82,10 +82,10 @@ def _stats(values: list[int]) -> dict[str, float | int | None]:
 class AccumulationReport(Callback):
     """Write the final record of a run when ``fit`` ends, also when it ends by an exception.
 
-    The record goes to ``accumulation_report.json`` (in ``path``, else the Trainer's log directory),
-    to the console as a table, and to every ``TensorBoardLogger`` as text (tag ``accum/report``), on
-    global rank zero. Values that differ by rank (memory, realized micro-batch sizes) are gathered and
-    listed per rank when the run ends normally.
+    On global rank zero the record goes to ``accumulation_report.json`` (in ``path``, else the Trainer's log directory),
+    as a table to ``accumulation_report.txt`` beside it and to every ``TensorBoardLogger`` as text (tag
+    ``accum/report``), and to the console as a summary of three lines (``verbose=True``: the table). Values that differ
+    by rank (memory, realized micro-batch sizes) are gathered and listed per rank when the run ends normally.
 
     JSON keys (``schema`` = ``"lightning_accum.report/1"``; the keys below are stable):
 
@@ -136,23 +136,15 @@ class AccumulationReport(Callback):
     ``ledger``                           the ledger's state
     ==================================== ===============================================================
 
-    Under a batch schedule ``accumulate_grad_batches`` and ``effective_batch.configured`` list the stages the fit
-    reached (no single ``A`` describes such a run). The memory peaks are the process's peak counter (CUDA's
-    allocator peak, on CPU ``VmHWM``), read at the start of training, after the first update and at the end, and not
-    reset unless ``reset_peak_memory=True``; ``peak_predates_fit`` says the counter did not rise during the fit. The
-    file's path is checked at ``setup``, before anything trains; a Trainer that stops before this callback's
-    ``setup`` writes nothing. More: docs/concepts.md, "The run record".
+    The memory peaks and when the path is checked: docs/concepts.md, "The run record".
 
     Args:
-        path: Folder for the JSON file (written as ``accumulation_report.json`` there), or a file name
-            ending in ``.json``; by default the first logger's log directory, or the Trainer's
-            ``default_root_dir`` without a logger.
+        path: Folder for the files (``accumulation_report.json`` and ``.txt`` there), or a file name ending in
+            ``.json`` (the table beside it, ending in ``.txt``); by default the first logger's log directory, or the
+            Trainer's ``default_root_dir`` without a logger.
         reset_peak_memory: Reset the process's peak-memory counter at the start of training, so that the peaks are
-            this fit's also where the process's peak predates it (see above); other monitors of the process see the
-            reset too. ``False`` (the default) leaves the counter as it is.
-        table: Print the record as a table on the console (``True``), or as one line (status, updates, tokens, peak
-            memory, time, the file), e.g. for the later runs of a script that runs many; the file and TensorBoard get
-            the whole record either way.
+            this fit's (other monitors of the process see the reset too).
+        verbose: Print the whole table on the console instead of the summary.
 
     Example:
         >>> from lightning_accum import AccumulationReport
@@ -161,11 +153,11 @@ class AccumulationReport(Callback):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str] | None = None, reset_peak_memory: bool = False, table: bool = True
+        self, path: str | os.PathLike[str] | None = None, reset_peak_memory: bool = False, verbose: bool = False
     ) -> None:
         self.path = os.fspath(path) if path is not None else None
         self.reset_peak_memory = bool(reset_peak_memory)
-        self.table = bool(table)
+        self.verbose = bool(verbose)
         self.record: dict[str, Any] | None = None
         #: Where the latest record went (``None`` before one is written, and on ranks other than zero).
         self.written_to: str | None = None
@@ -381,8 +373,11 @@ class AccumulationReport(Callback):
             json.dump(record, f, indent=2, allow_nan=False, default=str)
         self.written_to = target
         table = format_report(record)
-        where = os.path.abspath(target)
-        print(f"{table}\n(written to {where})" if self.table else f"{format_headline(record)} (written to {where})")
+        text = os.path.abspath(target[: -len(".json")] + ".txt")
+        with open(text, "w") as f:
+            f.write(table + "\n")
+        where = f"(written to {os.path.abspath(target)}; the table: {text})"
+        print(f"{table}\n{where}" if self.verbose else f"{format_summary(record)}\n  {where}")
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 markdown = "\n".join("    " + line for line in table.splitlines())  # preformatted in TensorBoard
@@ -482,6 +477,21 @@ def format_headline(record: dict[str, Any]) -> str:
         f"run record: {record.get('status')}, {updates.get('applied', 0)}/{updates.get('attempted', 0)} updates"
         f" applied{said}, {_fmt(record.get('tokens', {}).get('total'))} tokens"
         f"{peak}, {record.get('time', {}).get('wall_seconds', 0.0):.1f} s"
+    )
+
+
+def format_summary(record: dict[str, Any]) -> str:
+    """The console's summary of the record: :func:`format_headline`, then the batch, the unit and partial groups.
+
+    Example:
+        >>> print(format_summary({"status": "completed", "effective_batch": {"arithmetic": "2 × 8 × 1 = 16"},
+        ...     "normalization": "tokens", "partial_group": {"policy": "rescale", "count": 1}}).splitlines()[1])
+          samples per update (m × A × D): 2 × 8 × 1 = 16; weighted by tokens; partial groups: 1 (rescale)
+    """
+    partial, batch = record.get("partial_group", {}), record.get("effective_batch", {}).get("arithmetic")
+    return (
+        f"{format_headline(record)}\n  samples per update (m × A × D): {batch};"
+        f" weighted by {record.get('normalization')}; partial groups: {partial.get('count')} ({partial.get('policy')})"
     )
 
 
