@@ -472,6 +472,11 @@ class ExactAccumulation(Strategy, CoreSeam):
             self._scheduled.batch_start(trainer, batch, batch_idx, self._core, self._slicer.split_batch)
 
     @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._core.engine.decisions.check_progress()  # no update applied is an error (every rank has the same ledger)
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         super().on_exception(exception)
