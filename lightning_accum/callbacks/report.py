@@ -270,7 +270,7 @@ class AccumulationReport(Callback):
         # D counts data-parallel replicas, not devices: the devices of one tensor-parallel group share one replica.
         d, tp = strategy.data_parallel_replicas, strategy.tensor_parallel_size
         tp_note = f"; tensor parallel {tp} (devices sharing one replica)" if tp > 1 else ""
-        configured: int | list[int] | None = m * a * d if m is not None else None
+        configured: int | list[int] | None = m * a * d if m is not None and isinstance(a, int) else None
         arithmetic = (f"{m} × {a} × {d} = {configured}" if m is not None else f"? × {a} × {d}") + tp_note
         if strategy.batch_schedule is not None:  # one A per stage reached (the Trainer's attribute: the last group's)
             stages = strategy.batch_stages

@@ -252,6 +252,20 @@ def test_a_failed_run_records_none_not_placeholders(tmp_path: Path) -> None:
     assert -1 not in _values(record)
 
 
+def test_a_trainer_whose_accumulate_grad_batches_is_none_keeps_the_strategys_error(tmp_path: Path) -> None:
+    # `accumulate_grad_batches: null` in a config layered on one that sets it (issue #66) reaches the Trainer as None:
+    # the schedule's error is the one raised, and the record is written, not replaced by a TypeError of its own.
+    trainer = make_trainer(
+        strategy=AccumulationStrategy(batch_schedule={0: 4}),
+        accumulate_grad_batches=None,
+        callbacks=[AccumulationReport(path=tmp_path)],
+    )
+    with pytest.raises(ValueError, match=r"the Trainer has `accumulate_grad_batches=None`. Remove"):
+        trainer.fit(TinyLM(), DataLoader(ListDataset(make_examples([3] * 8)), batch_size=2))
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    assert record["status"] == "failed" and record["error"].startswith("ValueError: `batch_schedule=` sets")
+
+
 def test_an_error_in_an_earlier_setup_stays_the_only_error(tmp_path: Path) -> None:
     from lightning_accum import AxisLogger
 
