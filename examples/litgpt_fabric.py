@@ -16,7 +16,7 @@ over the shifted targets, and the loop LitGPT's: ``is_accumulating``, ``fabric.n
 Validation weighs every batch by its tokens and adds the sums over the replicas once (LitGPT averages batch means).
 
 Run it as ``python examples/litgpt_fabric.py`` (one device) or with ``--devices 2`` (two processes, spawned); it
-prints m, A, D and the effective batch first. ``pip install "lightning-accum[litgpt]"`` installs litgpt with pins that
+prints m, A, D and the effective batch first. ``pip install ".[litgpt]"`` installs litgpt with pins that
 agree with the ``[hf]`` extra.
 """
 
