@@ -242,37 +242,30 @@ def empty_message(update: int, unit: str | None) -> str:
     )
 
 
-#: What ``training_step`` reports for each unit (``"batches"`` weighs every micro-batch 1: never empty).
-_REPORTED = {"tokens": "num_tokens", "samples": "num_samples", "documents": "num_documents"}
-
-
 def no_update_message(ledger: AccumulationLedger) -> str | None:
     """The error for a run that attempted updates and applied none (``None`` when it applied one or attempted none).
 
     Example:
-        >>> ledger = AccumulationLedger(updates_attempted=2, normalization="tokens")
-        >>> ledger.updates_skipped["empty"] = 2
+        >>> ledger = AccumulationLedger(updates_attempted=2, updates_skipped={"empty": 2}, normalization="tokens")
         >>> no_update_message(ledger)[:86]
         'The fit attempted 2 update(s) and applied none: every micro-batch reported zero tokens'
     """
-    attempted, skipped = ledger.updates_attempted, ledger.updates_skipped
+    attempted, skipped, unit = ledger.updates_attempted, ledger.updates_skipped, ledger.normalization or "units"
     if attempted == 0 or ledger.updates_applied > 0:
         return None
-    unit = ledger.normalization or "units"
-    if skipped.get("empty", 0) == attempted:
-        name = _REPORTED.get(unit, "num_tokens")
+    if skipped.get("empty", 0) == attempted:  # "batches" weigh every micro-batch 1: never empty
         why = (
             f"every micro-batch reported zero {unit} on every replica, so no group had a weight. `training_step` should"
-            f" return `{name}`, the {unit} its mean loss averages over (for tokens the labels that are not the ignore"
-            " index, e.g. `lightning_accum.supervised_tokens(labels, shift=...)`): are all labels ignored, or is the"
-            " count taken from the wrong tensor?"
+            f" return `num_{unit}`, the {unit} its mean loss averages over (for tokens the labels that are not the"
+            " ignore index, e.g. `lightning_accum.supervised_tokens(labels, shift=...)`): are all labels ignored, or is"
+            " the count taken from the wrong tensor?"
         )
     else:
-        counts = ", ".join(f"{reason} {count}" for reason, count in skipped.items() if count)
         why = (
-            f"every update was skipped ({counts}): 'overflow' by the GradScaler (inf/NaN gradients in every group),"
-            " 'nonfinite' by the NaN/Inf guard (`on_nonfinite='skip'`), 'empty' for groups without a unit. Find the"
-            " NaN/Inf source (a lower learning rate, bf16 instead of fp16), or report the units"
+            f"every update was skipped ({', '.join(f'{k} {v}' for k, v in skipped.items() if v)}): 'overflow' by the"
+            " GradScaler (inf/NaN gradients in every group), 'nonfinite' by the NaN/Inf guard (`on_nonfinite='skip'`),"
+            " 'empty' for groups without a unit. Find the NaN/Inf source (a lower learning rate, bf16 instead of"
+            " fp16), or report the units"
         )
     return f"The fit attempted {attempted} update(s) and applied none: {why}. The parameters are unchanged."
 
@@ -413,10 +406,8 @@ class GroupDecisions:
         return record
 
     def check_progress(self) -> None:
-        """At the end of a fit: raise :func:`no_update_message` as a ``RuntimeError`` if the run (its ledger) attempted
-        updates and applied none."""
-        message = no_update_message(self.ledger)
-        if message is not None:
+        """At a fit's end: ``RuntimeError`` (:func:`no_update_message`) if the run attempted and applied none."""
+        if (message := no_update_message(self.ledger)) is not None:
             raise RuntimeError(message)
 
     def warn_short_epoch(self, batches_per_epoch: float, accumulate: int, warn: Say) -> None:

@@ -90,14 +90,9 @@ def check_labels(labels: object) -> None:
 
 
 def causal_lm_tokens(batch: Mapping[str, Any]) -> Tensor:
-    """``count_tokens=`` for causal language models: the shifted count of ``batch["labels"]`` (ignore -100).
-
-    For Hugging Face ``*ForCausalLM`` models, whose ``out.loss`` averages over
-    ``(labels[..., 1:] != -100).sum()`` positions.
+    """``count_tokens=`` for causal LMs (Hugging Face ``*ForCausalLM``): ``batch["labels"]`` counted shifted.
 
     Example:
-        >>> from lightning_accum import AccumulationStrategy
-        >>> strategy = AccumulationStrategy(count_tokens=causal_lm_tokens)
         >>> causal_lm_tokens({"input_ids": torch.zeros(2, 3), "labels": torch.tensor([[5, 6, 7], [8, 9, -100]])})
         tensor(3)
     """
@@ -105,10 +100,7 @@ def causal_lm_tokens(batch: Mapping[str, Any]) -> Tensor:
 
 
 def seq2seq_tokens(batch: Mapping[str, Any]) -> Tensor:
-    """``count_tokens=`` for sequence-to-sequence models: the unshifted count of ``batch["labels"]`` (ignore -100).
-
-    For Hugging Face ``*ForConditionalGeneration`` models (T5, BART), whose decoder input is built from the
-    labels and whose ``out.loss`` averages over every label position that is not -100.
+    """``count_tokens=`` for seq2seq models (``*ForConditionalGeneration``: T5, BART): ``batch["labels"]``, unshifted.
 
     Example:
         >>> seq2seq_tokens({"labels": torch.tensor([[5, 6, 7], [8, 9, -100]])})
@@ -163,10 +155,8 @@ def ignored_label_key(batch: Any, ignore_index: int = -100) -> str | None:
     Reads the device (one host read per labels-like tensor): call it once per run, not per micro-batch.
 
     Example:
-        >>> ignored_label_key({"labels": torch.tensor([[5, 6, -100]])})
-        'labels'
-        >>> ignored_label_key({"labels": torch.tensor([[5, 6, 7]])}) is None
-        True
+        >>> ignored_label_key({"labels": torch.tensor([[5, -100]])}), ignored_label_key({"labels": torch.tensor([[5]])})
+        ('labels', None)
     """
     for key, labels in find_labels(batch):
         if bool((labels == ignore_index).any()):
@@ -181,10 +171,7 @@ def token_weighting_hint(unit: str, batch: Any, ignore_index: int = -100) -> str
     ``ignore_index``. Reads the device once (see :func:`ignored_label_key`): meant for the first micro-batch of a run.
 
     Example:
-        >>> hint = token_weighting_hint("samples", {"labels": torch.tensor([[5, 6, -100]])})
-        >>> "token weighting is probably intended" in hint
-        True
-        >>> token_weighting_hint("tokens", {"labels": torch.tensor([[5, 6, -100]])}) is None
+        >>> "token weighting is probably intended" in token_weighting_hint("samples", {"label": torch.tensor([[-100]])})
         True
     """
     if unit in ("tokens", "documents"):  # documents: the step weighs by them on purpose (`document_mean_loss`)

@@ -29,9 +29,8 @@ REPORT_SCHEMA = "lightning_accum.report/1"
 
 
 def _reset_peak_memory(device: torch.device) -> bool:
-    """Start the process's peak counter again (``reset_peak_memory=True``): CUDA's allocator peak, or on Linux the
-    process's peak resident set (writing ``5`` to ``/proc/self/clear_refs`` resets it, Linux 4.0 and later).
-    ``False`` where the peak cannot be reset (macOS, a ``/proc`` that refuses the write)."""
+    """Start CUDA's allocator peak, or on Linux 4.0+ the process's peak resident set (``5`` to
+    ``/proc/self/clear_refs``), again; ``False`` where it cannot be reset (macOS, a ``/proc`` that refuses)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return True
@@ -87,61 +86,12 @@ class AccumulationReport(Callback):
     ``accum/report``), and to the console as a summary of three lines (``verbose=True``: the table). Values that differ
     by rank (memory, realized micro-batch sizes) are gathered and listed per rank when the run ends normally.
 
-    JSON keys (``schema`` = ``"lightning_accum.report/1"``; the keys below are stable):
-
-    ==================================== ===============================================================
-    key                                  meaning
-    ==================================== ===============================================================
-    ``status``                           ``"completed"``, ``"interrupted"`` (KeyboardInterrupt) or ``"failed"``
-    ``error``                            the exception's type and message, or ``None``
-    ``micro_batch_size``                 ``configured`` m (the loader's batch size), ``realized_min/max``
-                                         samples per micro-batch (over ranks; micro-batches of groups
-                                         that closed, dropped ones included), ``per_rank``
-    ``accumulate_grad_batches``          A; under a strategy's ``batch_schedule=`` a list: the A of each stage
-                                         reached, in the order of ``batch_schedule.stages`` (see below)
-    ``data_parallel_replicas``           D, the strategy's ``data_parallel_replicas`` (data replicas, not devices)
-    ``tensor_parallel_size``             devices sharing one replica (1 without tensor parallelism)
-    ``effective_batch``                  ``configured`` m·A·D, ``arithmetic`` ("2 × 8 × 2 = 32", with
-                                         "; tensor parallel 2 (devices sharing one replica)" when tp > 1),
-                                         ``realized_min/mean/max`` samples per attempted update; under a
-                                         schedule ``configured`` is a list (each stage's batch) and
-                                         ``arithmetic`` one product per stage ("stage 0: 2 × 2 × 1 = 4; stage 1:
-                                         2 × 4 × 1 = 8")
-    ``batch_schedule``                   under ``batch_schedule=`` (absent otherwise): ``schedule`` (its repr),
-                                         ``axis``, and ``stages``, the strategy's ``batch_stages``: per stage
-                                         reached its ``threshold``, ``samples_per_update``,
-                                         ``accumulate_grad_batches`` and the ``attempts``, ``updates``,
-                                         ``samples`` and ``tokens`` its groups consumed (a resumed fit's
-                                         include the run before the checkpoint)
-    ``tokens``                           ``total`` supervised tokens, ``per_update_min/mean/max``
-    ``samples``                          ``total``
-    ``precision``                        the Trainer's precision
-    ``normalization``                    the unit micro-batches were weighted by
-    ``partial_group``                    ``policy``, ``count``, ``dropped_microbatches/samples/tokens``
-    ``updates``                          ``attempted``, ``applied``, ``skipped`` (reason → count)
-    ``memory``                           ``source``, ``unit`` (bytes), and per rank ``first_group_peak``,
-                                         ``run_peak``, ``peak_before_fit`` (the process's peak counter at
-                                         the fit's start) and ``peak_predates_fit`` (``run_peak`` is then the
-                                         process's peak from before the fit; see below)
-    ``time``                             ``wall_seconds``, ``tokens_per_second``, ``samples_per_second``
-    ``documents``                        where the steps report documents (:func:`~lightning_accum.document_mean_loss`;
-                                         absent otherwise): ``total`` documents with a supervised token,
-                                         ``per_update_min/mean/max``, ``dropped`` (in dropped partial groups)
-    ``microbatch_slicing``               with ``microbatch_size=`` on the strategy (absent otherwise):
-                                         ``configured`` (an int or ``"auto"``) and ``per_rank``: the
-                                         ``size`` in force, ``slice_sizes`` (samples → slices run) and
-                                         ``retries`` (every recovered out-of-memory error: ``update``,
-                                         ``epoch``, ``batch_idx``, ``rank``, ``phase``, ``failed_size``,
-                                         ``new_size``, ``time``)
-    ``ledger``                           the ledger's state
-    ==================================== ===============================================================
-
-    The memory peaks and when the path is checked: docs/concepts.md, "The run record".
+    The JSON keys (``schema`` = ``"lightning_accum.report/1"``; stable), each with its meaning: docs/concepts.md, "The
+    run record".
 
     Args:
-        path: Folder for the files (``accumulation_report.json`` and ``.txt`` there), or a file name ending in
-            ``.json`` (the table beside it, ending in ``.txt``); by default the first logger's log directory, or the
-            Trainer's ``default_root_dir`` without a logger.
+        path: Folder for ``accumulation_report.json`` and ``.txt``, or a ``.json`` file name (the ``.txt`` beside it);
+            by default the first logger's log directory, else the Trainer's ``default_root_dir``.
         reset_peak_memory: Reset the process's peak-memory counter at the start of training, so that the peaks are
             this fit's (other monitors of the process see the reset too).
         verbose: Print the whole table on the console instead of the summary.
