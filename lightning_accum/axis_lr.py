@@ -37,8 +37,8 @@ def no_counts_error(who: str, axis: str) -> RuntimeError:
     """The error for an axis of :data:`REPORTED_AXES` in a run whose ``training_step`` reports none of its counts."""
     if axis == "tokens":
         return RuntimeError(
-            f"{who}(axis='tokens') needs token counts, but the run reports none. Return"
-            " `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels)}` from `training_step`"
+            f"{who}(axis='tokens') needs token counts, but the run reports none. Return `{{'loss': loss,"
+            " 'num_tokens': lightning_accum.supervised_tokens(labels, shift=True)}` from `training_step`"
             " (shift=False when the labels are already aligned with the logits), pass `count_tokens=` to the strategy"
             f" (e.g. `lightning_accum.causal_lm_tokens`), or use `{who}(axis='samples')`."
         )

@@ -29,6 +29,7 @@ __all__ = [
     "excess_message",
     "group_record",
     "negative_message",
+    "no_update_message",
     "nonfinite_message",
     "partial_message",
     "raised_reference",
@@ -242,6 +243,34 @@ def empty_message(update: int, unit: str | None) -> str:
     )
 
 
+def no_update_message(ledger: AccumulationLedger) -> str | None:
+    """The error for a run that attempted updates and applied none (``None`` when it applied one or attempted none).
+
+    Example:
+        >>> ledger = AccumulationLedger(updates_attempted=2, updates_skipped={"empty": 2}, normalization="tokens")
+        >>> no_update_message(ledger)[:86]
+        'The fit attempted 2 update(s) and applied none: every micro-batch reported zero tokens'
+    """
+    attempted, skipped, unit = ledger.updates_attempted, ledger.updates_skipped, ledger.normalization or "units"
+    if attempted == 0 or ledger.updates_applied > 0:
+        return None
+    if skipped.get("empty", 0) == attempted:  # "batches" weigh every micro-batch 1: never empty
+        why = (
+            f"every micro-batch reported zero {unit} on every replica, so no group had a weight. `training_step` should"
+            f" return `num_{unit}`, the {unit} its mean loss averages over (for tokens the labels that are not the"
+            " ignore index, e.g. `lightning_accum.supervised_tokens(labels, shift=...)`): are all labels ignored, or is"
+            " the count taken from the wrong tensor?"
+        )
+    else:
+        why = (
+            f"every update was skipped ({', '.join(f'{k} {v}' for k, v in skipped.items() if v)}): 'overflow' by the"
+            " GradScaler (inf/NaN gradients in every group), 'nonfinite' by the NaN/Inf guard (`on_nonfinite='skip'`),"
+            " 'empty' for groups without a unit. Find the NaN/Inf source (a lower learning rate, bf16 instead of"
+            " fp16), or report the units"
+        )
+    return f"The fit attempted {attempted} update(s) and applied none: {why}. The parameters are unchanged."
+
+
 def nonfinite_message(update: int, where: str, loss: float, on_nonfinite: str) -> str:
     """The error (``on_nonfinite="raise"``) or warning (``"skip"``) for a non-finite group gradient."""
     if on_nonfinite == "raise":
@@ -386,6 +415,11 @@ class GroupDecisions:
                 " NaN/Inf (or the empty groups), or raise `max_consecutive_skips=` on the strategy."
             )
         return record
+
+    def check_progress(self) -> None:
+        """At a fit's end: ``RuntimeError`` (:func:`no_update_message`) if the run attempted and applied none."""
+        if (message := no_update_message(self.ledger)) is not None:
+            raise RuntimeError(message)
 
     def warn_short_epoch(self, batches_per_epoch: float, accumulate: int, warn: Say) -> None:
         """Warn (or raise under ``"drop"``) when an epoch holds fewer batches than one group."""

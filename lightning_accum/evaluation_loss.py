@@ -292,6 +292,6 @@ class EvaluationLoss:
         return (
             f"`evaluation.add`: this evaluation weights its batches by {unit} ({why}), but this batch reports no"
             f" `{name}`. Pass `{name}=` to every `add` of one evaluation (a set weighted partly by one count and partly"
-            " by another has no single meaning); for tokens e.g."
-            " `num_tokens=lightning_accum.supervised_tokens(labels)`, or `batch=` with the strategy's `count_tokens=`."
+            " by another has no single meaning); for tokens e.g. `num_tokens=lightning_accum.supervised_tokens(labels,"
+            " shift=True)`, or `batch=` with the strategy's `count_tokens=`."
         )

@@ -10,7 +10,7 @@ accumulation strategy it reports each micro-batch and closes each group, and eve
         last = (i + 1) % A == 0
         with fabric.no_backward_sync(model, enabled=not last):       # Fabric's own: DDP's no_sync on non-final ones
             loss = loss_fn(model(batch["input_ids"]), batch["labels"])  # the micro-batch's mean over its tokens
-            fabric.backward(fabric.strategy.accumulate(loss, num_tokens=supervised_tokens(batch["labels"])))
+            fabric.backward(fabric.strategy.accumulate(loss, num_tokens=supervised_tokens(batch["labels"], shift=True)))
         if last:
             record = fabric.strategy.close_group(optimizer)  # one all-reduce, the rescale by c · D / W, the decision
             optimizer.step()                                   # applied, or skipped (the GradScaler, a NaN, no token)

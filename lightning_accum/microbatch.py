@@ -294,9 +294,9 @@ _MISSING_COUNT = {
     " counts the documents its loss averages over), or `{'loss': loss, 'num_documents': d}` with `loss` the mean over"
     " those `d` documents.",
     "tokens": "this micro-batch reports no token count. Return"
-    " `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels)}` from `training_step` (shift=False when"
-    " the labels are already aligned with the logits), or pass `count_tokens=` to the strategy (e.g."
-    " `lightning_accum.causal_lm_tokens`).",
+    " `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels, shift=True)}` from `training_step`"
+    " (shift=False when the labels are already aligned with the logits), or pass `count_tokens=` to the strategy"
+    " (e.g. `lightning_accum.causal_lm_tokens`).",
     "samples": "the number of samples of this micro-batch cannot be inferred (no tensor, or tensors with different"
     " leading sizes). Return `{'loss': loss, 'num_samples': n}` from `training_step`.",
 }

@@ -113,7 +113,7 @@ def test_litgpts_own_validate_is_the_mean_of_batch_means_and_differs() -> None:
         for batch in loader:
             logits = model(batch["input_ids"])
             loss = chunked_cross_entropy(logits[..., :-1, :], batch["labels"][..., 1:], chunk_size=0)
-            evaluation.add(loss, num_tokens=supervised_tokens(batch["labels"]))
+            evaluation.add(loss, num_tokens=supervised_tokens(batch["labels"], shift=True))
         whole = stack(examples)
         logits = model(whole["input_ids"])[..., :-1, :].flatten(0, 1)
         labels = whole["labels"][..., 1:].flatten()

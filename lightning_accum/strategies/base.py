@@ -469,6 +469,11 @@ class ExactAccumulation(Strategy, CoreSeam):
             groups.begin(trainer, batch, batch_idx, self._core.group.loaded)  # a group starts: sized
 
     @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._core.engine.decisions.check_progress()  # no update applied is an error (every rank has the same ledger)
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         super().on_exception(exception)

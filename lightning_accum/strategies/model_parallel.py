@@ -27,8 +27,7 @@ from lightning_accum.core.mesh import (
     derive_mesh_sizes,
     refuse_unsharded,
 )
-from lightning_accum.microbatch import Count
-from lightning_accum.options import AccumulationOptions
+from lightning_accum.options import AccumulationOptions, Normalize, OnNonfinite, PartialGroup, ScheduleOn, TokenCounter
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.trainer_side import TrainerSide
 
@@ -100,8 +99,10 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     and the optimizer.
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
-            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
+        count_tokens: ``batch -> int | Tensor``: the micro-batch's supervised tokens where ``training_step`` reports
+            none (on the command line an import path, e.g. ``lightning_accum.causal_lm_tokens``).
+        normalize, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The options of exact
+            accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
             The NaN/Inf check of each rank's shard is summed over the whole mesh, so every rank takes the same decision.
         gradient_sync: ``"every_microbatch"`` (default, FSDP2's own behaviour): every micro-batch's backward
             reduce-scatters its gradient, and each rank holds only its sharded gradient between micro-batches (least
@@ -138,11 +139,11 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     def __init__(
         self,
         *,
-        normalize: str = "auto",
-        count_tokens: Callable[[Any], Count] | None = None,
-        partial_group: str = "rescale",
-        schedule_on: str = "applied",
-        on_nonfinite: str = "skip",
+        normalize: Normalize = "auto",
+        count_tokens: TokenCounter | None = None,
+        partial_group: PartialGroup = "rescale",
+        schedule_on: ScheduleOn = "applied",
+        on_nonfinite: OnNonfinite = "skip",
         max_consecutive_skips: int | None = 100,
         global_order: bool = False,
         gradient_sync: Literal["every_microbatch", "last_microbatch"] = "every_microbatch",

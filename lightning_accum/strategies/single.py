@@ -11,8 +11,7 @@ from typing_extensions import override
 
 from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.core.core import one_device_property
-from lightning_accum.microbatch import Count
-from lightning_accum.options import AccumulationOptions
+from lightning_accum.options import AccumulationOptions, Normalize, OnNonfinite, PartialGroup, ScheduleOn, TokenCounter
 from lightning_accum.strategies.base import ExactAccumulation
 
 __all__ = ["AccumulationStrategy"]
@@ -27,8 +26,10 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
     a dict with ``"num_tokens"`` (supervised tokens) and/or ``"num_samples"``.
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
-            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
+        count_tokens: ``batch -> int | Tensor``: the micro-batch's supervised tokens where ``training_step`` reports
+            none (on the command line an import path, e.g. ``lightning_accum.causal_lm_tokens``).
+        normalize, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The options of exact
+            accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
         device: The device; by default the one the Trainer's accelerator selects.
         microbatch_size: ``None`` (default), an int, or ``"auto"``: run each loader batch as exact slices (see
             :class:`~lightning_accum.strategies.slicing.BatchSlicer` and ``docs/howto.md``).
@@ -56,11 +57,11 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         self,
         device: str | torch.device | None = None,
         *,
-        normalize: str = "auto",
-        count_tokens: Callable[[Any], Count] | None = None,
-        partial_group: str = "rescale",
-        schedule_on: str = "applied",
-        on_nonfinite: str = "skip",
+        normalize: Normalize = "auto",
+        count_tokens: TokenCounter | None = None,
+        partial_group: PartialGroup = "rescale",
+        schedule_on: ScheduleOn = "applied",
+        on_nonfinite: OnNonfinite = "skip",
         max_consecutive_skips: int | None = 100,
         global_order: bool = False,
         microbatch_size: int | Literal["auto"] | None = None,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from helpers import (
@@ -25,7 +27,7 @@ from host_reads import HostReadProbe, MicroBatchSyncCounter
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_accum
-from lightning_accum import AccumulationStrategy
+from lightning_accum import AccumulationReport, AccumulationStrategy
 
 
 @pytest.mark.parametrize("accumulate", [1, 3, 4])
@@ -156,6 +158,72 @@ def test_zero_token_microbatch_and_zero_token_group() -> None:
     ledger = trainer.strategy.ledger
     assert (ledger.updates_attempted, ledger.updates_applied, ledger.updates_skipped["empty"]) == (2, 1, 1)
     assert ledger.tokens == 8 and ledger.last_group is not None and ledger.last_group.skip_reason == "empty"
+
+
+class _OptimizerSteps:
+    """Counts every optimizer step taken while it is open (torch's global step hook)."""
+
+    def __enter__(self) -> _OptimizerSteps:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.count = 0
+        self._handle = register_optimizer_step_post_hook(lambda *_: setattr(self, "count", self.count + 1))
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._handle.remove()
+
+
+def test_a_fit_whose_every_micro_batch_reports_zero_tokens_is_an_error(tmp_path: Path) -> None:
+    examples = make_examples([0] * 8, seed=2)  # every label is the ignore index
+    model = TinyLM(lr=0.5)
+    before = params_vector(model)
+    report = AccumulationReport(path=tmp_path)
+    with (
+        _OptimizerSteps() as steps,
+        pytest.warns(UserWarning, match=r"update 1 is skipped: its group holds no tokens"),
+        pytest.raises(
+            RuntimeError,
+            match=r"^The fit attempted 2 update\(s\) and applied none: every micro-batch reported zero tokens on every"
+            r" replica.*`training_step` should return `num_tokens`, the tokens its mean loss averages over.*"
+            r"supervised_tokens\(labels, shift=\.\.\.\)",
+        ),
+    ):
+        fit(model, examples, batch_size=2, accumulate=2, callbacks=[report])
+    assert steps.count == 0 and torch.equal(params_vector(model), before)
+    assert report.record is not None and report.record["status"] == "failed"  # the run record says why
+    assert "applied none" in report.record["error"]
+
+
+class _NaNLoss(TinyLM):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        return {**out, "loss": out["loss"] * float("nan")}
+
+
+def test_a_fit_whose_every_update_is_skipped_is_an_error_with_the_counts() -> None:
+    examples = make_examples([3, 4, 5, 6, 2, 1, 4, 4], seed=2)
+    with (
+        _OptimizerSteps() as steps,
+        pytest.warns(UserWarning, match=r"skipped update \d: its gradient is not finite"),
+        pytest.raises(RuntimeError, match=r"attempted 2 update\(s\) and applied none: every update was skipped"
+                      r" \(nonfinite 2\): 'overflow' by the GradScaler"),
+    ):  # fmt: skip
+        fit(_NaNLoss(), examples, batch_size=2, accumulate=2)
+    assert steps.count == 0
+
+
+def test_a_fit_stopped_before_its_first_update_is_not_an_error() -> None:
+    # No attempt at all (stopped inside the first group): nothing to say beyond the open group's warning.
+    class StopAtOnce(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+            trainer.should_stop = True
+
+    with pytest.warns(UserWarning, match=r"the fit stopped"):
+        trainer = fit(
+            TinyLM(), make_examples([3, 4, 5, 6], seed=2), batch_size=1, accumulate=4, callbacks=[StopAtOnce()]
+        )
+    assert trainer.strategy.ledger.updates_attempted == 0
 
 
 class _Stream(IterableDataset):

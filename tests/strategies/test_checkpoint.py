@@ -30,9 +30,11 @@ from helpers import (
     make_trainer,
     params_vector,
     random_lengths,
+    relative_error,
     run_ddp,
 )
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationStrategy, DDPAccumulationStrategy
 
@@ -1471,3 +1473,33 @@ def test_a_sharded_folder_that_cannot_be_read_is_refused_with_the_way_out(tmp_pa
         # The folder, its size and torch's own error (which names the failed read of the shard).
         assert said[case].startswith(f"`ckpt_path={str(tmp_path / name)!r}` ({size}) cannot be read: "), said
         assert said[case].endswith("(from CheckpointException)"), said
+
+
+@pytest.mark.parametrize("build", ["float32", "float64", "init_module"])
+def test_a_float64_resume_is_exact_only_for_a_module_built_in_float64(tmp_path: Path, build: str) -> None:
+    # Plain Lightning's order: the checkpoint's weights are loaded into the module before `precision="64-true"`
+    # converts it, so a module built in float32 resumes from weights rounded to float32 (docs/howto.md, "What a
+    # checkpoint holds"). Built in float64, or inside `trainer.init_module()`, the resume is exact.
+    examples = make_examples(random_lengths(16, seed=7), seed=7)
+
+    def run(ckpt_path: Path | None = None, epochs: int = 2) -> tuple[L.Trainer, TinyLM]:
+        trainer = make_trainer(precision="64-true", accumulate_grad_batches=2, max_epochs=epochs)
+        if build == "init_module":
+            with trainer.init_module():
+                model = TinyLM(lr=0.5, optimizer="adamw")
+        else:
+            model = TinyLM(lr=0.5, optimizer="adamw")
+            model = model.double() if build == "float64" else model
+        trainer.fit(model, DataLoader(ListDataset(examples), batch_size=2), ckpt_path=ckpt_path)
+        return trainer, model
+
+    _, whole = run()
+    first, _ = run(epochs=1)  # 4 updates, then a checkpoint at the epoch's end
+    first.save_checkpoint(tmp_path / "epoch1.ckpt")
+    resumed_trainer, resumed = run(ckpt_path=tmp_path / "epoch1.ckpt")
+    assert resumed_trainer.strategy.ledger.updates_applied == 8
+    error = relative_error(params_vector(resumed), params_vector(whole))
+    if build == "float32":
+        assert 1e-9 < error < 1e-6, error  # the weights went through float32 once: 2e-8
+    else:
+        assert error <= 1e-12, error
