@@ -71,6 +71,7 @@ from lightning_accum.ledger import AXES, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions, validate_choice
 from lightning_accum.sampler import global_order_for
+from lightning_accum.token_batches import TokenBatches
 
 __all__ = [
     "FabricAccumulationStrategy",
@@ -96,9 +97,10 @@ class FabricExactAccumulation(Strategy, CoreSeam):
     #: The class of this strategy's :class:`~lightning_accum.core.adapter.EngineAdapter`.
     adapter_type: ClassVar[type[EngineAdapter]] = EngineAdapter
 
-    def _init_accumulation(self, options: AccumulationOptions) -> None:
+    def _init_accumulation(self, options: AccumulationOptions, token_batches: TokenBatches | None = None) -> None:
         """Set up the core from the options the constructor validated (before Fabric's ``__init__``)."""
         self._core = AccumulationCore(self, self.adapter_type, options)
+        self._tokens = token_batches  # a shuffled loader's micro-batches cut by tokens (`setup_dataloaders`)
         self._core.parameters = self._parameters
         self._sync: BackwardSyncNotes | None = None  # Fabric's no_backward_sync control, noted (DDP, FSDP2)
         self._modules: list[Module] = []  # what `fabric.setup` was given, unwrapped: the named parameters
@@ -182,12 +184,15 @@ class FabricExactAccumulation(Strategy, CoreSeam):
             if message is not None:
                 rank_zero_warn(message)
         dataloader = super().process_dataloader(dataloader)
-        if not self._core.engine.options.global_order:
+        if not self._core.engine.options.global_order and self._tokens is None:
             return dataloader
         # `global_order=True`: a shuffled loader (in a loop, the training one) reads a GlobalOrderSampler in place of
         # Fabric's distributed sampler or its own RandomSampler; in-order loaders keep theirs (`global_order_for`).
         layout = getattr(self, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
         seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        if self._tokens is not None:  # `token_batches=`: that loader batched by tokens, in that order
+            tokens = self._tokens.loader(dataloader, layout["num_replicas"], layout["rank"], seed, accumulate=None)
+            return dataloader if tokens is None else tokens
         sampler = global_order_for(dataloader, layout["num_replicas"], layout["rank"], seed, in_order=False)
         if sampler is None or sampler is dataloader.sampler:
             return dataloader
@@ -336,6 +341,9 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
             options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`
             (``partial_group`` and ``schedule_on`` are the loop's to apply in Fabric: the loop decides when a group
             closes and when a scheduler steps).
+        token_batches: A shuffled loader's micro-batches cut by tokens in ``fabric.setup_dataloaders`` (a
+            :class:`~lightning_accum.TokenBatches` with ``samples_per_update``; the loop's groups:
+            ``loader.batch_sampler.groups(loader)``).
         device: The device; by default the one Fabric's accelerator selects.
         **kwargs: Passed to Fabric's ``SingleDeviceStrategy``.
 
@@ -358,9 +366,10 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
         global_order: bool = False,
+        token_batches: TokenBatches | None = None,
         **kwargs: Any,
     ) -> None:
-        self._init_accumulation(AccumulationOptions.pick(locals()))
+        self._init_accumulation(AccumulationOptions.pick(locals()), token_batches)
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._device_given = device is not None
 
@@ -408,6 +417,7 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     Args:
         normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: See
             :class:`FabricAccumulationStrategy`.
+        token_batches: See :class:`FabricAccumulationStrategy`.
         **kwargs: Passed to Fabric's ``DDPStrategy`` (``start_method``, ``process_group_backend``, ``timeout``, ...).
 
     Example:
@@ -430,10 +440,11 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
         global_order: bool = False,
+        token_batches: TokenBatches | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        self._init_accumulation(AccumulationOptions.pick(locals()))
+        self._init_accumulation(AccumulationOptions.pick(locals()), token_batches)
         super().__init__(start_method=start_method, **kwargs)
         self._note_backward_sync()
 
@@ -469,6 +480,7 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
             (``"accum_fsdp"``: ``tensor_parallel_size=1``, FSDP2 over every device).
         normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: See
             :class:`FabricAccumulationStrategy`.
+        token_batches: See :class:`FabricAccumulationStrategy`.
         **kwargs: Passed to Fabric's ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
             ``process_group_backend``, ``timeout``).
 
@@ -496,10 +508,11 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         on_nonfinite: str = "skip",
         max_consecutive_skips: int | None = 100,
         global_order: bool = False,
+        token_batches: TokenBatches | None = None,
         **kwargs: Any,
     ) -> None:
         check_mesh_sizes(data_parallel_size, tensor_parallel_size)
-        self._init_accumulation(AccumulationOptions.pick(locals()))
+        self._init_accumulation(AccumulationOptions.pick(locals()), token_batches)
         super().__init__(parallelize_fn, data_parallel_size, tensor_parallel_size, **kwargs)
         self._note_backward_sync()  # Fabric's control of `no_backward_sync`, noted (see docs/internals.md)
 

@@ -54,7 +54,9 @@ from lightning_accum.strategies.group_boundaries import GroupBoundaries, Unknown
 from lightning_accum.strategies.precision_clipping import PrecisionClipping
 from lightning_accum.strategies.scheduled_groups import ScheduledGroups
 from lightning_accum.strategies.slicing import BatchSlicer
+from lightning_accum.strategies.token_groups import TokenGroups
 from lightning_accum.strategies.trainer_side import TrainerSide
+from lightning_accum.token_batches import TokenBatches, TokenBatchSampler
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 
@@ -85,8 +87,14 @@ class ExactAccumulation(Strategy, CoreSeam):
         microbatch_size: MicrobatchSize = None,
         split_batch: SplitBatch | None = None,
         batch_schedule: BatchSchedule | Mapping[int, int] | str | None = None,
+        token_batches: TokenBatches | None = None,
     ) -> None:
         """Set up the parts from the options the constructor validated (before Lightning's ``__init__``)."""
+        if token_batches is not None and (batch_schedule is not None or options.partial_group == "drop"):
+            raise ValueError(
+                f"`token_batches=` cannot be combined with `{'batch_schedule=' if batch_schedule else 'partial_group'}`"
+                " yet: pass `TokenBatches(samples_per_update=lambda epoch, position: ...)`, or 'rescale'."
+            )
         if microbatch_size is not None and options.normalize == "batches":
             raise ValueError(
                 f"`microbatch_size={microbatch_size!r}` cannot be combined with `normalize='batches'`: a loader batch"
@@ -102,6 +110,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._side = self.side_type(self, self._core.adapter)
         self._scheduled = ScheduledGroups(as_schedule(batch_schedule))  # the groups' sizes under `batch_schedule=`
         self._groups = GroupBoundaries()  # where the fit's groups start and end
+        self._tokens = TokenGroups(token_batches)  # the training loader cut by tokens under `token_batches=`
         self._checkpoints = TrainerCheckpoint(
             self, self._core, self._side, self._slicer, self._attached_trainer, self._scheduled
         )
@@ -135,6 +144,17 @@ class ExactAccumulation(Strategy, CoreSeam):
         record of the run that wrote it (see :mod:`~lightning_accum.strategies.scheduled_groups`). Empty without a
         schedule."""
         return [dict(stage) for stage in self._scheduled.stages]
+
+    @property
+    def token_batches(self) -> TokenBatches | None:
+        """The :class:`~lightning_accum.TokenBatches` given as ``token_batches=``, or ``None``."""
+        return self._tokens.options
+
+    @property
+    def token_sampler(self) -> TokenBatchSampler | None:
+        """The training loader's :class:`~lightning_accum.TokenBatchSampler` under ``token_batches=`` (its plan:
+        ``group_sizes()``, ``group_stats()``), else ``None``."""
+        return self._tokens.sampler
 
     @property
     def evaluation_findings(self) -> dict[str, str | None]:
@@ -396,12 +416,16 @@ class ExactAccumulation(Strategy, CoreSeam):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        if not self._core.engine.options.global_order:
+        tokens = self._tokens.options is not None  # implies `global_order=True`
+        if not (tokens or self._core.engine.options.global_order):
             return dataloader
         trainer = self._trainer()
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        return install_global_order(dataloader, trainer, getattr(self, "distributed_sampler_kwargs", None))
+        layout = getattr(self, "distributed_sampler_kwargs", None)
+        if tokens:
+            return self._tokens.install(dataloader, trainer, layout)
+        return install_global_order(dataloader, trainer, layout)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -424,10 +448,12 @@ class ExactAccumulation(Strategy, CoreSeam):
     @override
     def setup(self, trainer: Trainer) -> None:
         self._side.setup(trainer)
-        # In `configure_optimizers` under a schedule, the number of updates is unknown: its reading is refused.
-        given = trainer.accumulate_grad_batches
-        if self._scheduled.schedule is not None and trainer.state.fn == TrainerFn.FITTING:
+        # In `configure_optimizers` under a schedule or token batches, Lightning's count of updates is wrong: refused.
+        given = self._tokens.accumulate = trainer.accumulate_grad_batches
+        if trainer.state.fn == TrainerFn.FITTING and self._scheduled.schedule is not None:
             trainer.accumulate_grad_batches = UnknownUpdates()  # type: ignore[assignment]
+        elif trainer.state.fn == TrainerFn.FITTING and self._tokens.options is not None:
+            trainer.accumulate_grad_batches = UnknownUpdates(self._tokens.refusal)  # type: ignore[assignment]
         try:
             super().setup(trainer)
         finally:
@@ -449,12 +475,13 @@ class ExactAccumulation(Strategy, CoreSeam):
         super().on_train_start()
         trainer = self._trainer()
         _check_supported(self, trainer)
-        self._groups.install(trainer, self._scheduled.start(trainer, self._core, self._slicer.split_batch))
+        sizer = self._scheduled.start(trainer, self._core, self._slicer.split_batch)
+        self._groups.install(trainer, self._tokens.start(trainer) or sizer)
         self.add_group_listener(self._scheduled.on_group)
         _warn_of_slashes_in_checkpoint_names(trainer)
         self._side.on_train_start(trainer)
         self._agreement = self._side.microbatch_agreement()
-        if trainer.lightning_module.automatic_optimization:
+        if trainer.lightning_module.automatic_optimization and self._tokens.options is None:
             batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
             self._core.engine.decisions.warn_short_epoch(batches, accumulate, self._core.engine.warn)
 

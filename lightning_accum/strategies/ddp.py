@@ -24,6 +24,7 @@ from lightning_accum.core.entry import CHECKPOINT_KEY
 from lightning_accum.options import AccumulationOptions, Normalize, OnNonfinite, PartialGroup, ScheduleOn, TokenCounter
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.trainer_side import TrainerSide, ends_group_by_position
+from lightning_accum.token_batches import TokenBatches
 
 __all__ = ["DDPAccumulationStrategy", "DDPTrainerSide"]
 
@@ -221,8 +222,8 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
             replicas only is an error on every rank instead of a wait until the timeout (one all-reduce of one
             number on the CPU per such micro-batch; docs/reliability.md). ``False`` turns it off for data you know to
             be sharded evenly. Map-style data is never checked this way (its sampler gives every rank one length).
-        microbatch_size, split_batch, batch_schedule: Exact slices of each loader batch, and the global batch by
-            tokens, samples or updates: see :class:`AccumulationStrategy`.
+        microbatch_size, split_batch, batch_schedule, token_batches: Exact slices of each loader batch, the global
+            batch by tokens, samples or updates, micro-batches cut by tokens: see :class:`AccumulationStrategy`.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``find_unused_parameters``, ``process_group_backend``, ...).
 
@@ -258,11 +259,12 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
         batch_schedule: BatchSchedule | dict[int, int] | str | None = None,
+        token_batches: TokenBatches | None = None,
         ddp_comm_state: Any = None,  # DDPStrategy's, typed `object`: LightningCLI's --help fails on it (jsonargparse)
         **kwargs: Any,
     ) -> None:
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
-        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule)
+        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule, token_batches)
         super().__init__(ddp_comm_state=ddp_comm_state, **kwargs)
         self.check_data_ends = check_data_ends
 

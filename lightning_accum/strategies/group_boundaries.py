@@ -10,6 +10,11 @@ from lightning_accum.patching import InstancePatch
 
 __all__ = ["GroupBoundaries", "GroupSizer", "UnknownUpdates"]
 
+_SCHEDULED = (
+    "under `batch_schedule=`: each group's size follows the run's position, so the number of updates is not known"
+    " before the groups run"
+)
+
 #: ``sizer(batch, batch_idx, resumed) -> int``: the micro-batches per replica of the group starting with ``batch`` at
 #: ``batch_idx``; ``resumed``: at a fit's first group, the size of the checkpoint's open group it continues, else None.
 GroupSizer = Callable[[Any, int, "int | None"], int]
@@ -68,7 +73,7 @@ class GroupBoundaries:
         if self.sizer is None and (batch_idx == 0 or before is None):
             self.accumulate = after
             return
-        where = "which `batch_schedule=` sets at each group's start" if self.sizer else "inside the epoch"
+        where = "which the strategy sets at each group's start" if self.sizer else "inside the epoch"
         raise RuntimeError(
             f"`trainer.accumulate_grad_batches` changed from {before} to {after} before batch {batch_idx} of epoch"
             f" {trainer.current_epoch}, {where}: Lightning would end the open group elsewhere. Likely writers: a"
@@ -95,17 +100,20 @@ class GroupBoundaries:
 
 
 class UnknownUpdates:
-    """``trainer.accumulate_grad_batches`` in ``configure_optimizers`` under ``batch_schedule=``: not a number.
+    """``trainer.accumulate_grad_batches`` in ``configure_optimizers`` where groups are sized as they start: not a
+    number. ``why``: the option and its reason (``batch_schedule=``'s by default).
 
     Raises:
         RuntimeError: On any arithmetic (``trainer.estimated_stepping_batches`` divides by it) or conversion.
     """
 
+    def __init__(self, why: Callable[[], str] = lambda: _SCHEDULED) -> None:
+        self.why = why
+
     def _refuse(self, *args: Any) -> Any:
         raise RuntimeError(
             "`trainer.estimated_stepping_batches` (or `trainer.accumulate_grad_batches`) was read in"
-            " `configure_optimizers` under `batch_schedule=`: each group's size follows the run's position, so the"
-            " number of updates is not known before the groups run. Define the rate on the run's axis with `AxisLR`"
+            f" `configure_optimizers` {self.why()}. Define the rate on the run's axis with `AxisLR`"
             " (e.g. `AxisLR(optimizer, axis='tokens', lr_lambda=...)`), or size it by a count of updates of your own."
         )
 

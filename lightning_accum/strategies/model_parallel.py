@@ -30,6 +30,7 @@ from lightning_accum.core.mesh import (
 from lightning_accum.options import AccumulationOptions, Normalize, OnNonfinite, PartialGroup, ScheduleOn, TokenCounter
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.trainer_side import TrainerSide
+from lightning_accum.token_batches import TokenBatches
 
 __all__ = ["MeshSide", "ModelParallelAccumulationStrategy"]
 
@@ -115,8 +116,9 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             sizes (``D`` = number of nodes, tensor parallel over a node's devices); with one of them an int, the
             other is the world size divided by it (``tensor_parallel_size=1``: FSDP2 over every device, what
             ``"accum_fsdp"`` selects).
-        microbatch_size, split_batch, batch_schedule: As in :class:`AccumulationStrategy`; every rank runs the same
-            number of slices (one small CPU all-reduce per loader batch agrees on it), and ``"auto"`` is an error.
+        microbatch_size, split_batch, batch_schedule, token_batches: As in :class:`AccumulationStrategy`; every rank
+            runs the same number of slices (one small CPU all-reduce per loader batch agrees on it), and ``"auto"`` is
+            an error.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
             (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
@@ -152,6 +154,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
         batch_schedule: BatchSchedule | dict[int, int] | str | None = None,
+        token_batches: TokenBatches | None = None,
         **kwargs: Any,
     ) -> None:
         if gradient_sync not in GRADIENT_SYNC_MODES:
@@ -161,7 +164,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             )
         check_mesh_sizes(data_parallel_size, tensor_parallel_size)
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
-        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule)
+        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule, token_batches)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.gradient_sync = gradient_sync
         if microbatch_size == "auto":

@@ -13,6 +13,7 @@ from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.core.core import one_device_property
 from lightning_accum.options import AccumulationOptions, Normalize, OnNonfinite, PartialGroup, ScheduleOn, TokenCounter
 from lightning_accum.strategies.base import ExactAccumulation
+from lightning_accum.token_batches import TokenBatches
 
 __all__ = ["AccumulationStrategy"]
 
@@ -37,6 +38,8 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         batch_schedule: The global batch by tokens, samples or updates: a :class:`~lightning_accum.BatchSchedule`, or
             its stages (a dict or Megatron's string form, on tokens); each group's size is set at its start (see
             :mod:`~lightning_accum.strategies.scheduled_groups`). Leave ``accumulate_grad_batches`` unset with it.
+        token_batches: The training loader's micro-batches cut by tokens, each group the examples of the loader's
+            ``batch_size`` × ``accumulate_grad_batches`` × ``D`` (a :class:`~lightning_accum.TokenBatches`).
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
     ``trainer.global_step`` keeps Lightning's meaning (attempts; docs/concepts.md); applied updates are in
@@ -67,10 +70,11 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
         batch_schedule: BatchSchedule | dict[int, int] | str | None = None,
+        token_batches: TokenBatches | None = None,
         **kwargs: Any,
     ) -> None:
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
-        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule)
+        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule, token_batches)
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._device_given = device is not None
 

@@ -20,7 +20,7 @@ from helpers import (
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
 
-from lightning_accum import BatchSchedule
+from lightning_accum import BatchSchedule, TokenBatches
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -258,3 +258,55 @@ def test_cli_help_lists_each_options_choices_and_what_count_tokens_accepts(
     count_tokens = text.rsplit("--trainer.strategy.count_tokens COUNT_TOKENS", 1)[1].split("--trainer.strategy.", 1)[0]
     assert "``batch -> int | Tensor``" in count_tokens and "lightning_accum.causal_lm_tokens" in count_tokens
     assert "subclasses" not in count_tokens and "torch.nn.Parameter" not in text, count_tokens  # no Tensor classes
+
+
+# ---------------------------------------------------------------------------- micro-batches cut by tokens
+
+
+class TokenCLIModel(TinyLM):
+    """TinyLM over a Hugging Face `datasets.Dataset` whose `supervised` column holds each row's supervised tokens."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__(lr=lr)
+
+    def train_dataloader(self) -> DataLoader:
+        datasets = pytest.importorskip("datasets")
+        rows = make_examples(random_lengths(24, seed=40), seed=40)
+        columns = {key: [row[key].tolist() for row in rows] for key in ("input_ids", "labels")}
+        columns["supervised"] = [[1] * sum(label != -100 for label in labels) for labels in columns["labels"]]
+        data = datasets.Dataset.from_dict(columns).with_format("torch", columns=["input_ids", "labels"])
+        return DataLoader(data, batch_size=2, shuffle=True)
+
+
+def test_cli_config_cuts_micro_batches_by_tokens_with_the_lengths_of_a_datasets_column(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("""
+trainer:
+  max_epochs: 1
+  accumulate_grad_batches: 2
+  enable_progress_bar: false
+  enable_model_summary: false
+  strategy:
+    class_path: lightning_accum.AccumulationStrategy
+    init_args:
+      token_batches:
+        class_path: lightning_accum.TokenBatches
+        init_args: {max_tokens: 8, lengths: supervised}
+""")
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    cli = LightningCLI(
+        TokenCLIModel,
+        seed_everything_default=0,
+        args=["fit", "--config", str(path)],
+        save_config_callback=None,
+        trainer_defaults={"accelerator": "cpu", "logger": False, "enable_checkpointing": False},
+    )
+    strategy = cli.trainer.strategy
+    assert strategy.token_batches == TokenBatches(max_tokens=8, lengths="supervised")  # type: ignore[attr-defined]
+    sampler = strategy.token_sampler  # type: ignore[attr-defined]
+    expected = [sum(1 for x in row["labels"] if x != -100) for row in make_examples(random_lengths(24, seed=40), 40)]
+    assert sampler.lengths.tolist() == expected
+    ledger = strategy.ledger  # type: ignore[attr-defined]
+    assert (ledger.samples, ledger.updates_applied, ledger.microbatches) == (24, 6, len(sampler))
