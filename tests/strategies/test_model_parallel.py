@@ -28,7 +28,7 @@ from helpers import (
     run_ddp,
     torchrun_two_nodes,
 )
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -37,10 +37,8 @@ from lightning_accum import (
     AccumulationCheck,
     AccumulationLedger,
     AccumulationReport,
-    AxisLogger,
     ModelParallelAccumulationStrategy,
 )
-from lightning_accum.callbacks.common import unsupported_strategy_hint
 from lightning_accum.core.reading import LIGHTNING_TAKES_REMOTE_FOLDERS
 
 WIDTH = 12  # vocabulary rows and logits (the data's ids and labels stay below helpers.VOCAB = 11)
@@ -419,16 +417,6 @@ def test_a_world_size_that_is_not_dp_times_tp_is_named_before_any_process_starts
     make_trainer(strategy=strategy, devices=2)
     with pytest.raises(ValueError, match=message):
         strategy.setup_environment()  # the first thing Lightning runs on every process, before the process group
-
-
-def test_lightning_sharding_strategies_with_the_callbacks_name_what_is_supported_instead() -> None:
-    # Lightning refuses FSDP1 on the CPU, so its sentence is checked directly; the callbacks append it.
-    fsdp1 = unsupported_strategy_hint(FSDPStrategy())
-    assert "FSDPStrategy (FSDP1) is not supported: use strategy='accum_fsdp'" in fsdp1
-    trainer = make_trainer(strategy=ModelParallelStrategy())
-    for callback in (AxisLogger(), AccumulationReport()):
-        with pytest.raises(RuntimeError, match=r"use ModelParallelAccumulationStrategy \(strategy='accum_fsdp' or"):
-            callback.setup(trainer, ShardedLM(), "fit")
 
 
 class DataParallelStridedSampler(RankStridedSampler):
