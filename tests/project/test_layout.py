@@ -358,7 +358,6 @@ def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
 #: Where the tests of a module live when no `tests/test_<module>.py` is named after it: the feature file that proves
 #: its behaviour through the doors users drive (one place to look, kept true by the test below).
 TESTS_OF: dict[str, str] = {
-    "callbacks/rich_columns": "callbacks/test_progress.py",
     "carry": "strategies/test_checkpoint.py",
     "core/adapter": "strategies/test_base.py",
     "core/checkpoint": "strategies/test_checkpoint.py",
