@@ -359,7 +359,6 @@ def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
 #: its behaviour through the doors users drive (one place to look, kept true by the test below).
 TESTS_OF: dict[str, str] = {
     "carry": "strategies/test_checkpoint.py",
-    "core/adapter": "strategies/test_base.py",
     "core/checkpoint": "strategies/test_checkpoint.py",
     "core/ddp": "strategies/test_ddp.py",
     "core/entry": "strategies/test_checkpoint.py",
