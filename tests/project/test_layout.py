@@ -360,7 +360,6 @@ def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
 TESTS_OF: dict[str, str] = {
     "carry": "strategies/test_checkpoint.py",
     "core/checkpoint": "strategies/test_checkpoint.py",
-    "core/ddp": "strategies/test_ddp.py",
     "core/entry": "strategies/test_checkpoint.py",
     "core/mesh": "strategies/test_model_parallel.py",
     "core/reading": "strategies/test_checkpoint.py",
