@@ -361,7 +361,6 @@ TESTS_OF: dict[str, str] = {
     "carry": "strategies/test_checkpoint.py",
     "core/checkpoint": "strategies/test_checkpoint.py",
     "core/entry": "strategies/test_checkpoint.py",
-    "core/mesh": "strategies/test_model_parallel.py",
     "core/reading": "strategies/test_checkpoint.py",
     "decision": "test_engine.py",
     "evaluation_loss": "test_fabric_evaluation.py",
