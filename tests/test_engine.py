@@ -164,21 +164,6 @@ def test_zero_token_microbatch_contributes_nothing_and_no_nan() -> None:
     assert outcome.action == "apply" and outcome.record.loss == pytest.approx(3.0)
 
 
-def test_empty_groups_are_skipped_attempts_warned_once_and_counted() -> None:
-    engine = AccumulationEngine(normalize="tokens")
-    with pytest.warns(UserWarning, match=r"update 1 is skipped: its group holds no tokens at all") as caught:
-        for _ in range(3):
-            for _ in range(2):
-                engine.add_microbatch({"loss": torch.tensor(float("nan")), "num_tokens": 0}, None, accumulate=2)
-            outcome = engine.close_group(accumulate=2)
-            engine.finish_group(outcome, applied=False)
-            assert outcome.action == "skip" and outcome.record.skip_reason == "empty"
-            assert math.isnan(outcome.record.loss)
-    assert len([w for w in caught if "holds no tokens" in str(w.message)]) == 1  # said once, counted always
-    ledger = engine.ledger
-    assert (ledger.updates_attempted, ledger.updates_applied, ledger.updates_skipped["empty"]) == (3, 0, 3)
-
-
 def _closed_with_gradients(
     grads: list[torch.Tensor], check: bool, tokens: tuple[int, int] = (30, 10)
 ) -> tuple[AccumulationEngine, object]:
@@ -228,22 +213,6 @@ def test_close_finds_a_nonfinite_gradient_in_the_rescale_pass(dtype: torch.dtype
     # Unchecked (on_nonfinite="ignore", or a GradScaler checks): applied, as Lightning would.
     _, unchecked = _closed_with_gradients([torch.ones(4, dtype=dtype), grads[1].clone()], check=False)
     assert unchecked.action == "apply"
-
-
-def test_partial_group_policies() -> None:
-    for policy, action in [("rescale", "apply"), ("drop", "drop")]:
-        engine = AccumulationEngine(normalize="tokens", partial_group=policy)
-        engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": 7}, {"x": torch.zeros(3)}, accumulate=3)
-        outcome = engine.close_group(accumulate=3)
-        engine.finish_group(outcome, applied=action == "apply")
-        assert outcome.action == action
-        ledger = engine.ledger
-        assert ledger.partial_groups == 1
-        if policy == "drop":
-            assert (ledger.updates_attempted, ledger.dropped_microbatches, ledger.dropped_samples) == (0, 1, 3)
-            assert (ledger.dropped_tokens, ledger.tokens, ledger.samples) == (7, 0, 0)
-        else:
-            assert (ledger.updates_attempted, ledger.tokens, ledger.samples, ledger.dropped_tokens) == (1, 7, 3, 0)
 
 
 def test_auto_unit_falls_back_to_samples_then_batches() -> None:
