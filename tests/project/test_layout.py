@@ -362,7 +362,6 @@ TESTS_OF: dict[str, str] = {
     "core/checkpoint": "strategies/test_checkpoint.py",
     "core/entry": "strategies/test_checkpoint.py",
     "core/reading": "strategies/test_checkpoint.py",
-    "evaluation_loss": "test_fabric_evaluation.py",
     "group": "test_engine.py",
     "options": "strategies/test_base.py",
     "slicing": "strategies/test_slicing.py",
