@@ -17,7 +17,6 @@ from lightning_accum.carry import Carried
 from lightning_accum.engine import AccumulationEngine, Replicas
 from lightning_accum.gradients import scale_gradients
 from lightning_accum.microbatch import infer_num_samples
-from lightning_accum.options import validate_choice
 
 
 def test_seed_example_gives_token_weighted_loss_not_mean_of_means() -> None:
@@ -273,20 +272,6 @@ def test_samples_normalization_without_inferable_size() -> None:
     engine = AccumulationEngine(normalize="samples")
     with pytest.raises(ValueError, match=r"cannot be inferred .* Return `\{'loss': loss, 'num_samples': n\}`"):
         engine.add_microbatch(torch.tensor(1.0), {"a": torch.zeros(2), "b": torch.zeros(3)}, accumulate=1)
-
-
-def test_bad_choices_list_the_valid_ones() -> None:
-    with pytest.raises(
-        ValueError,
-        match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches',"
-        r" 'documents'; got 'x'",
-    ):
-        AccumulationEngine(normalize="x")
-    with pytest.raises(ValueError, match=r"`partial_group` must be one of 'rescale', 'drop'; got 'keep'"):
-        AccumulationEngine(partial_group="keep")
-    with pytest.raises(TypeError, match=r"`count_tokens` must be a callable"):
-        AccumulationEngine(count_tokens=3)  # type: ignore[arg-type]
-    assert validate_choice("normalize", "tokens", ["tokens"]) == "tokens"
 
 
 def test_infer_num_samples() -> None:

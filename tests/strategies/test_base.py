@@ -277,15 +277,6 @@ def test_training_step_must_report_tokens_when_normalizing_by_tokens() -> None:
         )
 
 
-def test_strategy_argument_errors() -> None:
-    with pytest.raises(
-        ValueError, match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches', 'documents'; got 'mean'"
-    ):
-        AccumulationStrategy(normalize="mean")
-    with pytest.raises(ValueError, match=r"`partial_group` must be one of 'rescale', 'drop'; got 'pad'"):
-        lightning_accum.DDPAccumulationStrategy(partial_group="pad")
-
-
 def test_accum_on_several_devices_names_the_ddp_string() -> None:
     with pytest.raises(ValueError, match=r"strategy='accum' runs on one device.*'accum_ddp'"):
         make_trainer(strategy="accum", devices=2)
