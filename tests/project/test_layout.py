@@ -363,7 +363,6 @@ TESTS_OF: dict[str, str] = {
     "core/entry": "strategies/test_checkpoint.py",
     "core/reading": "strategies/test_checkpoint.py",
     "group": "test_engine.py",
-    "strategies/single": "strategies/test_base.py",
     "strategies/trainer_side": "strategies/test_ddp_agreement.py",
 }
 

@@ -277,11 +277,6 @@ def test_training_step_must_report_tokens_when_normalizing_by_tokens() -> None:
         )
 
 
-def test_accum_on_several_devices_names_the_ddp_string() -> None:
-    with pytest.raises(ValueError, match=r"strategy='accum' runs on one device.*'accum_ddp'"):
-        make_trainer(strategy="accum", devices=2)
-
-
 def test_checkpoint_round_trip_with_weights_only(tmp_path: Any) -> None:
     examples = make_examples(random_lengths(12, seed=6), seed=6)
     model = TinyLM(lr=0.5)
