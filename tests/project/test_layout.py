@@ -364,8 +364,6 @@ TESTS_OF: dict[str, str] = {
     "core/entry": "strategies/test_checkpoint.py",
     "core/reading": "strategies/test_checkpoint.py",
     "group": "test_engine.py",
-    # The Trainer-only side's one-device defaults, exercised through DDP's side, without a test of its own.
-    "strategies/trainer_side": "strategies/test_ddp_agreement.py",
 }
 #: The folder of tests/ that holds the project-level checks (docs, examples, layout, packaging); every other folder,
 #: the top level included, mirrors the package's folder of the same name.
