@@ -62,8 +62,8 @@ class AccumulationOptions:
         partial_group: A partial final group is updated with its real denominator (``"rescale"``) or dropped and
             recorded (``"drop"``).
         schedule_on: Step-interval schedules advance once per ``"applied"`` update, or per ``"attempted"`` one.
-        on_nonfinite: Without a GradScaler, a non-finite group gradient ``"skip"``s the update, ``"raise"``s, or is
-            ``"ignore"``d (updated anyway).
+        on_nonfinite: Without a GradScaler, what a non-finite group gradient does: ``"skip"`` the update,
+            ``"raise"`` an error, or ``"ignore"`` it (update anyway).
         max_consecutive_skips: Stop with an error after this many skipped updates in a row; ``None`` never stops.
         global_order: Read the training data in one seeded order dealt to the replicas
             (:class:`~lightning_accum.sampler.GlobalOrderSampler`): group ``g`` holds the same examples at any ``m``,
