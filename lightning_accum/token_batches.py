@@ -95,16 +95,14 @@ def plan_group(
 
 
 def _read_lengths(dataset: Sized, lengths: Sequence[int] | str | Callable[[int], int]) -> Indices:
-    """One int per example, read once: a sequence, a ``datasets.Dataset`` column, or a function of the index."""
-    if isinstance(lengths, str):
-        if not hasattr(dataset, "with_format"):
-            raise TypeError(
-                f"`lengths={lengths!r}` names a column, which needs a Hugging Face `datasets.Dataset`; got"
-                f" {type(dataset).__name__}. Pass one int per example or a function of the index."
-            )
+    """One int per example, read once: a sequence, a column (a ``datasets.Dataset``'s as one Arrow column; else the
+    length of each example's entry), or a function of the index."""
+    if isinstance(lengths, str) and hasattr(dataset, "with_format"):
         import pyarrow.compute  # a dependency of `datasets`
 
         values: Any = pyarrow.compute.list_value_length(dataset.with_format("arrow")[lengths]).to_numpy()
+    elif isinstance(lengths, str):
+        values = [len(_entry(dataset, index, lengths)) for index in range(len(dataset))]
     elif callable(lengths):
         values = [lengths(index) for index in range(len(dataset))]
     else:
@@ -124,6 +122,17 @@ def _read_lengths(dataset: Sized, lengths: Sequence[int] | str | Callable[[int],
         index = int(np.argmax(array < 1))
         raise ValueError(f"`lengths` must be positive, got {int(array[index])} at index {index}. Drop empty rows.")
     return array.astype(np.int64)
+
+
+def _entry(dataset: Any, index: int, column: str) -> Any:
+    example = dataset[index]
+    if not isinstance(example, Mapping) or column not in example:
+        found = sorted(example) if isinstance(example, Mapping) else type(example).__name__
+        raise TypeError(
+            f"`lengths={column!r}` names a column, but example {index} of the dataset has none (it holds {found})."
+            " Name one of its entries, or pass one int per example or a function of the index."
+        )
+    return example[column]
 
 
 class _Origin(NamedTuple):

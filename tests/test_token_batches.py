@@ -281,6 +281,23 @@ def test_a_datasets_column_gives_the_lengths() -> None:
     assert sampler.lengths.tolist() == [9, 5, 1, 4, 1, 3]
 
 
+def test_a_column_of_examples_that_are_mappings_is_read_once_as_its_entries_lengths() -> None:
+    reads: list[int] = []
+
+    class Rows(list):  # type: ignore[type-arg]
+        def __getitem__(self, index):  # type: ignore[no-untyped-def]
+            reads.append(index)
+            return super().__getitem__(index)
+
+    data = Rows({"input_ids": [0] * n, "labels": [0] * n} for n in (3, 1, 4, 1, 5, 9))
+    sampler = TokenBatchSampler(data, "input_ids", max_tokens=9, samples_per_update=6)
+    assert sampler.lengths.tolist() == [3, 1, 4, 1, 5, 9] and reads == list(range(6))
+    for epoch in (0, 1):  # the epochs plan from the lengths read once
+        sampler.set_epoch(epoch)
+        assert sorted(i for batch in sampler for i in batch) == list(range(6))
+    assert reads == list(range(6))
+
+
 class _Stream(IterableDataset):  # type: ignore[type-arg]
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(range(3))
@@ -297,7 +314,11 @@ class _Stream(IterableDataset):  # type: ignore[type-arg]
         ({"lengths": [1, 2, 3]}, ValueError, r"`lengths` has 3 entries but the dataset has 4 examples"),
         ({"lengths": [1, 2, 0, 3]}, ValueError, r"`lengths` must be positive, got 0 at index 2\. Drop empty rows"),
         ({"lengths": [1.0, 2.0, 3.0, 4.0]}, TypeError, r"`lengths` must give one int per example, got list of dtype"),
-        ({"lengths": "input_ids"}, TypeError, r"`lengths='input_ids'` names a column, .* got range\. Pass one int"),
+        (
+            {"lengths": "input_ids"},
+            TypeError,
+            r"`lengths='input_ids'` names a column, but example 0 .* holds int\)\. Name",
+        ),
         ({"max_tokens": 0}, ValueError, r"`max_tokens` must be an int >= 1, got 0\. Pass e\.g\. `max_tokens=1`"),
         ({"max_samples": 0}, ValueError, r"`max_samples` must be an int >= 1, got 0\. Pass e\.g\. `max_samples=1`"),
         ({"samples_per_update": True}, ValueError, r"`samples_per_update` must be an int >= 1, got True"),
