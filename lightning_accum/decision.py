@@ -1,10 +1,4 @@
-"""What to do with a closed group, decided from its reduced values alone, and what follows once it is decided.
-
-Every replica reads the same reduced vector, so every replica takes the same decision: no rank can leave the
-others waiting in a collective. The decision itself is pure functions (:func:`check_agreement`, :func:`classify`,
-the messages); :class:`GroupDecisions` applies them to each closed group of a run and books the result: the messages
-said once per run, the ledger, the streak of skipped updates and the listeners.
-"""
+"""What to do with a closed group, decided alike on every replica from its reduced values, and its booking."""
 
 from __future__ import annotations
 
@@ -49,16 +43,11 @@ class GroupOutcome:
     """What to do with a closed group.
 
     Attributes:
-        action: ``"apply"`` (scale the gradients by ``factor``, unless :attr:`scaled`, and update), ``"skip"``
-            (an attempt that makes no update) or ``"drop"`` (a partial final group dropped by policy; not an
-            attempt).
+        action: ``"apply"``, ``"skip"`` (an attempt without update) or ``"drop"`` (a partial group dropped by policy).
         factor: The multiplier ``c · D / W`` for the accumulated gradients (1.0 unless ``"apply"``).
-        record: The group's record, to be completed and added to the ledger by
-            :meth:`~lightning_accum.engine.AccumulationEngine.finish_group`.
-        scaled: Whether the engine already multiplied the gradients it was given by ``factor`` (then the caller
-            scales nothing; a group that is not applied holds no update, and the caller zeroes its gradients).
-        batch_samples: The group's micro-batch sizes in samples on this replica, where known on the host
-            (reported as ints or read from the batch's tensor shapes), in order; handed to the listeners.
+        record: The group's record, completed by :meth:`~lightning_accum.engine.AccumulationEngine.finish_group`.
+        scaled: Whether the engine already multiplied the gradients by ``factor``.
+        batch_samples: This replica's micro-batch sizes in samples where known on the host; handed to the listeners.
     """
 
     action: Action
@@ -72,10 +61,7 @@ class GroupOutcome:
 
 
 def units_agree(codes: float, squares: float, count: int) -> bool:
-    """Whether ``count`` replicas, each adding its unit's :data:`~lightning_accum.group.UNIT_CODES` code, used one unit:
-    ``codes`` is the sum of their codes and ``squares`` the sum of the codes' squares, so they agree iff the codes'
-    variance is 0 (the sum alone lets tokens, samples and batches on three replicas pass). The one test of both the
-    training's groups and the evaluation's sets.
+    """Whether ``count`` replicas used one unit: their unit codes sum to ``codes`` and their squares to ``squares``.
 
     Example:
         >>> units_agree(codes=2.0, squares=2.0, count=2), units_agree(codes=4.0, squares=10.0, count=2)
@@ -90,8 +76,9 @@ def check_agreement(
     """Raise the same error on every replica when replicas closed the group differently.
 
     Raises:
-        RuntimeError: Some replicas' data ended with this group while others go on; replicas ran different
-            numbers of micro-batches; or they weight micro-batches by different units.
+        RuntimeError: Some replicas' data ended with this group while others go on, or replicas ran different
+            numbers of micro-batches or weighted by different units.
+        ValueError: A reported count was negative.
 
     Example:
         >>> from lightning_accum.group import Slot, VECTOR_SIZE
@@ -129,8 +116,7 @@ def check_agreement(
 
 
 def negative_message(negative: int, counts: str, where: str) -> str:
-    """The error for ``negative`` counts reported as tensors below zero (known only once reduced), in a group or in
-    an evaluation set: ``counts`` names what reported them, ``where`` where they were reported."""
+    """The error for ``negative`` counts below zero, reported by ``counts`` at ``where``."""
     return (
         f"A negative `num_tokens`, `num_samples` or `num_documents` was reported {where} ({negative} {counts} counts"
         " below zero over all replicas). Counts must be >= 0: return the number of supervised units, e.g."
@@ -168,11 +154,7 @@ def raised_reference(reference: float | None, reduced: ReducedGroup) -> float | 
 
 
 def classify(reduced: ReducedGroup, partial: bool, partial_group: str, nonfinite: bool) -> tuple[Action, str | None]:
-    """``(action, skip_reason)`` for a group, in the order the checks apply.
-
-    A partial final group under ``partial_group="drop"`` is dropped (not an attempt); a group without units is
-    skipped as ``"empty"``; a non-finite gradient (found by the engine's check) as ``"nonfinite"``. A GradScaler's
-    own skip (``"overflow"``) is only known after the optimizer ran.
+    """``(action, skip_reason)``: ``"drop"`` a partial group under ``"drop"``, else skip ``"empty"`` or ``"nonfinite"``.
 
     Example:
         >>> from lightning_accum.group import Slot, VECTOR_SIZE
@@ -192,10 +174,7 @@ def classify(reduced: ReducedGroup, partial: bool, partial_group: str, nonfinite
 
 
 def schedule_due(record: GroupRecord, ledger: AccumulationLedger, schedule_on: str, frequency: int = 1) -> bool:
-    """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in ``ledger``).
-
-    Under ``schedule_on="applied"`` the schedule counts applied updates, under ``"attempted"`` attempts; it advances
-    on every ``frequency``-th of them. A dropped group is neither.
+    """Whether a schedule stepping every ``frequency`` applied (or attempted) updates advances after ``record``.
 
     Example:
         >>> skipped = GroupRecord(1.0, tokens=9, samples=1, microbatches=1, applied=False, skip_reason="overflow")
@@ -244,7 +223,7 @@ def empty_message(update: int, unit: str | None) -> str:
 
 
 def no_update_message(ledger: AccumulationLedger) -> str | None:
-    """The error for a run that attempted updates and applied none (``None`` when it applied one or attempted none).
+    """The error for a run that attempted updates and applied none (``None`` otherwise).
 
     Example:
         >>> ledger = AccumulationLedger(updates_attempted=2, updates_skipped={"empty": 2}, normalization="tokens")
@@ -339,12 +318,11 @@ class GroupDecisions:
         say: tuple[Say, Say],
         carried: Carried | None = None,
     ) -> GroupOutcome:
-        """The record and action of the group whose local ``sums`` reduced to ``reduced`` (every close ends here);
-        messages go to ``say`` = ``(info, warn)``; ``carried``: what a checkpoint carried into the group.
+        """The outcome of the group whose local ``sums`` reduced to ``reduced``; messages go to ``say = (info, warn)``.
 
         Raises:
-            RuntimeError: The replicas closed the group differently (:func:`check_agreement`), or its gradient is
-                non-finite under ``on_nonfinite="raise"``.
+            RuntimeError: The replicas closed the group differently, or its gradient is non-finite under
+                ``on_nonfinite="raise"``.
             ValueError: A reported count was negative.
         """
         info, warn = say
@@ -392,11 +370,10 @@ class GroupDecisions:
             say(message)
 
     def finish(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
-        """Complete the outcome's record after the optimizer ran (or did not), add it to the ledger, call the
-        listeners.
+        """Complete the outcome's record, add it to the ledger, call the listeners.
 
         Raises:
-            RuntimeError: ``max_consecutive_skips`` updates in a row were skipped: the run makes no progress.
+            RuntimeError: ``max_consecutive_skips`` updates in a row were skipped.
         """
         record = outcome.record
         record.applied = applied
@@ -417,7 +394,7 @@ class GroupDecisions:
         return record
 
     def check_progress(self) -> None:
-        """At a fit's end: ``RuntimeError`` (:func:`no_update_message`) if the run attempted and applied none."""
+        """Raise ``RuntimeError`` at a fit's end if the run attempted updates and applied none."""
         if (message := no_update_message(self.ledger)) is not None:
             raise RuntimeError(message)
 
@@ -430,9 +407,7 @@ class GroupDecisions:
             warn(message)
 
     def add_listener(self, listener: GroupListener) -> None:
-        """Call ``listener(record, batch_samples)`` (:attr:`GroupOutcome.batch_samples`) after every group is added to
-        the ledger: updates, skipped attempts and dropped groups alike (``record.dropped``). How the callbacks act once
-        per group without a hook on every micro-batch; adding a listener twice has no effect."""
+        """Call ``listener(record, batch_samples)`` after every group is booked, dropped ones included (added once)."""
         if listener not in self.listeners:
             self.listeners.append(listener)
 
