@@ -61,12 +61,7 @@ class GroupOutcome:
 
 
 def units_agree(codes: float, squares: float, count: int) -> bool:
-    """Whether ``count`` replicas used one unit: their unit codes sum to ``codes`` and their squares to ``squares``.
-
-    Example:
-        >>> units_agree(codes=2.0, squares=2.0, count=2), units_agree(codes=4.0, squares=10.0, count=2)
-        (True, False)
-    """
+    """Whether ``count`` replicas used one unit: codes summing to ``codes``, squares to ``squares`` (variance 0)."""
     return squares * count == codes * codes
 
 
@@ -223,13 +218,7 @@ def empty_message(update: int, unit: str | None) -> str:
 
 
 def no_update_message(ledger: AccumulationLedger) -> str | None:
-    """The error for a run that attempted updates and applied none (``None`` otherwise).
-
-    Example:
-        >>> ledger = AccumulationLedger(updates_attempted=2, updates_skipped={"empty": 2}, normalization="tokens")
-        >>> no_update_message(ledger)[:86]
-        'The fit attempted 2 update(s) and applied none: every micro-batch reported zero tokens'
-    """
+    """The error for a run that attempted updates and applied none (``None`` otherwise)."""
     attempted, skipped, unit = ledger.updates_attempted, ledger.updates_skipped, ledger.normalization or "units"
     if attempted == 0 or ledger.updates_applied > 0:
         return None
@@ -318,12 +307,8 @@ class GroupDecisions:
         say: tuple[Say, Say],
         carried: Carried | None = None,
     ) -> GroupOutcome:
-        """The outcome of the group whose local ``sums`` reduced to ``reduced``; messages go to ``say = (info, warn)``.
-
-        Raises:
-            RuntimeError: The replicas closed the group differently, or its gradient is non-finite under
-                ``on_nonfinite="raise"``.
-            ValueError: A reported count was negative.
+        """The outcome of the group whose local ``sums`` reduced to ``reduced``; ``RuntimeError`` / ``ValueError`` as
+        :func:`check_agreement`, or for a non-finite gradient under ``on_nonfinite="raise"``.
         """
         info, warn = say
         k, unit = sums.microbatches, self.ledger.normalization
@@ -370,11 +355,7 @@ class GroupDecisions:
             say(message)
 
     def finish(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
-        """Complete the outcome's record, add it to the ledger, call the listeners.
-
-        Raises:
-            RuntimeError: ``max_consecutive_skips`` updates in a row were skipped.
-        """
+        """Book the outcome after the optimizer ran; ``RuntimeError`` after ``max_consecutive_skips`` skips in a row."""
         record = outcome.record
         record.applied = applied
         if not applied and record.skip_reason is None and not record.dropped:

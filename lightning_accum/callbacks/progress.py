@@ -34,18 +34,12 @@ def run_budget(trainer: Trainer, axis: str) -> int | None:
 def progress_line(
     ledger: AccumulationLedger, axis: str, budget: int | None, start_count: int, elapsed: float, epoch: int
 ) -> str:
-    """One plain line of progress (what the bars print outside a terminal): exact counts.
+    """One plain line of progress, what the bars print outside a terminal.
 
     Example:
-        >>> ledger = AccumulationLedger()
-        >>> ledger.tokens, ledger.updates_attempted, ledger.updates_applied = 30_000, 12, 12
-        >>> print(progress_line(ledger, "tokens", 100_000, 0, 60.0, 0).replace(" | ", "\\n"))
-        epoch 0
-        tokens 30,000/100,000 (30.0%)
-        500 tok/s
-        elapsed 0:01:00
-        left 0:02:20
-        updates 12 applied, 0 skipped
+        >>> ledger = AccumulationLedger(tokens=300, updates_attempted=12, updates_applied=12)
+        >>> print(progress_line(ledger, "tokens", 1000, 0, 60.0, 0))
+        epoch 0 | tokens 300/1,000 (30.0%) | 5 tok/s | elapsed 0:01:00 | left 0:02:20 | updates 12 applied, 0 skipped
     """
     count = int(getattr(ledger, AXES[axis]))
     parts = [f"epoch {epoch}"]
@@ -191,8 +185,7 @@ class AxisProgressBar(_AxisBar, TQDMProgressBar):
     Args:
         axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"``.
         refresh_rate: As in ``TQDMProgressBar``: redraw every ``refresh_rate`` micro-batches.
-        process_position: As in ``TQDMProgressBar``.
-        leave: As in ``TQDMProgressBar``.
+        process_position, leave: As in ``TQDMProgressBar``.
         plain: One :func:`progress_line` every ``interval`` seconds instead of bars; ``None``: when standard output
             is not a terminal.
         interval: Seconds between plain lines.
@@ -246,9 +239,7 @@ class AxisRichProgressBar(_AxisBar, RichProgressBar):
     Args:
         axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"``.
         refresh_rate: As in ``RichProgressBar``: redraws per second (``0`` disables the bars, not the plain lines).
-        leave: As in ``RichProgressBar``.
-        theme: As in ``RichProgressBar``.
-        console_kwargs: As in ``RichProgressBar``.
+        leave, theme, console_kwargs: As in ``RichProgressBar``.
         plain: Plain lines instead of bars; ``None``: when standard output is not a terminal.
         interval: Seconds between plain lines.
     """

@@ -397,14 +397,7 @@ def _mib(values: list[int | None]) -> str:
 
 
 def format_headline(record: dict[str, Any]) -> str:
-    """The record in one line.
-
-    Example:
-        >>> print(format_headline({"status": "completed", "updates": {"attempted": 40, "applied": 39,
-        ...     "skipped": {"overflow": 1}}, "tokens": {"total": 33789}, "memory": {"run_peak": [2**29]},
-        ...     "time": {"wall_seconds": 17.6}}))
-        run record: completed, 39/40 updates applied (overflow 1), 33,789 tokens, peak 512.0 MiB, 17.6 s
-    """
+    """The record in one line."""
     updates = record.get("updates", {})
     skipped = {k: v for k, v in updates.get("skipped", {}).items() if v}
     said = f" ({_fmt(skipped)})" if skipped else ""
@@ -427,14 +420,7 @@ def format_summary(record: dict[str, Any]) -> str:
 
 
 def format_report(record: dict[str, Any]) -> str:
-    """The record as a two-column text table.
-
-    Example:
-        >>> print(format_report({"status": "completed", "time": {"tokens_per_second": 12270.4}}))
-        lightning_accum run record
-        status                  completed
-        time.tokens_per_second  12,270 tokens/s
-    """
+    """The record as a two-column text table."""
     rows: list[tuple[str, str]] = []
     for key, value in record.items():
         if key in ("schema", "ledger"):

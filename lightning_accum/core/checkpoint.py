@@ -73,11 +73,7 @@ class OpenGroupCheckpoint:
         path: str,
         read_distributed: Callable[[list[str]], dict[str, Tensor]] | None = None,
     ) -> dict[str, Any] | None:
-        """Restore ``engine`` from ``checkpoint``'s checked entry; returns it, or ``None`` without one (announced).
-
-        Raises:
-            ValueError: The entry is damaged, or conflicts with the strategy's ``normalize=``.
-        """
+        """Restore ``engine`` from ``checkpoint``'s checked entry; returns it, or ``None`` without one (announced)."""
         if CHECKPOINT_KEY not in checkpoint:
             rank_zero_warn(
                 f"lightning_accum: the checkpoint {path!r} holds no {CHECKPOINT_KEY!r} entry (written by another"

@@ -18,13 +18,7 @@ def local_part(grad: Tensor) -> Tensor:
 
 
 def is_sharded(placement: Placement) -> bool:
-    """Whether a placement splits the tensor: all but ``Replicate`` (FSDP2's strided shard is no ``Shard`` since 2.13).
-
-    Example:
-        >>> from torch.distributed.tensor import Replicate, Shard
-        >>> is_sharded(Shard(0)), is_sharded(Replicate())
-        (True, False)
-    """
+    """Whether a placement splits the tensor: all but ``Replicate`` (FSDP2's strided shard is no ``Shard``)."""
     return not placement.is_replicate()
 
 
@@ -72,14 +66,7 @@ def _norm(tensor: Tensor, norm_type: float) -> Tensor:
 def clip_grad_norm_(
     parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over the mesh: scale the gradients to a total norm of at most ``max_norm``.
-
-    Returns:
-        The total norm before clipping.
-
-    Raises:
-        RuntimeError: The norm is not finite under ``error_if_nonfinite=True`` (before any gradient changes).
-    """
+    """torch's ``clip_grad_norm_`` over the mesh; returns the norm before (``error_if_nonfinite``: as torch's)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = total_norm(grads, float(norm_type))
     if not grads:
