@@ -38,15 +38,9 @@ def carried_state(
 
 @dataclass(frozen=True)
 class Carried:
-    """What a checkpoint's group brings into the resumed run's group.
-
-    Attributes:
-        done: The group's places the resumed loop counts as done, carried or lost.
-        microbatches: The carried micro-batches over all replicas.
-        samples: The carried samples over all replicas.
-        sums: The carried sums by slot, on the one replica that adds them (empty on the others).
-        scale: The group's ``c`` (``None`` where no micro-batch reported a loss).
-        gradients: The carried gradient by name until it is installed; ``targets``: the parameters it is added to.
+    """What a checkpoint's group brings into the resumed run's group: the places ``done`` (carried or lost), the carried
+    ``microbatches`` and ``samples`` over all replicas, the ``sums`` by slot (on the one replica adding them), its ``c``
+    (``scale``), and its ``gradients`` by name until installed into the ``targets``.
     """
 
     done: int = 0

@@ -40,14 +40,9 @@ Say = Callable[[str], None]
 
 @dataclass(slots=True)
 class GroupOutcome:
-    """What to do with a closed group.
-
-    Attributes:
-        action: ``"apply"``, ``"skip"`` (an attempt without update) or ``"drop"`` (a partial group dropped by policy).
-        factor: The multiplier ``c · D / W`` for the accumulated gradients (1.0 unless ``"apply"``).
-        record: The group's record, completed by :meth:`~lightning_accum.engine.AccumulationEngine.finish_group`.
-        scaled: Whether the engine already multiplied the gradients by ``factor``.
-        batch_samples: This replica's micro-batch sizes in samples where known on the host; handed to the listeners.
+    """What to do with a closed group: its ``action`` (``"apply"``, ``"skip"`` or ``"drop"``), the ``factor``
+    ``c · D / W`` for its gradients (1.0 unless applied), its ``record``, whether the engine already ``scaled`` the
+    gradients, and this replica's ``batch_samples`` (micro-batch sizes known on the host) for the listeners.
     """
 
     action: Action
@@ -152,12 +147,9 @@ def classify(reduced: ReducedGroup, partial: bool, partial_group: str, nonfinite
     """``(action, skip_reason)``: ``"drop"`` a partial group under ``"drop"``, else skip ``"empty"`` or ``"nonfinite"``.
 
     Example:
-        >>> from lightning_accum.group import Slot, VECTOR_SIZE
-        >>> empty = ReducedGroup.from_values([0.0] * VECTOR_SIZE)
-        >>> classify(empty, partial=False, partial_group="rescale", nonfinite=False)
+        >>> from lightning_accum.group import VECTOR_SIZE
+        >>> classify(ReducedGroup.from_values([0.0] * VECTOR_SIZE), False, partial_group="drop", nonfinite=False)
         ('skip', 'empty')
-        >>> classify(empty, partial=True, partial_group="drop", nonfinite=False)
-        ('drop', None)
     """
     if partial and partial_group == "drop":
         return "drop", None

@@ -189,11 +189,9 @@ class Microbatch:
 def read_microbatch(
     output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None = None, num_samples: int | None = None
 ) -> Microbatch:
-    """Read what a step returned for ``batch`` once: the loss, the counts checked, the size and label positions.
+    """Read a step's ``output`` for ``batch`` once: the loss, the counts checked, the size and label positions.
 
     Args:
-        output: What the step returned.
-        batch: The micro-batch.
         count_tokens: The strategy's ``count_tokens=`` (used when the step reports no ``num_tokens``).
         num_samples: The micro-batch's samples when the caller knows them (a slice).
 
