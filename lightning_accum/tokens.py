@@ -1,5 +1,4 @@
-"""Counting the tokens a loss really averages over (a causal LM's shifted loss, one per sequence fewer: docs/howto.md,
-"Hugging Face models"), ready-made ``count_tokens=`` functions, and the hint given once when nobody counts them."""
+"""Counting the tokens a loss averages over: ``count_tokens=`` functions and the hint given when nobody counts them."""
 
 from __future__ import annotations
 
@@ -38,18 +37,17 @@ _REQUIRED: Any = _Required()
 
 
 def supervised_tokens(labels: Tensor, *, shift: bool = _REQUIRED, ignore_index: int = -100) -> Tensor:
-    """The number of label positions a token-level mean loss averages over, as a 0-d int64 tensor on the labels'
-    device: ``(labels[..., 1:] != ignore_index).sum()`` with ``shift=True``, ``(labels != ignore_index).sum()`` with
-    ``shift=False``.
+    """The label positions a token-level mean loss averages over, as a 0-d int64 tensor on the labels' device.
 
     Args:
         labels: Integer labels, the sequence along the last dimension (e.g. ``(batch, T)``).
         shift: Required. ``True`` when the loss compares ``logits[..., :-1]`` with ``labels[..., 1:]`` (Hugging Face
             causal LMs); ``False`` when it compares every position (labels shifted by the collator, seq2seq).
-        ignore_index: The label value the loss ignores (padding, prompt tokens).
+        ignore_index: The label value the loss ignores.
 
     Raises:
         TypeError: ``shift`` is missing or not a bool, or ``labels`` is not an integer tensor.
+        ValueError: ``shift=True`` on a 0-d tensor.
 
     Example:
         >>> labels = torch.tensor([[5, 6, 7], [8, 9, -100]])
@@ -77,7 +75,7 @@ def supervised_tokens(labels: Tensor, *, shift: bool = _REQUIRED, ignore_index: 
 
 
 def check_labels(labels: object) -> None:
-    """Raise the error that says what to pass when ``labels`` is not a tensor of integer label ids."""
+    """Raise ``TypeError`` when ``labels`` is not a tensor of integer label ids."""
     if not isinstance(labels, Tensor):
         raise TypeError(
             f"`labels` must be a tensor of label ids, got {type(labels).__name__}. Pass e.g. `batch['labels']`."
@@ -90,7 +88,7 @@ def check_labels(labels: object) -> None:
 
 
 def causal_lm_tokens(batch: Mapping[str, Any]) -> Tensor:
-    """``count_tokens=`` for causal LMs (Hugging Face ``*ForCausalLM``): ``batch["labels"]`` counted shifted.
+    """``count_tokens=`` for causal LMs: ``batch["labels"]`` counted shifted.
 
     Example:
         >>> causal_lm_tokens({"input_ids": torch.zeros(2, 3), "labels": torch.tensor([[5, 6, 7], [8, 9, -100]])})
@@ -100,7 +98,7 @@ def causal_lm_tokens(batch: Mapping[str, Any]) -> Tensor:
 
 
 def seq2seq_tokens(batch: Mapping[str, Any]) -> Tensor:
-    """``count_tokens=`` for seq2seq models (``*ForConditionalGeneration``: T5, BART): ``batch["labels"]``, unshifted.
+    """``count_tokens=`` for seq2seq models (T5, BART): ``batch["labels"]``, unshifted.
 
     Example:
         >>> seq2seq_tokens({"labels": torch.tensor([[5, 6, 7], [8, 9, -100]])})
@@ -121,10 +119,7 @@ def _labels_of(batch: Any, name: str) -> Tensor:
 
 
 def find_labels(batch: Any) -> list[tuple[str, Tensor]]:
-    """The labels-like tensors of ``batch``: integer tensors whose key contains "label" or "target".
-
-    Reads only keys, shapes and dtypes (no device access). Nested mappings, lists and tuples are searched;
-    an item of a list or tuple inherits the key of its container.
+    """The integer tensors of ``batch`` (searched through mappings, lists, tuples) whose key says "label" or "target".
 
     Example:
         >>> batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "labels": torch.zeros(2, 3, dtype=torch.long)}
@@ -150,9 +145,7 @@ def find_labels(batch: Any) -> list[tuple[str, Tensor]]:
 
 
 def ignored_label_key(batch: Any, ignore_index: int = -100) -> str | None:
-    """The key of the first labels-like tensor of ``batch`` that holds ``ignore_index``, or ``None``.
-
-    Reads the device (one host read per labels-like tensor): call it once per run, not per micro-batch.
+    """The key of the first labels-like tensor holding ``ignore_index``, or ``None`` (one host read per tensor).
 
     Example:
         >>> ignored_label_key({"labels": torch.tensor([[5, -100]])}), ignored_label_key({"labels": torch.tensor([[5]])})
@@ -165,10 +158,7 @@ def ignored_label_key(batch: Any, ignore_index: int = -100) -> str | None:
 
 
 def token_weighting_hint(unit: str, batch: Any, ignore_index: int = -100) -> str | None:
-    """The warning to give when ``normalize="auto"`` chose ``unit`` but ``batch`` has ignored label positions.
-
-    ``None`` when the unit is tokens or documents (the step chose them), or when no labels-like tensor holds
-    ``ignore_index``. Reads the device once (see :func:`ignored_label_key`): meant for the first micro-batch of a run.
+    """The warning when ``normalize="auto"`` chose samples or batches but ``batch`` has ignored labels, else ``None``.
 
     Example:
         >>> "token weighting is probably intended" in token_weighting_hint("samples", {"label": torch.tensor([[-100]])})

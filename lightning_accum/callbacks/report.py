@@ -29,8 +29,7 @@ REPORT_SCHEMA = "lightning_accum.report/1"
 
 
 def _reset_peak_memory(device: torch.device) -> bool:
-    """Start CUDA's allocator peak, or on Linux 4.0+ the process's peak resident set (``5`` to
-    ``/proc/self/clear_refs``), again; ``False`` where it cannot be reset (macOS, a ``/proc`` that refuses)."""
+    """Reset CUDA's allocator peak or Linux's peak resident set; ``False`` where it cannot be reset."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return True
@@ -43,8 +42,7 @@ def _reset_peak_memory(device: torch.device) -> bool:
 
 
 def _peak_counter(device: torch.device) -> tuple[int, str]:
-    """The process's own peak counter in bytes, and its name: CUDA's allocator peak, the peak resident set ``VmHWM``
-    on Linux, the lifetime peak ``ru_maxrss`` elsewhere."""
+    """The process's peak memory in bytes and the counter's name (CUDA, ``VmHWM``, else ``ru_maxrss``)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated (CUDA allocator peak)"
     try:
@@ -64,7 +62,6 @@ _ANNOUNCED: list[bool] = []
 
 
 def _finite_or_none(value: Any) -> Any:
-    """JSON has no NaN: an empty group's NaN loss becomes null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
@@ -81,20 +78,17 @@ def _stats(values: list[int]) -> dict[str, float | int | None]:
 class AccumulationReport(Callback):
     """Write the final record of a run when ``fit`` ends, also when it ends by an exception.
 
-    On global rank zero the record goes to ``accumulation_report.json`` (in ``path``, else the Trainer's log directory),
-    as a table to ``accumulation_report.txt`` beside it and to every ``TensorBoardLogger`` as text (tag
-    ``accum/report``), and to the console as a summary of three lines (``verbose=True``: the table). Values that differ
-    by rank (memory, realized micro-batch sizes) are gathered and listed per rank when the run ends normally.
-
-    The JSON keys (``schema`` = ``"lightning_accum.report/1"``; stable), each with its meaning: docs/concepts.md, "The
-    run record".
+    On global rank zero: ``accumulation_report.json`` (keys: docs/concepts.md, "The run record"), the same as a table in
+    ``accumulation_report.txt`` and as text ``accum/report`` in every ``TensorBoardLogger``, and a console summary.
 
     Args:
-        path: Folder for ``accumulation_report.json`` and ``.txt``, or a ``.json`` file name (the ``.txt`` beside it);
-            by default the first logger's log directory, else the Trainer's ``default_root_dir``.
-        reset_peak_memory: Reset the process's peak-memory counter at the start of training, so that the peaks are
-            this fit's (other monitors of the process see the reset too).
+        path: Folder for ``accumulation_report.json`` and ``.txt``, or a ``.json`` file name; by default the first
+            logger's log directory, else the Trainer's ``default_root_dir``.
+        reset_peak_memory: Reset the process's peak-memory counter at the start of training.
         verbose: Print the whole table on the console instead of the summary.
+
+    Raises:
+        ValueError: At setup, when the record's file cannot be written.
 
     Example:
         >>> from lightning_accum import AccumulationReport
@@ -141,7 +135,6 @@ class AccumulationReport(Callback):
         self._strategy = strategy
 
     def _target(self, trainer: Trainer) -> str:
-        """Where the record is written (on rank zero)."""
         target = self.path or _log_dir(trainer)
         return target if target.endswith(".json") else os.path.join(target, REPORT_FILENAME)
 
@@ -292,8 +285,6 @@ class AccumulationReport(Callback):
         }
 
     def _documents(self, ledger: AccumulationLedger) -> dict[str, Any]:
-        """The documents of a run whose steps report them (:func:`~lightning_accum.document_mean_loss`; absent
-        otherwise)."""
         if not (ledger.documents or ledger.dropped_documents or ledger.normalization == "documents"):
             return {}
         per_update = {f"per_update_{name}": value for name, value in _stats(self._documents_per_update).items()}
@@ -301,7 +292,6 @@ class AccumulationReport(Callback):
 
     @staticmethod
     def _slicing(trainer: Trainer, strategy: ExactAccumulation, gather: bool) -> dict[str, Any]:
-        """``microbatch_size=``'s record of every rank (a collective under DDP when ``gather``)."""
         log = strategy.slicing
         if log.configured is None:
             return {}
@@ -336,8 +326,6 @@ class AccumulationReport(Callback):
 
 
 def _batch_stages(strategy: ExactAccumulation) -> dict[str, Any]:
-    """Under ``batch_schedule=``: the schedule and the stages the fit reached, each with what its groups consumed
-    (absent without a schedule)."""
     schedule = strategy.batch_schedule
     if schedule is None:
         return {}
@@ -362,7 +350,7 @@ def _unwritable(target: str) -> str | None:
 
 
 def _log_dir(trainer: Trainer) -> str:
-    """The first logger's directory, read without a collective (``trainer.log_dir`` broadcasts under DDP)."""
+    """The first logger's directory, read without a collective."""
     if trainer.loggers:
         logger = trainer.loggers[0]
         folder = getattr(logger, "log_dir", None) or logger.save_dir
@@ -372,7 +360,7 @@ def _log_dir(trainer: Trainer) -> str:
 
 
 def ledger_axis(record: dict[str, Any]) -> int:
-    """The x at which the report's text is written: the run's supervised tokens (samples without tokens)."""
+    """The step of the report's text: the run's tokens, else samples."""
     return int(record["tokens"]["total"] or record["samples"]["total"])
 
 
@@ -387,7 +375,6 @@ _UNITS: dict[str, str] = {
 
 
 def _fmt(value: Any, unit: str = "") -> str:
-    """One value for the console: thousands separated, rates and times without exponents, ``unit`` appended."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -410,14 +397,7 @@ def _mib(values: list[int | None]) -> str:
 
 
 def format_headline(record: dict[str, Any]) -> str:
-    """The record in one line, for a console that gets one per run.
-
-    Example:
-        >>> print(format_headline({"status": "completed", "updates": {"attempted": 40, "applied": 39,
-        ...     "skipped": {"overflow": 1}}, "tokens": {"total": 33789}, "memory": {"run_peak": [2**29]},
-        ...     "time": {"wall_seconds": 17.6}}))
-        run record: completed, 39/40 updates applied (overflow 1), 33,789 tokens, peak 512.0 MiB, 17.6 s
-    """
+    """The record in one line."""
     updates = record.get("updates", {})
     skipped = {k: v for k, v in updates.get("skipped", {}).items() if v}
     said = f" ({_fmt(skipped)})" if skipped else ""
@@ -431,13 +411,7 @@ def format_headline(record: dict[str, Any]) -> str:
 
 
 def format_summary(record: dict[str, Any]) -> str:
-    """The console's summary of the record: :func:`format_headline`, then the batch, the unit and partial groups.
-
-    Example:
-        >>> print(format_summary({"status": "completed", "effective_batch": {"arithmetic": "2 × 8 × 1 = 16"},
-        ...     "normalization": "tokens", "partial_group": {"policy": "rescale", "count": 1}}).splitlines()[1])
-          samples per update (m × A × D): 2 × 8 × 1 = 16; weighted by tokens; partial groups: 1 (rescale)
-    """
+    """The console's summary: :func:`format_headline`, then the batch, the unit and partial groups."""
     partial, batch = record.get("partial_group", {}), record.get("effective_batch", {}).get("arithmetic")
     return (
         f"{format_headline(record)}\n  samples per update (m × A × D): {batch};"
@@ -446,14 +420,7 @@ def format_summary(record: dict[str, Any]) -> str:
 
 
 def format_report(record: dict[str, Any]) -> str:
-    """The record as a two-column text table: memory in MiB, rates per second, lists per rank.
-
-    Example:
-        >>> print(format_report({"status": "completed", "time": {"tokens_per_second": 12270.4}}))
-        lightning_accum run record
-        status                  completed
-        time.tokens_per_second  12,270 tokens/s
-    """
+    """The record as a two-column text table."""
     rows: list[tuple[str, str]] = []
     for key, value in record.items():
         if key in ("schema", "ledger"):

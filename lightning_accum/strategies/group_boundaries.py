@@ -21,8 +21,9 @@ GroupSizer = Callable[[Any, int, "int | None"], int]
 
 
 class GroupBoundaries:
-    """The groups of a fit: Lightning's (nothing patched), or with a sizer ``[first, first + size)``, plain ints sized
-    at each group's start (:meth:`begin`), which Lightning's loop asks until :meth:`release`."""
+    """The groups of a fit: Lightning's, or sized by a sizer at each group's start (:meth:`begin`) until
+    :meth:`release`.
+    """
 
     def __init__(self) -> None:
         self.first = self.size = 0  # the open group's first batch in the epoch, its size (0: Lightning's groups)
@@ -51,7 +52,7 @@ class GroupBoundaries:
         self._patches, self._loop, self.sizer, self.size, self.accumulate = [], None, None, 0, None
 
     def position(self, batch_idx: int, accumulate: int) -> int:
-        """The micro-batches of its group before batch ``batch_idx`` (``accumulate``: the Trainer's)."""
+        """The micro-batches of its group before batch ``batch_idx``."""
         return batch_idx - self.first if self.size else batch_idx % accumulate
 
     def begin(self, trainer: Any, batch: Any, batch_idx: int, loaded: Mapping[str, Any] | None = None) -> None:
@@ -65,10 +66,7 @@ class GroupBoundaries:
         trainer.accumulate_grad_batches = self.accumulate = size
 
     def written(self, trainer: Any, batch_idx: int) -> None:
-        """``trainer.accumulate_grad_batches`` changed: taken at an epoch's (or the fit's) first batch without a sizer.
-
-        Raises:
-            RuntimeError: Anywhere else."""
+        """``trainer.accumulate_grad_batches`` changed: taken at an epoch's start without a sizer, else refused."""
         before, after = self.accumulate, trainer.accumulate_grad_batches
         if self.sizer is None and (batch_idx == 0 or before is None):
             self.accumulate = after
@@ -100,11 +98,8 @@ class GroupBoundaries:
 
 
 class UnknownUpdates:
-    """``trainer.accumulate_grad_batches`` in ``configure_optimizers`` where groups are sized as they start: not a
-    number. ``why``: the option and its reason (``batch_schedule=``'s by default).
-
-    Raises:
-        RuntimeError: On any arithmetic (``trainer.estimated_stepping_batches`` divides by it) or conversion.
+    """``trainer.accumulate_grad_batches`` in ``configure_optimizers`` where groups are sized as they start: any
+    arithmetic on it raises ``RuntimeError`` saying ``why`` (``batch_schedule=``'s reason by default).
     """
 
     def __init__(self, why: Callable[[], str] = lambda: _SCHEDULED) -> None:
