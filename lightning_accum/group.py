@@ -221,7 +221,9 @@ class GroupSums:
         operations whatever the group's size).
         """
         host = [0.0] * VECTOR_SIZE
-        for slot, value in (*(extra or {}).items(), *(carried or {}).items()):
+        weights = self.weights(unit)
+        counted, count_parts, stacked_weights = self._counts(device, weights)
+        for slot, value in (*(extra or {}).items(), *(carried or {}).items(), *counted.items()):
             host[slot] += value
         host[Slot.EXCESS] += self.host_excess()
         # Device values and the slots they are added to (first: the count of stale gradients, where one was given).
@@ -232,28 +234,7 @@ class GroupSums:
             parts.append(((Slot.GROUP_SCALE,), group_scale.to(device=device, dtype=torch.float64).reshape(1)))
         else:
             host[Slot.GROUP_SCALE] += float(group_scale)
-        weights = self.weights(unit)
-        stacked_weights: Tensor | None = None  # the unit's counts stacked on the device, when all are tensors
-        for counts, hi, lo in (
-            (self.tokens, Slot.TOKENS_HI, Slot.TOKENS_LO),
-            (self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
-            (self.documents, Slot.DOCUMENTS_HI, Slot.DOCUMENTS_LO),
-        ):
-            host_hi, host_lo = split(sum(count for count in counts if not isinstance(count, Tensor)))
-            host[hi] += host_hi
-            host[lo] += host_lo
-            tensors = [count for count in counts if isinstance(count, Tensor)]
-            if tensors:
-                stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
-                columns = [torch.div(stacked, COUNT_SPLIT, rounding_mode="floor"), stacked % COUNT_SPLIT, stacked < 0]
-                targets: tuple[Slot, ...] = (hi, lo, Slot.NEGATIVE)
-                limits = self._position_limits(counts) if counts is self.tokens else None
-                if limits is not None:
-                    columns.append(stacked > limits.to(device, non_blocking=True))
-                    targets = (hi, lo, Slot.NEGATIVE, Slot.EXCESS)
-                parts.append((targets, torch.stack(columns).sum(1, dtype=torch.float64)))
-                if counts is weights and len(tensors) == len(counts):
-                    stacked_weights = stacked
+        parts += count_parts
         if self.losses:
             losses = torch.stack(self.losses).to(device=device, dtype=torch.float64)
             if weights is None:  # every micro-batch weighs 1
@@ -270,6 +251,40 @@ class GroupSums:
             index = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
             vector.index_add_(0, index, torch.cat([values for _, values in parts]))
         return vector
+
+    def _counts(
+        self, device: torch.device, weights: list[Count] | None
+    ) -> tuple[dict[Slot, float], list[tuple[tuple[Slot, ...], Tensor]], Tensor | None]:
+        """The counts reported as ints summed on the host by slot; those reported as tensors stacked on the device by
+        slots (their two parts, the negatives and, for tokens, the excess); the unit's counts stacked if all are."""
+        host: dict[Slot, float] = {}
+        parts: list[tuple[tuple[Slot, ...], Tensor]] = []
+        stacked_weights: Tensor | None = None
+        for counts, hi, lo in (
+            (self.tokens, Slot.TOKENS_HI, Slot.TOKENS_LO),
+            (self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
+            (self.documents, Slot.DOCUMENTS_HI, Slot.DOCUMENTS_LO),
+        ):
+            on_host = 0
+            tensors: list[Tensor] = []
+            for count in counts:
+                if isinstance(count, Tensor):
+                    tensors.append(count)
+                else:
+                    on_host += count
+            host[hi], host[lo] = split(on_host)
+            if tensors:
+                stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
+                columns = [torch.div(stacked, COUNT_SPLIT, rounding_mode="floor"), stacked % COUNT_SPLIT, stacked < 0]
+                targets: tuple[Slot, ...] = (hi, lo, Slot.NEGATIVE)
+                limits = self._position_limits(counts) if counts is self.tokens else None
+                if limits is not None:
+                    columns.append(stacked > limits.to(device, non_blocking=True))
+                    targets = (hi, lo, Slot.NEGATIVE, Slot.EXCESS)
+                parts.append((targets, torch.stack(columns).sum(1, dtype=torch.float64)))
+                if counts is weights and len(tensors) == len(counts):
+                    stacked_weights = stacked
+        return host, parts, stacked_weights
 
     def weights(self, unit: str | None) -> list[Count] | None:
         """The micro-batches' weights in ``unit`` as reported (``None``: every micro-batch weighs 1)."""

@@ -43,7 +43,6 @@ TO_SPLIT: dict[str, int] = {
     "engine.py:AccumulationEngine": 210,
     "strategies/slicing.py:BatchSlicer": 251,
     "callbacks/check.py:_restored": 40,
-    "group.py:GroupSums.local_vector": 42,
     "strategies/slicing.py:BatchSlicer._local_slice": 32,
     "strategies/slicing.py:BatchSlicer.backward": 34,
 }
