@@ -1,17 +1,5 @@
-"""One accumulation group's sums: kept as the micro-batches arrive, formed once, reduced by sum, read once.
-
-As a torchmetrics ``MeanMetric`` keeps ``Σ value·weight`` and ``Σ weight``, a group keeps what its micro-batches
-reported and turns it into one small float64 vector when it closes (:meth:`GroupSums.local_vector`); the engine sums
-it over the replicas and reads it once; :class:`ReducedGroup` names its values.
-
-Counts stay exact integers whatever their size: a float64 sum is exact only below 2^53, so every count is
-carried as two parts, ``count = hi · 2^24 + lo`` with ``0 <= lo < 2^24``. Each part's sum over micro-batches
-and replicas stays far below 2^53 (``lo`` sums below 2^53 for up to 2^29 micro-batches of a group; ``hi``
-sums below 2^53 for group totals up to 2^77), so the integer rebuilt on the host is exact.
-
-Host values reach the device as one small tensor copied with ``non_blocking=True``, so forming the vector never
-waits for the queued backward; the one host read is the engine's, after the all-reduce.
-"""
+"""One accumulation group's sums: kept as the micro-batches arrive, formed once, reduced by sum, read once
+(docs/internals.md, "A group's sums")."""
 
 from __future__ import annotations
 
@@ -128,13 +116,8 @@ class ReducedGroup:
 
 
 class GroupSums:
-    """What one group's micro-batches reported, kept as they arrived until the group closes.
-
-    Nothing is computed per micro-batch: appending references costs no kernel launch, and the group's sums
-    are formed once, in :meth:`local_vector`. Losses are detached (no graph is kept). The weights are the
-    ``tokens``, ``samples`` or ``documents`` list, whichever the unit is (every micro-batch with a loss reports it), or
-    1 each.
-    """
+    """What one group's micro-batches reported, kept as they arrived (losses detached) until the group closes; the
+    weights are the ``tokens``, ``samples`` or ``documents`` list, whichever the unit is, or 1 each."""
 
     def __init__(self) -> None:
         self.microbatches = 0
@@ -255,8 +238,7 @@ class GroupSums:
     def _counts(
         self, device: torch.device, weights: list[Count] | None
     ) -> tuple[dict[Slot, float], list[tuple[tuple[Slot, ...], Tensor]], Tensor | None]:
-        """The counts reported as ints summed on the host by slot; those reported as tensors stacked on the device by
-        slots (their two parts, the negatives and, for tokens, the excess); the unit's counts stacked if all are."""
+        """The counts as ints summed on the host, as tensors stacked on the device, by slot (and the unit's stacked)."""
         host: dict[Slot, float] = {}
         parts: list[tuple[tuple[Slot, ...], Tensor]] = []
         stacked_weights: Tensor | None = None
@@ -265,14 +247,8 @@ class GroupSums:
             (self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
             (self.documents, Slot.DOCUMENTS_HI, Slot.DOCUMENTS_LO),
         ):
-            on_host = 0
-            tensors: list[Tensor] = []
-            for count in counts:
-                if isinstance(count, Tensor):
-                    tensors.append(count)
-                else:
-                    on_host += count
-            host[hi], host[lo] = split(on_host)
+            host[hi], host[lo] = split(sum(count for count in counts if not isinstance(count, Tensor)))
+            tensors = [count for count in counts if isinstance(count, Tensor)]
             if tensors:
                 stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
                 columns = [torch.div(stacked, COUNT_SPLIT, rounding_mode="floor"), stacked % COUNT_SPLIT, stacked < 0]
