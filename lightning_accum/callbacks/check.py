@@ -43,6 +43,8 @@ from lightning_accum.tokens import TokenWeightingWarning, find_labels, supervise
 __all__ = ["AccumulationCheck", "AccumulationCheckError", "CheckResult", "concat_microbatches"]
 
 _BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+#: Attributes of the module that keep a tensor attached to the graph across micro-batches: (name, shape).
+_Leaks = list[tuple[str, tuple[int, ...]]]
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -243,8 +245,7 @@ class AccumulationCheck(Callback):
         ratio: float,
         accumulate: int,
     ) -> tuple[list[str], list[str]]:
-        """The errors and warnings the difference ``rel`` between the group's gradient and the one-batch ``reference``
-        gives: BatchNorm's expected one, the seed's noise (not judged), or a diagnosis past the tolerance."""
+        """The errors and warnings of the difference ``rel`` from one batch: BatchNorm's, the seed's, or a diagnosis."""
         errors: list[str] = []
         warnings: list[str] = []
         module, strategy = run.module, run.strategy
@@ -345,13 +346,11 @@ class AccumulationCheck(Callback):
         loss = out.get("loss") if isinstance(out, Mapping) else out
         return loss if isinstance(loss, Tensor) else None
 
-    def _group_gradient(
-        self, run: _Pass, batches: list[Any]
-    ) -> tuple[list[Tensor], str, list[tuple[str, tuple[int, ...]]]]:
+    def _group_gradient(self, run: _Pass, batches: list[Any]) -> tuple[list[Tensor], str, _Leaks]:
         """The strategy's own path for one group, on a scratch engine; gradients unscaled."""
         strategy, module, optimizer = run.strategy, run.module, run.optimizer
         scratch = strategy.engine.scratch(on_nonfinite="ignore")
-        leaks: list[tuple[str, tuple[int, ...]]] = []
+        leaks: _Leaks = []
         with strategy.use_engine(scratch):
             _reset_for_pass(optimizer, run.seed)
             for i, batch in enumerate(batches):
@@ -438,14 +437,9 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
 
 
 def _group_findings(
-    module: LightningModule,
-    group: list[Tensor],
-    flat: Tensor,
-    outcome: str,
-    leaks: list[tuple[str, tuple[int, ...]]],
+    module: LightningModule, group: list[Tensor], flat: Tensor, outcome: str, leaks: _Leaks
 ) -> tuple[list[str], list[str]]:
-    """The errors and warnings of the group's own pass: a gradient not finite, tensors kept attached to the graph
-    across micro-batches (``leaks``), a group that made no update."""
+    """The errors and warnings of the group's pass: a gradient not finite, graphs kept (``leaks``), no update."""
     errors: list[str] = []
     warnings: list[str] = []
     if not bool(torch.isfinite(flat).all()):
@@ -569,7 +563,7 @@ def _params(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _graph_attached(module: LightningModule) -> list[tuple[str, tuple[int, ...]]]:
+def _graph_attached(module: LightningModule) -> _Leaks:
     """Attributes of ``module`` (not parameters or buffers) that hold tensors with a ``grad_fn``."""
     found = []
 
@@ -616,8 +610,7 @@ def _first_device(obj: Any) -> torch.device:
 
 @contextmanager
 def _restored(module: LightningModule, optimizer: Optimizer) -> Iterator[None]:
-    """Eval mode (BatchNorm excepted), dropout at 0 and logging muted; everything restored after (the random
-    generators too)."""
+    """Eval mode (BatchNorm excepted), dropout at 0 and logging muted; everything restored after (random state too)."""
     weights = copy.deepcopy(module.state_dict())
     optimizer_state = copy.deepcopy(optimizer.state_dict())
     # BatchNorm keeps its mode: its per-micro-batch statistics are diagnosed as such.
