@@ -124,6 +124,7 @@ class _Pass:
     module: LightningModule
     strategy: ExactAccumulation
     optimizer: Optimizer
+    accumulate: int  # the checked group's micro-batches
     seed: int
 
 
@@ -211,7 +212,7 @@ class AccumulationCheck(Callback):
         if not batches:
             return CheckResult(0.0, 1.0, 0, ["the training data yielded no batch"], [])
         warnings = _partial_group(len(batches), accumulate, strategy.engine.partial_group)
-        run = _Pass(trainer, module, strategy, optimizer, seed=int(torch.randint(0, 2**31 - 1, (1,)).item()))
+        run = _Pass(trainer, module, strategy, optimizer, accumulate, int(torch.randint(0, 2**31 - 1, (1,)).item()))
         with _float32_compute(strategy), _token_hints_muted():
             group, outcome, leaks = self._group_gradient(run, batches)
             everything = self._gather_batches(batches, replicas)
@@ -223,7 +224,7 @@ class AccumulationCheck(Callback):
         ratio = float(g.dot(r) / (norm * norm)) if norm > 0 else 1.0
         errors, found = _group_findings(module, group, g, outcome, leaks)
         warnings += found
-        judged_errors, judged_warnings = self._difference_findings(run, batches, everything, r, rel, ratio, accumulate)
+        judged_errors, judged_warnings = self._difference_findings(run, batches, everything, r, rel, ratio)
         errors += judged_errors
         warnings += judged_warnings
         warnings.extend(scheduler_findings(trainer, accumulate))
@@ -236,19 +237,12 @@ class AccumulationCheck(Callback):
         return CheckResult(rel, ratio, len(batches), errors, warnings, notes)
 
     def _difference_findings(
-        self,
-        run: _Pass,
-        batches: list[Any],
-        everything: list[Any],
-        reference: Tensor,
-        rel: float,
-        ratio: float,
-        accumulate: int,
+        self, run: _Pass, batches: list[Any], everything: list[Any], reference: Tensor, rel: float, ratio: float
     ) -> tuple[list[str], list[str]]:
         """The errors and warnings of the difference ``rel`` from one batch: BatchNorm's, the seed's, or a diagnosis."""
         errors: list[str] = []
         warnings: list[str] = []
-        module, strategy = run.module, run.strategy
+        module, strategy, accumulate = run.module, run.strategy, run.accumulate
         batchnorms = [n for n, m in module.named_modules() if isinstance(m, _BATCHNORM)]
         if batchnorms:
             warnings.append(
@@ -439,7 +433,7 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
 def _group_findings(
     module: LightningModule, group: list[Tensor], flat: Tensor, outcome: str, leaks: _Leaks
 ) -> tuple[list[str], list[str]]:
-    """The errors and warnings of the group's pass: a gradient not finite, graphs kept (``leaks``), no update."""
+    """The errors and warnings of the group's own pass: a gradient not finite, graphs kept (``leaks``), no update."""
     errors: list[str] = []
     warnings: list[str] = []
     if not bool(torch.isfinite(flat).all()):
