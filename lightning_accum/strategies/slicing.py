@@ -240,26 +240,23 @@ class BatchSlicer:
             running.note_part(engine, microbatch)
             del microbatch
             engine.take_backward_tensor()  # the group's gradient is incomplete until the last slice's backward
-            if tensor is not None:
-                self._local_backward(strategy, running, module, tensor)
-
-    def _local_backward(self, strategy: SliceHost, running: _Running, module: Any, tensor: Tensor) -> None:
-        """A slice's backward; under ``"auto"`` protected, its slice retracted after an out-of-memory error."""
-        scaler = strategy.gradient_scaler
-        scaled = scaler.scale(tensor) if scaler is not None else tensor
-        del tensor
-        backward = partial(strategy.precision_plugin.backward, scaled, module, None)
-        if not self.auto:
-            backward()
-            return
-        failed = self.gradients.protected(strategy.optimizers, backward)
-        if failed is not None:
-            strategy.engine.retract_microbatch()
-            running.parts.pop()
-            raise _OutOfMemory("backward") from failed
-        # The group stays "backward running" (not carried by a checkpoint) until the batch's last backward: a
-        # checkpoint written after an error in a later slice would otherwise carry part of a batch that Lightning
-        # runs again on resume.
+            if tensor is None:
+                return
+            scaler = strategy.gradient_scaler
+            scaled = scaler.scale(tensor) if scaler is not None else tensor
+            del tensor
+            backward = partial(strategy.precision_plugin.backward, scaled, module, None)
+            if not self.auto:
+                backward()
+                return
+            failed = self.gradients.protected(strategy.optimizers, backward)
+            if failed is not None:
+                engine.retract_microbatch()
+                running.parts.pop()
+                raise _OutOfMemory("backward") from failed
+            # The group stays "backward running" (not carried by a checkpoint) until the batch's last backward: a
+            # checkpoint written after an error in a later slice would otherwise carry part of a batch that Lightning
+            # runs again on resume.
 
     def _attempt(self, strategy: SliceHost, size: int, batch_idx: int, run: Callable[[int], None]) -> bool:
         """``run(size)`` for a slice of ``size`` samples; ``False`` when it ran out of memory under ``"auto"`` (then
