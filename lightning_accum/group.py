@@ -199,9 +199,7 @@ class GroupSums:
         """This replica's contribution to the group's reduced vector (:class:`Slot` layout), a new float64 tensor.
 
         ``extra`` and ``carried`` (what a checkpoint carried into the group) add host values by slot; ``group_scale``
-        is ``c`` (a float, or a device scalar). Host values (ints reported as such, ``c`` as a float, ``extra``,
-        ``carried``) are summed on the host, exactly; values reported as tensors are summed on the device (a handful of
-        operations whatever the group's size).
+        is ``c`` (a float, or a device scalar). Host values are summed on the host, tensors on the device.
         """
         host = [0.0] * VECTOR_SIZE
         weights = self.weights(unit)

@@ -433,8 +433,7 @@ def _forward(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
 
 
 def _released(failure: _OutOfMemory) -> BaseException | None:
-    """The out-of-memory error behind ``failure``, without its traceback (whose frames hold the failed attempt's
-    activations), so that the memory is free before the slice runs again; its type and message are kept."""
+    """The out-of-memory error behind ``failure``, both without their tracebacks (which hold the attempt's memory)."""
     cause = failure.__cause__
     failure.__traceback__ = None
     if cause is not None:
