@@ -23,8 +23,9 @@ from helpers import (
     params_vector,
     random_lengths,
 )
-from strategies.test_checkpoint import _damage, _ignore_on_exception_checkpoint_notes, _Interrupted, _mid_group_trainer
+from strategies.test_checkpoint import _ignore_on_exception_checkpoint_notes, _Interrupted, _mid_group_trainer
 
+from core.test_entry import _damage
 from lightning_accum import AccumulationStrategy
 
 
