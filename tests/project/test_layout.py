@@ -351,7 +351,6 @@ def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
 #: the group's sums, restructured in issue #64. Each row goes when its module has its own file (the check below fails
 #: while the row outlives it), and the table with the last one: then every module's tests are found by its path.
 TESTS_OF: dict[str, str] = {
-    "carry": "strategies/test_checkpoint.py",
     "group": "test_engine.py",
 }
 #: The folder of tests/ that holds the project-level checks (docs, examples, layout, packaging); every other folder,
