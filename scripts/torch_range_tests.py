@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FILES = (
     "tests/project/test_private_names.py",  # every private torch / Lightning name, present and behaving as relied on
     "tests/test_engine.py",  # the kernels of the close (GradScaler's fused check, `_foreach_mul_`)
+    "tests/test_group.py",  # a group's float64 vector, counts in exact parts
     "tests/test_carry.py",  # a group carried across a checkpoint, closed by the engine
     "tests/core/test_closing.py",  # GradScaler skips, bf16 / fp16
     "tests/strategies/test_ddp.py",  # DDP (spawn launcher, the ledger brought back)

@@ -350,9 +350,7 @@ def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
 #: The modules whose tests are still in a feature file, where each row says: those of the open-group checkpoint and
 #: the group's sums, restructured in issue #64. Each row goes when its module has its own file (the check below fails
 #: while the row outlives it), and the table with the last one: then every module's tests are found by its path.
-TESTS_OF: dict[str, str] = {
-    "group": "test_engine.py",
-}
+TESTS_OF: dict[str, str] = {}
 #: The folder of tests/ that holds the project-level checks (docs, examples, layout, packaging); every other folder,
 #: the top level included, mirrors the package's folder of the same name.
 PROJECT_TESTS = "project"
