@@ -5,6 +5,7 @@ the positions ``[g·B, (g+1)·B)`` of :class:`~lightning_accum.GlobalOrderSample
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import warnings
@@ -362,12 +363,24 @@ class TokenBatchSampler(Sampler[list[int]]):
             yield size, list(itertools.islice(batches, size - skip))
             skip = 0
 
-    def group_stats(self) -> list[dict[str, Any]]:
-        """Per group planned (as :meth:`group_sizes`): ``position``, ``samples``, ``tokens``, ``padded_tokens``,
-        ``microbatches`` per replica, ``replica_load`` (tokens as ``count`` counts them) and ``imbalance`` (max /
-        mean of it), ``microbatch_samples`` and ``microbatch_padded_tokens`` (replica by replica), ``long_rows``."""
+    def group_index(self, microbatch: int) -> int:
+        """The group holding micro-batch ``microbatch`` of the epoch (counted as ``len()`` counts), an index into
+        :meth:`group_sizes`, :meth:`group_stats` and :meth:`group_examples`."""
+        origin = self._origin()
+        starts = itertools.accumulate(self.group_sizes()[:-1], initial=origin.offset - origin.skip)
+        return max(0, bisect.bisect_right(list(starts), microbatch) - 1)
+
+    def group_examples(self, group: int) -> list[int]:
+        """The dataset indices of group ``group``, replica by replica, micro-batch by micro-batch."""
+        return [int(i) for rank in self._plan()[group].ranks for batch in rank for i in batch]
+
+    def group_stats(self, groups: slice = slice(None)) -> list[dict[str, Any]]:
+        """Per group planned (as :meth:`group_sizes`; those of ``groups``): ``position``, ``samples``, ``tokens``,
+        ``padded_tokens``, ``microbatches`` per replica, ``replica_load`` (tokens as ``count`` counts them) and
+        ``imbalance`` (max / mean of it), ``microbatch_samples`` and ``microbatch_padded_tokens`` (replica by
+        replica), ``long_rows``."""
         stats = []
-        for group in self._plan():
+        for group in self._plan()[groups]:
             batches = [batch for rank in group.ranks for batch in rank]  # replica by replica
             longest = [int(self.lengths[batch].max()) for batch in batches]
             tokens = [int(self.lengths[batch].sum()) for batch in batches]

@@ -14,7 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_accum.axis_lr import check_counts_reported, group_count, no_counts_error
-from lightning_accum.callbacks.common import accumulation_strategy, format_count
+from lightning_accum.callbacks.common import accumulation_strategy, format_count, token_group_stats
 from lightning_accum.ledger import AXES, AccumulationLedger, GroupRecord
 from lightning_accum.options import validate_choice
 from lightning_accum.patching import InstancePatch
@@ -51,6 +51,18 @@ def window_metrics(records: Sequence[GroupRecord], unit: str | None) -> dict[str
     return metrics
 
 
+def _plan_metrics(plan: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Under ``token_batches=``: the window's padded tokens and micro-batches per update and its padding fraction."""
+    if not plan:
+        return {}
+    padded, count = sum(p["padded_tokens"] for p in plan), len(plan)
+    return {
+        "padded_tokens_per_update": padded / count,
+        "microbatches_per_update": sum(p["microbatches"] for p in plan) / count,
+        "padding_fraction": 1.0 - sum(p["tokens"] for p in plan) / padded,
+    }
+
+
 class AxisLogger(Callback):
     """Write the group metrics, and move every other logged scalar, onto one x-axis: the ledger's exact count on
     ``axis`` (docs/concepts.md, "The logging axis").
@@ -58,19 +70,22 @@ class AxisLogger(Callback):
     Keys, written by global rank zero every ``log_every_n_steps`` attempted updates and at the end of training, each
     over the attempted updates since the previous point (those marked † only where they apply):
 
-    ================================= =================================================================
-    ``accum/<axis>``                  x, the axis's count (an int)
-    ``accum/loss`` †                  the window's loss weighted by units
-    ``accum/lr`` (``/pg{i}`` †)       the rate the window's last update used
-    ``accum/tokens_per_update``       mean supervised tokens per attempted update (over every replica)
-    ``accum/samples_per_update``      mean samples per attempted update
-    ``accum/documents_per_update`` †  mean documents per attempted update
-    ``accum/skipped_updates``         updates skipped so far
-    ``accum/grad_scale`` †            the GradScaler's scale at the window's last update
-    ``accum/global_batch`` †          the samples per update of the last update's stage (``batch_schedule=``)
-    ``accum/global_batch_tokens`` †   the same in tokens (``batch_unit="tokens"``)
-    ``accum/batch_stage`` †           the last update's stage index
-    ================================= =================================================================
+    ==================================== =======================================================================
+    ``accum/<axis>``                     x, the axis's count (an int)
+    ``accum/loss`` †                     the window's loss weighted by units
+    ``accum/lr`` (``/pg{i}`` †)          the rate the window's last update used
+    ``accum/tokens_per_update``          mean supervised tokens per attempted update (over every replica)
+    ``accum/samples_per_update``         mean samples per attempted update
+    ``accum/documents_per_update`` †     mean documents per attempted update
+    ``accum/skipped_updates``            updates skipped so far
+    ``accum/grad_scale`` †               the GradScaler's scale at the window's last update
+    ``accum/global_batch`` †             the samples per update of the last update's stage (``batch_schedule=``)
+    ``accum/global_batch_tokens`` †      the same in tokens (``batch_unit="tokens"``)
+    ``accum/batch_stage`` †              the last update's stage index
+    ``accum/padded_tokens_per_update`` † ``token_batches=``: mean Σ rows × longest row over its micro-batches
+    ``accum/microbatches_per_update`` †  ``token_batches=``: mean micro-batches per replica
+    ``accum/padding_fraction`` †         ``token_batches=``: 1 − the window's row tokens / its padded tokens
+    ==================================== =======================================================================
 
     Args:
         axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"`` (applied updates).
@@ -98,6 +113,7 @@ class AxisLogger(Callback):
         self._high_x = -1  # the highest x written, over every fit of this callback
         self._offset = 0  # added to the ledger's count in this fit (a later fit continues the axis)
         self._window: list[GroupRecord] = []
+        self._window_plan: list[dict[str, Any]] = []  # under `token_batches=`: the plan's stats of each group
         self._window_lrs: list[float] = []
         self._window_stage: dict[str, int] | None = None  # under `batch_schedule=`: the last update's stage
         # LearningRateMonitor's values per logger, held until the update that uses them closes.
@@ -143,7 +159,7 @@ class AxisLogger(Callback):
         self._release(trainer)  # what an earlier entry point left (none unless its end was never reached)
         self._trainer = trainer
         self._offset = 0
-        self._window = []
+        self._window, self._window_plan = [], []
         self._checked_unit = False
         self._counts_checked = False
         # `trainer.callbacks`: Lightning's public list, assigned by its callback connector (not declared on the class).
@@ -296,6 +312,8 @@ class AxisLogger(Callback):
             self._held_rates = {}  # another rank: its loggers write nothing
             return
         self._window.append(group)
+        plan = token_group_stats(trainer)  # the plan's numbers of the group just closed: no device read
+        self._window_plan += [] if plan is None else [plan]
         stages = getattr(trainer.strategy, "batch_stages", None)  # the stage of the group closing is the last one
         self._window_stage = stages[-1] if stages else None
         # The schedules advance after the listeners: this is the rate the update used.
@@ -322,7 +340,8 @@ class AxisLogger(Callback):
 
     def _point(self, ledger: AccumulationLedger) -> dict[str, float]:
         records, self._window = self._window, []
-        window = window_metrics(records, ledger.normalization)
+        window = window_metrics(records, ledger.normalization) | _plan_metrics(self._window_plan)
+        self._window_plan = []
         metrics: dict[str, float] = {f"{self.prefix}{key}": value for key, value in window.items()}
         lrs = self._window_lrs
         if len(lrs) == 1:

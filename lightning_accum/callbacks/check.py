@@ -126,6 +126,7 @@ class _Pass:
     optimizer: Optimizer
     accumulate: int  # the checked group's micro-batches
     seed: int
+    one_batch: Any = None  # the group's examples in one batch
 
 
 class AccumulationCheck(Callback):
@@ -216,7 +217,8 @@ class AccumulationCheck(Callback):
         with _float32_compute(strategy), _token_hints_muted():
             group, outcome, leaks = self._group_gradient(run, batches)
             everything = self._gather_batches(batches, replicas)
-            reference = self._batch_gradient(run, everything)
+            run = dataclasses.replace(run, one_batch=self._one_batch(run, everything))
+            reference = self._batch_gradient(run, run.one_batch)
 
         g, r = _flat(group), _flat(reference)
         norm = float(r.norm())
@@ -250,7 +252,7 @@ class AccumulationCheck(Callback):
                 f" cannot reproduce the one-batch update exactly (relative error {rel:.2e}); this is expected"
             )
         tolerance = self._tolerance(run.trainer)
-        noise = self._seed_noise(run, everything, reference) if rel > tolerance and not batchnorms else 0.0
+        noise = self._seed_noise(run, reference) if rel > tolerance and not batchnorms else 0.0
         if noise > tolerance:
             warnings.append(
                 f"the one-batch gradient itself changes with the random seed (by {noise:.2e} relative, more than the"
@@ -269,10 +271,10 @@ class AccumulationCheck(Callback):
             )
         return errors, warnings
 
-    def _seed_noise(self, run: _Pass, batches: list[Any], reference: Tensor) -> float:
+    def _seed_noise(self, run: _Pass, reference: Tensor) -> float:
         """How much the one-batch gradient moves under another seed, relative to ``reference``."""
         with _float32_compute(run.strategy), _token_hints_muted():
-            other = self._batch_gradient(dataclasses.replace(run, seed=run.seed + 1), batches)
+            other = self._batch_gradient(dataclasses.replace(run, seed=run.seed + 1), run.one_batch)
         return _relative_error(_flat(other), reference)
 
     def _evaluation_findings(self, strategy: ExactAccumulation) -> list[str]:
@@ -308,7 +310,7 @@ class AccumulationCheck(Callback):
                 "samples": float(infer_num_samples(batch) or 0),
                 "batches": 1.0,
             }
-            flat = _flat(self._batch_gradient(run, [batch]))
+            flat = _flat(self._batch_gradient(run, batch))
             for name, w in counts.items():
                 totals[name] += w
                 if w > 0:  # an empty micro-batch's mean is NaN and weighs nothing
@@ -372,9 +374,17 @@ class AccumulationCheck(Callback):
         torch.distributed.all_gather_object(gathered, _to_device(batches, torch.device("cpu")))
         return [_to_device(b, device) for rank_batches in gathered for b in rank_batches]
 
-    def _batch_gradient(self, run: _Pass, batches: list[Any]) -> list[Tensor]:
-        """Gradient of the concatenated batch, inside the strategy's ``one_batch_reference``."""
-        big = self.collate(batches) if self.collate is not None else concat_microbatches(batches, self.ignore_index)
+    def _one_batch(self, run: _Pass, batches: list[Any]) -> Any:
+        """The group's examples in one batch: ``collate``'d or concatenated micro-batches, or under ``token_batches=``
+        the plan's first group collated by the training loader's ``collate_fn``."""
+        sampler, loader = run.strategy.token_sampler, run.trainer.train_dataloader
+        if sampler is not None and self.collate is None:
+            examples = [loader.dataset[index] for index in sampler.group_examples(0)]  # type: ignore[union-attr]
+            return _prepare_batch(run.trainer, run.module, loader.collate_fn(examples))  # type: ignore[union-attr]
+        return self.collate(batches) if self.collate is not None else concat_microbatches(batches, self.ignore_index)
+
+    def _batch_gradient(self, run: _Pass, big: Any) -> list[Tensor]:
+        """Gradient of the one batch ``big``, inside the strategy's ``one_batch_reference``."""
         with run.strategy.one_batch_reference():
             _reset_for_pass(run.optimizer, run.seed)
             loss = self._call_step(run.strategy, run.module, big)
@@ -469,7 +479,9 @@ def _checked_size(
     trainer: Trainer, strategy: ExactAccumulation, first_batch: Callable[[], list[Any]]
 ) -> tuple[int, str | None]:
     """The ``A`` of the group the check runs (the Trainer's, or the schedule's), with the note naming the stage."""
-    schedule, replicas = strategy.batch_schedule, strategy.data_parallel_replicas
+    schedule, replicas, tokens = strategy.batch_schedule, strategy.data_parallel_replicas, strategy.token_sampler
+    if tokens is not None:  # the plan's first group: its micro-batches per replica
+        return tokens.group_sizes()[0], None
     if schedule is None:
         return trainer.accumulate_grad_batches, None
     m = loader_batch_size(trainer.train_dataloader)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lightning_accum.strategies import ExactAccumulation
 
-__all__ = ["accumulation_strategy", "format_count", "format_rate", "unsupported_strategy_hint"]
+__all__ = ["accumulation_strategy", "format_count", "format_rate", "token_group_stats", "unsupported_strategy_hint"]
 
 
 def accumulation_strategy(trainer: Trainer, who: str) -> ExactAccumulation:
@@ -28,6 +30,16 @@ def accumulation_strategy(trainer: Trainer, who: str) -> ExactAccumulation:
             + unsupported_strategy_hint(strategy)
         )
     return strategy
+
+
+def token_group_stats(trainer: Trainer) -> dict[str, Any] | None:
+    """Under ``token_batches=``, the plan's :meth:`~lightning_accum.TokenBatchSampler.group_stats` of the group
+    holding Lightning's running micro-batch (read once per update, on the host); else ``None``."""
+    sampler = getattr(trainer.strategy, "token_sampler", None)
+    if sampler is None:
+        return None
+    group = sampler.group_index(trainer.fit_loop.epoch_loop.batch_idx)
+    return sampler.group_stats(slice(group, group + 1))[0]  # type: ignore[no-any-return]
 
 
 def format_count(value: int, unit: str = "") -> str:

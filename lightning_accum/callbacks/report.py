@@ -6,8 +6,10 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +19,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_accum.callbacks.common import accumulation_strategy
+from lightning_accum.callbacks.common import accumulation_strategy, token_group_stats
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.strategies import ExactAccumulation
 from lightning_accum.strategies.checkpoint import slicing_state
@@ -75,6 +77,14 @@ def _stats(values: list[int]) -> dict[str, float | int | None]:
     return {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
 
 
+def _spread(counts: Counter[int]) -> dict[str, float | int | None]:
+    """``min``, ``median`` and ``max`` of the values ``counts`` holds (value → how often)."""
+    values = sorted(counts.elements())
+    if not values:
+        return dict.fromkeys(("min", "median", "max"))
+    return {"min": values[0], "median": statistics.median(values), "max": values[-1]}
+
+
 class AccumulationReport(Callback):
     """Write the final record of a run when ``fit`` ends, also when it ends by an exception.
 
@@ -107,6 +117,7 @@ class AccumulationReport(Callback):
         self.written_to: str | None = None
         # Set once setup ran on an accumulation strategy: the hooks after it have something to record.
         self._strategy: ExactAccumulation | None = None
+        self._trainer: Trainer | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -120,6 +131,10 @@ class AccumulationReport(Callback):
         self._peak_before: int | None = None  # the peak counter at the start of training
         self._peak_reset = False  # it was reset there
         self._written = False
+        # Under `token_batches=`: the plan's micro-batch samples and padded tokens (value → count), and per group its
+        # tokens, padded tokens, micro-batches per replica, highest and mean replica load, long rows.
+        self._token_microbatches: tuple[Counter[int], Counter[int]] = (Counter(), Counter())
+        self._token_groups: list[tuple[int, int, int, int, float, int]] = []
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -132,7 +147,7 @@ class AccumulationReport(Callback):
                 " ending in `.json` in one (checked before training, so that the run does not end without its record)."
             )
         strategy.add_group_listener(self._on_group)  # once per group
-        self._strategy = strategy
+        self._strategy, self._trainer = strategy, trainer
 
     def _target(self, trainer: Trainer) -> str:
         target = self.path or _log_dir(trainer)
@@ -142,7 +157,7 @@ class AccumulationReport(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._strategy is not None:  # None: setup raised or never ran, nothing was attached
             self._strategy.remove_group_listener(self._on_group)
-        self._strategy = None
+        self._strategy = self._trainer = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -171,6 +186,12 @@ class AccumulationReport(Callback):
         self._samples_per_update.append(group.samples)
         self._tokens_per_update.append(group.tokens)
         self._documents_per_update.append(group.documents)
+        if self._trainer is not None and (plan := token_group_stats(self._trainer)):
+            self._token_microbatches[0].update(plan["microbatch_samples"])
+            self._token_microbatches[1].update(plan["microbatch_padded_tokens"])
+            load = plan["replica_load"]
+            counts = (plan["tokens"], plan["padded_tokens"], plan["microbatches"], max(load), sum(load) / len(load))
+            self._token_groups.append((*counts, plan["long_rows"]))
         if self._first_group_peak is None and self._peak_before is not None and self._strategy is not None:
             self._first_group_peak = _peak_counter(self._strategy.root_device)[0]
 
@@ -215,6 +236,10 @@ class AccumulationReport(Callback):
         tp_note = f"; tensor parallel {tp} (devices sharing one replica)" if tp > 1 else ""
         configured: int | list[int] | None = m * a * d if m is not None and isinstance(a, int) else None
         arithmetic = (f"{m} × {a} × {d} = {configured}" if m is not None else f"? × {a} × {d}") + tp_note
+        sampler = strategy.token_sampler
+        if sampler is not None and isinstance(sampler.samples_per_update, int) and isinstance(a, int):
+            configured = sampler.samples_per_update  # the fixed-m run's B, cut by tokens
+            arithmetic = f"{configured // (a * d)} × {a} × {d} = {configured}, cut by tokens{tp_note}"
         if strategy.batch_schedule is not None:  # one A per stage reached (the Trainer's attribute: the last group's)
             stages = strategy.batch_stages
             a = [stage["accumulate_grad_batches"] for stage in stages]
@@ -279,6 +304,7 @@ class AccumulationReport(Callback):
                 "samples_per_second": ledger.samples / wall if wall > 0 else None,
             },
             **self._documents(ledger),
+            **self._token_batches(strategy),
             **_batch_stages(strategy),
             **self._slicing(trainer, strategy, gather),
             "ledger": _finite_or_none(ledger.state_dict()),
@@ -289,6 +315,31 @@ class AccumulationReport(Callback):
             return {}
         per_update = {f"per_update_{name}": value for name, value in _stats(self._documents_per_update).items()}
         return {"documents": {"total": ledger.documents, **per_update, "dropped": ledger.dropped_documents}}
+
+    def _token_batches(self, strategy: ExactAccumulation) -> dict[str, Any]:
+        options, groups = strategy.token_batches, self._token_groups
+        if options is None:
+            return {}
+        tokens, padded, per_update, top, mean, long_rows = list(map(list, zip(*groups, strict=True))) or [[]] * 6
+        samples, padded_microbatches = self._token_microbatches
+        return {
+            "token_batches": {
+                "max_tokens": options.max_tokens,
+                "count": options.count,
+                "groups": len(groups),
+                "microbatches_per_update": _spread(Counter(per_update)),
+                "microbatch_samples": _spread(samples),
+                "microbatch_padded_tokens": _spread(padded_microbatches),
+                "tokens": sum(tokens),
+                "padded_tokens": sum(padded),
+                "padding_fraction": 1.0 - sum(tokens) / sum(padded) if padded else None,
+                "imbalance": {
+                    "run": sum(top) / sum(mean) if mean else None,
+                    "worst_group": max((t / m for t, m in zip(top, mean, strict=True)), default=None),
+                },
+                "long_rows": sum(long_rows),
+            }
+        }
 
     @staticmethod
     def _slicing(trainer: Trainer, strategy: ExactAccumulation, gather: bool) -> dict[str, Any]:
@@ -416,6 +467,20 @@ def format_summary(record: dict[str, Any]) -> str:
     return (
         f"{format_headline(record)}\n  samples per update (m × A × D): {batch};"
         f" weighted by {record.get('normalization')}; partial groups: {partial.get('count')} ({partial.get('policy')})"
+        + _token_line(record.get("token_batches"))
+    )
+
+
+def _token_line(tokens: dict[str, Any] | None) -> str:
+    """The summary's line under ``token_batches=`` (empty otherwise)."""
+    if not tokens or not tokens["groups"]:
+        return ""
+    s, p = ([_fmt(v) for v in tokens[k].values()] for k in ("microbatch_samples", "microbatch_padded_tokens"))
+    imbalance = tokens["imbalance"]
+    return (
+        f"\n  token batches: {s[0]}-{s[2]} samples, {p[0]}-{p[2]} padded tokens per micro-batch (medians {s[1]},"
+        f" {p[1]}); padding {100 * tokens['padding_fraction']:.1f} %, replica imbalance {imbalance['run']:.3f} (worst"
+        f" group {imbalance['worst_group']:.3f}), {tokens['long_rows']} long rows"
     )
 
 

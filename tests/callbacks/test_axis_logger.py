@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader
 
-from lightning_accum import AccumulationStrategy, AxisLogger, TokenWeightingWarning
+from lightning_accum import AccumulationStrategy, AxisLogger, TokenBatches, TokenBatchSampler, TokenWeightingWarning
 from lightning_accum.callbacks.common import format_count
 
 
@@ -423,3 +423,111 @@ def test_the_missing_token_count_is_reported_before_the_first_update(tmp_path: P
     ):
         fit(model, examples, 2, 2, callbacks=[AxisLogger(axis="tokens")])
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # nothing applied
+
+
+# ---------------------------------------------------------------------------- token_batches=
+
+TOKEN_EXAMPLES = make_examples(random_lengths(44, seed=59), seed=59)
+TOKEN_LENGTHS = [int((row["labels"] != IGNORE).sum()) for row in TOKEN_EXAMPLES]
+PLAN_KEYS = ("accum/padded_tokens_per_update", "accum/microbatches_per_update", "accum/padding_fraction")
+
+
+def _plan(max_tokens: int, epochs: int = 2) -> list[dict[str, Any]]:
+    """Every group's stats over `epochs` epochs (B = 8, D = 1), from a sampler of its own."""
+    sampler = TokenBatchSampler(TOKEN_EXAMPLES, TOKEN_LENGTHS, max_tokens, samples_per_update=8)
+    groups = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        groups += sampler.group_stats()
+    return groups
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _StopAt(L.Callback):
+    """Writes `path` after micro-batch `at` of the first epoch, then stops the fit with an exception."""
+
+    def __init__(self, path: Path, at: int) -> None:
+        self.path, self.at = path, at
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.fit_loop.epoch_loop.batch_idx == self.at:
+            trainer.save_checkpoint(self.path)
+            raise _Stopped
+
+
+def _token_fit(
+    folder: Path, version: int, strategy: AccumulationStrategy, every: int, **kwargs: Any
+) -> tuple[list[Any], dict[str, list[tuple[int, float]]]]:
+    """Two epochs at m = 4, A = 2 (B = 8), shuffled, logged on tokens every `every` updates: the group records, and
+    the scalars read back from the event file."""
+    records: list[Any] = []
+    ckpt_path, callbacks = kwargs.pop("ckpt_path", None), kwargs.pop("callbacks", [])
+    trainer = make_trainer(
+        strategy=strategy,
+        accumulate_grad_batches=2,
+        max_epochs=2,
+        logger=TensorBoardLogger(folder, name="tokens", version=version),
+        callbacks=[AxisLogger(axis="tokens"), *callbacks],
+        log_every_n_steps=every,
+        **kwargs,
+    )
+    trainer.strategy.add_group_listener(lambda record, _: records.append(record))  # type: ignore[attr-defined]
+    trainer.fit(
+        TinyLM(lr=0.5, seed=59),
+        DataLoader(ListDataset(TOKEN_EXAMPLES), batch_size=4, shuffle=True),
+        ckpt_path=ckpt_path,
+    )
+    return records, scalars(folder / "tokens" / f"version_{version}")
+
+
+def test_under_token_batches_each_point_holds_the_plans_padded_tokens_micro_batches_and_padding_fraction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # the order's seed is Lightning's: 0
+    # 12 updates (2 epochs of 5 groups of 8 and one of 4) logged every 5: points after updates 5 and 10, and 12.
+    strategy = AccumulationStrategy(token_batches=TokenBatches(max_tokens=8, lengths=TOKEN_LENGTHS))
+    records, logged = _token_fit(tmp_path, 0, strategy, every=5)
+    plan = _plan(8)
+    assert len(records) == len(plan) == 12 and [r.samples for r in records] == [g["samples"] for g in plan]
+    windows = [slice(0, 5), slice(5, 10), slice(10, 12)]
+    xs = [sum(r.tokens for r in records[: w.stop]) for w in windows]
+    padding = [1 - sum(g["tokens"] for g in plan[w]) / sum(g["padded_tokens"] for g in plan[w]) for w in windows]
+    expected = {
+        "accum/padded_tokens_per_update": [sum(g["padded_tokens"] for g in plan[w]) / len(plan[w]) for w in windows],
+        "accum/microbatches_per_update": [sum(g["microbatches"] for g in plan[w]) / len(plan[w]) for w in windows],
+        "accum/padding_fraction": padding,
+    }
+    print({tag: [round(v, 3) for v in values] for tag, values in expected.items()})
+    for tag, values in expected.items():
+        assert [step for step, _ in logged[tag]] == xs, tag
+        assert [value for _, value in logged[tag]] == pytest.approx(values, rel=1e-6), tag  # float32 in the file
+    assert len(set(expected["accum/microbatches_per_update"])) > 1 and 0 < min(padding)  # the test has values to tell
+    # The fixed-m run of the same groups (global_order=True): the same points on the same x, without the plan's keys.
+    fixed, logged_fixed = _token_fit(tmp_path, 1, AccumulationStrategy(global_order=True), every=5)
+    assert [(r.samples, r.tokens) for r in fixed] == [(r.samples, r.tokens) for r in records]
+    assert not set(PLAN_KEYS) & set(logged_fixed)
+    for tag in ("accum/loss", "accum/tokens_per_update", "accum/samples_per_update"):
+        assert [s for s, _ in logged_fixed[tag]] == xs, tag
+        assert [v for _, v in logged_fixed[tag]] == pytest.approx([v for _, v in logged[tag]], rel=1e-5), tag
+
+
+def test_a_token_batches_fit_resumed_inside_a_group_logs_the_plan_of_every_group_it_closes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    # The checkpoint is written after the second micro-batch of group 1 of epoch 0; the resumed fit closes group 1
+    # first (its whole plan: the run before it ran part of it), then the rest of both epochs.
+    tokens = TokenBatches(max_tokens=8, lengths=TOKEN_LENGTHS)
+    plan, path = _plan(8), tmp_path / "mid.ckpt"
+    at = plan[0]["microbatches"] + 1
+    with pytest.raises(_Stopped):
+        _token_fit(tmp_path, 0, AccumulationStrategy(token_batches=tokens), every=1, callbacks=[_StopAt(path, at)])
+    records, logged = _token_fit(tmp_path, 1, AccumulationStrategy(token_batches=tokens), every=1, ckpt_path=path)
+    assert len(records) == len(plan) - 1 and [r.samples for r in records] == [g["samples"] for g in plan[1:]]
+    assert [v for _, v in logged["accum/padded_tokens_per_update"]] == [g["padded_tokens"] for g in plan[1:]]
+    assert [v for _, v in logged["accum/microbatches_per_update"]] == [g["microbatches"] for g in plan[1:]]
+    fractions = [1 - g["tokens"] / g["padded_tokens"] for g in plan[1:]]
+    assert [v for _, v in logged["accum/padding_fraction"]] == pytest.approx(fractions, rel=1e-6)

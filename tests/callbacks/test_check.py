@@ -15,7 +15,14 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_accum import AccumulationCheck, AccumulationCheckError, TokenWeightingWarning
+from lightning_accum import (
+    AccumulationCheck,
+    AccumulationCheckError,
+    AccumulationStrategy,
+    TokenBatches,
+    TokenWeightingWarning,
+    supervised_tokens,
+)
 from lightning_accum.callbacks.check import concat_microbatches
 
 A = 4
@@ -256,3 +263,70 @@ def test_under_a_schedule_whose_first_stage_accumulates_nothing_the_check_takes_
     assert note.startswith("under batch_schedule= the check ran one group of stage 1 (A = 2 micro-batch(es)")
     assert "stage 0's groups hold one micro-batch on one replica" in note
     assert "Not checked: stage(s) 0 (A = 1), 2 (A = 4)." in note
+
+
+# ---------------------------------------------------------------------------- token_batches=
+
+
+def _counting_collate(items: list[dict[str, torch.Tensor]], shift: bool = True) -> dict[str, torch.Tensor]:
+    """Hugging Face's padding to the micro-batch's longest row, and the batch's token count as a 0-d tensor (one
+    batch cannot be rebuilt by concatenating such micro-batches: only by collating the examples again)."""
+    import hf_models as hf
+
+    batch = hf.pad_collate(items)
+    return {**batch, "num_tokens": supervised_tokens(batch["labels"], shift=shift)}
+
+
+def _unshifted_collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return _counting_collate(items, shift=False)
+
+
+class _CollatedCount(L.LightningModule):
+    """A tiny GPT-2 whose step reports the collate's count; `divide` divides the loss by A as well."""
+
+    def __init__(self, divide: bool = False) -> None:
+        super().__init__()
+        import hf_models as hf
+
+        self.model, self.divide = hf.tiny_gpt2(0), divide
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        loss = out.loss / self.trainer.accumulate_grad_batches if self.divide else out.loss
+        return {"loss": loss, "num_tokens": batch["num_tokens"]}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _token_checked(module: L.LightningModule, collate: Any = _counting_collate) -> tuple[AccumulationCheck, Any]:
+    """A fit under `token_batches=` (B = 4 · 2 = 8 rows of 3 to 12 tokens, rows × longest ≤ 24) with a lenient check;
+    the check and the plan's first group."""
+    hf = _hf()
+    check = AccumulationCheck(strict=False)
+    strategy = AccumulationStrategy(token_batches=TokenBatches(max_tokens=24, lengths="input_ids"))
+    trainer = make_trainer(strategy=strategy, accumulate_grad_batches=2, callbacks=[check])
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(hf.sequences(24, seed=5), batch_size=4, shuffle=True, collate_fn=collate))
+    sampler = trainer.strategy.token_sampler  # type: ignore[attr-defined]
+    sampler.set_epoch(0)
+    return check, sampler.group_stats()[0]
+
+
+def test_under_token_batches_the_check_runs_the_plans_first_group_against_its_examples_collated_by_the_loader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # the order's seed is Lightning's: 0
+    check, first = _token_checked(_CollatedCount())
+    k, samples = first["microbatches"], first["microbatch_samples"]
+    print(f"first group: {k} micro-batches of {samples} rows, {first['microbatch_padded_tokens']} padded tokens")
+    assert k != 2 and len(set(samples)) > 1  # not A micro-batches, and of different sizes
+    assert check.result is not None and check.result.passed, check.result
+    assert check.result.microbatches == k and check.result.relative_error < 1e-5
+    # The loss divided by A (here the group's k) is 1/k of the one-batch gradient; the unshifted count is named.
+    divided, _ = _token_checked(_CollatedCount(divide=True))
+    assert divided.result is not None and divided.result.ratio == pytest.approx(1 / k, rel=1e-4)
+    assert divided.result.errors[0].startswith(f"the loss is divided by A twice: the group gradient is {1 / k:.4f}")
+    unshifted, _ = _token_checked(_CollatedCount(), collate=_unshifted_collate)
+    assert unshifted.result is not None and unshifted.result.errors[0].startswith("the token count is off by the shift")

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 import lightning_accum
-from lightning_accum import AxisLR, Horizon, warmup_cosine
+from lightning_accum import AccumulationStrategy, AxisLR, Horizon, TokenBatches, warmup_cosine
 
 LENGTHS = random_lengths(48, seed=7)
 EXAMPLES = make_examples(LENGTHS, seed=7)
@@ -337,3 +337,31 @@ def test_a_resumed_run_can_extend_the_budget_and_change_the_interval(tmp_path: P
             expected.append(count)
             next_point = (count // 60 + 1) * 60
     assert trace.validations == sorted({*expected, counts[-1]})
+
+
+def test_under_token_batches_stop_validation_checkpoints_and_rate_follow_tokens_as_at_fixed_m(tmp_path: Path) -> None:
+    # The loader in order: group g holds examples 8g to 8g + 7 in both runs, cut by tokens in one (rows × the longest
+    # row ≤ 8: 5 or 6 micro-batches, a count per group) and into A = 2 micro-batches of 4 in the other.
+    expected = expected_run(per_update=8)
+    runs = {}
+    for name, strategy in (
+        ("tokens", AccumulationStrategy(token_batches=TokenBatches(max_tokens=8, lengths=LENGTHS))),
+        ("fixed", AccumulationStrategy(global_order=True)),
+    ):
+        folder, trace, budget = tmp_path / name, Trace(), horizon()
+        callbacks = [trace, budget, ModelCheckpoint(dirpath=folder, save_top_k=0)]
+        trainer = trainer_for(2, callbacks, strategy=strategy, enable_checkpointing=True)  # type: ignore[arg-type]
+        trainer.fit(HorizonLM(lr_lambda=SCHEDULE, lr=BASE_LR, seed=3), *loaders(EXAMPLES, 4))
+        ledger = trainer.strategy.ledger
+        assert ledger.tokens == expected["stop"] and trace.validations == expected["validations"], name
+        assert checkpoint_counts(folder) == expected["checkpoints"], name
+        assert [u["tokens_before"] for u in trace.updates] == expected["tokens_before"], name
+        torch.testing.assert_close([u["lr"] for u in trace.updates], expected["lrs"], rtol=1e-12, atol=0.0)
+        runs[name] = (trainer, params_vector(trainer.lightning_module))
+    sizes = runs["tokens"][0].strategy.token_sampler.group_sizes()  # the last epoch's plan
+    print(f"micro-batches per group under token_batches: {sizes}, at fixed m: 2")
+    assert (
+        len(set(sizes)) > 1
+        and runs["tokens"][0].strategy.ledger.microbatches != runs["fixed"][0].strategy.ledger.microbatches
+    )
+    torch.testing.assert_close(runs["tokens"][1], runs["fixed"][1], rtol=1e-5, atol=1e-6)  # the same updates

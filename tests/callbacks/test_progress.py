@@ -8,10 +8,19 @@ from typing import Any
 
 import lightning as L
 import pytest
-from helpers import IGNORE, ListDataset, TinyLM, make_examples, make_trainer
+from helpers import IGNORE, ListDataset, TinyLM, make_examples, make_trainer, random_lengths
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from torch.utils.data import DataLoader
 
-from lightning_accum import AxisProgressBar, AxisRichProgressBar, Horizon
+from lightning_accum import (
+    AccumulationStrategy,
+    AxisProgressBar,
+    AxisRichProgressBar,
+    Horizon,
+    TokenBatches,
+    TokenBatchSampler,
+)
 
 LENGTHS = [6, 1, 5, 2, 6, 1, 4, 1, 6, 2, 5, 1, 6, 1, 3, 2] * 2
 BUDGET = 80  # tokens: Horizon stops after the update that reaches it (the data holds 104)
@@ -129,3 +138,49 @@ def test_under_a_batch_schedule_the_bars_show_the_stage_and_the_global_batch(
         TinyLM(), DataLoader(ListDataset(examples), batch_size=2)
     )
     assert {(stage, batch) for stage, batch, _ in spy.seen} == {(None, None)}
+
+
+class _EpochEnds(L.Callback):
+    """At every epoch's end: Lightning's count of its micro-batches, the ledger's tokens, the bar's total and count."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, Any, Any]] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, RichProgressBar):
+            task = next(t for t in bar.progress.tasks if t.id == bar.train_progress_bar_id)  # type: ignore[union-attr]
+            shown = (task.total, task.completed)
+        else:
+            shown = (bar.train_progress_bar.total, bar.train_progress_bar.n)  # type: ignore[union-attr]
+        self.seen.append((trainer.num_training_batches, trainer.strategy.ledger.tokens, *shown))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", [TQDMProgressBar, RichProgressBar, AxisProgressBar, AxisRichProgressBar])
+def test_under_token_batches_the_bars_count_epochs_of_different_micro_batches(
+    kind: type[ProgressBar], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # the order's seed is Lightning's: 0
+    # 40 rows, B = 4 · 2 = 8, rows × the longest row ≤ 6: epochs of 28, 30 and 29 micro-batches, 135 tokens each.
+    examples = make_examples(random_lengths(40, seed=59), seed=59)
+    lengths = [int((row["labels"] != IGNORE).sum()) for row in examples]
+    sampler = TokenBatchSampler(examples, lengths, 6, 8)
+    counts = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        counts.append(len(sampler))
+    assert counts == [28, 30, 29] and sum(lengths) == 135
+    bar, ends = kind(plain=False) if kind in (AxisProgressBar, AxisRichProgressBar) else kind(), _EpochEnds()
+    trainer = make_trainer(
+        strategy=AccumulationStrategy(token_batches=TokenBatches(max_tokens=6, lengths=lengths)),
+        accumulate_grad_batches=2,
+        max_epochs=3,
+        callbacks=[bar, ends, Horizon(axis="tokens", stop_at=3 * 135)],
+        enable_progress_bar=True,
+    )
+    trainer.fit(TinyLM(), DataLoader(ListDataset(examples), batch_size=4, shuffle=True))
+    tokens = [135, 270, 405]
+    if kind in (TQDMProgressBar, RichProgressBar):  # Lightning's own: each epoch's micro-batches, reset per epoch
+        assert ends.seen == [(n, t, n, n) for n, t in zip(counts, tokens, strict=True)]
+    else:  # one bar over the fit: the tokens against the budget
+        assert ends.seen == [(n, t, 405, t) for n, t in zip(counts, tokens, strict=True)]

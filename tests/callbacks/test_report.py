@@ -6,6 +6,8 @@ import json
 import os
 import re
 import signal
+import statistics
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,15 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader
 
-from lightning_accum import AccumulationReport, AccumulationStrategy
+from lightning_accum import (
+    AccumulationCheck,
+    AccumulationReport,
+    AccumulationStrategy,
+    AxisLogger,
+    DDPAccumulationStrategy,
+    TokenBatches,
+    TokenBatchSampler,
+)
 from lightning_accum.callbacks import report as report_module
 from lightning_accum.callbacks.report import REPORT_FILENAME, format_report
 
@@ -428,3 +438,127 @@ def test_under_a_batch_schedule_the_report_states_each_stages_a_not_one_groups(
     out = capsys.readouterr().out
     assert re.search(r"accumulate_grad_batches +2, 4, 8\n", out), out
     assert re.search(r"batch_schedule\.stages\[1\] +from 4 samples: 8 samples/update, 2 updates, .*, A = 4\n", out)
+
+
+# ---------------------------------------------------------------------------- token_batches=
+
+TOKEN_EXAMPLES = make_examples(random_lengths(45, seed=59), seed=59)
+TOKEN_LENGTHS = [int((row["labels"] != IGNORE).sum()) for row in TOKEN_EXAMPLES]
+#: Rows × the longest row ≤ 5: each row of 6 tokens runs as a micro-batch of its own.
+TOKENS = TokenBatches(max_tokens=5, lengths=TOKEN_LENGTHS, long_rows="alone")
+
+
+def _token_record(replicas: int, epochs: int = 2) -> dict[str, Any]:
+    """The record's `token_batches` from a sampler of its own: every group of `epochs` epochs at B = 8 on `replicas`."""
+    sampler = TokenBatchSampler(TOKEN_EXAMPLES, TOKEN_LENGTHS, 5, 8, long_rows="alone", num_replicas=replicas)
+    groups = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        groups += sampler.group_stats()
+    loads = [g["replica_load"] for g in groups]
+
+    def spread(values: list[int]) -> dict[str, Any]:
+        return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+    tokens, padded = sum(g["tokens"] for g in groups), sum(g["padded_tokens"] for g in groups)
+    return {
+        "max_tokens": 5,
+        "count": "padded",
+        "groups": len(groups),
+        "microbatches_per_update": spread([g["microbatches"] for g in groups]),
+        "microbatch_samples": spread([n for g in groups for n in g["microbatch_samples"]]),
+        "microbatch_padded_tokens": spread([n for g in groups for n in g["microbatch_padded_tokens"]]),
+        "tokens": tokens,
+        "padded_tokens": padded,
+        "padding_fraction": pytest.approx(1 - tokens / padded, rel=1e-12),
+        "imbalance": {
+            "run": pytest.approx(sum(max(load) for load in loads) / sum(sum(load) / len(load) for load in loads)),
+            "worst_group": pytest.approx(max(g["imbalance"] for g in groups)),
+        },
+        "long_rows": sum(g["long_rows"] for g in groups),
+    }
+
+
+def test_under_token_batches_the_record_gives_the_micro_batches_padding_and_long_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # the order's seed is Lightning's: 0
+    # One device: 12 groups of 8 (the epoch's last of 5) at m = 4, A = 2; the rows of 6 tokens alone, warned once.
+    trainer = make_trainer(
+        strategy=AccumulationStrategy(token_batches=TOKENS),
+        accumulate_grad_batches=2,
+        max_epochs=2,
+        callbacks=[AccumulationReport(path=tmp_path)],
+    )
+    with pytest.warns(UserWarning, match=r"rows of the data are longer than `max_tokens=5`"):
+        trainer.fit(TinyLM(), DataLoader(ListDataset(TOKEN_EXAMPLES), batch_size=4, shuffle=True))
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    expected = _token_record(replicas=1)
+    print(json.dumps(record["token_batches"]))
+    assert record["token_batches"] == expected
+    assert expected["long_rows"] == TOKEN_LENGTHS.count(6) * 2 > 0 and expected["imbalance"] == {
+        "run": 1.0,
+        "worst_group": 1.0,
+    }
+    assert record["effective_batch"]["arithmetic"] == "4 × 2 × 1 = 8, cut by tokens"
+    assert record["effective_batch"]["configured"] == 8 and record["samples"]["total"] == 90
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    line = next(p for p in printed if p.startswith("  token batches:"))
+    assert printed[printed.index(line) - 1].startswith("  samples per update")  # one line more in the summary
+    samples, padded = expected["microbatch_samples"], expected["microbatch_padded_tokens"]
+    assert line.startswith(
+        f"  token batches: {samples['min']}-{samples['max']} samples, {padded['min']}-{padded['max']} padded tokens per"
+        f" micro-batch (medians {samples['median']:.4g}, {padded['median']:.4g}); padding"
+    ), line
+    assert line.endswith(f"replica imbalance 1.000 (worst group 1.000), {expected['long_rows']} long rows"), line
+    table = (tmp_path / "accumulation_report.txt").read_text()
+    assert re.search(r"token_batches\.padding_fraction +0\.\d+", table) and "token_batches.imbalance" in table
+    # Without `token_batches=` the record has no such key, and the summary no such line.
+    fit(TinyLM(), TOKEN_EXAMPLES[:8], batch_size=2, accumulate=2, callbacks=[AccumulationReport(path=tmp_path)])
+    assert "token_batches" not in json.loads((tmp_path / REPORT_FILENAME).read_text())
+    assert "token batches:" not in capsys.readouterr().out
+
+
+def _token_callbacks_on_two(rank: int, folder: str) -> None:
+    os.environ.pop("PL_GLOBAL_SEED", None)  # the order's seed is Lightning's: 0
+    check = AccumulationCheck()
+    trainer = make_trainer(
+        strategy=DDPAccumulationStrategy(token_batches=TOKENS),
+        devices=2,
+        use_distributed_sampler=True,
+        accumulate_grad_batches=2,
+        max_epochs=2,
+        logger=TensorBoardLogger(folder, name="tb", version=0),
+        log_every_n_steps=1,
+        callbacks=[AccumulationReport(path=folder), check, AxisLogger()],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the long rows', on rank zero
+        trainer.fit(TinyLM(), DataLoader(ListDataset(TOKEN_EXAMPLES), batch_size=2, shuffle=True))
+    assert check.result is not None
+    result = {"passed": check.result.passed, "microbatches": check.result.microbatches}
+    (Path(folder) / f"check{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(600)
+def test_on_two_processes_the_record_the_curves_and_the_check_follow_every_replicas_plan(tmp_path: Path) -> None:
+    # m = 2, A = 2, D = 2: B = 8; the 45th position of each epoch is left out (the tail rule).
+    run_ddp(_token_callbacks_on_two, str(tmp_path))
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    expected = _token_record(replicas=2)
+    print(json.dumps(record["token_batches"]))
+    assert record["token_batches"] == expected and record["token_batches"]["imbalance"]["worst_group"] > 1
+    assert record["effective_batch"]["arithmetic"] == "2 × 2 × 2 = 8, cut by tokens"
+    sampler = TokenBatchSampler(TOKEN_EXAMPLES, TOKEN_LENGTHS, 5, 8, long_rows="alone", num_replicas=2)
+    plan = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        plan += sampler.group_stats()
+    curves = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    curves.Reload()
+    logged = {tag: [e.value for e in curves.Scalars(tag)] for tag in curves.Tags()["scalars"]}
+    assert logged["accum/microbatches_per_update"] == [g["microbatches"] for g in plan]  # per replica
+    assert logged["accum/padded_tokens_per_update"] == [g["padded_tokens"] for g in plan]  # over both
+    checks = [json.loads((tmp_path / f"check{rank}.json").read_text()) for rank in (0, 1)]
+    assert checks == [{"passed": True, "microbatches": plan[0]["microbatches"]}] * 2
