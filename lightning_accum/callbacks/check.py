@@ -211,7 +211,7 @@ class AccumulationCheck(Callback):
         if not batches:
             return CheckResult(0.0, 1.0, 0, ["the training data yielded no batch"], [])
         if len(batches) < accumulate:
-            if strategy.engine.partial_group == "drop":
+            if strategy.engine.options.partial_group == "drop":
                 warnings.append(
                     f"the first epoch holds only {len(batches)} of {accumulate} micro-batches; with"
                     " partial_group='drop' its group makes no update"

@@ -113,8 +113,8 @@ class EngineAdapter:
 
     @property
     def rank(self) -> int:
-        """This process's global rank (from the cluster environment, also before ``setup``)."""
-        return 0
+        """This process's global rank (from the cluster environment, also before ``setup``; 0 on one device)."""
+        return int(self.strategy.global_rank)
 
     @property
     def data_parallel_size(self) -> int:

@@ -19,14 +19,14 @@ __all__ = ["install_global_order"]
 
 def install_global_order(loader: Any, trainer: Trainer, layout: Mapping[str, int] | None) -> Any:
     """The training ``loader`` re-created around a :class:`GlobalOrderSampler` (resumable mid-epoch), or ``loader``
-    itself where it keeps its own order.
+    itself where it keeps its own order (or is another stage's).
 
     Args:
-        loader: What Lightning hands the strategy's ``process_dataloader`` for the training stage.
+        loader: What Lightning hands the strategy's ``process_dataloader``.
         trainer: The Trainer (its loop's processed micro-batches are the position a checkpoint saves).
         layout: The strategy's ``distributed_sampler_kwargs``, ``None`` on one device.
     """
-    if not isinstance(loader, DataLoader):
+    if not isinstance(loader, DataLoader) or trainer.state.stage != RunningStage.TRAINING:
         return loader
     replicas, rank = (layout["num_replicas"], layout["rank"]) if layout else (1, 0)
     sampler = global_order_for(loader, replicas, rank, seed=int(os.getenv("PL_GLOBAL_SEED", "0")))
