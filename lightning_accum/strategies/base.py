@@ -275,7 +275,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         Lightning does in automatic optimization; a no-op on one replica, or when ``enabled`` is False.
         """
         block = getattr(self, "block_backward_sync", None)  # ParallelStrategy's; one device has none
-        if not enabled or block is None or self.data_parallel_replicas == 1:
+        if not enabled or block is None or self._core.adapter.data_parallel_size == 1:
             return nullcontext()
         return block()  # type: ignore[no-any-return]
 
