@@ -18,6 +18,8 @@ documents (the same groups):
   (m, A, D) = (4, 4, 2) whose replicas together read exactly the single-device groups: every update
   is the gradient of the token-weighted mean over the group, so the four runs draw one curve.
 
+The console gets one line per run and the results; everything the runs print (Lightning, the package's callbacks,
+the DDP processes) goes to ``demo.log`` under ``--out``, beside each run's ``accumulation_report.json`` and ``.txt``.
 The picture (``loss_vs_tokens.png``) has three panels: the training loss each run back-propagates,
 the validation loss (the same token-weighted measure for every run), and per update the difference
 of the group's token-weighted training loss from the exact (16, 2) run, on a log scale. The picture and the
@@ -32,6 +34,7 @@ run length; the tests use it too).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -44,7 +47,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from pydoc_data.topics import topics
-from typing import Any
+from typing import Any, TextIO
 
 import lightning as L
 import torch
@@ -63,6 +66,7 @@ EFFECTIVE_BATCH = 32
 ID_CHARACTERS = string.ascii_letters + string.digits  # the short documents: random identifiers
 PICTURE = "loss_vs_tokens.png"
 TABLE = "results.txt"
+LOG = "demo.log"
 
 
 # ---------------------------------------------------------------------------- data
@@ -297,22 +301,50 @@ def clear_previous_runs(out: str) -> None:
     """Remove what an earlier invocation left: every configuration's folder (DDP too), the picture and the table."""
     for config in configurations(ddp=True):
         shutil.rmtree(Path(out) / config.name, ignore_errors=True)
-    (Path(out) / PICTURE).unlink(missing_ok=True)
-    (Path(out) / TABLE).unlink(missing_ok=True)
+    for name in (PICTURE, TABLE, LOG):
+        (Path(out) / name).unlink(missing_ok=True)
 
 
-def train(config: Config, args: argparse.Namespace, index: int, count: int) -> float:
+@contextlib.contextmanager
+def into(log: TextIO) -> Iterator[None]:
+    """Everything printed meanwhile goes to ``log``: Python's streams, and file descriptors 1 and 2, which the DDP run's
+    spawned processes inherit (the console keeps one line per run)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            yield
+    finally:
+        log.flush()
+        for fd, original in zip((1, 2), saved, strict=True):
+            os.dup2(original, fd)
+            os.close(original)
+
+
+def train(config: Config, args: argparse.Namespace, index: int, count: int, log: TextIO) -> float:
     assert config.m * config.accumulate * config.replicas == EFFECTIVE_BATCH
-    kind = "plain Lightning, strategy='auto'" if config.plain else "exact, strategy='accum'"
+    kind = "plain Lightning, 'auto'" if config.plain else "exact, 'accum'"
     if config.replicas > 1:
-        kind = f"exact, strategy='accum_ddp_spawn', {config.replicas} processes (gloo)"
-    print(
-        f"\n== run {index}/{count}: {config.name} ({kind}): m = {config.m}, A = {config.accumulate},"
-        f" D = {config.replicas}: {config.m} × {config.accumulate} × {config.replicas} = {EFFECTIVE_BATCH}"
-        f" documents per update, {args.updates} updates",
-        flush=True,
+        kind = f"exact, 'accum_ddp_spawn', {config.replicas} processes"
+    heading = (
+        f"run {index}/{count} {config.name:<18} ({kind}): m × A × D = {config.m} × {config.accumulate} ×"
+        f" {config.replicas}"
     )
+    print(heading, end="", flush=True)
+    print(f"\n== {heading}: {EFFECTIVE_BATCH} documents per update, {args.updates} updates", file=log, flush=True)
     start = time.perf_counter()
+    with into(log):
+        tokens = _fit(config, args, index)
+    seconds = time.perf_counter() - start
+    print(f": {args.updates} updates, {tokens:,} tokens, {seconds:.1f} s", flush=True)
+    return seconds
+
+
+def _fit(config: Config, args: argparse.Namespace, index: int) -> int:
+    """One configuration's fit; the supervised tokens it trained on."""
     L.seed_everything(args.seed, verbose=False)
     model = TinyGPT(args.max_len, width=args.width, layers=args.layers, lr=args.lr)
     train_data = ByteDocuments(args.documents, args.max_len, seed=args.seed)
@@ -322,13 +354,12 @@ def train(config: Config, args: argparse.Namespace, index: int, count: int) -> f
     if config.plain:
         strategy: Any = "auto"
         model.log_validation = False
-        callbacks = [PlainTokenAxis()]
+        callbacks = [plain_axis := PlainTokenAxis()]
         if not args.quiet:
             callbacks.append(PlainLines(config.name, args.updates, interval=10.0))
     else:
         strategy = "accum_ddp_spawn" if config.replicas > 1 else "accum"
-        # The whole run record on the console for the first run, one line for the others (the files hold it all).
-        callbacks = [AxisLogger(axis="tokens"), AccumulationReport(table=index == 1)]
+        callbacks = [AxisLogger(axis="tokens"), AccumulationReport()]  # the run record: its files and 3 lines
         if not args.quiet:
             # Applied updates out of `--updates`, the rate and the time left; outside a terminal (a log file, CI), one
             # plain line every 10 s instead of a bar that shows nothing until the run ends.
@@ -359,9 +390,7 @@ def train(config: Config, args: argparse.Namespace, index: int, count: int) -> f
     # Validation: each replica reads its share of the set; the perplexity metric sums over replicas.
     val_loader = DataLoader(val_data, batch_size=16, sampler=GroupSampler(len(val_data), len(val_data), seed=None))
     trainer.fit(model, train_loader, val_loader)
-    seconds = time.perf_counter() - start
-    print(f"   {config.name}: {seconds:.1f} s", flush=True)
-    return seconds
+    return plain_axis.tokens if config.plain else trainer.strategy.ledger.tokens  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------- reading back
@@ -577,34 +606,30 @@ def main(argv: list[str] | None = None) -> list[Config]:
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     configs = configurations(ddp=not args.no_ddp)
     print(
-        f"lightning_accum {lightning_accum.__version__}: {len(configs)} runs of {args.updates} updates,"
-        f" {EFFECTIVE_BATCH} documents per update, half random identifiers of 2..8 bytes, half passages of"
-        f" {args.max_len // 2}..{args.max_len} bytes;"
-        f" writing to {Path(args.out).resolve()} (earlier runs there are cleared)",
+        f"lightning_accum {lightning_accum.__version__}: {len(configs)} runs of {args.updates} updates of"
+        f" {EFFECTIVE_BATCH} documents (half identifiers of 2..8 bytes, half passages of {args.max_len // 2}.."
+        f"{args.max_len} bytes), into {Path(args.out).resolve()} (cleared first)",
         flush=True,
     )
     clear_previous_runs(args.out)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     training = 0.0
     curves: dict[str, Curves] = {}
-    for index, config in enumerate(configs, start=1):
-        training += train(config, args, index, len(configs))
-        # The table and the picture of the runs done so far, after each run: a stopped demo leaves what it finished.
-        curves[config.name] = read_run(args.out, config)
-        done = configs[:index]
-        heading = f"== results ({training:.0f} s of training; {index} of {len(configs)} runs done)"
-        table = write_table(results(done, curves), heading, args.out)
-        picture = plot(done, curves, args.out)
-        if index < len(configs):
-            done_so_far = f"({index} of {len(configs)})"
-            print(
-                f"   table and picture of the runs so far {done_so_far}: {Path(table).resolve()}, {PICTURE}", flush=True
-            )
+    with open(Path(args.out) / LOG, "w") as log:
+        for index, config in enumerate(configs, start=1):
+            training += train(config, args, index, len(configs), log)
+            # The table and the picture of the runs so far, after each run: a stopped demo leaves what it finished.
+            curves[config.name] = read_run(args.out, config)
+            done = configs[:index]
+            heading = f"== results ({training:.0f} s of training; {index} of {len(configs)} runs done)"
+            table = write_table(results(done, curves), heading, args.out)
+            picture = plot(done, curves, args.out)
     print(f"\n== results ({training:.0f} s of training)")
     print("\n".join(results(configs, curves)))
-    print(f"\nlogs and run records: {Path(args.out).resolve()}")
-    print(f"results table:        {Path(table).resolve()}")
-    print(f"picture:              {Path(picture).resolve()}")
-    print(f"open TensorBoard:     {tensorboard_command(args.out)}")
+    print(f"\nlogs, run records, log: {Path(args.out).resolve()} (everything the runs printed: {LOG})")
+    print(f"results table:          {Path(table).resolve()}")
+    print(f"picture:                {Path(picture).resolve()}")
+    print(f"open TensorBoard:       {tensorboard_command(args.out)}")
     return configs
 
 

@@ -5,9 +5,9 @@ over the shifted targets, and the loop LitGPT's: ``is_accumulating``, ``fabric.n
 ``optimizer.step()``. These lines differ from LitGPT's (marked ``# lightning_accum``):
 
 * the strategy: ``L.Fabric(strategy="accum")`` or ``"accum_ddp"`` instead of ``"auto"`` / ``"ddp"``;
-* the backward: ``fabric.backward(fabric.strategy.accumulate(loss, num_tokens=supervised_tokens(targets)))`` instead of
-  ``fabric.backward(loss / gradient_accumulation_iters)`` — the micro-batch weighted by its supervised tokens, not by
-  ``1 / A``: the update is the mean over the group's tokens on every replica, whatever the split;
+* the backward: ``fabric.backward(fabric.strategy.accumulate(loss, num_tokens=supervised_tokens(targets, shift=True)))``
+  instead of ``fabric.backward(loss / gradient_accumulation_iters)`` — the micro-batch weighted by its supervised
+  tokens, not by ``1 / A``: the update is the mean over the group's tokens on every replica, whatever the split;
 * the close: ``record = fabric.strategy.close_group(optimizer)`` right before ``optimizer.step()``, and the scheduler
   stepped only when ``record.applied`` (LitGPT steps it on every attempt, a skipped fp16 update included);
 * the counts: ``fabric.strategy.ledger.tokens`` (supervised tokens, exact over the replicas) instead of
@@ -16,7 +16,7 @@ over the shifted targets, and the loop LitGPT's: ``is_accumulating``, ``fabric.n
 Validation weighs every batch by its tokens and adds the sums over the replicas once (LitGPT averages batch means).
 
 Run it as ``python examples/litgpt_fabric.py`` (one device) or with ``--devices 2`` (two processes, spawned); it
-prints m, A, D and the effective batch first. ``pip install "lightning-accum[litgpt]"`` installs litgpt with pins that
+prints m, A, D and the effective batch first. ``pip install ".[litgpt]"`` installs litgpt with pins that
 agree with the ``[hf]`` extra.
 """
 
@@ -87,7 +87,7 @@ def validate(fabric: L.Fabric, model: GPT, loader: DataLoader) -> float:
             input_ids, targets = batch["input_ids"], batch["labels"]
             logits = model(input_ids)
             loss = chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:], chunk_size=0)
-            tokens = supervised_tokens(targets)
+            tokens = supervised_tokens(targets, shift=True)
             sums += torch.stack([loss.double() * tokens, tokens.double()])
     model.train()
     total = fabric.all_reduce(sums, reduce_op="sum")  # one collective for the whole set
@@ -126,7 +126,9 @@ def fit(fabric: L.Fabric, args: argparse.Namespace) -> dict[str, Any]:
             if args.plain:  # LitGPT's line: every micro-batch weighs 1 / A
                 fabric.backward(loss / accumulate)
             else:  # lightning_accum: weighted by its supervised tokens (the shifted count), not by 1 / A
-                fabric.backward(fabric.strategy.accumulate(loss, num_tokens=supervised_tokens(targets), batch=batch))
+                fabric.backward(
+                    fabric.strategy.accumulate(loss, num_tokens=supervised_tokens(targets, shift=True), batch=batch)
+                )
         if not is_accumulating and args.plain:
             optimizer.step()
             optimizer.zero_grad()

@@ -47,7 +47,7 @@ from lightning_accum.strategies import (
     ModelParallelAccumulationStrategy,
     register,
 )
-from lightning_accum.token_batches import TokenBatchSampler
+from lightning_accum.token_batches import TokenBatches, TokenBatchSampler
 from lightning_accum.tokens import TokenWeightingWarning, causal_lm_tokens, seq2seq_tokens, supervised_tokens
 
 __all__ = [
@@ -76,6 +76,7 @@ __all__ = [
     "Horizon",
     "ModelParallelAccumulationStrategy",
     "TokenBatchSampler",
+    "TokenBatches",
     "TokenWeightingWarning",
     "causal_lm_tokens",
     "document_mean_loss",

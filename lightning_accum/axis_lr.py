@@ -29,16 +29,15 @@ REPORTED_AXES = ("tokens", "documents")
 
 
 def group_count(record: GroupRecord, axis: str) -> int:
-    """What one closed group adds to ``axis``: its tokens, its samples, its documents, or 1 (an update)."""
     return 1 if axis == "updates" else int(getattr(record, axis))
 
 
 def no_counts_error(who: str, axis: str) -> RuntimeError:
-    """The error for an axis of :data:`REPORTED_AXES` in a run whose ``training_step`` reports none of its counts."""
+    """The error for an axis of :data:`REPORTED_AXES` whose counts the run does not report."""
     if axis == "tokens":
         return RuntimeError(
-            f"{who}(axis='tokens') needs token counts, but the run reports none. Return"
-            " `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels)}` from `training_step`"
+            f"{who}(axis='tokens') needs token counts, but the run reports none. Return `{{'loss': loss,"
+            " 'num_tokens': lightning_accum.supervised_tokens(labels, shift=True)}` from `training_step`"
             " (shift=False when the labels are already aligned with the logits), pass `count_tokens=` to the strategy"
             f" (e.g. `lightning_accum.causal_lm_tokens`), or use `{who}(axis='samples')`."
         )
@@ -76,7 +75,6 @@ class _WarmupDecay:
         self.warmup, self.total, self.min_ratio = warmup, total, float(min_ratio)
 
     def decay(self, progress: float) -> float:
-        """The decay's shape on ``[0, 1]``: 1 at 0, 0 at 1."""
         raise NotImplementedError
 
     def __call__(self, count: int) -> float:
@@ -142,9 +140,6 @@ def warmup_linear(warmup: int, total: int, min_ratio: float = 0.0) -> WarmupLine
 
 class AxisLR(LRScheduler):
     """Learning rate ``base_lr × lr_lambda(n)``, ``n`` the count on ``axis`` the applied updates so far consumed.
-
-    The accumulation strategies bind it at fit start and step it once per applied update, whatever its config's
-    ``interval`` says; its state goes into checkpoints.
 
     Args:
         optimizer: The optimizer; each parameter group's ``lr`` at construction is its ``base_lr``.
@@ -227,11 +222,7 @@ class AxisLR(LRScheduler):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`.
-
-        Raises:
-            ValueError: The checkpoint's ``axis`` is not this scheduler's.
-        """
+        """Restore :meth:`state_dict`; ``ValueError`` when its ``axis`` is not this scheduler's."""
         saved_axis = state_dict.get("axis", self.axis)
         if saved_axis != self.axis:
             raise ValueError(

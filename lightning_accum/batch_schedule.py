@@ -1,9 +1,4 @@
-"""A schedule of the global batch: samples per update as a function of the run's position on an axis (tokens, samples
-or applied updates, summed over every replica, as the ledger counts them). A group of ``A = B / (m · D)``
-micro-batches per replica takes its stage when it starts. The rules: docs/howto.md, "Ramp the batch by tokens".
-
-Pure Python: no torch, no Lightning.
-"""
+"""A schedule of the global batch by the run's position on an axis (docs/howto.md, "Ramp the batch by tokens")."""
 
 from __future__ import annotations
 
@@ -39,7 +34,7 @@ _COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMBT]?)\s*$", re.IGNORECASE)
 
 
 def parse_count(text: str) -> int:
-    """A count written as Megatron writes it: digits with an optional K, M, B or T suffix (10³, 10⁶, 10⁹, 10¹²).
+    """A count with an optional K, M, B or T suffix, as Megatron writes it.
 
     Example:
         >>> parse_count("250B"), parse_count("1.5M"), parse_count("768")
@@ -62,7 +57,7 @@ def parse_count(text: str) -> int:
 
 
 def parse_stages(text: str) -> dict[int, int]:
-    """Megatron's ``"threshold:batch threshold:batch ..."`` form (``--step-batch-size-schedule``) as a dict.
+    """Megatron's ``"threshold:batch ..."`` form as a dict.
 
     Example:
         >>> parse_stages("0:768 250B:1536 500B:3072")
@@ -92,13 +87,8 @@ def _not_increasing(before: int, after: int) -> ValueError:
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage of a :class:`BatchSchedule`.
-
-    Attributes:
-        index: Its place in the schedule (0 for the first).
-        threshold: The position on the schedule's axis from which a group starting there has this batch.
-        samples: Samples per update (``m · A · D``).
-        tokens: Tokens per update when the batch is stated in tokens (``batch_unit="tokens"``), else ``None``.
+    """One stage of a :class:`BatchSchedule`: its ``index``, its ``threshold`` on the axis, ``samples`` per update and
+    ``tokens`` per update (with ``batch_unit="tokens"``, else ``None``).
     """
 
     index: int
@@ -112,14 +102,12 @@ class BatchSchedule:
 
     Args:
         stages: ``{threshold: batch}`` (the first threshold 0, thresholds increasing), or Megatron's string form
-            ``"0:768 250B:1536 500B:3072"`` (K, M, B, T suffixes), which fits a LightningCLI config.
-        axis: What the thresholds count, summed over every replica: ``"tokens"``, ``"samples"`` or ``"updates"``
-            (applied).
-        batch_unit: What each stage's batch counts: ``"samples"`` per update, or ``"tokens"`` per update for rows of
-            ``sequence_length`` tokens.
+            ``"0:768 250B:1536 500B:3072"``.
+        axis: What the thresholds count over every replica: ``"tokens"``, ``"samples"`` or ``"updates"`` (applied).
+        batch_unit: ``"samples"`` per update, or ``"tokens"`` per update for rows of ``sequence_length`` tokens.
         sequence_length: The tokens of one row, with ``batch_unit="tokens"``.
-        lr_scaling: ``"sqrt"``, ``"linear"`` or ``None``: the factor on the learning rate of stage ``i``,
-            ``(B_i / B_0) ** 0.5`` or ``B_i / B_0``.
+        lr_scaling: ``"sqrt"``, ``"linear"`` or ``None``: the factor ``(B_i / B_0) ** 0.5`` or ``B_i / B_0`` on
+            stage ``i``'s learning rate.
 
     Raises:
         ValueError: The first threshold is not 0, thresholds do not increase, a batch is not positive, a tokens
@@ -127,8 +115,6 @@ class BatchSchedule:
 
     Example:
         >>> schedule = BatchSchedule({0: 64, 2_000_000: 128, 6_000_000: 256}, axis="tokens", lr_scaling="sqrt")
-        >>> [stage.samples for stage in schedule.stages]
-        [64, 128, 256]
         >>> schedule.stage_at(2_500_000).samples, schedule.lr_factor(2)
         (128, 2.0)
     """
@@ -155,9 +141,7 @@ class BatchSchedule:
     def ramp(
         cls, start: int, increment: int, over: int, final: int, axis: str = "tokens", **kwargs: Any
     ) -> BatchSchedule:
-        """Megatron's ramp (``--rampup-batch-size start increment over``): the batch grows from ``start`` by
-        ``increment`` to ``final``, evenly spaced over the first ``over`` units of ``axis``; ``final`` from ``over``
-        on (stage ``i`` from ``ceil(i · over / n)``, ``n`` steps, as Megatron's). ``kwargs``: :class:`BatchSchedule`'s.
+        """Megatron's ramp (``--rampup-batch-size``): ``start`` grows by ``increment`` to ``final`` over ``over`` units.
 
         Example:
             >>> BatchSchedule.ramp(start=32, increment=32, over=300, final=128, axis="samples").table()
@@ -177,7 +161,6 @@ class BatchSchedule:
         return cls(stages, axis=axis, **kwargs)
 
     def _stages(self, table: dict[int, int]) -> list[Stage]:
-        """The checked stages of ``{threshold: batch}``."""
         thresholds = list(table)
         if not thresholds or thresholds[0] != 0:
             first = thresholds[0] if thresholds else None
@@ -219,7 +202,7 @@ class BatchSchedule:
         return f"BatchSchedule({self.table()}, axis={self.axis!r}{scaling})"
 
     def position(self, ledger: AccumulationLedger) -> int:
-        """The ledger's count on the schedule's axis (tokens, samples or applied updates, over every replica)."""
+        """The ledger's count on the schedule's axis."""
         return int(getattr(ledger, AXES[self.axis]))
 
     def stage_at(self, position: int | AccumulationLedger) -> Stage:
@@ -229,10 +212,7 @@ class BatchSchedule:
         return self.stages[bisect.bisect_right(self._thresholds, position) - 1]
 
     def check(self, microbatch_size: int, replicas: int) -> None:
-        """Every stage's batch checked against ``m · D``.
-
-        Raises:
-            ValueError: Naming the first stage whose batch is not a multiple of ``m · D`` and the nearest that are."""
+        """Raise ``ValueError`` naming the first stage whose batch is not a multiple of ``m · D``."""
         unit = microbatch_size * replicas
         for stage in self.stages:
             if stage.samples % unit:
@@ -246,8 +226,7 @@ class BatchSchedule:
                 )
 
     def microbatches(self, ledger: AccumulationLedger, microbatch_size: int, replicas: int) -> int:
-        """``A``: the micro-batches per replica of the group that starts at the ledger's position, for
-        ``microbatch_size`` samples per micro-batch on each of ``replicas`` replicas (checked with :meth:`check`)."""
+        """``A``: the micro-batches per replica of the group starting at the ledger's position (checked)."""
         self.check(microbatch_size, replicas)
         return self.stage_at(ledger).samples // (microbatch_size * replicas)
 
@@ -269,7 +248,7 @@ class BatchSchedule:
 
 
 def as_schedule(value: BatchSchedule | Mapping[int, int] | str | None) -> BatchSchedule | None:
-    """A strategy's ``batch_schedule=`` argument as a :class:`BatchSchedule` (a dict or string: on tokens)."""
+    """A strategy's ``batch_schedule=`` as a :class:`BatchSchedule` (a dict or string: on tokens)."""
     if value is None or isinstance(value, BatchSchedule):
         return value
     if isinstance(value, (str, Mapping)):

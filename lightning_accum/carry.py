@@ -1,6 +1,6 @@
-"""An accumulation group across a checkpoint: the sums its entry carries (:func:`carried_state`), and
-:class:`Carried`, what the resumed run's group brings in from it. The lifecycle holds a :class:`Carried`; the engine's
-close adds it (docs/reliability.md, "What a checkpoint written inside a group carries")."""
+"""An accumulation group across a checkpoint: the sums its entry carries and :class:`Carried`, what the resumed group
+brings in (docs/reliability.md, "What a checkpoint written inside a group carries").
+"""
 
 from __future__ import annotations
 
@@ -38,15 +38,9 @@ def carried_state(
 
 @dataclass(frozen=True)
 class Carried:
-    """What a checkpoint's group brings into the resumed run's group.
-
-    Attributes:
-        done: The group's places the resumed loop counts as done (its position), carried or lost.
-        microbatches: The carried micro-batches over all replicas of the run that wrote it.
-        samples: The carried samples over all replicas (where the group resumes under another ``m`` or ``D``).
-        sums: The carried sums by slot, on the one replica that adds them (empty on the others).
-        scale: The group's ``c`` (``None`` where no micro-batch before the checkpoint reported a loss).
-        gradients: The carried gradient by parameter name until it is installed, and the parameters it is added to.
+    """What a checkpoint's group brings into the resumed run's group: the places ``done`` (carried or lost), the carried
+    ``microbatches`` and ``samples`` over all replicas, the ``sums`` by slot (on the one replica adding them), its ``c``
+    (``scale``), and its ``gradients`` by name until installed into the ``targets``.
     """
 
     done: int = 0
@@ -59,8 +53,7 @@ class Carried:
 
     @classmethod
     def from_entry(cls, group: Mapping[str, Any], holds_sums: bool, position: int, total: int) -> Carried:
-        """What the entry's ``group`` carries, ``total`` micro-batches, into a group at ``position`` of the resumed
-        loop's; ``holds_sums``: this replica adds the sums (an entry written before documents were counted has none)."""
+        """What the entry's ``group`` carries into a group at ``position``; ``holds_sums``: this replica adds sums."""
         sums = group["sums"]
         carried = {slot: float(sums.get(slot.name.lower(), 0.0)) for slot in CARRIED} if holds_sums else {}
         if holds_sums:

@@ -1,10 +1,4 @@
-"""What to do with a closed group, decided from its reduced values alone, and what follows once it is decided.
-
-Every replica reads the same reduced vector, so every replica takes the same decision: no rank can leave the
-others waiting in a collective. The decision itself is pure functions (:func:`check_agreement`, :func:`classify`,
-the messages); :class:`GroupDecisions` applies them to each closed group of a run and books the result: the messages
-said once per run, the ledger, the streak of skipped updates and the listeners.
-"""
+"""What to do with a closed group, decided alike on every replica from its reduced values, and its booking."""
 
 from __future__ import annotations
 
@@ -29,6 +23,7 @@ __all__ = [
     "excess_message",
     "group_record",
     "negative_message",
+    "no_update_message",
     "nonfinite_message",
     "partial_message",
     "raised_reference",
@@ -45,19 +40,9 @@ Say = Callable[[str], None]
 
 @dataclass(slots=True)
 class GroupOutcome:
-    """What to do with a closed group.
-
-    Attributes:
-        action: ``"apply"`` (scale the gradients by ``factor``, unless :attr:`scaled`, and update), ``"skip"``
-            (an attempt that makes no update) or ``"drop"`` (a partial final group dropped by policy; not an
-            attempt).
-        factor: The multiplier ``c · D / W`` for the accumulated gradients (1.0 unless ``"apply"``).
-        record: The group's record, to be completed and added to the ledger by
-            :meth:`~lightning_accum.engine.AccumulationEngine.finish_group`.
-        scaled: Whether the engine already multiplied the gradients it was given by ``factor`` (then the caller
-            scales nothing; a group that is not applied holds no update, and the caller zeroes its gradients).
-        batch_samples: The group's micro-batch sizes in samples on this replica, where known on the host
-            (reported as ints or read from the batch's tensor shapes), in order; handed to the listeners.
+    """What to do with a closed group: its ``action`` (``"apply"``, ``"skip"`` or ``"drop"``), the ``factor``
+    ``c · D / W`` for its gradients (1.0 unless applied), its ``record``, whether the engine already ``scaled`` the
+    gradients, and this replica's ``batch_samples`` (micro-batch sizes known on the host) for the listeners.
     """
 
     action: Action
@@ -71,15 +56,7 @@ class GroupOutcome:
 
 
 def units_agree(codes: float, squares: float, count: int) -> bool:
-    """Whether ``count`` replicas, each adding its unit's :data:`~lightning_accum.group.UNIT_CODES` code, used one unit:
-    ``codes`` is the sum of their codes and ``squares`` the sum of the codes' squares, so they agree iff the codes'
-    variance is 0 (the sum alone lets tokens, samples and batches on three replicas pass). The one test of both the
-    training's groups and the evaluation's sets.
-
-    Example:
-        >>> units_agree(codes=2.0, squares=2.0, count=2), units_agree(codes=4.0, squares=10.0, count=2)
-        (True, False)
-    """
+    """Whether ``count`` replicas used one unit: codes summing to ``codes``, squares to ``squares`` (variance 0)."""
     return squares * count == codes * codes
 
 
@@ -89,8 +66,9 @@ def check_agreement(
     """Raise the same error on every replica when replicas closed the group differently.
 
     Raises:
-        RuntimeError: Some replicas' data ended with this group while others go on; replicas ran different
-            numbers of micro-batches; or they weight micro-batches by different units.
+        RuntimeError: Some replicas' data ended with this group while others go on, or replicas ran different
+            numbers of micro-batches or weighted by different units.
+        ValueError: A reported count was negative.
 
     Example:
         >>> from lightning_accum.group import Slot, VECTOR_SIZE
@@ -128,8 +106,7 @@ def check_agreement(
 
 
 def negative_message(negative: int, counts: str, where: str) -> str:
-    """The error for ``negative`` counts reported as tensors below zero (known only once reduced), in a group or in
-    an evaluation set: ``counts`` names what reported them, ``where`` where they were reported."""
+    """The error for ``negative`` counts below zero, reported by ``counts`` at ``where``."""
     return (
         f"A negative `num_tokens`, `num_samples` or `num_documents` was reported {where} ({negative} {counts} counts"
         " below zero over all replicas). Counts must be >= 0: return the number of supervised units, e.g."
@@ -167,19 +144,12 @@ def raised_reference(reference: float | None, reduced: ReducedGroup) -> float | 
 
 
 def classify(reduced: ReducedGroup, partial: bool, partial_group: str, nonfinite: bool) -> tuple[Action, str | None]:
-    """``(action, skip_reason)`` for a group, in the order the checks apply.
-
-    A partial final group under ``partial_group="drop"`` is dropped (not an attempt); a group without units is
-    skipped as ``"empty"``; a non-finite gradient (found by the engine's check) as ``"nonfinite"``. A GradScaler's
-    own skip (``"overflow"``) is only known after the optimizer ran.
+    """``(action, skip_reason)``: ``"drop"`` a partial group under ``"drop"``, else skip ``"empty"`` or ``"nonfinite"``.
 
     Example:
-        >>> from lightning_accum.group import Slot, VECTOR_SIZE
-        >>> empty = ReducedGroup.from_values([0.0] * VECTOR_SIZE)
-        >>> classify(empty, partial=False, partial_group="rescale", nonfinite=False)
+        >>> from lightning_accum.group import VECTOR_SIZE
+        >>> classify(ReducedGroup.from_values([0.0] * VECTOR_SIZE), False, partial_group="drop", nonfinite=False)
         ('skip', 'empty')
-        >>> classify(empty, partial=True, partial_group="drop", nonfinite=False)
-        ('drop', None)
     """
     if partial and partial_group == "drop":
         return "drop", None
@@ -191,10 +161,7 @@ def classify(reduced: ReducedGroup, partial: bool, partial_group: str, nonfinite
 
 
 def schedule_due(record: GroupRecord, ledger: AccumulationLedger, schedule_on: str, frequency: int = 1) -> bool:
-    """Whether a step-interval schedule of ``frequency`` advances after ``record`` (already in ``ledger``).
-
-    Under ``schedule_on="applied"`` the schedule counts applied updates, under ``"attempted"`` attempts; it advances
-    on every ``frequency``-th of them. A dropped group is neither.
+    """Whether a schedule stepping every ``frequency`` applied (or attempted) updates advances after ``record``.
 
     Example:
         >>> skipped = GroupRecord(1.0, tokens=9, samples=1, microbatches=1, applied=False, skip_reason="overflow")
@@ -240,6 +207,28 @@ def empty_message(update: int, unit: str | None) -> str:
         " or `num_tokens` is computed on the wrong tensor (e.g. the input ids' padding instead of the labels). Such"
         " updates are counted in `ledger.updates_skipped['empty']`; this is said once."
     )
+
+
+def no_update_message(ledger: AccumulationLedger) -> str | None:
+    """The error for a run that attempted updates and applied none (``None`` otherwise)."""
+    attempted, skipped, unit = ledger.updates_attempted, ledger.updates_skipped, ledger.normalization or "units"
+    if attempted == 0 or ledger.updates_applied > 0:
+        return None
+    if skipped.get("empty", 0) == attempted:  # "batches" weigh every micro-batch 1: never empty
+        why = (
+            f"every micro-batch reported zero {unit} on every replica, so no group had a weight. `training_step` should"
+            f" return `num_{unit}`, the {unit} its mean loss averages over (for tokens the labels that are not the"
+            " ignore index, e.g. `lightning_accum.supervised_tokens(labels, shift=...)`): are all labels ignored, or is"
+            " the count taken from the wrong tensor?"
+        )
+    else:
+        why = (
+            f"every update was skipped ({', '.join(f'{k} {v}' for k, v in skipped.items() if v)}): 'overflow' by the"
+            " GradScaler (inf/NaN gradients in every group), 'nonfinite' by the NaN/Inf guard (`on_nonfinite='skip'`),"
+            " 'empty' for groups without a unit. Find the NaN/Inf source (a lower learning rate, bf16 instead of"
+            " fp16), or report the units"
+        )
+    return f"The fit attempted {attempted} update(s) and applied none: {why}. The parameters are unchanged."
 
 
 def nonfinite_message(update: int, where: str, loss: float, on_nonfinite: str) -> str:
@@ -310,13 +299,8 @@ class GroupDecisions:
         say: tuple[Say, Say],
         carried: Carried | None = None,
     ) -> GroupOutcome:
-        """The record and action of the group whose local ``sums`` reduced to ``reduced`` (every close ends here);
-        messages go to ``say`` = ``(info, warn)``; ``carried``: what a checkpoint carried into the group.
-
-        Raises:
-            RuntimeError: The replicas closed the group differently (:func:`check_agreement`), or its gradient is
-                non-finite under ``on_nonfinite="raise"``.
-            ValueError: A reported count was negative.
+        """The outcome of the group whose local ``sums`` reduced to ``reduced``; ``RuntimeError`` / ``ValueError`` as
+        :func:`check_agreement`, or for a non-finite gradient under ``on_nonfinite="raise"``.
         """
         info, warn = say
         k, unit = sums.microbatches, self.ledger.normalization
@@ -363,12 +347,7 @@ class GroupDecisions:
             say(message)
 
     def finish(self, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None) -> GroupRecord:
-        """Complete the outcome's record after the optimizer ran (or did not), add it to the ledger, call the
-        listeners.
-
-        Raises:
-            RuntimeError: ``max_consecutive_skips`` updates in a row were skipped: the run makes no progress.
-        """
+        """Book the outcome after the optimizer ran; ``RuntimeError`` after ``max_consecutive_skips`` skips in a row."""
         record = outcome.record
         record.applied = applied
         if not applied and record.skip_reason is None and not record.dropped:
@@ -387,6 +366,11 @@ class GroupDecisions:
             )
         return record
 
+    def check_progress(self) -> None:
+        """Raise ``RuntimeError`` at a fit's end if the run attempted updates and applied none."""
+        if (message := no_update_message(self.ledger)) is not None:
+            raise RuntimeError(message)
+
     def warn_short_epoch(self, batches_per_epoch: float, accumulate: int, warn: Say) -> None:
         """Warn (or raise under ``"drop"``) when an epoch holds fewer batches than one group."""
         message = short_epoch_message(batches_per_epoch, accumulate, self.options.partial_group)
@@ -396,9 +380,7 @@ class GroupDecisions:
             warn(message)
 
     def add_listener(self, listener: GroupListener) -> None:
-        """Call ``listener(record, batch_samples)`` (:attr:`GroupOutcome.batch_samples`) after every group is added to
-        the ledger: updates, skipped attempts and dropped groups alike (``record.dropped``). How the callbacks act once
-        per group without a hook on every micro-batch; adding a listener twice has no effect."""
+        """Call ``listener(record, batch_samples)`` after every group is booked, dropped ones included (added once)."""
         if listener not in self.listeners:
             self.listeners.append(listener)
 

@@ -27,8 +27,8 @@ def _check_ids(name: str, ids: object, labels: Tensor) -> Tensor:
 
 
 def document_starts(labels: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
-    """A boolean tensor of the labels' shape, ``True`` where a document starts: every row start, where
-    ``position_ids`` is 0, or where ``document_ids`` changes.
+    """A boolean tensor of the labels' shape, ``True`` at every row start, where ``position_ids`` is 0, or where
+    ``document_ids`` changes.
 
     Example:
         >>> document_starts(torch.zeros(1, 5, dtype=torch.long), position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
@@ -59,7 +59,7 @@ def document_mean_loss(
     shift: bool = True,
     ignore_index: int = -100,
 ) -> dict[str, Tensor]:
-    """The training-step contract whose update is the mean over documents of each document's mean token loss.
+    """The training-step output whose update is the mean over documents of each document's mean token loss.
 
     Args:
         logits: ``(..., T, V)``.
@@ -70,23 +70,18 @@ def document_mean_loss(
         ignore_index: The label value that is not supervised.
 
     Returns:
-        ``{"loss", "num_documents", "num_tokens"}``: the mean over the micro-batch's documents of each one's mean token
-        loss (0 without a supervised token), and the counts as 0-d int64 tensors on the labels' device.
+        ``{"loss", "num_documents", "num_tokens"}``, the counts as 0-d int64 tensors on the labels' device.
 
     Raises:
         TypeError: ``labels`` (or an id tensor) is not an integer tensor.
         ValueError: The shapes do not match, or both ``position_ids`` and ``document_ids`` are given.
 
     Example:
-        >>> import torch.nn.functional as F
         >>> logits = torch.randn(1, 6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         >>> labels = torch.tensor([[-100, 1, 2, -100, 3, 4]])
         >>> out = document_mean_loss(logits, labels, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
         >>> int(out["num_documents"]), int(out["num_tokens"])
         (2, 4)
-        >>> token = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="none")
-        >>> bool(torch.isclose(out["loss"], (token[0:2].mean() + token[3:5].mean()) / 2))
-        True
     """
     _check_logits(logits, labels)
     documents = labels.numel()  # at most one document per label position; each one's number, over all rows:
@@ -107,7 +102,6 @@ def document_mean_loss(
 def _mean_over_documents(
     token_loss: Tensor, supervised: Tensor, document: Tensor, documents: int
 ) -> tuple[Tensor, Tensor]:
-    """The mean over documents of each one's mean ``token_loss`` over its ``supervised`` positions, and their count."""
     per_document = torch.zeros(documents, dtype=torch.int64, device=document.device)
     per_document.index_add_(0, document, supervised.to(torch.int64))  # the supervised tokens of each document
     num_documents = (per_document > 0).sum()

@@ -29,8 +29,7 @@ __all__ = [
 
 
 class WeightedMean:
-    """``Σ w·value / Σ w`` over one rank's updates, on the device (``exp=True``: its ``exp``); a weight of 0 adds
-    nothing, even a NaN value; no units at all give NaN.
+    """``Σ w·value / Σ w`` over one rank's updates on the device (``exp=True``: its ``exp``); weight 0 adds nothing.
 
     Example:
         >>> mean = WeightedMean()
@@ -61,13 +60,11 @@ class WeightedMean:
         return mean.exp() if self.exp else mean
 
     def parts(self) -> Tensor:
-        """``(Σ w·value, Σ w, negative weights)`` as one float64 vector on the device, for a reduction."""
         return torch.stack((self.weighted, self.units.to(torch.float64), self.negative.to(torch.float64)))
 
 
 def evaluation_weight(engine: AccumulationEngine, unit: str | None, read: Microbatch) -> tuple[str, Count | None]:
-    """The unit an evaluation weights its batches by (``unit`` once fixed, else the run's, else ``read``'s choice)
-    and ``read``'s count of it (``None``: not reported); a finer unit than the fixed one is refused under ``"auto"``.
+    """The unit an evaluation weights its batches by (``unit`` once fixed) and ``read``'s count of it (``None``: none).
 
     Example:
         >>> engine = AccumulationEngine()
@@ -104,14 +101,14 @@ def repeats_message(loader: Any, subject: str, holder: str, replicas: int) -> st
 
 
 def perplexity_of(loss: float) -> float:
-    """``exp(loss)`` of a per-token cross-entropy: ``inf`` past float64's range (~709.78), NaN for a NaN loss."""
+    """``exp(loss)``: ``inf`` past float64's range, NaN for a NaN loss."""
     if math.isnan(loss):
         return math.nan
     return math.exp(loss) if loss < 709.0 else math.inf
 
 
 def no_unit_message(subject: str, holder: str, unit: str | None) -> str:
-    """Why ``subject`` is NaN: ``holder`` (e.g. "the validate set") holds no ``unit`` at all."""
+    """Why ``subject`` is NaN: ``holder`` holds no ``unit`` at all."""
     return (
         f"lightning_accum: {subject} is NaN: {holder} holds no {unit or 'unit'} at all (Σ num_{unit} = 0 over every"
         " batch and replica), so its weighted loss is 0/0. Likely causes: every label of the set is the ignore index,"
@@ -126,7 +123,7 @@ class EvaluationRecord:
     Attributes:
         loss: ``Σ w·loss / Σ w`` over every batch on every replica (float64); NaN for a set without any unit.
         unit: ``"tokens"``, ``"samples"``, ``"documents"``, ``"batches"``, or ``None`` when no batch was added.
-        units: ``Σ w`` over every replica (exact).
+        units: ``Σ w`` over every replica.
         batches: The batches added over every replica.
 
     Example:
@@ -142,7 +139,7 @@ class EvaluationRecord:
 
     @property
     def tokens(self) -> int | None:
-        """The set's supervised tokens where the unit is tokens, else ``None``."""
+        """The set's tokens where the unit is tokens, else ``None``."""
         return self.units if self.unit == "tokens" else None
 
     @property
@@ -152,7 +149,6 @@ class EvaluationRecord:
 
     @property
     def documents(self) -> int | None:
-        """The set's documents where the unit is documents, else ``None``."""
         return self.units if self.unit == "documents" else None
 
     @property
@@ -169,12 +165,10 @@ SLOTS = 7
 class EvaluationLoss:
     """The loss of one evaluation set over every replica, weighted by its units: ``fabric.strategy.evaluation()``.
 
-    Every rank adds its batches (any number, none included), then every rank calls :meth:`compute`.
-
     Args:
         engine: The strategy's engine (the run's unit, ``normalize=``, ``count_tokens=``, warnings).
         reduce_sum: Sums a tensor in place over the data-parallel replicas.
-        device: Gives the device the sums live on, read at the first :meth:`add` or :meth:`compute`.
+        device: Gives the device the sums live on.
 
     Example:
         >>> evaluation = EvaluationLoss(AccumulationEngine(), lambda t: t, lambda: torch.device("cpu"))
@@ -194,7 +188,7 @@ class EvaluationLoss:
         self.reset()
 
     def reset(self) -> None:
-        """Empty the sums and free the unit: the next :meth:`add` starts a new evaluation."""
+        """Empty the sums and free the unit for a new evaluation."""
         self._sums: WeightedMean | None = None
         self._unit: str | None = None
         self._batches = 0
@@ -207,13 +201,11 @@ class EvaluationLoss:
         batch: Any = None,
         num_documents: Count | None = None,
     ) -> None:
-        """Add one batch of this rank: ``loss``, its mean over its units, and their count (read as for
-        ``accumulate``; no host read).
+        """Add one batch of this rank: its mean ``loss`` and the count of its units (read as for ``accumulate``).
 
         Raises:
             TypeError: ``loss`` is not a tensor, or a count is not an integer.
-            ValueError: ``loss`` holds more than one value, an int count is negative, or the batch lacks the count of
-                the evaluation's unit.
+            ValueError: ``loss`` holds more than one value, an int count is negative, or the unit's count is missing.
         """
         if not isinstance(loss, Tensor):
             raise TypeError(
@@ -233,7 +225,6 @@ class EvaluationLoss:
         self.include(read.loss, weight, unit)  # type: ignore[arg-type]  # a tensor loss is read as one
 
     def include(self, loss: Tensor, weight: Count, unit: str) -> None:
-        """Add one batch already read and checked: ``loss`` weighted by ``weight``, its count of ``unit``."""
         self._unit = unit
         if self._sums is None:
             self._sums = WeightedMean(device=self._device())
@@ -241,7 +232,7 @@ class EvaluationLoss:
         self._batches += 1
 
     def local(self) -> Tensor:
-        """This rank's :data:`SLOTS` float64 values on the device for the reduction."""
+        """This rank's :data:`SLOTS` values for the reduction."""
         sums = self._sums
         device = sums.weighted.device if sums is not None else self._device()
         code = UNIT_CODES.get(self._unit or "", 0.0)
@@ -250,7 +241,7 @@ class EvaluationLoss:
         return torch.cat((host.to(device, non_blocking=True), parts))
 
     def record(self, reduced: Sequence[float], subject: str, where: str) -> EvaluationRecord:
-        """The set's record from :meth:`local` summed over the replicas, or :meth:`compute`'s errors."""
+        """The set's record from :meth:`local` summed over the replicas."""
         ranks, batches, codes, squares, weighted, units, negative = reduced
         if negative:  # an int below zero is refused where it is given
             raise ValueError(negative_message(round(negative), "batch", where))
@@ -268,8 +259,8 @@ class EvaluationLoss:
         """The set's loss over every replica (one all-reduce, one host read); call it on every rank.
 
         Raises:
-            ValueError: A count given as a tensor was negative (on every rank alike).
-            RuntimeError: Ranks weighted their batches by different units (on every rank alike).
+            ValueError: A count given as a tensor was negative.
+            RuntimeError: Ranks weighted their batches by different units.
         """
         reduced = self._reduce_sum(self.local()).tolist()  # the one host read
         record = self.record(reduced, "the set's loss", "to `evaluation.add` in this evaluation")
@@ -294,6 +285,6 @@ class EvaluationLoss:
         return (
             f"`evaluation.add`: this evaluation weights its batches by {unit} ({why}), but this batch reports no"
             f" `{name}`. Pass `{name}=` to every `add` of one evaluation (a set weighted partly by one count and partly"
-            " by another has no single meaning); for tokens e.g."
-            " `num_tokens=lightning_accum.supervised_tokens(labels)`, or `batch=` with the strategy's `count_tokens=`."
+            " by another has no single meaning); for tokens e.g. `num_tokens=lightning_accum.supervised_tokens(labels,"
+            " shift=True)`, or `batch=` with the strategy's `count_tokens=`."
         )

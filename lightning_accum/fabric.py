@@ -10,7 +10,7 @@ accumulation strategy it reports each micro-batch and closes each group, and eve
         last = (i + 1) % A == 0
         with fabric.no_backward_sync(model, enabled=not last):       # Fabric's own: DDP's no_sync on non-final ones
             loss = loss_fn(model(batch["input_ids"]), batch["labels"])  # the micro-batch's mean over its tokens
-            fabric.backward(fabric.strategy.accumulate(loss, num_tokens=supervised_tokens(batch["labels"])))
+            fabric.backward(fabric.strategy.accumulate(loss, num_tokens=supervised_tokens(batch["labels"], shift=True)))
         if last:
             record = fabric.strategy.close_group(optimizer)  # one all-reduce, the rescale by c · D / W, the decision
             optimizer.step()                                   # applied, or skipped (the GradScaler, a NaN, no token)
@@ -70,6 +70,7 @@ from lightning_accum.fabric_model_parallel import BackwardSyncNotes, shard_modul
 from lightning_accum.ledger import AXES, GroupRecord
 from lightning_accum.options import AccumulationOptions, validate_choice
 from lightning_accum.sampler import global_order_for
+from lightning_accum.token_batches import TokenBatches
 
 __all__ = [
     "FabricAccumulationStrategy",
@@ -91,11 +92,13 @@ class FabricExactAccumulation(Strategy, CoreSeam):
     adapter_type: ClassVar[type[EngineAdapter]] = EngineAdapter
 
     def _init_accumulation(self, keywords: dict[str, Any]) -> dict[str, Any]:
-        """Set up the core from the options among the constructor's ``keywords`` (before Fabric's ``__init__``); return
-        the others, for Fabric's strategy underneath (a keyword neither takes is a ``TypeError`` naming both)."""
+        """Set up the core from the options among the constructor's ``keywords`` (and ``token_batches``) before
+        Fabric's ``__init__``; return the others, Fabric's (a keyword none takes is a ``TypeError`` naming them)."""
         fabric_init = super().__init__  # the framework strategy's, next in the instance's order
-        options, others = AccumulationOptions.split(type(self).__name__, keywords, fabric_init)
+        options, others = AccumulationOptions.split(type(self).__name__, keywords, fabric_init, own=("token_batches",))
+        token_batches: TokenBatches | None = others.pop("token_batches", None)
         self._core = AccumulationCore(self, self.adapter_type, options)
+        self._tokens = token_batches  # a shuffled loader's micro-batches cut by tokens (`setup_dataloaders`)
         self._core.parameters = self._parameters
         self._sync: BackwardSyncNotes | None = None  # Fabric's no_backward_sync control, noted (DDP, FSDP2)
         self._modules: list[Module] = []  # what `fabric.setup` was given, unwrapped: the named parameters
@@ -179,12 +182,15 @@ class FabricExactAccumulation(Strategy, CoreSeam):
             if message is not None:
                 rank_zero_warn(message)
         dataloader = super().process_dataloader(dataloader)
-        if not self._core.engine.options.global_order:
+        if not self._core.engine.options.global_order and self._tokens is None:
             return dataloader
         # `global_order=True`: a shuffled loader (in a loop, the training one) reads a GlobalOrderSampler in place of
         # Fabric's distributed sampler or its own RandomSampler; in-order loaders keep theirs (`global_order_for`).
         layout = getattr(self, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
         seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        if self._tokens is not None:  # `token_batches=`: that loader batched by tokens, in that order
+            tokens = self._tokens.loader(dataloader, layout["num_replicas"], layout["rank"], seed, accumulate=None)
+            return dataloader if tokens is None else tokens
         sampler = global_order_for(dataloader, layout["num_replicas"], layout["rank"], seed, in_order=False)
         if sampler is None or sampler is dataloader.sampler:
             return dataloader
@@ -337,8 +343,11 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
     Args:
         device: The device; by default the one Fabric's accelerator selects.
         **kwargs: The options by name (``normalize="tokens"``; :class:`~lightning_accum.options.AccumulationOptions`;
-            ``partial_group`` and ``schedule_on`` the loop's to apply in Fabric), and ``SingleDeviceStrategy``'s
-            keywords; one that neither takes is a ``TypeError`` naming both.
+            ``partial_group`` and ``schedule_on`` the loop's to apply in Fabric); ``token_batches``, a shuffled
+            loader's micro-batches cut by tokens in ``fabric.setup_dataloaders`` (a
+            :class:`~lightning_accum.TokenBatches` with ``samples_per_update``; the loop's groups:
+            ``loader.batch_sampler.groups(loader)``); and ``SingleDeviceStrategy``'s keywords. One that none of them
+            takes is a ``TypeError`` naming them.
 
     Example:
         >>> import lightning as L
@@ -394,8 +403,8 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     reports the same number of micro-batches per group.
 
     Args:
-        **kwargs: The options of exact accumulation (see :class:`FabricAccumulationStrategy`) and the keywords of
-            Fabric's ``DDPStrategy`` (``start_method``, ``process_group_backend``, ``timeout``, ...).
+        **kwargs: The options (see :class:`FabricAccumulationStrategy`) and the keywords of Fabric's ``DDPStrategy``
+            (``start_method``, ``process_group_backend``, ``timeout``, ...).
 
     Example:
         >>> import lightning as L
@@ -441,9 +450,8 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         tensor_parallel_size: The devices sharing one model replica, or ``"auto"``. With both ``"auto"``, Fabric's
             sizes (``D`` = number of nodes); with one of them an int, the other is the world size divided by it
             (``"accum_fsdp"``: ``tensor_parallel_size=1``, FSDP2 over every device).
-        **kwargs: The options of exact accumulation (see :class:`FabricAccumulationStrategy`) and the keywords of
-            Fabric's ``ModelParallelStrategy`` (``save_distributed_checkpoint``, ``process_group_backend``,
-            ``timeout``).
+        **kwargs: The options (see :class:`FabricAccumulationStrategy`) and the keywords of Fabric's
+            ``ModelParallelStrategy`` (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
     Example:
         >>> import lightning as L

@@ -1,4 +1,4 @@
-"""Reading one micro-batch: what ``training_step`` returned, its unit counts, and the unit of the run."""
+"""Reading one micro-batch: what ``training_step`` returned, its unit counts, and the run's unit."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ _UNIT_REASONS = {
 
 
 def infer_num_samples(batch: Any) -> int | None:
-    """The leading dimension shared by every tensor of ``batch`` (shapes only), or ``None`` when ambiguous or absent.
+    """The leading dimension shared by every tensor of ``batch`` (shapes only), or ``None``.
 
     Example:
         >>> infer_num_samples({"input_ids": torch.zeros(4, 7), "labels": torch.zeros(4, 7)})
@@ -64,7 +64,6 @@ def infer_num_samples(batch: Any) -> int | None:
 
 
 def nested_tensors(batch: Any) -> Iterator[Tensor]:
-    """The tensors in ``batch`` and its nested dicts, lists and tuples, at any depth."""
     pending = [batch]
     while pending:
         obj = pending.pop()
@@ -103,7 +102,7 @@ def _as_count_slow(name: str, value: Tensor, device: torch.device) -> Tensor:
 
 
 def as_count(name: str, value: object, device: torch.device) -> Count:
-    """Validate a reported count without reading device memory; negatives in tensors are caught at the close.
+    """A reported count, checked without a device read (a negative tensor is caught at the close).
 
     Example:
         >>> as_count("num_tokens", 2.5, torch.device("cpu"))  # doctest: +ELLIPSIS
@@ -172,17 +171,9 @@ def parse_step_output(
 
 @dataclass(frozen=True, slots=True)
 class Microbatch:
-    """One micro-batch as read at the door (:func:`read_microbatch`), handed down unchanged.
-
-    Attributes:
-        loss: Its mean loss (0-d, graph attached), or ``None``.
-        tokens: Its supervised tokens, checked, or ``None``.
-        samples: Its samples (reported, given, or the leading dimension), or ``None``.
-        size: Its samples as a host int where known without a device read, or ``None``.
-        reports_samples: The step reported ``num_samples`` itself.
-        label_positions: ``labels.numel()`` of a batch with ``"labels"`` when tokens are reported, or ``None``.
-        batch: The batch itself (for the token-weighting hint).
-        documents: Its documents (``num_documents``, checked), or ``None``.
+    """One micro-batch as read at the door (:func:`read_microbatch`): its ``loss`` (or ``None``), its checked
+    ``tokens``, ``samples`` and ``documents`` counts (or ``None``), ``size`` (its samples as a host int where known),
+    ``reports_samples`` (the step reported them), ``label_positions`` (``labels.numel()``) and the ``batch``.
     """
 
     loss: Tensor | None
@@ -198,13 +189,11 @@ class Microbatch:
 def read_microbatch(
     output: Any, batch: Any, count_tokens: Callable[[Any], Any] | None = None, num_samples: int | None = None
 ) -> Microbatch:
-    """Read what a step returned for ``batch`` once: the loss, the counts checked, the size and label positions.
+    """Read a step's ``output`` for ``batch`` once: the loss, the counts checked, the size and label positions.
 
     Args:
-        output: What the step returned.
-        batch: The micro-batch.
         count_tokens: The strategy's ``count_tokens=`` (used when the step reports no ``num_tokens``).
-        num_samples: The micro-batch's samples when the caller knows them (a slice), instead of the shapes.
+        num_samples: The micro-batch's samples when the caller knows them (a slice).
 
     Example:
         >>> mb = read_microbatch({"loss": torch.tensor(2.0), "num_tokens": 5}, {"labels": torch.zeros(3, 4)})
@@ -232,7 +221,7 @@ def read_microbatch(
 
 
 def reported_documents(output: Any) -> object:
-    """What a step's ``output`` reports under ``"num_documents"`` (unchecked), or ``None``.
+    """A step's ``output["num_documents"]`` (unchecked), or ``None``.
 
     Example:
         >>> reported_documents({"loss": torch.tensor(1.0), "num_documents": 3}), reported_documents(torch.tensor(1.0))
@@ -244,7 +233,7 @@ def reported_documents(output: Any) -> object:
 def choose_unit(
     normalize: str, has_tokens: bool, has_samples: bool, has_documents: bool = False
 ) -> tuple[str, str | None]:
-    """The unit of the run (documents, else tokens, samples, batches under ``"auto"``) and why ``"auto"`` chose it.
+    """The run's unit (``"auto"``: documents, else tokens, samples, batches) and why ``"auto"`` chose it.
 
     Example:
         >>> choose_unit("auto", has_tokens=False, has_samples=True)
@@ -260,7 +249,7 @@ _UNITS = ("batches", "samples", "tokens", "documents")  # from the least to the 
 
 
 def refuse_a_finer_unit(fixed: str, normalize: str, reported: str, where: str) -> None:
-    """Under ``normalize="auto"``, refuse a batch whose counts choose a finer unit (``reported``) than ``fixed``."""
+    """Under ``normalize="auto"``, refuse a batch whose counts choose a finer unit than ``fixed``."""
     if normalize != "auto" or _UNITS.index(reported) <= _UNITS.index(fixed):
         return
     raise ValueError(
@@ -294,9 +283,9 @@ _MISSING_COUNT = {
     " counts the documents its loss averages over), or `{'loss': loss, 'num_documents': d}` with `loss` the mean over"
     " those `d` documents.",
     "tokens": "this micro-batch reports no token count. Return"
-    " `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels)}` from `training_step` (shift=False when"
-    " the labels are already aligned with the logits), or pass `count_tokens=` to the strategy (e.g."
-    " `lightning_accum.causal_lm_tokens`).",
+    " `{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(labels, shift=True)}` from `training_step`"
+    " (shift=False when the labels are already aligned with the logits), or pass `count_tokens=` to the strategy"
+    " (e.g. `lightning_accum.causal_lm_tokens`).",
     "samples": "the number of samples of this micro-batch cannot be inferred (no tensor, or tensors with different"
     " leading sizes). Return `{'loss': loss, 'num_samples': n}` from `training_step`.",
 }
@@ -305,7 +294,7 @@ _MISSING_COUNT = {
 def unit_weight(
     unit: str, normalize: str, tokens: Count | None, samples: Count | None, documents: Count | None = None
 ) -> Count:
-    """The weight of one micro-batch in ``unit``, or an error that says what to report.
+    """The weight of one micro-batch in ``unit``; ``ValueError`` naming what to report when its count is missing.
 
     Example:
         >>> unit_weight("batches", "batches", None, None)

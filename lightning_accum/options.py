@@ -1,15 +1,11 @@
-"""The options of exact accumulation: allowed values, validation, and one frozen record of them.
-
-Pure Python: no torch, no Lightning. The strategies take these as keyword arguments and hand them to the
-engine as one :class:`AccumulationOptions`.
-"""
+"""The options of exact accumulation: allowed values, validation, and one frozen record of them (pure Python)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
 __all__ = [
     "NORMALIZE_CHOICES",
@@ -17,13 +13,25 @@ __all__ = [
     "PARTIAL_GROUP_CHOICES",
     "SCHEDULE_ON_CHOICES",
     "AccumulationOptions",
+    "Normalize",
+    "OnNonfinite",
+    "PartialGroup",
+    "ScheduleOn",
+    "TokenCounter",
     "validate_choice",
 ]
 
-NORMALIZE_CHOICES: tuple[str, ...] = ("auto", "tokens", "samples", "batches", "documents")
-PARTIAL_GROUP_CHOICES: tuple[str, ...] = ("rescale", "drop")
-SCHEDULE_ON_CHOICES: tuple[str, ...] = ("applied", "attempted")
-ON_NONFINITE_CHOICES: tuple[str, ...] = ("skip", "raise", "ignore")
+# The string options as `Literal`s in the strategies' constructors: LightningCLI's `--help` lists their choices.
+Normalize = Literal["auto", "tokens", "samples", "batches", "documents"]
+PartialGroup = Literal["rescale", "drop"]
+ScheduleOn = Literal["applied", "attempted"]
+OnNonfinite = Literal["skip", "raise", "ignore"]
+#: ``count_tokens=``: ``batch -> int | Tensor`` (``Any``: a ``Tensor`` in it makes ``--help`` list its subclasses).
+TokenCounter = Callable[[Any], Any]
+NORMALIZE_CHOICES: tuple[str, ...] = get_args(Normalize)
+PARTIAL_GROUP_CHOICES: tuple[str, ...] = get_args(PartialGroup)
+SCHEDULE_ON_CHOICES: tuple[str, ...] = get_args(ScheduleOn)
+ON_NONFINITE_CHOICES: tuple[str, ...] = get_args(OnNonfinite)
 
 
 def validate_choice(argument: str, value: object, choices: Iterable[str]) -> str:
@@ -49,22 +57,18 @@ class AccumulationOptions:
     """What the user chose, validated once.
 
     Attributes:
-        normalize: The unit each micro-batch is weighted by: ``"tokens"``, ``"samples"``, ``"batches"``,
-            ``"documents"``, or ``"auto"`` (documents if the step reports them, else tokens, else samples, else
-            batches).
-        count_tokens: Optional ``batch -> int | Tensor`` used when the step does not return ``num_tokens``.
-        partial_group: ``"rescale"`` updates a partial final group with its real denominator; ``"drop"`` makes
-            no update for it and records what it held.
-        schedule_on: ``"applied"``: step-interval schedules advance once per applied update; ``"attempted"``:
-            once per attempt (skipped ones included), as Lightning does.
+        normalize: The unit each micro-batch is weighted by; ``"auto"``: documents if the step reports them, else
+            tokens, else samples, else batches.
+        count_tokens: ``batch -> int | Tensor``, used when the step does not return ``num_tokens``.
+        partial_group: A partial final group is updated with its real denominator (``"rescale"``) or dropped and
+            recorded (``"drop"``).
+        schedule_on: Step-interval schedules advance once per ``"applied"`` update, or per ``"attempted"`` one.
         on_nonfinite: Without a GradScaler, what a non-finite group gradient does: ``"skip"`` the update,
             ``"raise"`` an error, or ``"ignore"`` it (update anyway).
-        max_consecutive_skips: Stop with an error after this many consecutive skipped updates; ``None`` never
-            stops.
-        global_order: ``True``: the training data is read in one seeded order dealt to the replicas
-            (:class:`~lightning_accum.sampler.GlobalOrderSampler`), so that group ``g`` holds the positions
-            ``[g·B, (g+1)·B)`` of that order at any ``m``, ``A``, ``D``; ``False`` (the default): the loaders'
-            samplers stay Lightning's (see ``docs/howto.md``).
+        max_consecutive_skips: Stop with an error after this many skipped updates in a row; ``None`` never stops.
+        global_order: Read the training data in one seeded order dealt to the replicas
+            (:class:`~lightning_accum.sampler.GlobalOrderSampler`): group ``g`` holds the same examples at any ``m``,
+            ``A``, ``D`` (docs/howto.md); ``False``: the loaders' samplers stay Lightning's.
 
     Example:
         >>> AccumulationOptions(partial_group="drop").partial_group
@@ -96,25 +100,30 @@ class AccumulationOptions:
 
     @classmethod
     def split(
-        cls, owner: str, keywords: Mapping[str, Any], passed_to: Callable[..., Any] | None = None
+        cls,
+        owner: str,
+        keywords: Mapping[str, Any],
+        passed_to: Callable[..., Any] | None = None,
+        own: tuple[str, ...] = (),
     ) -> tuple[AccumulationOptions, dict[str, Any]]:
-        """The options among ``keywords``, validated, and the others, for ``passed_to`` (the framework strategy's
-        ``__init__`` under ``owner``; ``None``: no others; one with ``**kwargs`` takes them all).
+        """The options among ``keywords``, validated, and the others: ``owner``'s ``own`` and those for ``passed_to``
+        (the framework strategy's ``__init__``; ``None``: none; one with ``**kwargs`` takes them all).
 
         Raises:
-            TypeError: A keyword neither takes, naming the options and ``passed_to``'s parameters.
+            TypeError: A keyword none of them takes, naming what each takes.
         """
         names = [field.name for field in fields(cls)]
         others = {key: value for key, value in keywords.items() if key not in names}
         parameters = inspect.signature(passed_to).parameters if passed_to is not None else {}
         if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
             accepted = [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-            for key in others.keys() - set(accepted):
+            for key in others.keys() - {*accepted, *own}:
                 framework = getattr(passed_to, "__qualname__", "").partition(".")[0]
                 besides = f"; and {', '.join(accepted)} ({framework}'s)" if accepted else ""
                 raise TypeError(
                     f"{owner}() got an unexpected keyword argument {key!r}. It takes the options of exact"
-                    f" accumulation: {', '.join(names)} (see `AccumulationOptions`){besides}. Pass one of those."
+                    f" accumulation: {', '.join(names)} (see `AccumulationOptions`){''.join(', ' + n for n in own)}"
+                    f"{besides}. Pass one of those."
                 )
         return cls.pick(keywords), others
 

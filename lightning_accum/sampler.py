@@ -41,15 +41,15 @@ def _check_state(state: object, keys: tuple[str, ...], writer: str) -> None:
 
 
 class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
-    """The positions of one seeded order of ``dataset`` (torch's ``DistributedSampler``'s, without the padding), dealt
-    element-wise to ``num_replicas`` replicas; resumable at a global position under any ``D``.
+    """One seeded order of ``dataset`` (``DistributedSampler``'s, without padding) dealt element-wise to the replicas;
+    resumable at a global position under any ``D``.
 
     Args:
         dataset: The data (anything with a ``len``).
         num_replicas: ``D``, the data-parallel replicas (an accumulation strategy with ``global_order=True`` sets it).
         rank: This replica's data-parallel rank, ``0 <= rank < num_replicas``.
         shuffle: Shuffle per epoch by ``seed + epoch``; ``False`` reads ``0 .. N-1`` in order.
-        seed: The seed of the order (``seed + epoch`` per epoch).
+        seed: The seed of the order.
 
     Example:
         >>> data = list(range(10))
@@ -164,10 +164,8 @@ def global_order_for(
     seed: int,
     in_order: bool = True,
 ) -> GlobalOrderSampler | None:
-    """The :class:`GlobalOrderSampler` to read ``loader``'s data with, or ``None`` where ``loader`` keeps its own.
-
-    Replaced: torch's ``DistributedSampler``, a ``RandomSampler`` without replacement or a ``SequentialSampler``
-    (``in_order=False`` keeps the unshuffled ones), and a ``GlobalOrderSampler`` (dealt to ``num_replicas``).
+    """The :class:`GlobalOrderSampler` replacing ``loader``'s ``DistributedSampler``, ``RandomSampler`` without
+    replacement, ``SequentialSampler`` (unless ``in_order=False``) or ``GlobalOrderSampler``; else ``None``.
     """
     sampler = getattr(loader, "sampler", None)
     dataset = getattr(loader, "dataset", None)

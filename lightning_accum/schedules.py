@@ -19,7 +19,7 @@ __all__ = ["UpdateSchedules", "bind_schedulers"]
 
 
 class UpdateSchedules:
-    """The step-interval schedulers of a fit, advanced when the strategy says an update makes them due.
+    """The step-interval schedulers of a fit, advanced when the strategy marks them due after an update.
 
     Args:
         module: The LightningModule whose ``lr_scheduler_step`` hook Lightning calls.

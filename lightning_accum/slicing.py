@@ -55,10 +55,10 @@ def validate_microbatch_size(value: object) -> MicrobatchSize:
 
 
 def count_samples(batch: Any, split_batch: SplitBatch | None = None) -> int:
-    """The number of samples of a loader batch: its tensors' shared leading dimension, or ``len(batch)``.
+    """The samples of a loader batch: its tensors' shared leading dimension, or ``len(batch)`` with ``split_batch``.
 
     Raises:
-        ValueError: The batch has no common leading dimension (and no ``split_batch`` with a sized batch).
+        ValueError: The batch has no common leading dimension.
 
     Example:
         >>> count_samples({"x": torch.zeros(8, 3), "y": torch.zeros(8)})
@@ -82,8 +82,7 @@ def count_samples(batch: Any, split_batch: SplitBatch | None = None) -> int:
 
 
 def slice_batch(batch: Any, start: int, stop: int, num_samples: int) -> Any:
-    """Samples ``start:stop`` of ``batch``: tensors and per-sample lists of length ``num_samples`` sliced (views),
-    containers rebuilt, everything else passed whole.
+    """Samples ``start:stop`` of ``batch``: tensors and per-sample lists sliced (views), containers rebuilt.
 
     Example:
         >>> part = slice_batch({"x": torch.arange(8).reshape(4, 2), "name": "b", "ids": [7, 8, 9, 10]}, 1, 3, 4)
@@ -119,7 +118,7 @@ def slice_batch(batch: Any, start: int, stop: int, num_samples: int) -> Any:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is ``torch.OutOfMemoryError`` or a ``RuntimeError`` saying an accelerator ran out of memory.
+    """Whether ``error`` is ``torch.OutOfMemoryError`` or a ``RuntimeError`` saying a device ran out of memory.
 
     Example:
         >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory")), is_out_of_memory(ValueError("x"))
@@ -131,7 +130,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def free_memory(device: torch.device) -> None:
-    """Free what a failed attempt held (its reference cycles; on CUDA, the allocator's cache)."""
+    """Free what a failed attempt held (reference cycles; CUDA's cache)."""
     gc.collect()
     if device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -139,17 +138,9 @@ def free_memory(device: torch.device) -> None:
 
 @dataclass
 class OutOfMemoryRetry:
-    """One out-of-memory error that was recovered by running a slice again, smaller.
-
-    Attributes:
-        update: The attempted update the group belongs to (1-based).
-        epoch: Lightning's epoch.
-        batch_idx: Lightning's ``batch_idx``.
-        rank: The global rank that ran out of memory.
-        phase: ``"forward"`` or ``"backward"``.
-        failed_size: Samples of the slice that ran out of memory.
-        new_size: The slice size used from then on.
-        time: Wall-clock time (``time.time()``).
+    """One out-of-memory error recovered by running a slice again, smaller: the attempted ``update`` (1-based),
+    Lightning's ``epoch`` and ``batch_idx``, the global ``rank``, the ``phase`` (``"forward"`` or ``"backward"``), the
+    ``failed_size`` and ``new_size`` in samples, and the wall-clock ``time``.
     """
 
     update: int
@@ -164,13 +155,8 @@ class OutOfMemoryRetry:
 
 @dataclass
 class SlicingLog:
-    """This rank's record of ``microbatch_size=``.
-
-    Attributes:
-        configured: The strategy's ``microbatch_size`` (``None``, an int or ``"auto"``).
-        size: The slice size in force (under ``"auto"``: ``None`` until an out-of-memory error set one).
-        slice_sizes: Slices run per size (samples -> count); an uncut batch is one slice.
-        retries: Every out-of-memory error recovered on this rank.
+    """This rank's record of ``microbatch_size=``: the ``configured`` value, the slice ``size`` in force (``None`` until
+    an out-of-memory error sets one under ``"auto"``), the ``slice_sizes`` run (samples -> count) and the ``retries``.
     """
 
     configured: MicrobatchSize = None
@@ -179,7 +165,6 @@ class SlicingLog:
     retries: list[OutOfMemoryRetry] = field(default_factory=list)
 
     def limit(self, num_samples: int) -> int:
-        """The slice size for a batch of ``num_samples`` samples."""
         return num_samples if self.size is None else min(self.size, num_samples)
 
     def note_slices(self, sizes: Sequence[int]) -> None:
@@ -187,7 +172,6 @@ class SlicingLog:
             self.slice_sizes[size] = self.slice_sizes.get(size, 0) + 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data (for checkpoints and the report)."""
         return {
             "configured": self.configured,
             "size": self.size,

@@ -6,18 +6,20 @@ the positions ``[g·B, (g+1)·B)`` of :class:`~lightning_accum.GlobalOrderSample
 from __future__ import annotations
 
 import heapq
+import itertools
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-from torch.utils.data import IterableDataset, Sampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from lightning_accum.options import validate_choice
-from lightning_accum.sampler import GlobalOrderSampler, _check_state, _positive_int
+from lightning_accum.sampler import GlobalOrderSampler, _check_state, _positive_int, global_order_for
 
-__all__ = ["COUNTS", "LONG_ROWS", "TokenBatchSampler", "plan_group"]
+__all__ = ["COUNTS", "LONG_ROWS", "TokenBatchSampler", "TokenBatches", "plan_group"]
 
 #: How a micro-batch's tokens are counted against ``max_tokens``: rows × its longest row, or the sum of lengths.
 COUNTS: tuple[str, ...] = ("padded", "sum")
@@ -93,16 +95,14 @@ def plan_group(
 
 
 def _read_lengths(dataset: Sized, lengths: Sequence[int] | str | Callable[[int], int]) -> Indices:
-    """One int per example, read once: a sequence, a ``datasets.Dataset`` column, or a function of the index."""
-    if isinstance(lengths, str):
-        if not hasattr(dataset, "with_format"):
-            raise TypeError(
-                f"`lengths={lengths!r}` names a column, which needs a Hugging Face `datasets.Dataset`; got"
-                f" {type(dataset).__name__}. Pass one int per example or a function of the index."
-            )
+    """One int per example, read once: a sequence, a column (a ``datasets.Dataset``'s as one Arrow column; else the
+    length of each example's entry), or a function of the index."""
+    if isinstance(lengths, str) and hasattr(dataset, "with_format"):
         import pyarrow.compute  # a dependency of `datasets`
 
         values: Any = pyarrow.compute.list_value_length(dataset.with_format("arrow")[lengths]).to_numpy()
+    elif isinstance(lengths, str):
+        values = [len(_entry(dataset, index, lengths)) for index in range(len(dataset))]
     elif callable(lengths):
         values = [lengths(index) for index in range(len(dataset))]
     else:
@@ -122,6 +122,17 @@ def _read_lengths(dataset: Sized, lengths: Sequence[int] | str | Callable[[int],
         index = int(np.argmax(array < 1))
         raise ValueError(f"`lengths` must be positive, got {int(array[index])} at index {index}. Drop empty rows.")
     return array.astype(np.int64)
+
+
+def _entry(dataset: Any, index: int, column: str) -> Any:
+    example = dataset[index]
+    if not isinstance(example, Mapping) or column not in example:
+        found = sorted(example) if isinstance(example, Mapping) else type(example).__name__
+        raise TypeError(
+            f"`lengths={column!r}` names a column, but example {index} of the dataset has none (it holds {found})."
+            " Name one of its entries, or pass one int per example or a function of the index."
+        )
+    return example[column]
 
 
 class _Origin(NamedTuple):
@@ -188,19 +199,9 @@ class TokenBatchSampler(Sampler[list[int]]):
         plan_ahead: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
-            raise TypeError(
-                f"`dataset` must be map-style (positions and a length), got {type(dataset).__name__}. Token batches"
-                " need each example's length by position: use a map-style dataset (e.g. a `datasets.Dataset`, not a"
-                " streamed one), or bucket a stream yourself."
-            )
-        _positive_int("max_tokens", max_tokens, 1)
-        if max_samples is not None:
-            _positive_int("max_samples", max_samples, 1)
-        if not callable(samples_per_update):
-            _positive_int("samples_per_update", samples_per_update, 1)
-        self.count = validate_choice("count", count, COUNTS)
-        self.long_rows = validate_choice("long_rows", long_rows, LONG_ROWS)
+        _map_style(dataset)
+        _check_options(max_tokens, samples_per_update, count, max_samples, long_rows)
+        self.count, self.long_rows = count, long_rows
         self.dataset, self.max_tokens, self.max_samples = dataset, max_tokens, max_samples
         self.samples_per_update, self.plan_ahead = samples_per_update, bool(plan_ahead)
         # The order (it checks both), where Lightning's loops look for a batch sampler's `set_epoch`.
@@ -249,6 +250,11 @@ class TokenBatchSampler(Sampler[list[int]]):
     def length(self) -> int:
         """``N``, the number of examples of the data."""
         return self.sampler.length
+
+    @property
+    def resumed_microbatches(self) -> int:
+        """The micro-batches per replica of this epoch run before its iteration (by the run a loaded state left)."""
+        return self._origin().offset
 
     def _origin(self) -> _Origin:
         """Where this epoch's iteration starts (a loaded state's place, or the epoch's start)."""
@@ -346,6 +352,16 @@ class TokenBatchSampler(Sampler[list[int]]):
         """Micro-batches per replica of each group of this epoch from the iteration's start (the open group whole)."""
         return [len(group.ranks[0]) for group in self._plan()]
 
+    def groups(self, loader: Iterable[Any]) -> Iterator[tuple[int, list[Any]]]:
+        """One epoch of ``loader`` (batched by this sampler) cut into its groups: each group's micro-batches per
+        replica, and the batches of it this replica runs (fewer in a group a loaded state continues)."""
+        batches = iter(loader)
+        first = next(batches, None)  # a Fabric loader sets the sampler's epoch as it starts
+        batches, skip = itertools.chain([first], batches), self._origin().skip
+        for size in self.group_sizes() if first is not None else []:
+            yield size, list(itertools.islice(batches, size - skip))
+            skip = 0
+
     def group_stats(self) -> list[dict[str, Any]]:
         """Per group planned (as :meth:`group_sizes`): ``position``, ``samples``, ``tokens``, ``padded_tokens``,
         ``microbatches`` per replica, ``replica_load`` (tokens as ``count`` counts them) and ``imbalance`` (max /
@@ -412,8 +428,91 @@ class TokenBatchSampler(Sampler[list[int]]):
                 " Pass a state written by `TokenBatchSampler.state_dict()` for this data."
             )
         fields = (state["position"], state["done"], state["microbatches"], state["samples"], state["replicas"])
-        self.sampler.set_epoch(state["epoch"])
         self._yielded, self._resume = 0, (state["epoch"], _Origin(*fields))
+        self.sampler.set_epoch(state["epoch"])
+
+
+@dataclass(frozen=True)
+class TokenBatches:
+    """``token_batches=`` of an accumulation strategy: the training loader's micro-batches cut by tokens
+    (docs/howto.md, "Micro-batches cut by tokens"). Fields as :class:`TokenBatchSampler`'s; ``samples_per_update``
+    (``B``): ``None`` in a Trainer is ``m·A·D`` (a value contradicting it is an error), a Fabric loop must pass it.
+
+    Example:
+        >>> TokenBatches(max_tokens=4096, lengths="input_ids").count
+        'padded'
+    """
+
+    max_tokens: int
+    lengths: str | Sequence[int] | Callable[[int], int]
+    count: str = "padded"
+    max_samples: int | None = None
+    long_rows: str = "error"
+    samples_per_update: int | Callable[[int, int], int] | None = None
+
+    def __post_init__(self) -> None:
+        samples = 1 if self.samples_per_update is None else self.samples_per_update
+        _check_options(self.max_tokens, samples, self.count, self.max_samples, self.long_rows)
+
+    def loader(self, loader: Any, replicas: int, rank: int, seed: int, accumulate: int | None) -> DataLoader | None:
+        """``loader`` re-created (its dataset, collation, workers) around a :class:`TokenBatchSampler` in
+        ``global_order=True``'s order; ``None`` for an unshuffled or iterable one in a Fabric loop (no ``accumulate``).
+
+        Raises:
+            TypeError, ValueError: An iterable dataset in a Trainer, an order it cannot read, ``B`` not ``m·A·D``."""
+        if accumulate is not None:
+            _map_style(getattr(loader, "dataset", None))
+        order, sampler = global_order_for(loader, replicas, rank, seed, accumulate is not None), loader.sampler
+        shuffled = isinstance(sampler, RandomSampler) or getattr(sampler, "shuffle", False) is True
+        if order is None and accumulate is None and not shuffled:
+            return None
+        if order is None:
+            raise ValueError(
+                f"`token_batches=` reads a training loader in one seeded order: torch's `BatchSampler` over a"
+                f" `DistributedSampler`, `RandomSampler` or `SequentialSampler`; got {type(sampler).__name__} and"
+                f" {type(loader.batch_sampler).__name__} on {replicas} replica(s). Pass `DataLoader(data, batch_size=m,"
+                " shuffle=True)` (under DDP with `use_distributed_sampler=True`), or a `TokenBatchSampler` yourself."
+            )
+        o, samples = order, self._samples(int(loader.batch_size), accumulate, order.num_replicas)
+        options = (self.count, self.max_samples, self.long_rows, o.num_replicas, o.rank, o.shuffle, o.seed)
+        tokens = TokenBatchSampler(loader.dataset, self.lengths, self.max_tokens, samples, *options)
+        keep = "num_workers collate_fn pin_memory timeout worker_init_fn multiprocessing_context generator"
+        kept = {name: getattr(loader, name) for name in (keep + " prefetch_factor persistent_workers").split()}
+        return DataLoader(loader.dataset, batch_sampler=tokens, pin_memory_device=loader.pin_memory_device, **kept)
+
+    def _samples(self, m: int, accumulate: int | None, replicas: int) -> int | Callable[[int, int], int]:
+        given, fixed = self.samples_per_update, m * (accumulate or 1) * replicas
+        if given is not None and (accumulate is None or given == fixed or (callable(given) and accumulate == 1)):
+            return given
+        if accumulate is not None and given is None:
+            return fixed
+        a, fix = f"accumulate_grad_batches {accumulate}", "Drop it, or change the loader's batch_size or A"
+        if accumulate is None:
+            a, fix = "the loop's A", "Pass it: the strategy cannot see a Fabric loop's A"
+        raise ValueError(
+            f"`TokenBatches(samples_per_update={given!r})`: B must be the fixed-`m` run's samples per update, the"
+            f" loader's batch_size {m} × {a} × {replicas} replica(s){f' = {fixed}' if accumulate else ''}. {fix} (a"
+            " function of the position needs accumulate_grad_batches=1)."
+        )
+
+
+def _map_style(dataset: object) -> None:
+    if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
+        raise TypeError(
+            f"`dataset` must be map-style (positions and a length), got {type(dataset).__name__}. Token batches"
+            " need each example's length by position: use a map-style dataset (e.g. a `datasets.Dataset`, not a"
+            " streamed one), or bucket a stream yourself."
+        )
+
+
+def _check_options(tokens: int, samples: object, count: str, max_samples: int | None, long_rows: str) -> None:
+    _positive_int("max_tokens", tokens, 1)
+    if max_samples is not None:
+        _positive_int("max_samples", max_samples, 1)
+    if not callable(samples):
+        _positive_int("samples_per_update", samples, 1)
+    validate_choice("count", count, COUNTS)
+    validate_choice("long_rows", long_rows, LONG_ROWS)
 
 
 def _not_a_multiple(samples: object, replicas: int, where: str = "") -> ValueError:

@@ -1,13 +1,4 @@
-"""Counting the tokens a loss really averages over, and noticing when nobody counts them.
-
-A causal language model's loss (Hugging Face's ``*ForCausalLM``) shifts the labels inside: it supervises
-``(labels[..., 1:] != ignore_index).sum()`` positions, one per sequence fewer than ``(labels != ignore_index).sum()``,
-which is the count of sequence-to-sequence models, token classifiers and labels shifted by the collator. Counting the
-extra token over-weights short sequences (docs/howto.md, "Hugging Face models", has the table per model family).
-:func:`supervised_tokens` counts either way on the device; :func:`causal_lm_tokens` and :func:`seq2seq_tokens` are
-ready-made ``count_tokens=`` functions; :func:`token_weighting_hint` finds, once per run, ignored label positions
-while ``normalize="auto"`` found no token count.
-"""
+"""Counting the tokens a loss averages over: ``count_tokens=`` functions and the hint given when nobody counts them."""
 
 from __future__ import annotations
 
@@ -37,28 +28,41 @@ class TokenWeightingWarning(UserWarning):
     """Micro-batches are weighted by samples or batches although their labels hold ignored positions."""
 
 
-def supervised_tokens(labels: Tensor, shift: bool = True, ignore_index: int = -100) -> Tensor:
-    """The number of label positions a token-level mean loss averages over, as a 0-d int64 tensor.
+class _Required:
+    def __repr__(self) -> str:
+        return "<required>"
 
-    With ``shift=True`` (causal language models, whose loss drops the first label of every sequence) it
-    is ``(labels[..., 1:] != ignore_index).sum()``; with ``shift=False`` (sequence-to-sequence models,
-    token classification, labels already shifted by the collator) ``(labels != ignore_index).sum()``.
-    The count stays on the labels' device: nothing is read on the host.
+
+_REQUIRED: Any = _Required()
+
+
+def supervised_tokens(labels: Tensor, *, shift: bool = _REQUIRED, ignore_index: int = -100) -> Tensor:
+    """The label positions a token-level mean loss averages over, as a 0-d int64 tensor on the labels' device.
 
     Args:
         labels: Integer labels, the sequence along the last dimension (e.g. ``(batch, T)``).
-        shift: Whether the loss compares ``logits[..., :-1]`` with ``labels[..., 1:]``.
-        ignore_index: The label value the loss ignores (padding, prompt tokens).
+        shift: Required. ``True`` when the loss compares ``logits[..., :-1]`` with ``labels[..., 1:]`` (Hugging Face
+            causal LMs); ``False`` when it compares every position (labels shifted by the collator, seq2seq).
+        ignore_index: The label value the loss ignores.
+
+    Raises:
+        TypeError: ``shift`` is missing or not a bool, or ``labels`` is not an integer tensor.
+        ValueError: ``shift=True`` on a 0-d tensor.
 
     Example:
-        Two sequences; the second is padded. A causal LM's loss supervises 2 + 1 positions, not 3 + 2:
-
         >>> labels = torch.tensor([[5, 6, 7], [8, 9, -100]])
-        >>> supervised_tokens(labels)
-        tensor(3)
-        >>> supervised_tokens(labels, shift=False)
-        tensor(5)
+        >>> supervised_tokens(labels, shift=True), supervised_tokens(labels, shift=False)
+        (tensor(3), tensor(5))
     """
+    if not isinstance(shift, bool):
+        got = "none" if shift is _REQUIRED else repr(shift)
+        raise TypeError(
+            f"`supervised_tokens` needs `shift=True` or `shift=False` (got {got}): `shift=True` if the loss compares"
+            " `logits[..., :-1]` with `labels[..., 1:]` (as Hugging Face causal LMs do inside their loss),"
+            " `shift=False` if the labels are already shifted by the collator or every position is compared (seq2seq,"
+            " token classification). A count that is not the loss's weights the updates wrongly without an error;"
+            " `count_tokens=lightning_accum.causal_lm_tokens` counts a causal LM's `batch['labels']`."
+        )
     check_labels(labels)
     if shift:
         if labels.ndim == 0:
@@ -71,7 +75,7 @@ def supervised_tokens(labels: Tensor, shift: bool = True, ignore_index: int = -1
 
 
 def check_labels(labels: object) -> None:
-    """Raise the error that says what to pass when ``labels`` is not a tensor of integer label ids."""
+    """Raise ``TypeError`` when ``labels`` is not a tensor of integer label ids."""
     if not isinstance(labels, Tensor):
         raise TypeError(
             f"`labels` must be a tensor of label ids, got {type(labels).__name__}. Pass e.g. `batch['labels']`."
@@ -84,14 +88,9 @@ def check_labels(labels: object) -> None:
 
 
 def causal_lm_tokens(batch: Mapping[str, Any]) -> Tensor:
-    """``count_tokens=`` for causal language models: the shifted count of ``batch["labels"]`` (ignore -100).
-
-    For Hugging Face ``*ForCausalLM`` models, whose ``out.loss`` averages over
-    ``(labels[..., 1:] != -100).sum()`` positions.
+    """``count_tokens=`` for causal LMs: ``batch["labels"]`` counted shifted.
 
     Example:
-        >>> from lightning_accum import AccumulationStrategy
-        >>> strategy = AccumulationStrategy(count_tokens=causal_lm_tokens)
         >>> causal_lm_tokens({"input_ids": torch.zeros(2, 3), "labels": torch.tensor([[5, 6, 7], [8, 9, -100]])})
         tensor(3)
     """
@@ -99,10 +98,7 @@ def causal_lm_tokens(batch: Mapping[str, Any]) -> Tensor:
 
 
 def seq2seq_tokens(batch: Mapping[str, Any]) -> Tensor:
-    """``count_tokens=`` for sequence-to-sequence models: the unshifted count of ``batch["labels"]`` (ignore -100).
-
-    For Hugging Face ``*ForConditionalGeneration`` models (T5, BART), whose decoder input is built from the
-    labels and whose ``out.loss`` averages over every label position that is not -100.
+    """``count_tokens=`` for seq2seq models (T5, BART): ``batch["labels"]``, unshifted.
 
     Example:
         >>> seq2seq_tokens({"labels": torch.tensor([[5, 6, 7], [8, 9, -100]])})
@@ -123,10 +119,7 @@ def _labels_of(batch: Any, name: str) -> Tensor:
 
 
 def find_labels(batch: Any) -> list[tuple[str, Tensor]]:
-    """The labels-like tensors of ``batch``: integer tensors whose key contains "label" or "target".
-
-    Reads only keys, shapes and dtypes (no device access). Nested mappings, lists and tuples are searched;
-    an item of a list or tuple inherits the key of its container.
+    """The integer tensors of ``batch`` (searched through mappings, lists, tuples) whose key says "label" or "target".
 
     Example:
         >>> batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "labels": torch.zeros(2, 3, dtype=torch.long)}
@@ -152,15 +145,11 @@ def find_labels(batch: Any) -> list[tuple[str, Tensor]]:
 
 
 def ignored_label_key(batch: Any, ignore_index: int = -100) -> str | None:
-    """The key of the first labels-like tensor of ``batch`` that holds ``ignore_index``, or ``None``.
-
-    Reads the device (one host read per labels-like tensor): call it once per run, not per micro-batch.
+    """The key of the first labels-like tensor holding ``ignore_index``, or ``None`` (one host read per tensor).
 
     Example:
-        >>> ignored_label_key({"labels": torch.tensor([[5, 6, -100]])})
-        'labels'
-        >>> ignored_label_key({"labels": torch.tensor([[5, 6, 7]])}) is None
-        True
+        >>> ignored_label_key({"labels": torch.tensor([[5, -100]])}), ignored_label_key({"labels": torch.tensor([[5]])})
+        ('labels', None)
     """
     for key, labels in find_labels(batch):
         if bool((labels == ignore_index).any()):
@@ -169,16 +158,10 @@ def ignored_label_key(batch: Any, ignore_index: int = -100) -> str | None:
 
 
 def token_weighting_hint(unit: str, batch: Any, ignore_index: int = -100) -> str | None:
-    """The warning to give when ``normalize="auto"`` chose ``unit`` but ``batch`` has ignored label positions.
-
-    ``None`` when the unit is tokens or documents (the step chose them), or when no labels-like tensor holds
-    ``ignore_index``. Reads the device once (see :func:`ignored_label_key`): meant for the first micro-batch of a run.
+    """The warning when ``normalize="auto"`` chose samples or batches but ``batch`` has ignored labels, else ``None``.
 
     Example:
-        >>> hint = token_weighting_hint("samples", {"labels": torch.tensor([[5, 6, -100]])})
-        >>> "token weighting is probably intended" in hint
-        True
-        >>> token_weighting_hint("tokens", {"labels": torch.tensor([[5, 6, -100]])}) is None
+        >>> "token weighting is probably intended" in token_weighting_hint("samples", {"label": torch.tensor([[-100]])})
         True
     """
     if unit in ("tokens", "documents"):  # documents: the step weighs by them on purpose (`document_mean_loss`)
@@ -193,7 +176,7 @@ def token_weighting_hint(unit: str, batch: Any, ignore_index: int = -100) -> str
         " causal LM (its loss shifts the labels) pass\n"
         "    count_tokens=lightning_accum.causal_lm_tokens\n"
         "to the strategy (`AccumulationStrategy(...)` or `DDPAccumulationStrategy(...)`), or return"
-        f" `{{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(batch[{key!r}])}}` from"
+        f" `{{'loss': loss, 'num_tokens': lightning_accum.supervised_tokens(batch[{key!r}], shift=True)}}` from"
         f" `training_step`; use `shift=False` (or `seq2seq_tokens`) when the loss does not shift the labels. Pass"
         f" `normalize='{unit}'` to keep the {unit} weighting and silence this warning."
     )

@@ -8,6 +8,6 @@ if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
   logdir="$(cd "$1" && pwd)"  # relative to where the command is typed
   shift
 fi
-bash "$root/scripts/setup.sh"
+VENV=.venv-demo EXTRAS=demo bash "$root/scripts/setup.sh"  # the demo's venv holds TensorBoard
 echo "tensorboard --logdir $logdir (stop it with Ctrl+C)"
-exec "$root/.venv/bin/tensorboard" --logdir "$logdir" "$@"
+exec "$root/.venv-demo/bin/tensorboard" --logdir "$logdir" "$@"

@@ -68,7 +68,7 @@ def pad_collate(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 class HFCausalLM(L.LightningModule):
     """``training_step`` returns what ``count`` says.
 
-    - ``"helper"``: ``{"loss": out.loss, "num_tokens": supervised_tokens(labels)}`` (the shifted count);
+    - ``"helper"``: ``{"loss": out.loss, "num_tokens": supervised_tokens(labels, shift=True)}`` (the shifted count);
     - ``"naive"``: ``{"loss": out.loss, "num_tokens": (labels != -100).sum()}`` (one token too many per sequence);
     - ``"loss"``: ``out.loss`` only;
     - ``"output"``: the ``ModelOutput`` itself;
@@ -84,7 +84,7 @@ class HFCausalLM(L.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
         if self.count == "helper":
-            return {"loss": out.loss, "num_tokens": supervised_tokens(batch["labels"])}
+            return {"loss": out.loss, "num_tokens": supervised_tokens(batch["labels"], shift=True)}
         if self.count == "naive":
             return {"loss": out.loss, "num_tokens": (batch["labels"] != IGNORE).sum()}
         if self.count == "loss":

@@ -276,7 +276,7 @@ class PackedLM(TinyLM):
         if self.objective == "documents":
             return document_mean_loss(logits, batch["labels"], position_ids=batch["position_ids"])
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE)
-        return {"loss": loss, "num_tokens": supervised_tokens(batch["labels"])}
+        return {"loss": loss, "num_tokens": supervised_tokens(batch["labels"], shift=True)}
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
         return self.step_output(batch)
@@ -356,7 +356,7 @@ def test_every_update_is_the_mean_over_the_groups_documents(tmp_path: Path, m: i
     assert ledger["normalization"] == "documents" and ledger["documents"] == documents_in(ROWS)
     # What Lightning sees of each step's output (a sliced batch's: the sum over its slices).
     assert run["reported"] == (0 if how == "manual" else documents_in(ROWS))
-    assert ledger["tokens"] == sum(int(supervised_tokens(row["labels"])) for row in ROWS)
+    assert ledger["tokens"] == sum(int(supervised_tokens(row["labels"], shift=True)) for row in ROWS)
     assert ledger["last_group"]["documents"] == documents_in(chunks(ROWS, m * accumulate)[-1])
 
 

@@ -17,7 +17,6 @@ from lightning_accum.carry import Carried
 from lightning_accum.engine import AccumulationEngine, Replicas
 from lightning_accum.gradients import scale_gradients
 from lightning_accum.microbatch import infer_num_samples
-from lightning_accum.options import validate_choice
 
 
 def test_seed_example_gives_token_weighted_loss_not_mean_of_means() -> None:
@@ -164,21 +163,6 @@ def test_zero_token_microbatch_contributes_nothing_and_no_nan() -> None:
     assert outcome.action == "apply" and outcome.record.loss == pytest.approx(3.0)
 
 
-def test_empty_groups_are_skipped_attempts_warned_once_and_counted() -> None:
-    engine = AccumulationEngine(normalize="tokens")
-    with pytest.warns(UserWarning, match=r"update 1 is skipped: its group holds no tokens at all") as caught:
-        for _ in range(3):
-            for _ in range(2):
-                engine.add_microbatch({"loss": torch.tensor(float("nan")), "num_tokens": 0}, None, accumulate=2)
-            outcome = engine.close_group(accumulate=2)
-            engine.finish_group(outcome, applied=False)
-            assert outcome.action == "skip" and outcome.record.skip_reason == "empty"
-            assert math.isnan(outcome.record.loss)
-    assert len([w for w in caught if "holds no tokens" in str(w.message)]) == 1  # said once, counted always
-    ledger = engine.ledger
-    assert (ledger.updates_attempted, ledger.updates_applied, ledger.updates_skipped["empty"]) == (3, 0, 3)
-
-
 def _closed_with_gradients(
     grads: list[torch.Tensor], check: bool, tokens: tuple[int, int] = (30, 10)
 ) -> tuple[AccumulationEngine, object]:
@@ -228,22 +212,6 @@ def test_close_finds_a_nonfinite_gradient_in_the_rescale_pass(dtype: torch.dtype
     # Unchecked (on_nonfinite="ignore", or a GradScaler checks): applied, as Lightning would.
     _, unchecked = _closed_with_gradients([torch.ones(4, dtype=dtype), grads[1].clone()], check=False)
     assert unchecked.action == "apply"
-
-
-def test_partial_group_policies() -> None:
-    for policy, action in [("rescale", "apply"), ("drop", "drop")]:
-        engine = AccumulationEngine(normalize="tokens", partial_group=policy)
-        engine.add_microbatch({"loss": torch.tensor(1.0), "num_tokens": 7}, {"x": torch.zeros(3)}, accumulate=3)
-        outcome = engine.close_group(accumulate=3)
-        engine.finish_group(outcome, applied=action == "apply")
-        assert outcome.action == action
-        ledger = engine.ledger
-        assert ledger.partial_groups == 1
-        if policy == "drop":
-            assert (ledger.updates_attempted, ledger.dropped_microbatches, ledger.dropped_samples) == (0, 1, 3)
-            assert (ledger.dropped_tokens, ledger.tokens, ledger.samples) == (7, 0, 0)
-        else:
-            assert (ledger.updates_attempted, ledger.tokens, ledger.samples, ledger.dropped_tokens) == (1, 7, 3, 0)
 
 
 def test_auto_unit_falls_back_to_samples_then_batches() -> None:
@@ -304,20 +272,6 @@ def test_samples_normalization_without_inferable_size() -> None:
     engine = AccumulationEngine(normalize="samples")
     with pytest.raises(ValueError, match=r"cannot be inferred .* Return `\{'loss': loss, 'num_samples': n\}`"):
         engine.add_microbatch(torch.tensor(1.0), {"a": torch.zeros(2), "b": torch.zeros(3)}, accumulate=1)
-
-
-def test_bad_choices_list_the_valid_ones() -> None:
-    with pytest.raises(
-        ValueError,
-        match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches',"
-        r" 'documents'; got 'x'",
-    ):
-        AccumulationEngine(normalize="x")
-    with pytest.raises(ValueError, match=r"`partial_group` must be one of 'rescale', 'drop'; got 'keep'"):
-        AccumulationEngine(partial_group="keep")
-    with pytest.raises(TypeError, match=r"`count_tokens` must be a callable"):
-        AccumulationEngine(count_tokens=3)  # type: ignore[arg-type]
-    assert validate_choice("normalize", "tokens", ["tokens"]) == "tokens"
 
 
 def test_infer_num_samples() -> None:

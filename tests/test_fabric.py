@@ -500,7 +500,7 @@ def test_the_one_device_strategies_take_the_device_first_as_lightnings_do() -> N
 def test_the_fabric_strategies_take_the_options_once_by_name_and_name_a_stray_keyword() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-    from lightning_accum import AccumulationOptions
+    from lightning_accum import AccumulationOptions, TokenBatches
     from lightning_accum.fabric import (
         FabricAccumulationStrategy,
         FabricDDPAccumulationStrategy,
@@ -519,8 +519,9 @@ def test_the_fabric_strategies_take_the_options_once_by_name_and_name_a_stray_ke
     )
     ddp = FabricDDPAccumulationStrategy(normalize="samples", find_unused_parameters=True, timeout=None)
     assert ddp.engine.options.normalize == "samples" and ddp._ddp_kwargs == {"find_unused_parameters": True}
-    sharded = FabricModelParallelAccumulationStrategy(shard_module_lists, on_nonfinite="raise", timeout=None)
-    assert sharded.engine.options.on_nonfinite == "raise" and sharded._timeout is None
+    tokens = TokenBatches(max_tokens=8, lengths="input_ids", samples_per_update=lambda epoch, position: 4)
+    sharded = FabricModelParallelAccumulationStrategy(shard_module_lists, token_batches=tokens, timeout=None)
+    assert sharded.engine.options.on_nonfinite == "skip" and sharded._timeout is None and sharded._tokens is tokens
     assert STRATEGY_REGISTRY["accum_fsdp"]["init_params"] == {
         "parallelize_fn": shard_module_lists,
         "tensor_parallel_size": 1,
@@ -528,8 +529,8 @@ def test_the_fabric_strategies_take_the_options_once_by_name_and_name_a_stray_ke
     with pytest.raises(
         TypeError,
         match=r"FabricAccumulationStrategy\(\) got an unexpected keyword argument 'normalise'\. It takes the options of"
-        r" exact accumulation: normalize, .*global_order \(see `AccumulationOptions`\); and device, accelerator,"
-        r" checkpoint_io, precision \(SingleDeviceStrategy's\)\. Pass one of those\.",
+        r" exact accumulation: normalize, .*global_order \(see `AccumulationOptions`\), token_batches; and device,"
+        r" accelerator, checkpoint_io, precision \(SingleDeviceStrategy's\)\. Pass one of those\.",
     ):
         FabricAccumulationStrategy(normalise="tokens")
     with pytest.raises(TypeError, match=r"argument 'save_checkpoints'.*save_distributed_checkpoint"):

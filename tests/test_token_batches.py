@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_accum import GlobalOrderSampler, TokenBatchSampler
+from lightning_accum import GlobalOrderSampler, TokenBatches, TokenBatchSampler
 from lightning_accum.token_batches import COUNTS, plan_group
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -281,6 +281,23 @@ def test_a_datasets_column_gives_the_lengths() -> None:
     assert sampler.lengths.tolist() == [9, 5, 1, 4, 1, 3]
 
 
+def test_a_column_of_examples_that_are_mappings_is_read_once_as_its_entries_lengths() -> None:
+    reads: list[int] = []
+
+    class Rows(list):  # type: ignore[type-arg]
+        def __getitem__(self, index):  # type: ignore[no-untyped-def]
+            reads.append(index)
+            return super().__getitem__(index)
+
+    data = Rows({"input_ids": [0] * n, "labels": [0] * n} for n in (3, 1, 4, 1, 5, 9))
+    sampler = TokenBatchSampler(data, "input_ids", max_tokens=9, samples_per_update=6)
+    assert sampler.lengths.tolist() == [3, 1, 4, 1, 5, 9] and reads == list(range(6))
+    for epoch in (0, 1):  # the epochs plan from the lengths read once
+        sampler.set_epoch(epoch)
+        assert sorted(i for batch in sampler for i in batch) == list(range(6))
+    assert reads == list(range(6))
+
+
 class _Stream(IterableDataset):  # type: ignore[type-arg]
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(range(3))
@@ -297,7 +314,11 @@ class _Stream(IterableDataset):  # type: ignore[type-arg]
         ({"lengths": [1, 2, 3]}, ValueError, r"`lengths` has 3 entries but the dataset has 4 examples"),
         ({"lengths": [1, 2, 0, 3]}, ValueError, r"`lengths` must be positive, got 0 at index 2\. Drop empty rows"),
         ({"lengths": [1.0, 2.0, 3.0, 4.0]}, TypeError, r"`lengths` must give one int per example, got list of dtype"),
-        ({"lengths": "input_ids"}, TypeError, r"`lengths='input_ids'` names a column, .* got range\. Pass one int"),
+        (
+            {"lengths": "input_ids"},
+            TypeError,
+            r"`lengths='input_ids'` names a column, but example 0 .* holds int\)\. Name",
+        ),
         ({"max_tokens": 0}, ValueError, r"`max_tokens` must be an int >= 1, got 0\. Pass e\.g\. `max_tokens=1`"),
         ({"max_samples": 0}, ValueError, r"`max_samples` must be an int >= 1, got 0\. Pass e\.g\. `max_samples=1`"),
         ({"samples_per_update": True}, ValueError, r"`samples_per_update` must be an int >= 1, got True"),
@@ -381,3 +402,41 @@ def test_lightnings_loop_sets_each_epochs_order_and_reads_every_micro_batch_of_i
         planned.set_epoch(epoch)
         assert seen[epoch] == list(planned)
     assert seen[0] != seen[1]
+
+
+def test_groups_cut_an_epoch_of_the_loader_where_the_plan_ends_each_group_a_resumed_one_short() -> None:
+    lengths = [1 + (7 * i) % 9 for i in range(30)]
+    sampler = TokenBatchSampler(range(30), lengths, max_tokens=12, samples_per_update=10, seed=4)
+    loader = DataLoader(range(30), batch_sampler=sampler, collate_fn=list)
+    sampler.set_epoch(1)
+    groups = list(sampler.groups(loader))
+    assert [size for size, _ in groups] == sampler.group_sizes() and [
+        len(b) for _, b in groups
+    ] == sampler.group_sizes()
+    order = GlobalOrderSampler(range(30), seed=4).order(1)
+    assert [sorted(x for batch in batches for x in batch) for _, batches in groups] == [
+        sorted(order[s : s + 10]) for s in (0, 10, 20)
+    ]
+    state = sampler.state_dict(groups[0][0] + 1)  # inside the second group, one micro-batch done
+    resumed = TokenBatchSampler(range(30), lengths, max_tokens=12, samples_per_update=10, seed=4)
+    resumed.load_state_dict(state)
+    assert resumed.resumed_microbatches == groups[0][0] + 1
+    again = list(resumed.groups(DataLoader(range(30), batch_sampler=resumed, collate_fn=list)))
+    assert [size for size, _ in again] == [g[0] for g in groups[1:]]
+    assert [b for _, b in again] == [groups[1][1][1:], groups[2][1]]
+    assert list(TokenBatchSampler(range(2), [1, 1], 4, 2).groups([])) == []  # an empty iteration: no group
+
+
+def test_token_batches_recreate_a_shuffled_loader_and_leave_an_unshuffled_or_iterable_one_in_a_fabric_loop() -> None:
+    options = TokenBatches(max_tokens=8, lengths=[1, 2, 3, 4, 5, 6, 7, 8], samples_per_update=4)
+    data = [torch.tensor(i) for i in range(8)]
+    shuffled = DataLoader(data, batch_size=2, shuffle=True, num_workers=0, collate_fn=torch.stack, pin_memory=False)
+    ours = options.loader(shuffled, replicas=1, rank=0, seed=3, accumulate=None)
+    assert ours is not None and isinstance(ours.batch_sampler, TokenBatchSampler)
+    assert ours.collate_fn is torch.stack and ours.batch_sampler.seed == 3 and ours.batch_sampler.shuffle
+    assert options.loader(DataLoader(data, batch_size=2), 1, 0, 3, accumulate=None) is None
+    assert options.loader(DataLoader(_Stream(), batch_size=2), 1, 0, 3, accumulate=None) is None
+    in_order = options.loader(DataLoader(data, batch_size=2), 1, 0, 3, accumulate=2)  # a Trainer's: B = 2 · 2 · 1
+    assert in_order is not None and not in_order.batch_sampler.shuffle and in_order.batch_sampler.group_sizes()
+    with pytest.raises(ValueError, match=r"`samples_per_update` must be an int >= 1, got 0"):
+        TokenBatches(max_tokens=8, lengths="input_ids", samples_per_update=0)

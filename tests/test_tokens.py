@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 import warnings
 from pathlib import Path
@@ -44,7 +45,7 @@ def test_helper_count_times_loss_is_the_summed_shifted_cross_entropy() -> None:
     summed = F.cross_entropy(
         logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum"
     )
-    count = supervised_tokens(batch["labels"])
+    count = supervised_tokens(batch["labels"], shift=True)
     assert count.dtype == torch.int64 and count.ndim == 0 and count.device == batch["labels"].device
     assert abs(float(out.loss.detach()) * int(count) - float(summed.detach())) <= 1e-6 * float(summed.detach())
     # The naive count has one token too many for every sequence whose first label is supervised (here 5 of 6).
@@ -72,14 +73,29 @@ def test_seq2seq_loss_averages_over_every_label_position() -> None:
 
 def test_count_errors_name_the_argument_and_the_fix() -> None:
     with pytest.raises(TypeError, match=r"`labels` must hold integer label ids, got dtype torch.float32"):
-        supervised_tokens(torch.zeros(2, 3))
+        supervised_tokens(torch.zeros(2, 3), shift=True)
     with pytest.raises(TypeError, match=r"`labels` must be a tensor of label ids, got list"):
-        supervised_tokens([1, 2])  # type: ignore[arg-type]
+        supervised_tokens([1, 2], shift=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"must have a sequence dimension to shift.*`shift=False`"):
-        supervised_tokens(torch.tensor(3))
+        supervised_tokens(torch.tensor(3), shift=True)
     assert int(supervised_tokens(torch.tensor(3), shift=False)) == 1
     with pytest.raises(KeyError, match=r"`causal_lm_tokens` reads `batch\['labels'\]`.*\['input_ids', 'target'\]"):
         causal_lm_tokens({"input_ids": torch.zeros(1, 2), "target": torch.zeros(1, 2, dtype=torch.long)})
+
+
+def test_the_shift_has_no_default_and_its_error_names_both_cases() -> None:
+    # A default undercounted the README's already-shifted labels by 13 % without a word (issue #66): the caller says.
+    labels = torch.tensor([[5, 6, 7], [8, 9, -100]])
+    both = r"needs `shift=True` or `shift=False` \(got {}\): `shift=True` if the loss compares `logits\[\.\.\., :-1\]`"
+    both += r" with `labels\[\.\.\., 1:\]`.*`shift=False` if the labels are already shifted.*causal_lm_tokens"
+    with pytest.raises(TypeError, match=both.format("none")):
+        supervised_tokens(labels)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=both.format("1")):
+        supervised_tokens(labels, shift=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="positional"):
+        supervised_tokens(labels, True)  # type: ignore[misc]
+    assert str(inspect.signature(supervised_tokens).parameters["shift"].default) == "<required>"
+    assert (int(supervised_tokens(labels, shift=True)), int(supervised_tokens(labels, shift=False))) == (3, 5)
 
 
 def test_labels_are_found_by_key_and_dtype() -> None:

@@ -7,7 +7,7 @@ the splits' agreement printed beside plain LitGPT's. No download: it writes a tw
     python examples/litgpt/recipe.py --out runs/       # keep the runs (checkpoints, logs) there
     python examples/litgpt/recipe.py --prepare DIR     # only write the checkpoint and data, print the litgpt lines
 
-It needs litgpt 0.5.13 (``pip install "lightning-accum[litgpt]"``) and ``git`` (to apply the patches). What it does:
+It needs litgpt 0.5.13 (``pip install ".[litgpt]"``) and ``git`` (to apply the patches). What it does:
 
 * :func:`patched_litgpt` copies the installed ``litgpt`` package into a folder and ``git apply``-s the patches there,
   as you patch a LitGPT checkout; that folder goes first on ``PYTHONPATH`` (``plain=True``: the same copy unpatched).

@@ -1,4 +1,4 @@
-"""What the callbacks share: finding the accumulation strategy (with one error for all), and counts to show."""
+"""What the callbacks share: finding the accumulation strategy, and counts to show."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ __all__ = ["accumulation_strategy", "format_count", "format_rate", "unsupported_
 
 
 def accumulation_strategy(trainer: Trainer, who: str) -> ExactAccumulation:
-    """``trainer.strategy`` when it is an accumulation strategy; otherwise an error that says which to use.
+    """``trainer.strategy`` when it is an accumulation strategy, else a ``RuntimeError`` saying which to use.
 
     Example:
         >>> import lightning as L
-        >>> trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        ...                     enable_model_summary=False)
-        >>> accumulation_strategy(trainer, "AxisLogger")  # doctest: +ELLIPSIS
+        >>> accumulation_strategy(L.Trainer(accelerator="cpu", logger=False), "AxisLogger")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         RuntimeError: AxisLogger needs an accumulation strategy, but the Trainer uses SingleDeviceStrategy. Set ...
@@ -33,7 +31,7 @@ def accumulation_strategy(trainer: Trainer, who: str) -> ExactAccumulation:
 
 
 def format_count(value: int, unit: str = "") -> str:
-    """A short, readable count for the progress bar.
+    """A short count for the progress bar.
 
     Example:
         >>> format_count(1_234_567, "tok")
@@ -47,7 +45,7 @@ def format_count(value: int, unit: str = "") -> str:
 
 
 def format_rate(rate: float, unit: str) -> str:
-    """A rate per second for the progress bars: a short count from 1 per second up, two decimals below.
+    """A rate per second: a short count from 1 per second up, two decimals below.
 
     Example:
         >>> format_rate(12_345.6, "tok"), format_rate(0.25, "upd")
@@ -57,8 +55,7 @@ def format_rate(rate: float, unit: str) -> str:
 
 
 def unsupported_strategy_hint(strategy: object) -> str:
-    """A sentence (with a leading space, or empty) for the callbacks' errors about a strategy the package does not
-    extend.
+    """A sentence (with a leading space, or empty) for errors about a strategy the package does not extend.
 
     Example:
         >>> unsupported_strategy_hint(object())

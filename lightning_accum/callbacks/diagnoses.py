@@ -52,7 +52,7 @@ def diagnose(
     matches = sorted((err, name) for name, err in (alternatives or {}).items() if name in TOKEN_COUNTS)
     best = matches[0][1] if matches and matches[0][0] <= tolerance else None
     index = "" if ignore == -100 else f", ignore_index={ignore}"
-    shifted = f"lightning_accum.supervised_tokens(labels{index})"
+    shifted = f"lightning_accum.supervised_tokens(labels, shift=True{index})"
     unshifted = f"lightning_accum.supervised_tokens(labels, shift=False{index})"
     if unit == "tokens" and best == "shifted tokens":
         return (

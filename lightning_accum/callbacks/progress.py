@@ -1,12 +1,4 @@
-"""Progress on the run's own axis: tokens (or samples, documents, applied updates) done out of the budget, the rate,
-the time left, applied and skipped updates.
-
-Lightning's bars count micro-batches of the epoch. :class:`AxisProgressBar` (on Lightning's ``TQDMProgressBar``) and
-:class:`AxisRichProgressBar` (on ``RichProgressBar``) draw one training bar over the whole fit that counts the
-ledger's exact count against the budget (:func:`run_budget`), or, when the output is not a terminal, print one plain
-line at a steady interval (:func:`progress_line`). Under ``batch_schedule=`` both show the running group's ``stage``
-and ``global_batch``. What the two share is :class:`_AxisBar`.
-"""
+"""Progress bars on the run's own axis (tokens, samples, documents or updates) out of its budget, and plain lines."""
 
 from __future__ import annotations
 
@@ -30,9 +22,7 @@ __all__ = ["AxisProgressBar", "AxisRichProgressBar", "progress_line", "run_budge
 
 
 def run_budget(trainer: Trainer, axis: str) -> int | None:
-    """The run's end on ``axis``: a :class:`~lightning_accum.Horizon`'s ``stop_at`` on that axis, else
-    ``max_steps`` for ``axis="updates"`` (Lightning's attempts: applied updates unless some are skipped), else
-    ``None``."""
+    """The run's end on ``axis``: a :class:`~lightning_accum.Horizon`'s ``stop_at``, else ``max_steps`` for updates."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, Horizon) and callback.axis == axis and callback.stop_at is not None:
             return int(callback.stop_at)
@@ -44,18 +34,12 @@ def run_budget(trainer: Trainer, axis: str) -> int | None:
 def progress_line(
     ledger: AccumulationLedger, axis: str, budget: int | None, start_count: int, elapsed: float, epoch: int
 ) -> str:
-    """One plain line of progress (what the bars print outside a terminal): exact counts.
+    """One plain line of progress, what the bars print outside a terminal.
 
     Example:
-        >>> ledger = AccumulationLedger()
-        >>> ledger.tokens, ledger.updates_attempted, ledger.updates_applied = 30_000, 12, 12
-        >>> print(progress_line(ledger, "tokens", 100_000, 0, 60.0, 0).replace(" | ", "\\n"))
-        epoch 0
-        tokens 30,000/100,000 (30.0%)
-        500 tok/s
-        elapsed 0:01:00
-        left 0:02:20
-        updates 12 applied, 0 skipped
+        >>> ledger = AccumulationLedger(tokens=300, updates_attempted=12, updates_applied=12)
+        >>> print(progress_line(ledger, "tokens", 1000, 0, 60.0, 0))
+        epoch 0 | tokens 300/1,000 (30.0%) | 5 tok/s | elapsed 0:01:00 | left 0:02:20 | updates 12 applied, 0 skipped
     """
     count = int(getattr(ledger, AXES[axis]))
     parts = [f"epoch {epoch}"]
@@ -76,8 +60,7 @@ def progress_line(
 
 
 def _batch_stage(trainer: Trainer) -> dict[str, int] | None:
-    """The record of the stage the running (or last) group is in, under a strategy's ``batch_schedule=``; ``None``
-    without a schedule or before the first group."""
+    """The running group's stage record under ``batch_schedule=``, else ``None``."""
     strategy = accumulation_strategy(trainer, "the progress bar")
     if strategy.batch_schedule is None:
         return None
@@ -86,13 +69,7 @@ def _batch_stage(trainer: Trainer) -> dict[str, int] | None:
 
 
 class _AxisBar(ProgressBar):
-    """What both bars share: the count on the axis, the budget, the plain lines, the counts in the metrics.
-
-    A mixin placed before Lightning's bar class (``class AxisProgressBar(_AxisBar, TQDMProgressBar)``): its
-    ``super()`` calls reach Lightning's hooks. A subclass adds ``_open(trainer)`` (the training bar at the fit's
-    start, counting from ``self._start[0]`` to ``self._budget``) and ``_draw(trainer, pl_module)`` (the bar at the
-    ledger's count).
-    """
+    """What both bars share; a subclass adds ``_open(trainer)`` and ``_draw(trainer, pl_module)``."""
 
     def _axis_options(self, axis: str, plain: bool | None, interval: float) -> None:
         self.axis = validate_choice("axis", axis, AXES)
@@ -203,23 +180,18 @@ class _AxisBar(ProgressBar):
 
 
 class AxisProgressBar(_AxisBar, TQDMProgressBar):
-    """Lightning's TQDM progress bar with the training bar on the run's axis, and a plain-line mode.
-
-    The training bar covers the whole fit: ``n`` is the ledger's exact count on ``axis``, its total the budget
-    (:func:`run_budget`; none without one); the postfix adds applied and skipped updates to Lightning's metrics. The
-    validation, test and sanity-check bars are Lightning's. Use it as Lightning's: ``callbacks=[AxisProgressBar()]``.
-
-    ``plain=True`` (the default when standard output is not a terminal): no bars; one :func:`progress_line` every
-    ``interval`` seconds of training, at the end of every validation and at the end of the fit, on global rank zero,
-    flushed at once (a log file shows where a run is while it runs).
+    """Lightning's TQDM progress bar with one training bar over the whole fit on the run's axis, and plain lines.
 
     Args:
         axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"``.
         refresh_rate: As in ``TQDMProgressBar``: redraw every ``refresh_rate`` micro-batches.
-        process_position: As in ``TQDMProgressBar``.
-        leave: As in ``TQDMProgressBar``.
-        plain: Plain lines instead of bars; ``None``: when standard output is not a terminal.
+        process_position, leave: As in ``TQDMProgressBar``.
+        plain: One :func:`progress_line` every ``interval`` seconds instead of bars; ``None``: when standard output
+            is not a terminal.
         interval: Seconds between plain lines.
+
+    Raises:
+        ValueError: ``axis`` is unknown or ``interval`` is not > 0.
 
     Example:
         >>> AxisProgressBar(axis="tokens", plain=True, interval=30.0).plain
@@ -262,17 +234,12 @@ class AxisProgressBar(_AxisBar, TQDMProgressBar):
 
 
 class AxisRichProgressBar(_AxisBar, RichProgressBar):
-    """Lightning's Rich progress bar with the training bar on the run's axis, and the same plain-line mode.
-
-    As :class:`AxisProgressBar`, drawn by Rich (``pip install rich``): the training task shows ``count/budget unit``
-    (``704/2.0k tok``) and the rate in units per second instead of Lightning's micro-batches and ``it/s``.
+    """:class:`AxisProgressBar` on Lightning's Rich progress bar (``pip install rich``).
 
     Args:
         axis: ``"tokens"``, ``"samples"``, ``"documents"`` or ``"updates"``.
         refresh_rate: As in ``RichProgressBar``: redraws per second (``0`` disables the bars, not the plain lines).
-        leave: As in ``RichProgressBar``.
-        theme: As in ``RichProgressBar``.
-        console_kwargs: As in ``RichProgressBar``.
+        leave, theme, console_kwargs: As in ``RichProgressBar``.
         plain: Plain lines instead of bars; ``None``: when standard output is not a terminal.
         interval: Seconds between plain lines.
     """

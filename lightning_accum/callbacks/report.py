@@ -29,9 +29,7 @@ REPORT_SCHEMA = "lightning_accum.report/1"
 
 
 def _reset_peak_memory(device: torch.device) -> bool:
-    """Start the process's peak counter again (``reset_peak_memory=True``): CUDA's allocator peak, or on Linux the
-    process's peak resident set (writing ``5`` to ``/proc/self/clear_refs`` resets it, Linux 4.0 and later).
-    ``False`` where the peak cannot be reset (macOS, a ``/proc`` that refuses the write)."""
+    """Reset CUDA's allocator peak or Linux's peak resident set; ``False`` where it cannot be reset."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return True
@@ -44,8 +42,7 @@ def _reset_peak_memory(device: torch.device) -> bool:
 
 
 def _peak_counter(device: torch.device) -> tuple[int, str]:
-    """The process's own peak counter in bytes, and its name: CUDA's allocator peak, the peak resident set ``VmHWM``
-    on Linux, the lifetime peak ``ru_maxrss`` elsewhere."""
+    """The process's peak memory in bytes and the counter's name (CUDA, ``VmHWM``, else ``ru_maxrss``)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated (CUDA allocator peak)"
     try:
@@ -65,7 +62,6 @@ _ANNOUNCED: list[bool] = []
 
 
 def _finite_or_none(value: Any) -> Any:
-    """JSON has no NaN: an empty group's NaN loss becomes null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
@@ -82,77 +78,17 @@ def _stats(values: list[int]) -> dict[str, float | int | None]:
 class AccumulationReport(Callback):
     """Write the final record of a run when ``fit`` ends, also when it ends by an exception.
 
-    The record goes to ``accumulation_report.json`` (in ``path``, else the Trainer's log directory),
-    to the console as a table, and to every ``TensorBoardLogger`` as text (tag ``accum/report``), on
-    global rank zero. Values that differ by rank (memory, realized micro-batch sizes) are gathered and
-    listed per rank when the run ends normally.
-
-    JSON keys (``schema`` = ``"lightning_accum.report/1"``; the keys below are stable):
-
-    ==================================== ===============================================================
-    key                                  meaning
-    ==================================== ===============================================================
-    ``status``                           ``"completed"``, ``"interrupted"`` (KeyboardInterrupt) or ``"failed"``
-    ``error``                            the exception's type and message, or ``None``
-    ``micro_batch_size``                 ``configured`` m (the loader's batch size), ``realized_min/max``
-                                         samples per micro-batch (over ranks; micro-batches of groups
-                                         that closed, dropped ones included), ``per_rank``
-    ``accumulate_grad_batches``          A; under a strategy's ``batch_schedule=`` a list: the A of each stage
-                                         reached, in the order of ``batch_schedule.stages`` (see below)
-    ``data_parallel_replicas``           D, the strategy's ``data_parallel_replicas`` (data replicas, not devices)
-    ``tensor_parallel_size``             devices sharing one replica (1 without tensor parallelism)
-    ``effective_batch``                  ``configured`` m·A·D, ``arithmetic`` ("2 × 8 × 2 = 32", with
-                                         "; tensor parallel 2 (devices sharing one replica)" when tp > 1),
-                                         ``realized_min/mean/max`` samples per attempted update; under a
-                                         schedule ``configured`` is a list (each stage's batch) and
-                                         ``arithmetic`` one product per stage ("stage 0: 2 × 2 × 1 = 4; stage 1:
-                                         2 × 4 × 1 = 8")
-    ``batch_schedule``                   under ``batch_schedule=`` (absent otherwise): ``schedule`` (its repr),
-                                         ``axis``, and ``stages``, the strategy's ``batch_stages``: per stage
-                                         reached its ``threshold``, ``samples_per_update``,
-                                         ``accumulate_grad_batches`` and the ``attempts``, ``updates``,
-                                         ``samples`` and ``tokens`` its groups consumed (a resumed fit's
-                                         include the run before the checkpoint)
-    ``tokens``                           ``total`` supervised tokens, ``per_update_min/mean/max``
-    ``samples``                          ``total``
-    ``precision``                        the Trainer's precision
-    ``normalization``                    the unit micro-batches were weighted by
-    ``partial_group``                    ``policy``, ``count``, ``dropped_microbatches/samples/tokens``
-    ``updates``                          ``attempted``, ``applied``, ``skipped`` (reason → count)
-    ``memory``                           ``source``, ``unit`` (bytes), and per rank ``first_group_peak``,
-                                         ``run_peak``, ``peak_before_fit`` (the process's peak counter at
-                                         the fit's start) and ``peak_predates_fit`` (``run_peak`` is then the
-                                         process's peak from before the fit; see below)
-    ``time``                             ``wall_seconds``, ``tokens_per_second``, ``samples_per_second``
-    ``documents``                        where the steps report documents (:func:`~lightning_accum.document_mean_loss`;
-                                         absent otherwise): ``total`` documents with a supervised token,
-                                         ``per_update_min/mean/max``, ``dropped`` (in dropped partial groups)
-    ``microbatch_slicing``               with ``microbatch_size=`` on the strategy (absent otherwise):
-                                         ``configured`` (an int or ``"auto"``) and ``per_rank``: the
-                                         ``size`` in force, ``slice_sizes`` (samples → slices run) and
-                                         ``retries`` (every recovered out-of-memory error: ``update``,
-                                         ``epoch``, ``batch_idx``, ``rank``, ``phase``, ``failed_size``,
-                                         ``new_size``, ``time``)
-    ``ledger``                           the ledger's state
-    ==================================== ===============================================================
-
-    Under a batch schedule ``accumulate_grad_batches`` and ``effective_batch.configured`` list the stages the fit
-    reached (no single ``A`` describes such a run). The memory peaks are the process's peak counter (CUDA's
-    allocator peak, on CPU ``VmHWM``), read at the start of training, after the first update and at the end, and not
-    reset unless ``reset_peak_memory=True``; ``peak_predates_fit`` says the counter did not rise during the fit. The
-    file's path is checked at ``setup``, before anything trains; a Trainer that stops before this callback's
-    ``setup`` writes nothing. More: docs/concepts.md, "The run record".
+    On global rank zero: ``accumulation_report.json`` (keys: docs/concepts.md, "The run record"), the same as a table in
+    ``accumulation_report.txt`` and as text ``accum/report`` in every ``TensorBoardLogger``, and a console summary.
 
     Args:
-        path: Folder for the JSON file (written as ``accumulation_report.json`` there), or a file name
-            ending in ``.json``; by default the first logger's log directory, or the Trainer's
-            ``default_root_dir`` without a logger.
-        reset_peak_memory: Reset the process's peak-memory counter at the start of training, so that the peaks are
-            this fit's also where the process's peak predates it (see above); other monitors of the process see the
-            reset too. ``False`` (the default) leaves the counter as it is.
-        table: Print the record as a table on the console (``True``), or as one line (status, updates, tokens, peak
-            memory, time, the file), e.g. for the later runs of a script that runs many; the file and TensorBoard get
-            the whole record either way.
+        path: Folder for ``accumulation_report.json`` and ``.txt``, or a ``.json`` file name; by default the first
+            logger's log directory, else the Trainer's ``default_root_dir``.
+        reset_peak_memory: Reset the process's peak-memory counter at the start of training.
+        verbose: Print the whole table on the console instead of the summary.
+
+    Raises:
+        ValueError: At setup, when the record's file cannot be written.
 
     Example:
         >>> from lightning_accum import AccumulationReport
@@ -161,11 +97,11 @@ class AccumulationReport(Callback):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str] | None = None, reset_peak_memory: bool = False, table: bool = True
+        self, path: str | os.PathLike[str] | None = None, reset_peak_memory: bool = False, verbose: bool = False
     ) -> None:
         self.path = os.fspath(path) if path is not None else None
         self.reset_peak_memory = bool(reset_peak_memory)
-        self.table = bool(table)
+        self.verbose = bool(verbose)
         self.record: dict[str, Any] | None = None
         #: Where the latest record went (``None`` before one is written, and on ranks other than zero).
         self.written_to: str | None = None
@@ -199,7 +135,6 @@ class AccumulationReport(Callback):
         self._strategy = strategy
 
     def _target(self, trainer: Trainer) -> str:
-        """Where the record is written (on rank zero)."""
         target = self.path or _log_dir(trainer)
         return target if target.endswith(".json") else os.path.join(target, REPORT_FILENAME)
 
@@ -278,7 +213,7 @@ class AccumulationReport(Callback):
         # D counts data-parallel replicas, not devices: the devices of one tensor-parallel group share one replica.
         d, tp = strategy.data_parallel_replicas, strategy.tensor_parallel_size
         tp_note = f"; tensor parallel {tp} (devices sharing one replica)" if tp > 1 else ""
-        configured: int | list[int] | None = m * a * d if m is not None else None
+        configured: int | list[int] | None = m * a * d if m is not None and isinstance(a, int) else None
         arithmetic = (f"{m} × {a} × {d} = {configured}" if m is not None else f"? × {a} × {d}") + tp_note
         if strategy.batch_schedule is not None:  # one A per stage reached (the Trainer's attribute: the last group's)
             stages = strategy.batch_stages
@@ -350,8 +285,6 @@ class AccumulationReport(Callback):
         }
 
     def _documents(self, ledger: AccumulationLedger) -> dict[str, Any]:
-        """The documents of a run whose steps report them (:func:`~lightning_accum.document_mean_loss`; absent
-        otherwise)."""
         if not (ledger.documents or ledger.dropped_documents or ledger.normalization == "documents"):
             return {}
         per_update = {f"per_update_{name}": value for name, value in _stats(self._documents_per_update).items()}
@@ -359,7 +292,6 @@ class AccumulationReport(Callback):
 
     @staticmethod
     def _slicing(trainer: Trainer, strategy: ExactAccumulation, gather: bool) -> dict[str, Any]:
-        """``microbatch_size=``'s record of every rank (a collective under DDP when ``gather``)."""
         log = strategy.slicing
         if log.configured is None:
             return {}
@@ -381,8 +313,11 @@ class AccumulationReport(Callback):
             json.dump(record, f, indent=2, allow_nan=False, default=str)
         self.written_to = target
         table = format_report(record)
-        where = os.path.abspath(target)
-        print(f"{table}\n(written to {where})" if self.table else f"{format_headline(record)} (written to {where})")
+        text = os.path.abspath(target[: -len(".json")] + ".txt")
+        with open(text, "w") as f:
+            f.write(table + "\n")
+        where = f"(written to {os.path.abspath(target)}; the table: {text})"
+        print(f"{table}\n{where}" if self.verbose else f"{format_summary(record)}\n  {where}")
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 markdown = "\n".join("    " + line for line in table.splitlines())  # preformatted in TensorBoard
@@ -391,8 +326,6 @@ class AccumulationReport(Callback):
 
 
 def _batch_stages(strategy: ExactAccumulation) -> dict[str, Any]:
-    """Under ``batch_schedule=``: the schedule and the stages the fit reached, each with what its groups consumed
-    (absent without a schedule)."""
     schedule = strategy.batch_schedule
     if schedule is None:
         return {}
@@ -417,7 +350,7 @@ def _unwritable(target: str) -> str | None:
 
 
 def _log_dir(trainer: Trainer) -> str:
-    """The first logger's directory, read without a collective (``trainer.log_dir`` broadcasts under DDP)."""
+    """The first logger's directory, read without a collective."""
     if trainer.loggers:
         logger = trainer.loggers[0]
         folder = getattr(logger, "log_dir", None) or logger.save_dir
@@ -427,7 +360,7 @@ def _log_dir(trainer: Trainer) -> str:
 
 
 def ledger_axis(record: dict[str, Any]) -> int:
-    """The x at which the report's text is written: the run's supervised tokens (samples without tokens)."""
+    """The step of the report's text: the run's tokens, else samples."""
     return int(record["tokens"]["total"] or record["samples"]["total"])
 
 
@@ -442,7 +375,6 @@ _UNITS: dict[str, str] = {
 
 
 def _fmt(value: Any, unit: str = "") -> str:
-    """One value for the console: thousands separated, rates and times without exponents, ``unit`` appended."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -465,14 +397,7 @@ def _mib(values: list[int | None]) -> str:
 
 
 def format_headline(record: dict[str, Any]) -> str:
-    """The record in one line, for a console that gets one per run.
-
-    Example:
-        >>> print(format_headline({"status": "completed", "updates": {"attempted": 40, "applied": 39,
-        ...     "skipped": {"overflow": 1}}, "tokens": {"total": 33789}, "memory": {"run_peak": [2**29]},
-        ...     "time": {"wall_seconds": 17.6}}))
-        run record: completed, 39/40 updates applied (overflow 1), 33,789 tokens, peak 512.0 MiB, 17.6 s
-    """
+    """The record in one line."""
     updates = record.get("updates", {})
     skipped = {k: v for k, v in updates.get("skipped", {}).items() if v}
     said = f" ({_fmt(skipped)})" if skipped else ""
@@ -485,15 +410,17 @@ def format_headline(record: dict[str, Any]) -> str:
     )
 
 
-def format_report(record: dict[str, Any]) -> str:
-    """The record as a two-column text table: memory in MiB, rates per second, lists per rank.
+def format_summary(record: dict[str, Any]) -> str:
+    """The console's summary: :func:`format_headline`, then the batch, the unit and partial groups."""
+    partial, batch = record.get("partial_group", {}), record.get("effective_batch", {}).get("arithmetic")
+    return (
+        f"{format_headline(record)}\n  samples per update (m × A × D): {batch};"
+        f" weighted by {record.get('normalization')}; partial groups: {partial.get('count')} ({partial.get('policy')})"
+    )
 
-    Example:
-        >>> print(format_report({"status": "completed", "time": {"tokens_per_second": 12270.4}}))
-        lightning_accum run record
-        status                  completed
-        time.tokens_per_second  12,270 tokens/s
-    """
+
+def format_report(record: dict[str, Any]) -> str:
+    """The record as a two-column text table."""
     rows: list[tuple[str, str]] = []
     for key, value in record.items():
         if key in ("schema", "ledger"):

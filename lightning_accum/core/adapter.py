@@ -1,14 +1,4 @@
-"""What differs between the engines an accumulation strategy runs on, for both doors: :class:`EngineAdapter`.
-
-Where one device (:class:`EngineAdapter`'s defaults), DDP (:class:`~lightning_accum.core.ddp.DDPAdapter`) and FSDP2 /
-tensor parallelism (:class:`~lightning_accum.core.mesh.MeshAdapter`) differ (the replicas a group is summed over,
-sharded gradients, clipping, what a checkpoint written inside a group carries and where), the core asks the adapter
-of the class its strategy names in ``adapter_type``. The adapter reads the strategy it serves (its public members and
-the few private ones ``docs/internals.md`` lists) and is handed everything else; the methods below are the whole
-interface. What only a Trainer asks, because Lightning runs the loop (Lightning's grouping, lost peers, data that ends
-on some replicas, the slice count, the checks at ``setup``), is the Trainer door's own part,
-:class:`~lightning_accum.strategies.trainer_side.TrainerSide`.
-"""
+"""What differs between the engines an accumulation strategy runs on, for both doors: :class:`EngineAdapter`."""
 
 from __future__ import annotations
 
@@ -45,9 +35,7 @@ Split = Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]]
 
 
 def optimized_parameters(modules: Sequence[Any], optimizers: Sequence[Any] | None) -> NamedParameters:
-    """The parameters ``optimizers`` optimize (``None``: every parameter), by name, in the modules' order (the same on
-    every replica); with several modules (Fabric's ``setup`` called more than once) a name is prefixed by its module's
-    place. The one way both doors name what a checkpoint's carried gradient belongs to."""
+    """The parameters ``optimizers`` optimize (``None``: all), by name in the modules' order (alike everywhere)."""
     optimized = None if optimizers is None else {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
     named: NamedParameters = []
     for index, module in enumerate(modules):
@@ -70,15 +58,7 @@ _BACKEND_NAMES = ("gloo", "nccl", "NCCL", "ProcessGroup", "c10d")
 
 
 def collective_failure(exception: BaseException | None, synchronising: bool = False) -> str | None:
-    """A short description when ``exception`` (or one it was raised from) is a failed collective, else ``None``.
-
-    Recognised by its type, a ``torch.distributed.DistError`` (backend, network and store errors), or, for the plain
-    ``RuntimeError`` gloo raises, by where it was raised: inside torch.distributed or DDP's wrapper, or inside the
-    autograd engine during a backward that synchronises gradients over the replicas (``synchronising``). Only in that
-    last place, where autograd raises the user's own graph errors too (an in-place modification), is its text read:
-    it must name a communication backend (:data:`_BACKEND_NAMES`). Elsewhere it is never read: an HTTP timeout or a
-    ``ValueError`` naming a backend raised by the user's code is not a lost peer.
-    """
+    """A short description when ``exception`` or its cause is a failed collective (docs/reliability.md), or ``None``."""
     seen = 0
     while exception is not None and seen < 8:
         if isinstance(exception, torch.distributed.DistError) or (
@@ -93,7 +73,6 @@ def collective_failure(exception: BaseException | None, synchronising: bool = Fa
 
 
 def _raised_in_collective(exception: BaseException, synchronising: bool) -> bool:
-    """Whether the innermost frame of ``exception``'s traceback (where it was raised) is a collective's."""
     frames = traceback.extract_tb(exception.__traceback__)
     if not frames:
         return False
@@ -113,7 +92,7 @@ class EngineAdapter:
 
     @property
     def rank(self) -> int:
-        """This process's global rank (from the cluster environment, also before ``setup``; 0 on one device)."""
+        """This process's global rank (also before ``setup``; 0 on one device)."""
         return int(self.strategy.global_rank)
 
     @property
@@ -139,17 +118,14 @@ class EngineAdapter:
         return gradient
 
     def shard_rank(self) -> int | None:
-        """This rank, named beside a non-finite gradient where each rank checks its own shard (``None``: every rank
-        checks the whole gradient)."""
+        """The rank named beside a non-finite gradient when each rank checks its own shard, else ``None``."""
         return None
 
     # ------------------------------------------------------------------ the micro-batch
 
     @property
     def sync_matters(self) -> bool:
-        """Whether a backward with gradient synchronisation blocked leaves its gradient uncombined over the replicas
-        (several data-parallel replicas; FSDP2 holds it unreduced on one replica too): a group's last backward must
-        then synchronise."""
+        """Whether a group's last backward must synchronise the gradients over the replicas."""
         return self.data_parallel_size > 1
 
     # ------------------------------------------------------------------ clipping, after the group's close
@@ -157,31 +133,26 @@ class EngineAdapter:
     def clip_norm(
         self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> Tensor:
-        """Scale the gradients of ``parameters`` to a total norm of at most ``max_norm``; return the norm before. Both
-        doors clip here (``self.clip_gradients``, ``gradient_clip_val=``, ``fabric.clip_gradients``): torch's."""
+        """Scale the gradients to a total norm of at most ``max_norm``; return the norm before."""
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
 
     def clip_value(self, parameters: Iterable[Tensor], clip_val: float) -> None:
-        """Clamp every gradient element of ``parameters`` to ``[-clip_val, clip_val]`` (both doors): torch's."""
+        """Clamp every gradient element to ``[-clip_val, clip_val]``."""
         torch.nn.utils.clip_grad_value_(parameters, clip_val)
 
     # ------------------------------------------------------------------ a checkpoint written inside a group
 
     def carry_gradients(self, parameters: NamedParameters, unsynced: bool) -> dict[str, Tensor] | None:
-        """The open group's gradient summed over replicas, by parameter name (a collective: every replica calls it);
-        ``None`` where this engine cannot carry it (it says why); ``unsynced``: a backward of it ran unsynchronised."""
+        """The open group's gradient summed over replicas, by name (a collective); ``None`` if it cannot be carried."""
         reduce = self.reduce_sum if self.data_parallel_size > 1 else None
         return summed_gradients(parameters, reduce)
 
     def holds_group_sums(self) -> bool:
-        """Whether this rank adds a carried group's counters (one rank per data-parallel group: the close's all-reduce
-        adds them to the others')."""
+        """Whether this rank adds a carried group's counters (one rank per data-parallel group)."""
         return bool(self.strategy.is_global_zero)
 
     def carried_part(self, parameter: Tensor, carried: Tensor) -> Tensor | None:
-        """What this rank adds to ``parameter``'s gradient of a carried group's gradient (the replicas' sum): all of it
-        on the rank holding the group's sums, nothing elsewhere; DDP's average at the group's last backward and the
-        close's ``c · D / W`` then treat it as any replica's part."""
+        """What this rank adds to ``parameter``'s gradient of a carried group's summed gradient (``None``: nothing)."""
         if not self.holds_group_sums():
             return None
         return carried.to(device=parameter.device, dtype=parameter.dtype, copy=True)
@@ -195,14 +166,13 @@ class EngineAdapter:
         split: Split,
         parameters: Callable[[], NamedParameters],
     ) -> None:
-        """Write ``checkpoint`` (with the package's entry) with ``write``, the framework's own ``save_checkpoint``."""
+        """Write ``checkpoint`` with ``write``, the framework's own ``save_checkpoint``."""
         write(checkpoint, filepath, storage_options)
 
     def distributed_reader(self, path: str | Path, parameters: Callable[[], NamedParameters]) -> GradientReader | None:
-        """Reads a carried gradient from a distributed checkpoint's shards at ``path`` (``None``: single files only)."""
+        """Reads a carried gradient from a distributed checkpoint's shards (``None``: single files only)."""
         return None
 
     def unpaired_collectives(self, error: BaseException) -> str | None:
-        """What a manual loop's close or backward (either door) raises from ``error`` when it is a failed collective
-        whose likely cause is the engine's to name (``None``: ``error`` reaches the loop as it is)."""
+        """The error a manual loop raises for a failed collective ``error`` (``None``: ``error`` as it is)."""
         return None

@@ -1,9 +1,4 @@
-"""The package's checkpoint entry written and read, and a group crossing a checkpoint: :class:`OpenGroupCheckpoint`.
-
-The entry's schema is :mod:`~lightning_accum.core.entry`'s, the file's read :mod:`~lightning_accum.core.reading`'s, the
-group's state the lifecycle's (load, reopen, install are its transitions); docs/reliability.md says what a checkpoint
-written inside a group carries and how each strategy puts it back.
-"""
+"""The package's checkpoint entry written and read, and a group crossing a checkpoint (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -48,14 +43,13 @@ class Writing:
 
 
 class OpenGroupCheckpoint:
-    """The entry of a run, and the group it carries from the writing run to the resumed one: the operations on the
-    lifecycle ``group``, whose state it changes through its transitions."""
+    """The entry of a run and the group it carries into the resumed one, changed through the lifecycle ``group``."""
 
     def __init__(self, group: GroupLifecycle) -> None:
         self.group = group
 
     def entry(self, engine: AccumulationEngine, writing: Writing) -> dict[str, Any]:
-        """The checkpoint's entry: ``engine``'s state, the configuration and, inside a group, the group."""
+        """The checkpoint's entry: ``engine``'s state, the configuration and the open group."""
         config = writing.config
         state = {**engine.state_dict(), "format": FORMAT, "config": config}
         held, written = engine.microbatches_in_group, self.group.written
@@ -85,9 +79,7 @@ class OpenGroupCheckpoint:
         path: str,
         read_distributed: Callable[[list[str]], dict[str, Tensor]] | None = None,
     ) -> dict[str, Any] | None:
-        """Restore ``engine`` from ``checkpoint``'s entry (read at ``path``), checked first; its group waits in the
-        lifecycle for :meth:`reopen`. ``read_distributed`` reads a group's gradient from a sharded folder's shards.
-        Returns the checked entry, or ``None`` when the checkpoint has none (announced)."""
+        """Restore ``engine`` from ``checkpoint``'s checked entry; returns it, or ``None`` without one (announced)."""
         if CHECKPOINT_KEY not in checkpoint:
             rank_zero_warn(
                 f"lightning_accum: the checkpoint {path!r} holds no {CHECKPOINT_KEY!r} entry (written by another"
@@ -113,10 +105,7 @@ class OpenGroupCheckpoint:
         return state
 
     def reopen(self, config: dict[str, Any], position: int, holds_sums: bool, parameters: NamedParameters) -> None:
-        """Finish, exactly, the group the checkpoint was written in (its gradient is added by :meth:`install`), or say
-        which micro-batches are lost; it leaves ``LOADED`` whatever this raises. ``position``: the group's places the
-        resumed loop does not run again; ``holds_sums``: this rank adds the group's counters (one replica does);
-        ``parameters``: the optimized ones by name, the carried gradient's."""
+        """Finish exactly the group the checkpoint was written in, or say which micro-batches are lost."""
         group = self.group.loaded
         if group is None:
             self.group.refuse("reopen")
@@ -127,10 +116,7 @@ class OpenGroupCheckpoint:
             self.group.reopen(carried)
 
     def install(self, part: Callable[[Tensor, Tensor], Tensor | None]) -> None:
-        """Add the carried gradient to the gradients of the parameters it was checked against (right before the first
-        backward after the reopen, or the close); ``part`` gives this rank's share of a parameter's carried gradient
-        (the replicas' sum), or ``None`` for nothing. Those are the optimized parameters themselves: FSDP2 registers
-        other, unsharded tensors on the module between a forward and its backward."""
+        """Add the carried gradient, ``part`` of it on this rank, to the parameters it was checked against."""
         gradients, parameters = self.group.install()
         for name, p in parameters:
             saved = gradients.get(name)
@@ -214,7 +200,7 @@ def _carried(
 
 
 def _announce_changes(written: Mapping[str, Any], now: Mapping[str, Any], position: int) -> None:
-    """Say which of the strategy, ``A``, ``D`` and ``partial_group`` differ from the run that wrote the checkpoint."""
+    """Say which of the strategy, ``A``, ``D`` and ``partial_group`` changed since the checkpoint."""
     labels = {"strategy": "strategy", "accumulate": "accumulate_grad_batches", "replicas": "data-parallel replicas"}
     changes = [
         f"{labels.get(key, key)} {written[key]!r} -> {now[key]!r}"
@@ -235,9 +221,7 @@ def _announce_changes(written: Mapping[str, Any], now: Mapping[str, Any], positi
 
 
 def _honour_normalize(engine: AccumulationEngine, written_unit: str | None, group: Mapping[str, Any]) -> None:
-    """An explicit ``normalize=`` that differs from the unit the checkpoint's run used wins at an update boundary
-    (announced; ``M`` is measured again in the new unit); inside a carried group it is an error, since that group's
-    gradient is already weighted by the other unit."""
+    """An explicit ``normalize=`` wins at an update boundary (announced) and is refused inside a carried group."""
     wanted = engine.options.normalize
     if wanted == "auto" or written_unit is None or wanted == written_unit:
         return

@@ -1,8 +1,5 @@
-"""Closing a group over an optimizer's gradients, and completing its record once the optimizer ran: one
-:class:`GroupClosing` per strategy, shared by automatic optimization (the strategy's closure, inside the optimizer's
-``step``) and the manual API (:mod:`~lightning_accum.core.manual`). Without a GradScaler the rescale also checks for
-NaN/Inf in the same pass; with one, the scaler's own check decides (skip reason ``"overflow"``), read from its scale
-before and after ``update()`` for every optimizer, fused ones included.
+"""Closing a group over an optimizer's gradients and completing its record once the optimizer ran, for automatic and
+manual optimization alike.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ __all__ = ["GroupClosing", "Schedules", "enabled_scaler"]
 
 
 class Schedules(Protocol):
-    """The step-interval schedules a Trainer's run hands the close (:class:`~lightning_accum.schedules.UpdateSchedules`;
-    a Fabric loop steps its own schedulers)."""
+    """The step-interval schedules a Trainer's run hands the close."""
 
     configs: list[Any]
 
@@ -49,8 +45,7 @@ class GroupClosing:
     """What closing a group needs per run: the optimizer's parameter layout and the schedules.
 
     Args:
-        local: The part of a gradient this rank rescales and checks (a DTensor's local shard, which shares its
-            storage; the gradient itself elsewhere).
+        local: The part of a gradient this rank rescales and checks (a DTensor's local shard).
     """
 
     def __init__(self, local: Callable[[Tensor], Tensor] = _as_is) -> None:
@@ -80,9 +75,7 @@ class GroupClosing:
         stale: Tensor | None = None,
         carried: Carried | None = None,
     ) -> GroupOutcome:
-        """Close the open group over ``optimizer``'s gradients: one all-reduce, the rescale, the decision (``stale``
-        and ``carried``: see :meth:`AccumulationEngine.close_group
-        <lightning_accum.engine.AccumulationEngine.close_group>`)."""
+        """Close the open group over ``optimizer``'s gradients: one all-reduce, the rescale, the decision."""
         return engine.close_group(
             accumulate=accumulate,
             ends_epoch=ends_epoch,
@@ -94,8 +87,7 @@ class GroupClosing:
         )
 
     def gradients_by_kind(self, optimizer: Optimizer) -> GradientsByKind:
-        """``optimizer``'s gradients (this rank's part) grouped by device and dtype, from a layout of its parameters
-        kept for the run (built again when its parameter groups change)."""
+        """``optimizer``'s gradients (this rank's part) by device and dtype, from a layout kept for the run."""
         groups = optimizer.param_groups
         signature = tuple((id(group["params"]), len(group["params"])) for group in groups)
         layout = self._layout
@@ -116,8 +108,7 @@ class GroupClosing:
         return by_kind
 
     def first_nonfinite(self, optimizer: Optimizer, module: Module | None) -> str:
-        """The first parameter of ``optimizer`` whose gradient (this rank's part) holds a NaN/Inf, for the error of
-        ``on_nonfinite="raise"`` (read only when the check found one)."""
+        """The first parameter whose gradient holds a NaN/Inf, for the error of ``on_nonfinite="raise"``."""
         names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -148,8 +139,7 @@ class GroupClosing:
     def finish(
         self, engine: AccumulationEngine, outcome: GroupOutcome, applied: bool, skip_reason: str | None = None
     ) -> GroupRecord:
-        """Add the group to the ledger (the listeners run) and make the step-interval schedules due where they
-        advance on it (Lightning calls the module's ``lr_scheduler_step`` right after this batch)."""
+        """Add the group to the ledger and make the step-interval schedules due where they advance on it."""
         record = engine.finish_group(outcome, applied=applied, skip_reason=skip_reason)
         schedules = self.schedules
         if schedules is not None and schedules.configs:

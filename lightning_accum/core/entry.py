@@ -1,8 +1,5 @@
-"""The package's checkpoint entry as it is read back: one schema, checked before anything is installed.
-
-:data:`FIELDS` is the schema (each field's path and :class:`Form`, written once), :data:`RULES` the relations between
-fields a table cannot say; :func:`malformed` is the one error of a damaged entry. docs/reliability.md describes the
-entry.
+"""The package's checkpoint entry as read back: one schema (:data:`FIELDS`, :data:`RULES`) and one error
+(:func:`malformed`); docs/reliability.md describes the entry.
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ DISTRIBUTED_KEY = "lightning_accum_open_group"
 
 
 def malformed(key: str, expected: str, found: Any) -> ValueError:
-    """The error for a damaged entry: ``key`` should be ``expected`` but is ``found``, and what to do."""
+    """The error for a damaged entry: ``key`` should be ``expected`` but is ``found``."""
     shown = repr(found)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     return ValueError(
@@ -56,15 +53,13 @@ def malformed(key: str, expected: str, found: Any) -> ValueError:
 
 @dataclass(frozen=True)
 class Form:
-    """The form a field's value must have: its test, that form in words (as the error says it), and what the error
-    shows of a value that fails it."""
+    """A field's form: ``words`` (as the error says it), its ``test``, and ``shown``, what the error shows of it."""
 
     words: str
     test: Callable[[Any], bool]
     shown: Callable[[Any], Any] = lambda value: value
 
     def said(self, words: str) -> Form:
-        """The same form in other words."""
         return dataclasses.replace(self, words=words)
 
 
@@ -120,8 +115,7 @@ _OF_TYPE = {"int": COUNT, "bool": FLAG, "float | None": _maybe(Form("a number", 
 
 
 def _typed(where: str, kind: type, optional: set[str], **forms: Form) -> dict[str, Form]:
-    """The rows of a dataclass's fields as its ``state_dict`` writes them under ``where``: each its type's form
-    (:data:`_OF_TYPE`) unless ``forms`` says another; those in ``optional`` may be absent."""
+    """The rows of a dataclass's fields under ``where``, each its type's form unless ``forms`` says another."""
     fields = dataclasses.fields(kind)
     return {f"{where}.{f.name}{'?' * (f.name in optional)}": forms.get(f.name) or _OF_TYPE[str(f.type)] for f in fields}
 
@@ -217,8 +211,7 @@ _MISSING = object()  # a key the dict that should hold it does not hold
 
 
 def _places(holder: Any, parts: list[str], named: str = "") -> Iterator[tuple[str, Any]]:
-    """Every place of the field ``parts`` under ``holder``: the key as the error names it, and the value there
-    (:data:`_MISSING` where its dict lacks it). Nothing inside a value that is not a dict."""
+    """Every place of the field ``parts`` under ``holder``: the key as the error names it, and the value there."""
     part, rest = parts[0], parts[1:]
     if part == "*":
         items = holder.items() if isinstance(holder, Mapping) else enumerate(holder) if isinstance(holder, list) else ()
@@ -235,7 +228,6 @@ def _places(holder: Any, parts: list[str], named: str = "") -> Iterator[tuple[st
 
 
 def _check_fields(state: Mapping[str, Any], fields: Mapping[str, Form | tuple[Form, ...]]) -> None:
-    """Every field present where it is written always, and of its form."""
     for path, forms in fields.items():
         for form in forms if isinstance(forms, tuple) else (forms,):
             for key, value in _places(state, path.rstrip("?").split(".")):
@@ -250,7 +242,6 @@ def _check_fields(state: Mapping[str, Any], fields: Mapping[str, Form | tuple[Fo
 
 
 def _group(state: Mapping[str, Any], carried: bool = False) -> Mapping[str, Any] | None:
-    """The open group (where it ``carried`` its gradient, its sums and ``c`` are there: a rule below says so)."""
     group = state.get("open_group")
     return group if isinstance(group, Mapping) and (group["carried"] or not carried) else None
 
@@ -265,7 +256,6 @@ def _updates_add_up(state: Mapping[str, Any]) -> Finding | None:
 
 
 def _open_group_agrees(state: Mapping[str, Any]) -> Finding | None:
-    """The entry's count of the open group's micro-batches and the group itself agree."""
     count, group = state["open_group_microbatches"], _group(state)
     if count and not state.get("open_group"):
         expected = f"the group open at the checkpoint (`open_group_microbatches` is {count})"
@@ -276,8 +266,6 @@ def _open_group_agrees(state: Mapping[str, Any]) -> Finding | None:
 
 
 def _total_adds_up(state: Mapping[str, Any]) -> Finding | None:
-    """The group's micro-batches over all replicas: this run's on each replica, plus those carried into the group from
-    an earlier checkpoint."""
     group = _group(state)
     if group is None:
         return None
@@ -299,8 +287,6 @@ def _total_adds_up(state: Mapping[str, Any]) -> Finding | None:
 
 
 def _gradient_where_carried(state: Mapping[str, Any]) -> Finding | None:
-    """A group that carries its gradient holds it (inline, or named for the distributed checkpoint) with its counters,
-    its ``c`` and the parameters without a gradient; one that does not says why."""
     group = _group(state)
     if group is None:
         return None
@@ -318,9 +304,6 @@ def _gradient_where_carried(state: Mapping[str, Any]) -> Finding | None:
 
 
 def _carried_sums_hold(state: Mapping[str, Any]) -> Finding | None:
-    """A carried group's sums: a weighted group on one replica has its ``c`` (without it the resumed run would form
-    another and mis-weigh the carried gradient), no count was negative, and under token (sample, document) weighting
-    its weight is its tokens (samples, documents)."""
     group, unit = _group(state, carried=True), state["ledger"]["normalization"]
     if group is None:
         return None
@@ -352,8 +335,7 @@ RULES: tuple[Callable[[Mapping[str, Any]], Finding | None], ...] = (
 
 
 def validated_state(state: Any) -> dict[str, Any]:
-    """The package's checkpoint entry after checking every field (:data:`FIELDS`) and every rule between fields
-    (:data:`RULES`).
+    """The package's checkpoint entry after checking every field (:data:`FIELDS`) and rule (:data:`RULES`).
 
     Raises:
         ValueError: :func:`malformed`'s, naming the first damaged key.
@@ -369,12 +351,11 @@ def validated_state(state: Any) -> dict[str, Any]:
 
 
 def checked_distributed_gradients(group: Mapping[str, Any]) -> None:
-    """The carried gradient read from a sharded folder's shards, checked by the schema's fields of the gradient."""
     _check_fields({"open_group": group}, {p: f for p, f in FIELDS.items() if p.startswith("open_group.gradients")})
 
 
 def check_gradient(name: str, shape: Sequence[int], dtype: torch.dtype, shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """One carried gradient (as stored: its ``shape`` and ``dtype``) against the parameters' ``shapes`` by name."""
+    """One carried gradient's name, ``shape`` and ``dtype`` against the parameters' ``shapes``."""
     key = f"open_group.gradients[{name!r}]"
     if name not in shapes:
         raise malformed(key, f"the gradient of one of the parameters {sorted(shapes)}", name)
@@ -385,8 +366,7 @@ def check_gradient(name: str, shape: Sequence[int], dtype: torch.dtype, shapes: 
 
 
 def checked_gradients(group: Mapping[str, Any], parameters: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
-    """The carried gradient, checked against the parameters it is added to (names, shapes, completeness; a group of
-    no weight carries no gradient)."""
+    """The carried gradient, checked against the parameters it is added to; raises :func:`malformed`'s."""
     gradients: dict[str, Tensor] = dict(group["gradients"])
     shapes = {name: tuple(p.shape) for name, p in parameters}
     known = set(gradients) | set(group.get("no_gradient", []))  # every parameter is carried or listed as unused
@@ -402,8 +382,7 @@ def checked_gradients(group: Mapping[str, Any], parameters: list[tuple[str, Tens
 
 
 def refuse_unknown_meaning(state: Mapping[str, Any], group: Mapping[str, Any], path: str) -> None:
-    """An entry written before format 2 inside a group of several replicas carries either their gradients' sum
-    (DDP) or their average (FSDP2), without saying which: refused, with what to do."""
+    """Refuse an entry before format 2 carrying a group of several replicas (a sum or an average, it does not say)."""
     carries = "gradients" in group or group.get("gradients_stored") == "distributed"
     replicas = int(group.get("replicas", 1))
     if "format" in state or not carries or replicas == 1:
@@ -419,8 +398,7 @@ def refuse_unknown_meaning(state: Mapping[str, Any], group: Mapping[str, Any], p
 
 
 def refuse_a_lost_group(written: Mapping[str, Any], now: Mapping[str, Any], position: int) -> None:
-    """The entry says no group was open, yet Lightning's loop state resumes inside one under the configuration the
-    checkpoint was written under: the group's first micro-batches would be silently missing from its update."""
+    """Refuse an entry without open group where Lightning's loop resumes inside one under the same configuration."""
     if any(key not in written or written[key] != now[key] for key in ("accumulate", "replicas")):
         return  # another A or D: the resumed run's first group is shorter (announced), nothing is lost
     raise malformed(

@@ -1,10 +1,5 @@
-"""The one owner of an accumulation group's state, at both doors: :class:`GroupLifecycle`.
-
-Its state is held in one field, :class:`GroupState`, changed only by its transitions (:data:`LEAVES`), each of which
-checks the state it leaves: a move a user's loop can cause is refused with the manual API's rule
-(:mod:`~lightning_accum.core.rules`), any other is an internal error. It ends in one place, :meth:`GroupLifecycle.end`,
-which both doors' teardowns call. No other module writes its fields (``tests/project/test_layout.py`` checks it).
-docs/internals.md ("The group's lifecycle") has the table of states and transitions.
+"""The one owner of an accumulation group's state, at both doors: :class:`GroupLifecycle` (docs/internals.md, "The
+group's lifecycle").
 """
 
 from __future__ import annotations
@@ -66,15 +61,18 @@ class Closed:
 
 
 def marks_of(parameters: NamedParameters) -> Marks:
-    """Each parameter's gradient as a host mark: its identity and version counter (``None`` without one)."""
     return [(id(g), g._version) if (g := p.grad) is not None else None for _, p in parameters]
 
 
 class GroupLifecycle:
-    """The state of the group one strategy runs, whatever door and engine; see the module.
+    """The state of the group one strategy runs, changed only by its transitions (:data:`LEAVES`).
 
     Args:
-        engine: The engine whose sums are the group's arithmetic (its open micro-batches are discarded at the end).
+        engine: The engine whose sums are the group's arithmetic.
+
+    Raises:
+        RuntimeError: A transition from a state it does not leave: the manual API's rule where a loop causes it, else
+            an internal error.
     """
 
     def __init__(self, engine: AccumulationEngine) -> None:
@@ -107,8 +105,7 @@ class GroupLifecycle:
 
     @property
     def loaded(self) -> dict[str, Any] | None:
-        """While ``LOADED``: the checkpoint's open group with its ``config`` (``{"microbatches": 0}`` if none,
-        ``"unknown"`` where the checkpoint had no entry)."""
+        """While ``LOADED``: the checkpoint's open group with its ``config``, else ``None``."""
         if self.state is not GroupState.LOADED:
             return None
         if self.written is None:
@@ -118,15 +115,13 @@ class GroupLifecycle:
 
     @property
     def group_open(self) -> bool:
-        """Whether a group is open: micro-batches reported since the last close, a carried group reopened, or a
-        checkpoint's group of at least one micro-batch waiting for the loop (one written between groups is not)."""
+        """Whether a group is open: open, reopened, or loaded with at least one micro-batch."""
         if self.state is GroupState.LOADED:
             return int((self.loaded or {}).get("microbatches", 0)) > 0
         return self.state in (GroupState.OPEN, GroupState.REOPENED)
 
     def refuse(self, transition: str, call: str = "", optimizer: str = "") -> NoReturn:
-        """Refuse ``transition`` from the current state: with the manual API's rule where a loop's ``call`` causes it
-        (``optimizer``: the class of the one stepped), else as an internal error naming the states."""
+        """Refuse ``transition``: with the manual API's rule where a loop's ``call`` causes it, else as a bug."""
         state, held = self.state, self.engine.microbatches_in_group
         if state is GroupState.CLOSED and call:
             refuse("step_pending", call=call, optimizer=type(self.closed.optimizer).__name__)  # type: ignore[union-attr]
@@ -153,8 +148,7 @@ class GroupLifecycle:
     def open(
         self, watched: NamedParameters | None = None, opened_on: list[str] | None = None, stale: Tensor | None = None
     ) -> None:
-        """A micro-batch opens a group (a manual one on the gradients of ``watched``; ``opened_on``, ``stale``: those
-        that held one, and how many are nonzero, counted on the device)."""
+        """A micro-batch opens a group (a manual one owns the gradients of ``watched``)."""
         if self.state is not GroupState.IDLE:
             self.refuse("open", "accumulate")
         self.state = GroupState.OPEN
@@ -168,23 +162,21 @@ class GroupLifecycle:
         self.handed_out = tensor
 
     def back_propagated(self, tensor: Tensor) -> bool:
-        """Whether ``tensor``, about to be back-propagated, is the one handed out last (then no longer outstanding)."""
+        """Whether ``tensor`` is the one handed out last (then no longer outstanding)."""
         if self.handed_out is None or tensor is not self.handed_out:
             return False
         self.handed_out = None
         return True
 
     def backward_ran(self, unsynced: bool, parameters: Callable[[], NamedParameters]) -> None:
-        """The handed-out tensor's backward ran, with gradient synchronisation blocked or not; the group's gradients
-        are marked as it left them (``parameters``: the group's, where no ``accumulate`` opened it)."""
+        """The handed-out tensor's backward ran (``unsynced``: synchronisation blocked); the gradients are marked."""
         self.last_unsynced = unsynced
         self.unsynced = self.unsynced or unsynced
         watched = self.watched or parameters()
         self.watched, self.held, self.marks = watched, [p.grad for _, p in watched], marks_of(watched)
 
     def close(self) -> Carried | None:
-        """The group's micro-batches go to the close (the next micro-batch opens a new group, whatever the close
-        raises); returns what a checkpoint carried into the group, for the engine's close."""
+        """The group goes to the close; returns what a checkpoint carried into it."""
         if self.state is not GroupState.OPEN:
             self.refuse("close", "close_group")
         carried, self.carried = self.carried, None
@@ -200,7 +192,7 @@ class GroupLifecycle:
         self.state, self.closed = GroupState.CLOSED, closed
 
     def stepped(self, optimizer: Optimizer) -> Closed:
-        """``optimizer.step()`` of the closed group: returns it, then no group is open."""
+        """``optimizer.step()`` of the closed group: returns it."""
         closed = self.closed
         if self.state is not GroupState.CLOSED or closed is None:
             self.refuse("stepped", optimizer=type(optimizer).__name__)
@@ -221,14 +213,12 @@ class GroupLifecycle:
         self.state, self.written = GroupState.LOADED, written
 
     def reopen_later(self, config: dict[str, Any], position: int) -> None:
-        """The loaded group is reopened (:meth:`reopen`) once the loop's optimizers are set up."""
         if self.state is not GroupState.LOADED:
             self.refuse("reopen_later")
         self.deferred = (config, position)
 
     def reopen(self, carried: Carried | None) -> None:
-        """The loaded group is reopened with what it ``carried`` (its gradient waits to be installed), or ends (nothing
-        carried, or the places a lost group leaves done). The engine's open group takes the carried ``c``."""
+        """The loaded group is reopened with what it ``carried``, or ends when nothing was carried."""
         if self.state is not GroupState.LOADED:
             self.refuse("reopen")
         self.deferred, self.carried = None, carried
@@ -248,10 +238,7 @@ class GroupLifecycle:
         return carried.gradients or {}, carried.targets
 
     def end(self, why: str, say: Callable[[str], None] | None = None, then: str = "") -> int:
-        """End the group with the entry point that ran it: the engine's open micro-batches are discarded and
-        everything above is forgotten. Where micro-batches were discarded, ``say`` (if given) tells the user, ``why``
-        naming what ended the group ("the fit stopped", "`teardown` ended the loop") and ``then`` what to do. Returns
-        the micro-batches discarded on this replica."""
+        """End the group: discard the engine's open micro-batches (``say`` says why); returns how many."""
         lost = self.engine.discard_open_group()
         if lost and say is not None:
             say(

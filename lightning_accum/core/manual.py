@@ -1,13 +1,5 @@
-"""Exact accumulation for manual optimization: what ``strategy.accumulate`` and ``strategy.close_group`` do.
-
-A manual loop (``automatic_optimization = False``, or a Fabric loop) reports each micro-batch with ``accumulate``,
-back-propagates the tensor it returns and calls ``close_group(optimizer)`` right before ``optimizer.step()``
-(docs/howto.md, "Accumulate exactly in a manual loop"). Every tensor handed out must be back-propagated before the next
-``accumulate`` or the close: its micro-batch counts in the group's denominator. The open group owns its parameters'
-gradients: each backward notes every gradient's identity and version counter (host values, no device read), and the
-next backward and the close compare, so that ``zero_grad()`` inside the group, torch's own ``loss.backward()`` or an
-in-place edit is an error naming what changed. A group that opens on gradients already there counts, on the device,
-those that are nonzero: the close's one host read tells a gradient zeroed in place (harmless) from a stale one.
+"""Exact accumulation for manual optimization: ``strategy.accumulate`` and ``strategy.close_group`` (docs/howto.md,
+"Accumulate exactly in a manual loop").
 """
 
 from __future__ import annotations
@@ -32,16 +24,13 @@ __all__ = ["ManualGroups"]
 
 
 class ManualGroups:
-    """The manual API's operations on the group: what a manual loop reports, closes and steps, its rules checked
-    where the mistake happens. Its state (the tensor handed out, the group waiting for its step, the gradients the group
-    owns) is the lifecycle's, changed through its transitions."""
+    """The manual API's operations on the group, its rules checked where the mistake happens."""
 
     def __init__(self, group: GroupLifecycle) -> None:
         self.group = group
 
     def check_untouched(self, engine: AccumulationEngine, call: str) -> None:
-        """Refuse a group whose gradients changed since its last backward (or its opening) other than through the
-        strategy: compared on the host, by each gradient's identity and version counter."""
+        """Refuse a group whose gradients changed since its last backward other than through the strategy."""
         marks = self.group.marks
         if marks is None:
             return
@@ -65,9 +54,7 @@ class ManualGroups:
         opening: Callable[[], NamedParameters] | None = None,
         local: Callable[[Tensor], Tensor] = lambda grad: grad,
     ) -> Tensor:
-        """Record one micro-batch in the open group; return ``loss · w / c`` (see ``ExactAccumulation.accumulate``).
-        ``opening``: the micro-batch opens a group, on these parameters (a gradient already there must be zero: told
-        at the close); ``local``: the part of a gradient this rank holds (a DTensor's shard)."""
+        """Record one micro-batch; return ``loss · w / c``. ``opening``: it opens a group on these parameters."""
         group = self.group
         if group.state is GroupState.CLOSED:
             group.refuse("hand_out", "accumulate")
@@ -103,10 +90,7 @@ class ManualGroups:
         optimizers: Sequence[Optimizer] = (),
         sync_matters: bool = False,
     ) -> GroupRecord:
-        """Close the group reported with :meth:`accumulate` (:data:`~lightning_accum.core.core.CLOSE_GROUP_DOC`).
-        ``optimizers``: every optimizer of the loop (a backward that reached another one's parameters is refused);
-        ``sync_matters``: whether a last backward with synchronisation blocked leaves the group's gradient uncombined
-        (several DDP replicas, FSDP2), which is then refused."""
+        """Close the group reported with :meth:`accumulate` (:data:`~lightning_accum.core.core.CLOSE_GROUP_DOC`)."""
         group = self.group
         held = engine.microbatches_in_group
         if group.state is not GroupState.OPEN or not held:
@@ -141,8 +125,7 @@ class ManualGroups:
         scaler: torch.amp.GradScaler | None,
         lightning_step: Callable[[], Any],
     ) -> Any:
-        """``optimizer.step()`` in a manual loop: ``lightning_step()`` (Lightning's own) after a group closed as
-        "apply", nothing after one that makes no update, Lightning's behaviour when no group was reported."""
+        """``optimizer.step()`` in a manual loop: Lightning's after an applied group, nothing after another."""
         if self.group.state is not GroupState.CLOSED and not engine.microbatches_in_group:
             return lightning_step()
         closed = self.group.stepped(optimizer)
@@ -155,8 +138,7 @@ class ManualGroups:
 
     @staticmethod
     def refuse_clipping(engine: AccumulationEngine, call: str) -> None:
-        """Clipping needs the group's exact gradient, which exists once the close rescaled it by ``c · D / W``:
-        before, the gradient is ``Σ (w / c) · ∇loss``, and a norm of it clips by another factor (silently wrong)."""
+        """Refuse clipping inside an open group (its gradient is not yet rescaled)."""
         held = engine.microbatches_in_group
         if held:
             refuse("clipping_inside_open_group", call=call, held=held)
@@ -172,8 +154,7 @@ def _check_group_size(group_size: Any) -> None:
 
 
 def _refuse_gradients_of_other_optimizers(closed: Optimizer, optimizers: Sequence[Optimizer]) -> None:
-    """The close rescales ``closed``'s parameters only: a group whose backward also reached another optimizer's
-    parameters would leave those unscaled (``Σ (w / c) · ∇loss``) for that optimizer's step."""
+    """Refuse a group whose backward reached another optimizer's parameters (the close rescales only ``closed``'s)."""
     mine = {id(p) for group in closed.param_groups for p in group["params"]}
     for other in optimizers:
         if other is closed:
@@ -185,8 +166,7 @@ def _refuse_gradients_of_other_optimizers(closed: Optimizer, optimizers: Sequenc
 def _nonzero_gradients(
     parameters: NamedParameters, local: Callable[[Tensor], Tensor], device: torch.device
 ) -> tuple[list[str], Tensor | None]:
-    """The parameters that hold a gradient when a group opens, and how many of them hold a nonzero one, counted on
-    ``device`` (``None`` when none holds a gradient: nothing to count, the usual case after ``zero_grad()``)."""
+    """The parameters holding a gradient when a group opens, and how many are nonzero, counted on ``device``."""
     held = [(name, grad) for name, p in parameters if (grad := p.grad) is not None]
     if not held:
         return [], None
@@ -201,8 +181,7 @@ def _names(names: list[str]) -> str:
 
 
 def _what_changed(parameters: NamedParameters, before: Marks, after: Marks) -> str:
-    """What changed the open group's gradients outside the strategy, told from the marks (and, on this error path
-    only, a read of the gradients changed in place: zeroed, or added to)."""
+    """What changed the open group's gradients outside the strategy, told from the marks."""
     kinds: dict[str, list[str]] = {}
     for (name, p), old, new in zip(parameters, before, after, strict=True):
         if old == new:

@@ -1,12 +1,4 @@
-"""Gradient clipping for models whose parameters mix DTensors (on one or several device meshes) and plain tensors.
-
-torch's ``clip_grad_norm_`` (what Lightning's precision plugins call) fails on such a model (a Llama with
-tensor-parallel linears and a plain ``lm_head``, FSDP2 over tensor parallelism: "got mixed torch.Tensor and DTensor").
-:func:`clip_grad_norm_` here counts every parameter once across the mesh: a DTensor's local ``p``-th powers summed over
-the mesh dimensions it is sharded on (one small collective per layout, never a gathered gradient), a plain tensor once
-without a collective; the factor is torch's, so the clipping is the one-device run's. :func:`clip_grad_value_` clamps
-each local shard.
-"""
+"""Gradient clipping for parameters mixing DTensors (any meshes) and plain tensors, each counted once over the mesh."""
 
 from __future__ import annotations
 
@@ -21,20 +13,12 @@ __all__ = ["clip_grad_norm_", "clip_grad_value_", "is_sharded", "local_part", "t
 
 
 def local_part(grad: Tensor) -> Tensor:
-    """This rank's own part of a (DTensor) gradient, sharing its storage; a plain tensor as it is."""
+    """This rank's part of a (DTensor) gradient, sharing its storage; a plain tensor as it is."""
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def is_sharded(placement: Placement) -> bool:
-    """Whether a (non-partial) placement splits the tensor over its mesh dimension, so that the ranks along it hold
-    different parts. Every placement but ``Replicate`` does: ``Shard``, and the strided shard FSDP2 puts over a
-    tensor-parallel shard on a 2-D mesh, which since torch 2.13 is no ``Shard`` (its ``is_shard()`` is ``False``).
-
-    Example:
-        >>> from torch.distributed.tensor import Replicate, Shard
-        >>> is_sharded(Shard(0)), is_sharded(Replicate())
-        (True, False)
-    """
+    """Whether a placement splits the tensor: all but ``Replicate`` (FSDP2's strided shard is no ``Shard``)."""
     return not placement.is_replicate()
 
 
@@ -67,7 +51,6 @@ def total_norm(grads: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
 
 
 def _power(tensors: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
-    """``Σ ‖t‖^p`` over ``tensors`` (the max for the infinity norm), in float64 on ``device``."""
     if not tensors:
         return torch.zeros((), device=device, dtype=torch.float64)
     # Each norm in its tensor's precision (half precision in float32), combined in float64.
@@ -83,9 +66,7 @@ def _norm(tensor: Tensor, norm_type: float) -> Tensor:
 def clip_grad_norm_(
     parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> Tensor:
-    """Scale the gradients of ``parameters`` so that their total norm is at most ``max_norm``; return the norm
-    before clipping. Equal to ``torch.nn.utils.clip_grad_norm_`` on the same model on one device, also in
-    ``error_if_nonfinite`` (a NaN or infinite norm is an error before any gradient changes; one host read)."""
+    """torch's ``clip_grad_norm_`` over the mesh; returns the norm before (``error_if_nonfinite``: as torch's)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = total_norm(grads, float(norm_type))
     if not grads:
@@ -104,7 +85,7 @@ def clip_grad_norm_(
 
 
 def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
-    """Clamp every gradient element of ``parameters`` to ``[-clip_value, clip_value]`` (each local shard in place)."""
+    """Clamp every gradient element to ``[-clip_value, clip_value]``, each local shard in place."""
     for p in parameters:
         if p.grad is not None:
             local_part(p.grad).clamp_(-clip_value, clip_value)

@@ -1,5 +1,4 @@
-"""A checkpoint file (or sharded folder) as it is read: :func:`read_checkpoint`, :func:`checkpoint_location`, and the
-gradient of a group open at a sharded checkpoint (:func:`distributed_gradients`); docs/reliability.md."""
+"""A checkpoint file or sharded folder as it is read, and the gradient of a group open at a sharded checkpoint."""
 
 from __future__ import annotations
 
@@ -45,12 +44,11 @@ _READ_ERRORS = (Exception, CheckpointException)
 def read_checkpoint(
     read: Callable[[], dict[str, Any]], path: _Path, refuse_folder: Callable[[Path], str | None] | None = None
 ) -> dict[str, Any]:
-    """``read()`` (Lightning's read of the checkpoint at ``path``); ``refuse_folder`` says, before it, why the reading
-    strategy cannot read a local folder at all (``None``: it can try).
+    """``read()``, Lightning's read of the checkpoint at ``path``, after ``refuse_folder`` said why a folder is refused.
 
     Raises:
-        ValueError: A folder this strategy cannot read, or a file or folder torch's read failed on (the path, its size
-            and torch's error, chained as its cause). Any other error of ``read`` is raised as it was.
+        ValueError: A folder this strategy cannot read, or a file or folder torch's read failed on (its path, size
+            and torch's error, chained). Any other error of ``read`` is raised as it was.
     """
     local = local_path(path)
     if local is not None and local.is_dir() and refuse_folder is not None:
@@ -68,8 +66,7 @@ def read_checkpoint(
 
 
 def _from_torch_read(error: BaseException) -> bool:
-    """Whether ``error`` is torch's read of the file failing (inside ``torch.load``, or torch's distributed-checkpoint
-    error), not Lightning's or the model's side of the load."""
+    """Whether ``error`` is torch's read of the file failing, not Lightning's or the model's side of the load."""
     if isinstance(error, CheckpointException):
         return True
     trace = error.__traceback__
@@ -81,7 +78,6 @@ def _from_torch_read(error: BaseException) -> bool:
 
 
 def _size(path: Path) -> str | None:
-    """The size of the file (or of the folder's files) at ``path``; ``None`` where it cannot be read."""
     try:
         if not path.is_dir():
             return f"{path.stat().st_size} byte(s)"
@@ -92,7 +88,7 @@ def _size(path: Path) -> str | None:
 
 
 def local_path(path: _Path) -> Path | None:
-    """``path`` on the local file system, or ``None`` for a remote one (``s3://...``): not looked at."""
+    """``path`` on the local file system, or ``None`` for a remote one."""
     text = str(path)
     if "://" in text and not text.startswith("file://"):
         return None
@@ -100,12 +96,7 @@ def local_path(path: _Path) -> Path | None:
 
 
 def checkpoint_location(path: _Path) -> Path | str:
-    """Where the model-parallel checkpoint ``path`` is: a local ``Path``, or a remote fsspec URL as given where
-    Lightning takes URLs (:data:`LIGHTNING_TAKES_REMOTE_FOLDERS`).
-
-    Raises:
-        ValueError: A URL on a Lightning whose model-parallel strategy takes local paths only.
-    """
+    """The model-parallel checkpoint ``path``: a local ``Path``, or a URL where Lightning takes them (else refused)."""
     text = str(path)
     if "://" in text and not LIGHTNING_TAKES_REMOTE_FOLDERS:
         raise ValueError(
@@ -133,7 +124,7 @@ def distributed_gradients(
     path: str,
     read: Callable[[list[str]], dict[str, Tensor]] | None,
 ) -> dict[str, Tensor]:
-    """The open group's gradient stored in a distributed checkpoint's shards (or consolidated into one file)."""
+    """The open group's gradient stored in a distributed checkpoint's shards; ``ValueError`` without ``read``."""
     if DISTRIBUTED_KEY in checkpoint:
         return dict(checkpoint[DISTRIBUTED_KEY])
     if read is None:

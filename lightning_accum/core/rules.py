@@ -1,10 +1,5 @@
-"""The rules of the manual API as one table: each a row (name, the check, the error and its message), raised by
-:func:`refuse` where the core finds it broken, at both doors alike.
-
-Each mistake of a manual loop (``accumulate``, the backward of what it hands out, ``close_group`` before
-``optimizer.step()``) that would change the update silently is a row; the core (:mod:`~lightning_accum.core.manual`,
-:mod:`~lightning_accum.core.core`) raises the row's error with its message, formatted with what it found.
-``tests/core/test_rules.py`` runs every row's scenario through both doors and fails on a row without one.
+"""The rules of the manual API as one table: each a row (name, check, error, message), raised by :func:`refuse` at
+both doors alike; ``tests/core/test_rules.py`` runs every row's scenario through both doors.
 """
 
 from __future__ import annotations
@@ -17,13 +12,8 @@ __all__ = ["RULES", "Rule", "refuse"]
 
 @dataclass(frozen=True)
 class Rule:
-    """One rule of the manual API.
-
-    Args:
-        name: Its key in :data:`RULES` (and in the rulebook test).
-        check: When it is broken, in words (the core's check where the mistake happens).
-        error: The exception type raised.
-        message: The message, a :meth:`str.format` template over what the check found.
+    """One rule of the manual API: its ``name`` in :data:`RULES`, its ``check`` in words, the ``error`` type raised, and
+    its ``message``, a :meth:`str.format` template over what the check found.
     """
 
     name: str

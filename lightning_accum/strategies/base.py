@@ -43,12 +43,13 @@ from lightning_accum.slicing import MicrobatchSize, SlicingLog, SplitBatch
 from lightning_accum.strategies.automatic import AutomaticSteps
 from lightning_accum.strategies.checkpoint import TrainerCheckpoint
 from lightning_accum.strategies.evaluation import ExactEvaluation
-from lightning_accum.strategies.global_order import install_global_order
 from lightning_accum.strategies.group_boundaries import GroupBoundaries
 from lightning_accum.strategies.run import TrainerRun
 from lightning_accum.strategies.scheduled_groups import ScheduledGroups
 from lightning_accum.strategies.slicing import BatchSlicer
+from lightning_accum.strategies.token_groups import TokenGroups
 from lightning_accum.strategies.trainer_side import TrainerSide
+from lightning_accum.token_batches import TokenBatches, TokenBatchSampler
 
 __all__ = ["CHECKPOINT_KEY", "ExactAccumulation"]
 
@@ -71,6 +72,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         microbatch_size: MicrobatchSize = None,
         split_batch: SplitBatch | None = None,
         batch_schedule: BatchSchedule | Mapping[int, int] | str | None = None,
+        token_batches: TokenBatches | None = None,
     ) -> None:
         """Set up the parts from the options the constructor validated (before Lightning's ``__init__``)."""
         self._core = AccumulationCore(self, self.adapter_type, options)
@@ -82,7 +84,11 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._evaluation = ExactEvaluation()
         self._scheduled = ScheduledGroups(as_schedule(batch_schedule))  # the groups' sizes under `batch_schedule=`
         self._groups = GroupBoundaries()  # where the fit's groups start and end
-        self._run = TrainerRun(self, self._core, self._slicer, self._scheduled, self._groups, self._evaluation)
+        # The training loader cut by tokens under `token_batches=`.
+        self._tokens = TokenGroups(token_batches, batch_schedule is not None, options.partial_group)
+        self._run = TrainerRun(  # what `setup` binds, what a fit starts with, and their end at `teardown`
+            self, self._core, self._slicer, self._scheduled, self._tokens, self._groups, self._evaluation
+        )
         self._checkpoints = TrainerCheckpoint(
             self, self._core, self._side, self._slicer, self._run.attached_trainer, self._scheduled
         )
@@ -111,6 +117,17 @@ class ExactAccumulation(Strategy, CoreSeam):
         record of the run that wrote it (see :mod:`~lightning_accum.strategies.scheduled_groups`). Empty without a
         schedule."""
         return [dict(stage) for stage in self._scheduled.stages]
+
+    @property
+    def token_batches(self) -> TokenBatches | None:
+        """The :class:`~lightning_accum.TokenBatches` given as ``token_batches=``, or ``None``."""
+        return self._tokens.options
+
+    @property
+    def token_sampler(self) -> TokenBatchSampler | None:
+        """The training loader's :class:`~lightning_accum.TokenBatchSampler` under ``token_batches=`` (its plan:
+        ``group_sizes()``, ``group_stats()``), else ``None``."""
+        return self._tokens.sampler
 
     @property
     def evaluation_findings(self) -> dict[str, str | None]:
@@ -318,9 +335,7 @@ class ExactAccumulation(Strategy, CoreSeam):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        if not self._core.engine.options.global_order:
-            return dataloader
-        return install_global_order(dataloader, self._trainer(), getattr(self, "distributed_sampler_kwargs", None))
+        return self._run.training_loader(dataloader)  # global_order=, token_batches=
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -364,6 +379,11 @@ class ExactAccumulation(Strategy, CoreSeam):
             groups.written(trainer, batch_idx)  # taken at an epoch's first batch without a schedule, else refused
         if groups.sizer is not None and not 0 <= batch_idx - groups.first < groups.size:
             groups.begin(trainer, batch, batch_idx, self._core.group.loaded)  # a group starts: sized
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._core.engine.decisions.check_progress()  # no update applied is an error (every rank has the same ledger)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -1,6 +1,6 @@
-"""The Trainer strategy's checkpoints, :class:`TrainerCheckpoint`: the core's entry
-(:mod:`lightning_accum.core.checkpoint`) with what only a Trainer adds to it, every rank's record of
-``microbatch_size=`` and the stages ``batch_schedule=`` reached."""
+"""The Trainer strategy's checkpoints: the core's entry with every rank's ``microbatch_size=`` record and the stages
+``batch_schedule=`` reached.
+"""
 
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ __all__ = ["TrainerCheckpoint", "own_slicing", "save_without_peers", "slicing_st
 
 
 def slicing_state(mine: dict[str, Any], world: int, gather: bool) -> dict[str, Any]:
-    """Every rank's slicing record (``per_rank``; a collective), so that each rank resumes with its own slice size;
-    this rank's alone when the others cannot be reached."""
+    """Every rank's slicing record (``per_rank``; a collective unless ``gather`` is false)."""
     rows: list[Any] = [mine]
     if gather and world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         rows = [None] * world
@@ -38,7 +37,6 @@ def slicing_state(mine: dict[str, Any], world: int, gather: bool) -> dict[str, A
 
 
 def own_slicing(state: Mapping[str, Any], rank: int) -> Mapping[str, Any]:
-    """This rank's slicing record in a checkpoint's entry (rank zero's, or the only one, otherwise)."""
     rows = state.get("per_rank")
     if isinstance(rows, list) and rank < len(rows) and isinstance(rows[rank], Mapping):
         return rows[rank]  # type: ignore[no-any-return]
@@ -48,8 +46,7 @@ def own_slicing(state: Mapping[str, Any], rank: int) -> Mapping[str, Any]:
 def save_without_peers(
     checkpoint_io: Any, checkpoint: dict[str, Any], filepath: Any, rank: int, storage_options: Any | None
 ) -> None:
-    """Every surviving rank writes the checkpoint (rank zero, which alone writes otherwise, may be the dead one):
-    a private file first, then an atomic rename, so that concurrent writers leave one whole file."""
+    """Every surviving rank writes the checkpoint: a private file, then an atomic rename."""
     path = str(filepath)
     if "://" in path:  # a remote file system: no atomic rename to rely on
         checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -60,8 +57,7 @@ def save_without_peers(
 
 
 def folder_refusal(folder: Path, strategy: Any) -> str | None:
-    """Why ``strategy`` cannot read the folder at all (``None``: it can try): Lightning's single-file strategies read
-    files only, its model-parallel strategy a sharded folder into a sharded (DTensor) model only."""
+    """Why ``strategy`` cannot read the folder at all (``None``: it can try)."""
     named = f"`ckpt_path={str(folder)!r}`"
     # A distributed checkpoint written by Lightning: torch's index of the shards, and Lightning's metadata file.
     if not ((folder / ".metadata").is_file() and (folder / _METADATA_FILENAME).is_file()):
@@ -86,16 +82,15 @@ def folder_refusal(folder: Path, strategy: Any) -> str | None:
 
 
 def _sharded_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Lightning's checkpoint split as its distributed save splits it: the module's and the optimizers' state (taken
-    out), and the metadata file's."""
+    """Lightning's checkpoint split as its distributed save splits it: the sharded state (taken out), the metadata."""
     optimizers = {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
     return {"state_dict": checkpoint.pop("state_dict"), **optimizers}, checkpoint
 
 
 class TrainerCheckpoint:
     """The Trainer strategy's ``save_checkpoint`` / ``load_checkpoint``: the entry written (by the survivors alone
-    when a peer is lost) and read back by a ``fit`` only. It reads the strategy's public members and is handed the
-    rest: its ``AccumulationCore``, ``TrainerSide``, slicer, accessor of its Trainer and scheduled groups."""
+    when a peer is lost) and read back by a ``fit`` only.
+    """
 
     def __init__(
         self,
@@ -131,7 +126,6 @@ class TrainerCheckpoint:
         adapter.write_checkpoint(checkpoint, filepath, storage_options, write, _sharded_state, self.core.parameters)
 
     def _entry(self, failed: str | None) -> dict[str, Any]:
-        """The package's checkpoint entry (collectives with several replicas unless ``failed`` says why not)."""
         trainer = self.trainer()
         # The micro-batch whose step is running, which Lightning runs again on resume (None between micro-batches).
         running = None
@@ -167,8 +161,7 @@ class TrainerCheckpoint:
         return checkpoint
 
     def configuration(self) -> dict[str, Any]:
-        """What the checkpoint's groups depend on (:meth:`AccumulationCore.configuration
-        <lightning_accum.core.core.AccumulationCore.configuration>`)."""
+        """What the checkpoint's groups depend on."""
         trainer = self.trainer()
         accumulate = None if trainer is None else trainer.accumulate_grad_batches
         return self.core.configuration(type(self.strategy).__name__, accumulate)  # type: ignore[no-any-return]

@@ -21,10 +21,10 @@ from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.core.adapter import EngineAdapter, collective_failure
 from lightning_accum.core.ddp import DDPAdapter, register_ddp_strings
 from lightning_accum.core.entry import CHECKPOINT_KEY
-from lightning_accum.microbatch import Count
-from lightning_accum.options import AccumulationOptions
+from lightning_accum.options import AccumulationOptions, Normalize, OnNonfinite, PartialGroup, ScheduleOn, TokenCounter
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.trainer_side import TrainerSide, ends_group_by_position
+from lightning_accum.token_batches import TokenBatches
 
 __all__ = ["DDPAccumulationStrategy", "DDPTrainerSide"]
 
@@ -220,15 +220,17 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     a small float64 vector. Lightning's ``no_sync`` stays on non-final micro-batches (forward included).
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
-            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
+        count_tokens: ``batch -> int | Tensor``: the micro-batch's supervised tokens where ``training_step`` reports
+            none (on the command line an import path, e.g. ``lightning_accum.causal_lm_tokens``).
+        normalize, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The options of exact
+            accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
         check_data_ends: With an iterable training dataset: before each micro-batch that does not end a group, agree
             over the replicas whether any replica's data ends there, so that data ending inside a group on some
             replicas only is an error on every rank instead of a wait until the timeout (one all-reduce of one
             number on the CPU per such micro-batch; docs/reliability.md). ``False`` turns it off for data you know to
             be sharded evenly. Map-style data is never checked this way (its sampler gives every rank one length).
-        microbatch_size, split_batch, batch_schedule: Exact slices of each loader batch, and the global batch by
-            tokens, samples or updates: see :class:`AccumulationStrategy`.
+        microbatch_size, split_batch, batch_schedule, token_batches: Exact slices of each loader batch, the global
+            batch by tokens, samples or updates, micro-batches cut by tokens: see :class:`AccumulationStrategy`.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``find_unused_parameters``, ``process_group_backend``, ...).
 
@@ -253,22 +255,24 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     def __init__(
         self,
         *,
-        normalize: str = "auto",
-        count_tokens: Callable[[Any], Count] | None = None,
-        partial_group: str = "rescale",
-        schedule_on: str = "applied",
-        on_nonfinite: str = "skip",
+        normalize: Normalize = "auto",
+        count_tokens: TokenCounter | None = None,
+        partial_group: PartialGroup = "rescale",
+        schedule_on: ScheduleOn = "applied",
+        on_nonfinite: OnNonfinite = "skip",
         max_consecutive_skips: int | None = 100,
         global_order: bool = False,
         check_data_ends: bool = True,
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
         batch_schedule: BatchSchedule | dict[int, int] | str | None = None,
+        token_batches: TokenBatches | None = None,
+        ddp_comm_state: Any = None,  # DDPStrategy's, typed `object`: LightningCLI's --help fails on it (jsonargparse)
         **kwargs: Any,
     ) -> None:
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
-        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule)
-        super().__init__(**kwargs)
+        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule, token_batches)
+        super().__init__(ddp_comm_state=ddp_comm_state, **kwargs)
         self.check_data_ends = check_data_ends
 
     @property

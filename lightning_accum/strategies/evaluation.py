@@ -297,8 +297,8 @@ def _missing_count(unit: str, stage: str, normalize: str) -> str:
         return (
             f"`{step}` returns a loss without a token count while the run weights by tokens"
             f" (`normalize={normalize!r}`), so `{key}` is not logged. Return `{{'loss': loss, 'num_tokens': n}}`"
-            f" from `{step}` (e.g. `n = lightning_accum.supervised_tokens(labels)`), or pass `count_tokens=` to the"
-            " strategy."
+            f" from `{step}` (e.g. `n = lightning_accum.supervised_tokens(labels, shift=True)`), or pass"
+            " `count_tokens=` to the strategy."
         )
     if unit == "documents":
         return (

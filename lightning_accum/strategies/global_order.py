@@ -14,19 +14,19 @@ from torch.utils.data import DataLoader
 
 from lightning_accum.sampler import GlobalOrderSampler, global_order_for
 
-__all__ = ["install_global_order"]
+__all__ = ["install_global_order", "processed_microbatches"]
 
 
 def install_global_order(loader: Any, trainer: Trainer, layout: Mapping[str, int] | None) -> Any:
     """The training ``loader`` re-created around a :class:`GlobalOrderSampler` (resumable mid-epoch), or ``loader``
-    itself where it keeps its own order (or is another stage's).
+    itself where it keeps its own order.
 
     Args:
-        loader: What Lightning hands the strategy's ``process_dataloader``.
+        loader: What Lightning hands the strategy's ``process_dataloader`` for the training stage.
         trainer: The Trainer (its loop's processed micro-batches are the position a checkpoint saves).
         layout: The strategy's ``distributed_sampler_kwargs``, ``None`` on one device.
     """
-    if not isinstance(loader, DataLoader) or trainer.state.stage != RunningStage.TRAINING:
+    if not isinstance(loader, DataLoader):
         return loader
     replicas, rank = (layout["num_replicas"], layout["rank"]) if layout else (1, 0)
     sampler = global_order_for(loader, replicas, rank, seed=int(os.getenv("PL_GLOBAL_SEED", "0")))
@@ -43,19 +43,19 @@ def install_global_order(loader: Any, trainer: Trainer, layout: Mapping[str, int
     return ours
 
 
-def _processed(trainer: Trainer) -> int:
+def processed_microbatches(trainer: Trainer) -> int:
     """The micro-batches of this epoch Lightning's loop has processed on each replica."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
 
 
 def _state(sampler: GlobalOrderSampler, trainer: Trainer, batch_size: int) -> dict[str, Any]:
-    return sampler.state_dict(_processed(trainer) * batch_size * sampler.num_replicas)
+    return sampler.state_dict(processed_microbatches(trainer) * batch_size * sampler.num_replicas)
 
 
 def _resume(sampler: GlobalOrderSampler, trainer: Trainer, batch_size: int, state: Mapping[str, Any]) -> None:
     sampler.load_state_dict(state)
     epoch = int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
-    position, processed = state["position"], _processed(trainer)
+    position, processed = state["position"], processed_microbatches(trainer)
     expected = processed * batch_size * sampler.num_replicas
     if state["epoch"] == epoch and position and position != expected:
         raise ValueError(

@@ -10,14 +10,20 @@ from lightning_accum.patching import InstancePatch
 
 __all__ = ["GroupBoundaries", "GroupSizer", "UnknownUpdates"]
 
+_SCHEDULED = (
+    "under `batch_schedule=`: each group's size follows the run's position, so the number of updates is not known"
+    " before the groups run"
+)
+
 #: ``sizer(batch, batch_idx, resumed) -> int``: the micro-batches per replica of the group starting with ``batch`` at
 #: ``batch_idx``; ``resumed``: at a fit's first group, the size of the checkpoint's open group it continues, else None.
 GroupSizer = Callable[[Any, int, "int | None"], int]
 
 
 class GroupBoundaries:
-    """The groups of a fit: Lightning's (nothing patched), or with a sizer ``[first, first + size)``, plain ints sized
-    at each group's start (:meth:`begin`), which Lightning's loop asks until :meth:`release`."""
+    """The groups of a fit: Lightning's, or sized by a sizer at each group's start (:meth:`begin`) until
+    :meth:`release`.
+    """
 
     def __init__(self) -> None:
         self.first = self.size = 0  # the open group's first batch in the epoch, its size (0: Lightning's groups)
@@ -46,7 +52,7 @@ class GroupBoundaries:
         self._patches, self._loop, self.sizer, self.size, self.accumulate = [], None, None, 0, None
 
     def position(self, batch_idx: int, accumulate: int) -> int:
-        """The micro-batches of its group before batch ``batch_idx`` (``accumulate``: the Trainer's)."""
+        """The micro-batches of its group before batch ``batch_idx``."""
         return batch_idx - self.first if self.size else batch_idx % accumulate
 
     def begin(self, trainer: Any, batch: Any, batch_idx: int, loaded: Mapping[str, Any] | None = None) -> None:
@@ -60,15 +66,12 @@ class GroupBoundaries:
         trainer.accumulate_grad_batches = self.accumulate = size
 
     def written(self, trainer: Any, batch_idx: int) -> None:
-        """``trainer.accumulate_grad_batches`` changed: taken at an epoch's (or the fit's) first batch without a sizer.
-
-        Raises:
-            RuntimeError: Anywhere else."""
+        """``trainer.accumulate_grad_batches`` changed: taken at an epoch's start without a sizer, else refused."""
         before, after = self.accumulate, trainer.accumulate_grad_batches
         if self.sizer is None and (batch_idx == 0 or before is None):
             self.accumulate = after
             return
-        where = "which `batch_schedule=` sets at each group's start" if self.sizer else "inside the epoch"
+        where = "which the strategy sets at each group's start" if self.sizer else "inside the epoch"
         raise RuntimeError(
             f"`trainer.accumulate_grad_batches` changed from {before} to {after} before batch {batch_idx} of epoch"
             f" {trainer.current_epoch}, {where}: Lightning would end the open group elsewhere. Likely writers: a"
@@ -95,17 +98,17 @@ class GroupBoundaries:
 
 
 class UnknownUpdates:
-    """``trainer.accumulate_grad_batches`` in ``configure_optimizers`` under ``batch_schedule=``: not a number.
-
-    Raises:
-        RuntimeError: On any arithmetic (``trainer.estimated_stepping_batches`` divides by it) or conversion.
+    """``trainer.accumulate_grad_batches`` in ``configure_optimizers`` where groups are sized as they start: any
+    arithmetic on it raises ``RuntimeError`` saying ``why`` (``batch_schedule=``'s reason by default).
     """
+
+    def __init__(self, why: Callable[[], str] = lambda: _SCHEDULED) -> None:
+        self.why = why
 
     def _refuse(self, *args: Any) -> Any:
         raise RuntimeError(
             "`trainer.estimated_stepping_batches` (or `trainer.accumulate_grad_batches`) was read in"
-            " `configure_optimizers` under `batch_schedule=`: each group's size follows the run's position, so the"
-            " number of updates is not known before the groups run. Define the rate on the run's axis with `AxisLR`"
+            f" `configure_optimizers` {self.why()}. Define the rate on the run's axis with `AxisLR`"
             " (e.g. `AxisLR(optimizer, axis='tokens', lr_lambda=...)`), or size it by a count of updates of your own."
         )
 

@@ -26,10 +26,10 @@ from lightning_accum.core.mesh import (
     refuse_unsharded,
     register_fsdp_string,
 )
-from lightning_accum.microbatch import Count
-from lightning_accum.options import AccumulationOptions
+from lightning_accum.options import AccumulationOptions, Normalize, OnNonfinite, PartialGroup, ScheduleOn, TokenCounter
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.trainer_side import TrainerSide
+from lightning_accum.token_batches import TokenBatches
 
 __all__ = ["GRADIENT_SYNC_MODES", "MeshSide", "ModelParallelAccumulationStrategy"]
 
@@ -108,8 +108,10 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     and the optimizer.
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
-            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
+        count_tokens: ``batch -> int | Tensor``: the micro-batch's supervised tokens where ``training_step`` reports
+            none (on the command line an import path, e.g. ``lightning_accum.causal_lm_tokens``).
+        normalize, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The options of exact
+            accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
             The NaN/Inf check of each rank's shard is summed over the whole mesh, so every rank takes the same decision.
         gradient_sync: ``"every_microbatch"`` (default, FSDP2's own behaviour): every micro-batch's backward
             reduce-scatters its gradient, and each rank holds only its sharded gradient between micro-batches (least
@@ -122,8 +124,9 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             sizes (``D`` = number of nodes, tensor parallel over a node's devices); with one of them an int, the
             other is the world size divided by it (``tensor_parallel_size=1``: FSDP2 over every device, what
             ``"accum_fsdp"`` selects).
-        microbatch_size, split_batch, batch_schedule: As in :class:`AccumulationStrategy`; every rank runs the same
-            number of slices (one small CPU all-reduce per loader batch agrees on it), and ``"auto"`` is an error.
+        microbatch_size, split_batch, batch_schedule, token_batches: As in :class:`AccumulationStrategy`; every rank
+            runs the same number of slices (one small CPU all-reduce per loader batch agrees on it), and ``"auto"`` is
+            an error.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
             (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
@@ -147,11 +150,11 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     def __init__(
         self,
         *,
-        normalize: str = "auto",
-        count_tokens: Callable[[Any], Count] | None = None,
-        partial_group: str = "rescale",
-        schedule_on: str = "applied",
-        on_nonfinite: str = "skip",
+        normalize: Normalize = "auto",
+        count_tokens: TokenCounter | None = None,
+        partial_group: PartialGroup = "rescale",
+        schedule_on: ScheduleOn = "applied",
+        on_nonfinite: OnNonfinite = "skip",
         max_consecutive_skips: int | None = 100,
         global_order: bool = False,
         gradient_sync: Literal["every_microbatch", "last_microbatch"] = "every_microbatch",
@@ -160,6 +163,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
         batch_schedule: BatchSchedule | dict[int, int] | str | None = None,
+        token_batches: TokenBatches | None = None,
         **kwargs: Any,
     ) -> None:
         if gradient_sync not in GRADIENT_SYNC_MODES:
@@ -169,7 +173,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
             )
         check_mesh_sizes(data_parallel_size, tensor_parallel_size)
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
-        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule)
+        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule, token_batches)
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.gradient_sync = gradient_sync
         if microbatch_size == "auto":

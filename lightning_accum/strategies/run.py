@@ -9,17 +9,19 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_accum.core.core import AccumulationCore
 from lightning_accum.schedules import UpdateSchedules, bind_schedulers
 from lightning_accum.strategies.automatic import CLOSURE_EVALUATING, reevaluation_message
 from lightning_accum.strategies.evaluation import ExactEvaluation
+from lightning_accum.strategies.global_order import install_global_order
 from lightning_accum.strategies.group_boundaries import GroupBoundaries, UnknownUpdates
 from lightning_accum.strategies.precision_clipping import PrecisionClipping
 from lightning_accum.strategies.scheduled_groups import ScheduledGroups
 from lightning_accum.strategies.slicing import BatchSlicer
+from lightning_accum.strategies.token_groups import TokenGroups
 
 __all__ = ["TrainerRun"]
 
@@ -34,11 +36,12 @@ class TrainerRun:
         core: AccumulationCore,
         slicer: BatchSlicer,
         scheduled: ScheduledGroups,
+        tokens: TokenGroups,
         groups: GroupBoundaries,
         evaluation: ExactEvaluation,
     ) -> None:
         self.strategy, self.core, self.slicer = strategy, core, slicer
-        self.scheduled, self.groups, self.evaluation = scheduled, groups, evaluation
+        self.scheduled, self.tokens, self.groups, self.evaluation = scheduled, tokens, groups, evaluation
         self.clipping = PrecisionClipping()  # the precision plugin's clip methods, for the run
         #: The Trainer of the entry point running (``setup`` to ``teardown``): the hooks of every micro-batch read it.
         self.trainer: Trainer | None = None
@@ -58,15 +61,32 @@ class TrainerRun:
 
     @contextmanager
     def configuring(self, trainer: Trainer) -> Iterator[None]:
-        """Around Lightning's ``setup``: under a schedule, the number of updates read in ``configure_optimizers`` is
-        refused (:class:`~lightning_accum.strategies.group_boundaries.UnknownUpdates`)."""
-        given = trainer.accumulate_grad_batches
-        if self.scheduled.schedule is not None and trainer.state.fn == TrainerFn.FITTING:
+        """Around Lightning's ``setup``: under a schedule or token batches Lightning's count of updates is wrong, and
+        reading it in ``configure_optimizers`` is refused (``UnknownUpdates``)."""
+        given = self.tokens.accumulate = trainer.accumulate_grad_batches
+        if trainer.state.fn == TrainerFn.FITTING and self.scheduled.schedule is not None:
             trainer.accumulate_grad_batches = UnknownUpdates()  # type: ignore[assignment]
+        elif trainer.state.fn == TrainerFn.FITTING and self.tokens.options is not None:
+            trainer.accumulate_grad_batches = UnknownUpdates(self.tokens.refusal)  # type: ignore[assignment]
         try:
             yield
         finally:
             trainer.accumulate_grad_batches = given
+
+    def training_loader(self, loader: Any) -> Any:
+        """What ``process_dataloader`` hands Lightning: the training loader re-created under ``global_order=`` or
+        ``token_batches=`` (which implies it), any other as it is."""
+        tokens = self.tokens.options is not None
+        if not (tokens or self.core.engine.options.global_order):
+            return loader
+        trainer = self.attached_trainer()
+        assert trainer is not None, "the strategy runs without a Trainer"
+        if trainer.state.stage != RunningStage.TRAINING:
+            return loader
+        layout = getattr(self.strategy, "distributed_sampler_kwargs", None)
+        if tokens:
+            return self.tokens.install(loader, trainer, layout)
+        return install_global_order(loader, trainer, layout)
 
     def setup(self, trainer: Trainer) -> None:
         """After Lightning's ``setup``: the parts bound for the entry point."""
@@ -83,10 +103,11 @@ class TrainerRun:
     def start_fit(self, trainer: Trainer) -> None:
         """At the fit's start: what accumulation cannot run with refused, the fit's groups placed, warnings said."""
         _check_supported(self.strategy, self.slicer, trainer)
-        self.groups.install(trainer, self.scheduled.start(trainer, self.core, self.slicer.split_batch))
+        sizer = self.scheduled.start(trainer, self.core, self.slicer.split_batch)
+        self.groups.install(trainer, self.tokens.start(trainer) or sizer)
         self.core.engine.decisions.add_listener(self.scheduled.on_group)
         _warn_of_slashes_in_checkpoint_names(trainer)
-        if trainer.lightning_module.automatic_optimization:
+        if trainer.lightning_module.automatic_optimization and self.tokens.options is None:
             engine = self.core.engine
             engine.decisions.warn_short_epoch(
                 trainer.num_training_batches, trainer.accumulate_grad_batches, engine.warn

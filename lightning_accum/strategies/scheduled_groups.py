@@ -1,10 +1,5 @@
-"""A batch schedule in a Trainer: the size of each group, decided at its start from the stage the run is in.
-
-Decision: the schedule is a strategy argument (``batch_schedule=``), not a callback. The group's size is the
-strategy's arithmetic (its target ``A`` is the partial-group policy's denominator, the checkpoint's configuration and
-the entry's open group record it), the strategy's options reach LightningCLI's config and ``--help``, and a callback
-would run its ``on_train_batch_start`` among the user's callbacks, in an order nobody controls. The rules:
-docs/howto.md, "Ramp the batch by tokens"; where groups start and end: docs/internals.md, "Group boundaries".
+"""A batch schedule in a Trainer: each group's size, decided at its start from the run's stage (docs/howto.md, "Ramp
+the batch by tokens").
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ __all__ = ["ScheduledGroups", "loader_batch_size"]
 
 
 class ScheduledGroups:
-    """The groups of a fit under a :class:`~lightning_accum.BatchSchedule`: their sizes, their learning-rate factor,
-    and what each stage reached has consumed."""
+    """The groups of a fit under a :class:`~lightning_accum.BatchSchedule`: sizes, learning-rate factor, stages."""
 
     def __init__(self, schedule: BatchSchedule | None) -> None:
         self.schedule = schedule
@@ -41,17 +35,15 @@ class ScheduledGroups:
         self._resumed = False  # `stages` holds a checkpoint's record, for the fit that resumes from it
 
     def load_state(self, stages: list[dict[str, int]] | None) -> None:
-        """A fit resumes from a checkpoint whose entry holds ``stages`` (``None``: none): its record continues."""
+        """A fit resumes from a checkpoint whose entry holds ``stages`` (``None``: none)."""
         self.stages = [dict(stage) for stage in stages or []] if self.schedule is not None else []
         self._resumed = True
 
     def forget_resume(self) -> None:
-        """The entry point ends: a checkpoint's record a fit did not train from reaches no later fit."""
         self._resumed = False
 
     def start(self, trainer: Trainer, core: Any, split_batch: SplitBatch | None) -> GroupSizer | None:
-        """The sizer of the fit's groups (:meth:`group_size`; ``None`` without a schedule), after refusing what cannot
-        share the groups with the schedule. ``core``: the strategy's (its ledger, ``D``)."""
+        """The sizer of the fit's groups (``None`` without a schedule); ``ValueError`` for what cannot share them."""
         self.microbatch_size, self.stage, self._counts_checked = None, None, False
         if not self._resumed:  # (a resumed run without a schedule loaded none)
             self.stages = []
@@ -84,8 +76,7 @@ class ScheduledGroups:
         return partial(self.group_size, core, split_batch)
 
     def group_size(self, core: Any, split: SplitBatch | None, batch: Any, batch_idx: int, resumed: int | None) -> int:
-        """The :data:`~lightning_accum.strategies.group_boundaries.GroupSizer` of the schedule: the ledger's stage's
-        batch over ``m × D`` (a checkpoint's group: ``resumed``)."""
+        """The :data:`~lightning_accum.strategies.group_boundaries.GroupSizer` of the schedule."""
         schedule = self.schedule
         assert schedule is not None
         ledger, replicas = core.engine.ledger, core.adapter.data_parallel_size
@@ -103,7 +94,6 @@ class ScheduledGroups:
         return size
 
     def _enter(self, stage: Stage, size: int) -> None:
-        """A group of ``size`` micro-batches per replica starts in ``stage``: its record entry, new or continued."""
         self.stage = stage
         last = self.stages[-1] if self.stages else None
         key = (stage.index, stage.threshold, stage.samples)
@@ -115,7 +105,7 @@ class ScheduledGroups:
         last["accumulate_grad_batches"] = size
 
     def on_group(self, record: GroupRecord, batch_samples: Sequence[int]) -> None:
-        """Listener of closed groups: add a group to its stage's record (a dropped partial group adds nothing)."""
+        """Listener of closed groups: add a group to its stage's record."""
         if not self.stages or record.dropped:
             return
         spent = self.stages[-1]
@@ -126,8 +116,7 @@ class ScheduledGroups:
 
     @contextmanager
     def scaled_lr(self, optimizer: Optimizer) -> Iterator[None]:
-        """The learning rates of ``optimizer`` times the open group's stage factor (``lr_scaling``) for the update
-        only; what the user's scheduler set is given back after it, so no scheduler reads the factor back."""
+        """``optimizer``'s learning rates times the stage's factor for the update only."""
         factor = 1.0 if self.schedule is None or self.stage is None else self.schedule.lr_factor(self.stage)
         if factor == 1.0:
             yield
@@ -143,7 +132,6 @@ class ScheduledGroups:
 
 
 def loader_batch_size(loader: Any) -> int | None:
-    """``m`` as a training loader states it before its first batch: a ``DataLoader``'s ``batch_size`` (``None``
-    where it batches by a ``batch_sampler``, or is not a ``DataLoader``: its first batch tells)."""
+    """``m`` as a ``DataLoader``'s ``batch_size`` states it before its first batch, else ``None``."""
     size = loader.batch_size if isinstance(loader, DataLoader) else None
     return size if isinstance(size, int) and size > 0 else None

@@ -11,9 +11,9 @@ from typing_extensions import override
 
 from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.core.core import given_device, one_device_property
-from lightning_accum.microbatch import Count
-from lightning_accum.options import AccumulationOptions
+from lightning_accum.options import AccumulationOptions, Normalize, OnNonfinite, PartialGroup, ScheduleOn, TokenCounter
 from lightning_accum.strategies.base import ExactAccumulation
+from lightning_accum.token_batches import TokenBatches
 
 __all__ = ["AccumulationStrategy"]
 
@@ -27,8 +27,10 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
     a dict with ``"num_tokens"`` (supervised tokens) and/or ``"num_samples"``.
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
-            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
+        count_tokens: ``batch -> int | Tensor``: the micro-batch's supervised tokens where ``training_step`` reports
+            none (on the command line an import path, e.g. ``lightning_accum.causal_lm_tokens``).
+        normalize, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The options of exact
+            accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`.
         device: The device; by default the one the Trainer's accelerator selects.
         microbatch_size: ``None`` (default), an int, or ``"auto"``: run each loader batch as exact slices (see
             :class:`~lightning_accum.strategies.slicing.BatchSlicer` and ``docs/howto.md``).
@@ -36,6 +38,8 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         batch_schedule: The global batch by tokens, samples or updates: a :class:`~lightning_accum.BatchSchedule`, or
             its stages (a dict or Megatron's string form, on tokens); each group's size is set at its start (see
             :mod:`~lightning_accum.strategies.scheduled_groups`). Leave ``accumulate_grad_batches`` unset with it.
+        token_batches: The training loader's micro-batches cut by tokens, each group the examples of the loader's
+            ``batch_size`` × ``accumulate_grad_batches`` × ``D`` (a :class:`~lightning_accum.TokenBatches`).
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
     ``trainer.global_step`` keeps Lightning's meaning (attempts; docs/concepts.md); applied updates are in
@@ -56,20 +60,21 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         self,
         device: str | torch.device | None = None,
         *,
-        normalize: str = "auto",
-        count_tokens: Callable[[Any], Count] | None = None,
-        partial_group: str = "rescale",
-        schedule_on: str = "applied",
-        on_nonfinite: str = "skip",
+        normalize: Normalize = "auto",
+        count_tokens: TokenCounter | None = None,
+        partial_group: PartialGroup = "rescale",
+        schedule_on: ScheduleOn = "applied",
+        on_nonfinite: OnNonfinite = "skip",
         max_consecutive_skips: int | None = 100,
         global_order: bool = False,
         microbatch_size: int | Literal["auto"] | None = None,
         split_batch: Callable[[Any, int, int], Any] | None = None,
         batch_schedule: BatchSchedule | dict[int, int] | str | None = None,
+        token_batches: TokenBatches | None = None,
         **kwargs: Any,
     ) -> None:
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
-        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule)
+        self._init_accumulation(options, microbatch_size, split_batch, batch_schedule, token_batches)
         super().__init__(device=given_device(self, device), **kwargs)
 
     parallel_devices = one_device_property("the Trainer")

@@ -249,12 +249,6 @@ def test_learning_rate_monitor_and_accum_lr_sit_at_the_same_x_for_the_same_updat
     assert logged["accum/lr"] == logged["lr-SGD"]
 
 
-def test_requires_an_accumulation_strategy(tmp_path: Path) -> None:
-    trainer = make_trainer(strategy="auto", callbacks=[AxisLogger()])
-    with pytest.raises(RuntimeError, match=r"AxisLogger needs an accumulation strategy.*strategy='accum'"):
-        trainer.fit(TinyLM(), DataLoader(ListDataset(make_examples([2, 3])), batch_size=1))
-
-
 def test_tokens_axis_without_token_counts_is_a_clear_error(tmp_path: Path) -> None:
     trainer = make_trainer(
         callbacks=[AxisLogger()],

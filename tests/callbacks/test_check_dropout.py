@@ -60,7 +60,7 @@ class CausalLM(L.LightningModule):
         if self.count == "loss":
             return out.loss
         loss = out.loss / self.trainer.accumulate_grad_batches if self.count == "divided" else out.loss
-        return {"loss": loss, "num_tokens": supervised_tokens(batch["labels"])}
+        return {"loss": loss, "num_tokens": supervised_tokens(batch["labels"], shift=True)}
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)

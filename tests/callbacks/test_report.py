@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationReport, AccumulationStrategy
 from lightning_accum.callbacks import report as report_module
-from lightning_accum.callbacks.report import REPORT_FILENAME
+from lightning_accum.callbacks.report import REPORT_FILENAME, format_report
 
 
 def tokens_of(examples: list[dict[str, torch.Tensor]]) -> int:
@@ -88,7 +88,8 @@ def test_report_of_a_run_with_a_partial_group(tmp_path: Path, capsys: pytest.Cap
     assert record["ledger"]["tokens"] == ledger.tokens
 
     console = capsys.readouterr().out
-    assert "lightning_accum run record" in console and "2 × 3 × 1 = 6" in console
+    assert console.count("\n") <= 3 and "2 × 3 × 1 = 6" in console  # the summary; the table in its file
+    assert "lightning_accum run record" in (tmp_path / "tb" / "version_0" / "accumulation_report.txt").read_text()
     events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"tensors": 0})
     events.Reload()
     text = events.Tensors("accum/report/text_summary")[0]
@@ -217,12 +218,13 @@ def test_path_may_name_the_json_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     fit(TinyLM(), make_examples(random_lengths(8, seed=31), seed=31), 2, 2, callbacks=[report])
     assert target.is_file() and not (target / REPORT_FILENAME).exists()
     assert json.loads(target.read_text())["status"] == "completed"
-    assert report.written_to == str(target)
-    assert f"(written to {target})" in capsys.readouterr().out
+    assert report.written_to == str(target) and target.with_suffix(".txt").is_file()
+    assert f"(written to {target}; the table: {target.with_suffix('.txt')})" in capsys.readouterr().out
 
 
 def test_console_table_has_units_and_no_exponents(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fit(TinyLM(), make_examples(random_lengths(8, seed=32), seed=32), 2, 2, callbacks=[AccumulationReport(tmp_path)])
+    report = AccumulationReport(tmp_path, verbose=True)
+    fit(TinyLM(), make_examples(random_lengths(8, seed=32), seed=32), 2, 2, callbacks=[report])
     table = capsys.readouterr().out
     record = json.loads((tmp_path / REPORT_FILENAME).read_text())
     rows = dict(
@@ -232,7 +234,7 @@ def test_console_table_has_units_and_no_exponents(tmp_path: Path, capsys: pytest
     assert rows["memory.run_peak (per rank)"] == f"{peak_mib:,.1f} MiB"  # a thousands separator past 1,000 MiB
     assert rows["time.tokens_per_second"].endswith(" tokens/s") and rows["time.wall_seconds"].endswith(" s")
     assert "e+" not in table and "bytes" not in table
-    assert f"(written to {tmp_path / REPORT_FILENAME})" in table
+    assert f"(written to {tmp_path / REPORT_FILENAME}; the table: {tmp_path / 'accumulation_report.txt'})" in table
 
 
 class _FailsAtOnce(TinyLM):
@@ -248,6 +250,20 @@ def test_a_failed_run_records_none_not_placeholders(tmp_path: Path) -> None:
     assert record["micro_batch_size"]["per_rank"] == [{"min": None, "max": None}]
     assert record["memory"]["first_group_peak"] == [None]
     assert -1 not in _values(record)
+
+
+def test_a_trainer_whose_accumulate_grad_batches_is_none_keeps_the_strategys_error(tmp_path: Path) -> None:
+    # `accumulate_grad_batches: null` in a config layered on one that sets it (issue #66) reaches the Trainer as None:
+    # the schedule's error is the one raised, and the record is written, not replaced by a TypeError of its own.
+    trainer = make_trainer(
+        strategy=AccumulationStrategy(batch_schedule={0: 4}),
+        accumulate_grad_batches=None,
+        callbacks=[AccumulationReport(path=tmp_path)],
+    )
+    with pytest.raises(ValueError, match=r"the Trainer has `accumulate_grad_batches=None`. Remove"):
+        trainer.fit(TinyLM(), DataLoader(ListDataset(make_examples([3] * 8)), batch_size=2))
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    assert record["status"] == "failed" and record["error"].startswith("ValueError: `batch_schedule=` sets")
 
 
 def test_an_error_in_an_earlier_setup_stays_the_only_error(tmp_path: Path) -> None:
@@ -360,12 +376,25 @@ def test_the_fit_peak_leaves_the_process_peak_to_other_monitors_and_resets_it_on
     assert reset["run_peak"][0] <= _peak_hwm() and reset["run_peak"][0] < kept["run_peak"][0]
 
 
-def test_one_line_instead_of_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_quiet_by_default_a_summary_on_the_console_and_the_table_in_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The table was 40 lines on the console after every fit (issue #66): three lines now, the table in its file.
     examples = make_examples([3, 4, 5, 6])
-    fit(TinyLM(), examples, batch_size=2, accumulate=2, callbacks=[AccumulationReport(path=tmp_path, table=False)])
-    printed = [line for line in capsys.readouterr().out.splitlines() if "run record" in line]
-    assert len(printed) == 1 and printed[0].startswith("run record: completed, 1/1 updates applied")
-    assert json.loads((tmp_path / REPORT_FILENAME).read_text())["updates"]["applied"] == 1  # the file is whole
+    fit(TinyLM(), examples, batch_size=2, accumulate=2, callbacks=[AccumulationReport(path=tmp_path)])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    record = json.loads((tmp_path / REPORT_FILENAME).read_text())
+    table = (tmp_path / "accumulation_report.txt").read_text()
+    assert record["updates"]["applied"] == 1 and table == format_report(record) + "\n"  # the files are whole
+    summary = printed[printed.index(next(p for p in printed if p.startswith("run record:"))) :]
+    assert len(summary) == 3, summary
+    assert summary[0].startswith("run record: completed, 1/1 updates applied, 18 tokens")
+    assert (
+        summary[1] == "  samples per update (m × A × D): 2 × 2 × 1 = 4; weighted by tokens; partial groups: 0 (rescale)"
+    )
+    assert summary[2].startswith(f"  (written to {tmp_path / REPORT_FILENAME}; the table:")
+    fit(TinyLM(), examples, batch_size=2, accumulate=2, callbacks=[AccumulationReport(path=tmp_path, verbose=True)])
+    assert (tmp_path / "accumulation_report.txt").read_text() in capsys.readouterr().out  # verbose: the whole table
 
 
 def test_under_a_batch_schedule_the_report_states_each_stages_a_not_one_groups(
@@ -377,7 +406,7 @@ def test_under_a_batch_schedule_the_report_states_each_stages_a_not_one_groups(
     from lightning_accum import BatchSchedule
 
     schedule = BatchSchedule({0: 4, 4: 8, 20: 16}, axis="samples")
-    report = AccumulationReport(path=str(tmp_path))
+    report = AccumulationReport(path=str(tmp_path), verbose=True)
     trainer = make_trainer(strategy=AccumulationStrategy(batch_schedule=schedule), callbacks=[report])
     trainer.fit(
         TinyLM(lr=0.5), DataLoader(ListDataset(make_examples(random_lengths(24, seed=5), seed=5)), batch_size=2)

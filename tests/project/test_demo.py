@@ -47,12 +47,13 @@ def scalar_steps(folder: Path) -> dict[str, list[int]]:
 
 @pytest.mark.ddp
 @pytest.mark.timeout(900)  # a minute on an idle 2-core machine; much more on a shared, loaded one
-def test_two_demo_runs_in_a_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_two_demo_runs_in_a_row(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     demo = load_demo()
     out = tmp_path / "demo"
 
-    # First run, with the 2-process DDP configuration: exact runs draw one curve, plain Lightning does not.
-    configs = demo.main(["--quick", "--quiet", "--out", str(out)])
+    # First run, with the 2-process DDP configuration and its progress lines: exact runs draw one curve, plain
+    # Lightning does not.
+    configs = demo.main(["--quick", "--out", str(out)])
     assert [c.name for c in configs if c.replicas > 1] == ["accum_ddp_m4_a4_d2"]
     curves = {c.name: demo.read_run(out, c) for c in configs}
     reference = curves["accum_m16_a2"]
@@ -73,16 +74,26 @@ def test_two_demo_runs_in_a_row(tmp_path: Path, capsys: pytest.CaptureFixture[st
             assert demo.largest_gap(run.val, reference.val) < 1e-5, config.name
     plain_objectives = [curves[c.name].objective for c in configs if c.plain]
     assert demo.largest_gap(plain_objectives[0], plain_objectives[-1]) > 1e-2  # the objective depends on the split
-    first_output = capsys.readouterr().out
-    assert "largest gap to accum_m16_a2" in first_output and "lightning_m2_a16" in first_output
+    first_output = capfd.readouterr()
+    assert "largest gap to accum_m16_a2" in first_output.out and "lightning_m2_a16" in first_output.out
+    # One screen on the console, the spawned processes' output included (a file descriptor's); the rest in the log.
+    console = first_output.out.splitlines() + first_output.err.splitlines()
+    assert len(console) <= 40 and not first_output.err, console
+    assert [line.split()[1] for line in console if line.startswith("run ")] == [f"{i}/7" for i in range(1, 8)]
+    log = (out / demo.LOG).read_text()
+    assert log.count("run record: completed, 6/6 updates applied") == 4  # the exact runs' records (pytest takes the
+    # logging of this process; the spawned processes' goes to the log too)
+    assert "Initializing distributed: GLOBAL_RANK: 1" in log and "updates 6/6 (100.0%)" in log
 
     # Second run into the same folder, without DDP: only the latest runs remain, each written once.
     picture = out / demo.PICTURE
     first_picture_time = picture.stat().st_mtime_ns
     configs = demo.main(["--quick", "--quiet", "--no-ddp", "--out", str(out)])
-    printed = capsys.readouterr().out
+    printed = capfd.readouterr().out
     assert not (out / "accum_ddp_m4_a4_d2").exists()
-    assert sorted(p.name for p in out.iterdir()) == sorted([c.name for c in configs] + [demo.PICTURE, demo.TABLE])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [c.name for c in configs] + [demo.PICTURE, demo.TABLE, demo.LOG]
+    )
     table = (out / demo.TABLE).read_text()
     assert f"{len(configs)} of {len(configs)} runs done" in table and all(c.name in table for c in configs)
     for config in configs:
@@ -122,11 +133,11 @@ def test_a_stopped_demo_leaves_the_table_and_picture_of_the_runs_it_finished(
     train = demo.train
     started: list[str] = []
 
-    def train_then_stop(config: object, args: object, index: int, count: int) -> float:
+    def train_then_stop(config: object, args: object, index: int, count: int, log: object) -> float:
         started.append(config.name)  # type: ignore[attr-defined]
         if index == 2:  # the first run has finished: its table and picture are on disk before the second starts
             raise Stopped
-        return float(train(config, args, index, count))
+        return float(train(config, args, index, count, log))
 
     monkeypatch.setattr(demo, "train", train_then_stop)
     with pytest.raises(Stopped):
@@ -139,7 +150,7 @@ def test_a_stopped_demo_leaves_the_table_and_picture_of_the_runs_it_finished(
     image = matplotlib.image.imread(out / demo.PICTURE)
     assert image.shape[0] > 300 and image.shape[1] > 1000
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["accum_m16_a2", demo.PICTURE, demo.TABLE]
+        ["accum_m16_a2", demo.PICTURE, demo.TABLE, demo.LOG]
     )  # nothing half-written
 
 

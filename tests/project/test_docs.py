@@ -1,20 +1,58 @@
-"""The documentation's Python examples run as written."""
+"""The documentation's code runs as written: every Python block, every LightningCLI config (through
+``examples/cli.py``), and every other block says why it does not run (docs/project.md, "Code in the documentation")."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
+import sys
+import time
+import warnings
 from pathlib import Path
 
 import pytest
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
+README = ROOT / "README.md"
+FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
+#: The first line of a block that cannot run here (a GPU, several processes, a download, an environment's set-up).
+NOT_RUN = "# not run by the docs test: "
+PYTHON, CLI, SHOWN = ("python", "py"), ("yaml",), ("text", "{eval-rst}", "{toctree}")  # SHOWN: output, directives
 #: The tour continues the README's "Use" example: its blocks run after the README's, in one session.
 TOUR = DOCS / "tour.md"
-PAGES = sorted(p for p in DOCS.glob("*.md") if BLOCK.search(p.read_text()) and p != TOUR)
+
+
+def blocks(page: Path, languages: tuple[str, ...]) -> list[str]:
+    """The blocks of ``page`` in ``languages`` that run (those without the :data:`NOT_RUN` line)."""
+    return [
+        code for lang, code in FENCE.findall(page.read_text()) if lang in languages and not code.startswith(NOT_RUN)
+    ]
+
+
+PAGES = sorted(p for p in DOCS.glob("*.md") if blocks(p, PYTHON) and p != TOUR)
+#: (page, index, layered): every config alone, and after examples/cli.yaml where its first line says it runs so.
+CONFIGS = [
+    (page, i, layered)
+    for page in sorted(DOCS.glob("*.md"))
+    for i, config in enumerate(blocks(page, CLI))
+    for layered in (False, True)[: 1 + ("after --config examples/cli.yaml" in config.splitlines()[0])]
+]
+
+
+def test_every_block_runs_or_says_why_not() -> None:
+    # A block is run (Python, LightningCLI configs), shown output (text), or starts with the line saying why it cannot
+    # run here; a shell block always does (they set up environments, download or start processes).
+    unmarked = []
+    for page in [README, *sorted(DOCS.glob("*.md"))]:
+        for lang, code in FENCE.findall(page.read_text()):
+            marked = code.startswith(NOT_RUN) and len(code.splitlines()[0]) > len(NOT_RUN) + 10  # with its reason
+            if lang not in PYTHON + CLI + SHOWN and not marked:
+                unmarked.append(f"{page.name}: ```{lang} {code.splitlines()[0] if code else ''}")
+    assert unmarked == []
 
 
 def test_docs_have_python_examples() -> None:
@@ -26,10 +64,12 @@ def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        for block in BLOCK.findall(page.read_text()):
+        for block in blocks(page, PYTHON):
             if "import transformers" in block and not _importable("transformers"):
                 continue  # the optional `hf` extra is not installed
-            exec(compile(block, f"{page.name}", "exec"), {"__name__": "__docs__"})
+            with warnings.catch_warnings():  # torch 2.13's own, when a block's `torch.compile` first imports dynamo
+                warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated")
+                exec(compile(block, f"{page.name}", "exec"), {"__name__": "__docs__"})
     finally:
         os.chdir(cwd)
 
@@ -45,19 +85,17 @@ def _importable(name: str) -> bool:
 def test_readme_and_tour_python_blocks_run_in_order(tmp_path: Path) -> None:
     # The README's blocks build on each other (the "Use" block defines `L`, the model and the loader), and the tour
     # continues them, so they run in one namespace, in order, as a reader pasting them into one session would.
-    readme = DOCS.parent / "README.md"
-    blocks = BLOCK.findall(readme.read_text())
-    tour = BLOCK.findall(TOUR.read_text())
-    assert len(blocks) >= 2 and "trainer.fit(" in blocks[0] and "def configure_optimizers" in blocks[0]
+    readme, tour = blocks(README, PYTHON), blocks(TOUR, PYTHON)
+    assert len(readme) >= 2 and "trainer.fit(" in readme[0] and "def configure_optimizers" in readme[0]
     assert len(tour) >= 4
     namespace: dict[str, object] = {"__name__": "__readme__"}
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        exec(compile(blocks[0], "README.md", "exec"), namespace)
+        exec(compile(readme[0], "README.md", "exec"), namespace)
         ledger = namespace["trainer"].strategy.ledger  # type: ignore[attr-defined]
         assert ledger.updates_applied == 2 and ledger.samples == 64 and ledger.normalization == "tokens"
-        for block in blocks[1:]:
+        for block in readme[1:]:
             exec(compile(block, "README.md", "exec"), namespace)
         for block in tour:
             exec(compile(block, "tour.md", "exec"), namespace)
@@ -70,14 +108,78 @@ def test_the_readme_is_what_a_user_reads_first() -> None:
     readme = (DOCS.parent / "README.md").read_text()
     headings = re.findall(r"^## (.+)$", readme, flags=re.MULTILINE)
     assert headings == ["Quick start", "Install", "Use", "Curves on a tokens axis", "Documentation"], headings
-    install = readme.split("## Install", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    assert len(install.splitlines()) == 5, install
+    # One install story (issue #66): from the folder of a clone, no placeholder, no index release, one torch range.
+    install = readme.split("## Install", 1)[1].split("## Use", 1)[0]
+    commands = [line for line in install.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()[1:]]
+    assert [c.split("#")[0].split()[:2] for c in commands] == [["pip", "install"]] * 3, commands
+    assert "from the folder of a clone" in install and "<" not in install.replace("<3", "")
+    assert "lightning-accum[" not in readme and re.findall(r"torch[ =>]=?(\d[\d.]*)", readme) == ["2.9"]
     assert "bash scripts/test.sh " in readme and "bash scripts/demo.sh " in readme
+    # The check that catches a token count that is not the loss's, in the first example's one line.
+    assert "callbacks=[AccumulationCheck(), AxisProgressBar()]" in blocks(README, PYTHON)[0]
     # Where DDP is first shown, the README says why a D = 2 run does not overlay the one-device run.
     ddp = readme.index('strategy="accum_ddp"')
     assert "DistributedSampler" in readme[ddp : ddp + 2500] and "global_order=True" in readme[ddp : ddp + 2500]
     linked = set(re.findall(r"\]\(docs/(\w+)\.md", readme))
     assert linked >= {p.stem for p in DOCS.glob("*.md")} - {"index"}, sorted(linked)
+
+
+def test_the_readmes_model_with_the_wrong_shift_stops_before_its_first_update(tmp_path: Path) -> None:
+    # Issue #66: `shift=True` on the README's already-shifted labels counts one token per sequence too few. The
+    # README's own `AccumulationCheck` line stops the fit before any optimizer step.
+    from lightning_accum import AccumulationCheckError
+
+    code = blocks(README, PYTHON)[0]
+    right = 'supervised_tokens(batch["labels"], shift=False)'
+    assert code.count(right) == 1
+    steps: list[object] = []
+    hook = register_optimizer_step_post_hook(lambda optimizer, *_: steps.append(optimizer))
+    namespace: dict[str, object] = {"__name__": "__readme__"}
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(
+            AccumulationCheckError, match=r"the token count is off by the shift the other way.*shift=False"
+        ):
+            exec(compile(code.replace(right, right.replace("False", "True")), "README.md", "exec"), namespace)
+    finally:
+        hook.remove()
+        os.chdir(cwd)
+    assert steps == [] and namespace["trainer"].strategy.ledger.updates_attempted == 0  # type: ignore[attr-defined]
+
+
+def _cli_recipe() -> object:
+    spec = importlib.util.spec_from_file_location("recipe_cli", ROOT / "examples" / "cli.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # importable by its name, as jsonargparse resolves the recipe's classes
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "page, index, layered", CONFIGS, ids=[f"{p.stem}-{i}{'-after-cli.yaml' * layered}" for p, i, layered in CONFIGS]
+)
+def test_lightningcli_configs_run_as_written(
+    page: Path, index: int, layered: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each config through the recipe the docs name, as written (it says when it stops), and layered on
+    # examples/cli.yaml (which sets `accumulate_grad_batches`, a logger and callbacks of its own) where it says so.
+    config = blocks(page, CLI)[index]
+    assert re.search(r"max_epochs: [1-9]|max_steps: [1-9]|stop_at: ", config), config
+    (tmp_path / "config.yaml").write_text(config)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "examples" / "cli.py")])
+    before = [str(ROOT / "examples" / "cli.yaml")] if layered else []
+    args = ["fit", *(a for path in before for a in ("--config", path)), "--config", "config.yaml"]
+    start = time.perf_counter()
+    with warnings.catch_warnings():  # LightningCLI's notices: a config's optimizer replaces the model's; no seed set
+        warnings.filterwarnings("ignore", message=r".*\.configure_optimizers` will be overridden by")
+        warnings.filterwarnings("ignore", message=r"No seed found, seed set to 0")
+        cli = _cli_recipe().main(args)  # type: ignore[attr-defined]
+    ledger = cli.trainer.strategy.ledger
+    assert ledger.updates_applied > 0 and cli.trainer.state.finished, ledger
+    assert time.perf_counter() - start < 120
 
 
 def test_the_quickstart_runs_without_lightnings_logging_interval_warning(tmp_path: Path) -> None:
@@ -88,7 +190,7 @@ def test_the_quickstart_runs_without_lightnings_logging_interval_warning(tmp_pat
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")  # the suite's filters ignore this warning elsewhere
-            for block in BLOCK.findall((DOCS / "quickstart.md").read_text()):
+            for block in blocks(DOCS / "quickstart.md", PYTHON):
                 exec(compile(block, "quickstart.md", "exec"), {"__name__": "__docs__"})
     finally:
         os.chdir(cwd)
@@ -171,10 +273,8 @@ def test_the_project_pages_layout_names_every_module() -> None:
 
 def test_every_trainer_in_the_readme_and_the_tour_says_when_it_stops() -> None:
     # A Trainer without `max_epochs` or `max_steps` runs Lightning's default of 1000 epochs when fitted as written.
-    blocks = BLOCK.findall((DOCS.parent / "README.md").read_text() + TOUR.read_text())
-    calls = [
-        call for block in blocks for call in re.findall(r"L\.Trainer\((.*?)\n\)|L\.Trainer\((.*?)\)\n", block, re.S)
-    ]
+    code = blocks(README, PYTHON) + blocks(TOUR, PYTHON)
+    calls = [call for block in code for call in re.findall(r"L\.Trainer\((.*?)\n\)|L\.Trainer\((.*?)\)\n", block, re.S)]
     texts = [first or second for first, second in calls]
     assert len(texts) >= 5
     assert all("max_epochs" in text or "max_steps" in text for text in texts), texts

@@ -344,29 +344,19 @@ def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
     ]
 
 
-#: Where the tests of a module live when no `tests/test_<module>.py` is named after it: the feature file that proves
-#: its behaviour through the doors users drive (one place to look, kept true by the test below).
+#: The modules whose tests are still in a feature file, where each row says: those of the open-group checkpoint and
+#: the group's sums, restructured in issue #64. Each row goes when its module has its own file (the check below fails
+#: while the row outlives it), and the table with the last one: then every module's tests are found by its path.
 TESTS_OF: dict[str, str] = {
-    "callbacks/common": "callbacks/test_axis_logger.py",
-    "callbacks/diagnoses": "callbacks/test_check.py",
-    "callbacks/rich_columns": "callbacks/test_progress.py",
     "carry": "strategies/test_checkpoint.py",
-    "core/adapter": "strategies/test_base.py",
     "core/checkpoint": "strategies/test_checkpoint.py",
-    "core/ddp": "strategies/test_ddp.py",
     "core/entry": "strategies/test_checkpoint.py",
-    "core/mesh": "strategies/test_model_parallel.py",
     "core/reading": "strategies/test_checkpoint.py",
-    "decision": "test_engine.py",
-    "evaluation_loss": "test_fabric_evaluation.py",
     "group": "test_engine.py",
-    "options": "strategies/test_base.py",
-    "slicing": "strategies/test_slicing.py",
-    "strategies/automatic": "strategies/test_base.py",
-    "strategies/precision_clipping": "strategies/test_base.py",
-    "strategies/single": "strategies/test_base.py",
-    "strategies/trainer_side": "strategies/test_ddp_agreement.py",
 }
+#: The folder of tests/ that holds the project-level checks (docs, examples, layout, packaging); every other folder,
+#: the top level included, mirrors the package's folder of the same name.
+PROJECT_TESTS = "project"
 
 
 def _test_path(module: str) -> str:
@@ -380,8 +370,48 @@ def test_every_module_has_its_tests_found_by_name() -> None:
     tests = ROOT / "tests"
     modules = [_module_name(p) for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py"]
     unnamed = [m for m in modules if not (tests / _test_path(m)).exists()]
-    assert sorted(TESTS_OF) == unnamed, "a module without tests/<folder>/test_<module>.py needs its row in TESTS_OF"
+    assert [m for m in unnamed if m not in TESTS_OF] == [], "a module's tests go in tests/<folder>/test_<module>.py"
+    assert sorted(set(TESTS_OF) - set(unnamed)) == [], "a module with its own test file leaves TESTS_OF"
     assert [f for f in TESTS_OF.values() if not (tests / f).exists()] == []
+
+
+def _stray_test_files(tests: Path, package: Path) -> list[str]:
+    """The test files (``test_*.py``) under ``tests`` not named ``test_<module>[_<topic>].py`` after a module of the
+    package's folder they sit in (``test_worker_exit.py`` for ``_worker_exit``; the top level for the package's), or
+    in a folder the package does not have; ``tests/project`` holds project-level checks and is not a package folder."""
+    stray = []
+    for path in sorted(tests.rglob("test_*.py")):
+        folder = path.parent.relative_to(tests)
+        if folder.as_posix() == PROJECT_TESTS:
+            continue
+        modules = [p.stem.lstrip("_") for p in (package / folder).glob("*.py") if p.name != "__init__.py"]
+        topic = path.stem.removeprefix("test_")
+        if not any(topic == module or topic.startswith(f"{module}_") for module in modules):
+            stray.append(path.relative_to(tests).as_posix())
+    return stray
+
+
+def test_every_test_file_is_named_after_a_module_of_its_folder() -> None:
+    assert _stray_test_files(ROOT / "tests", PACKAGE) == []
+
+
+def test_a_planted_test_file_named_after_no_module_of_its_folder_is_caught(tmp_path: Path) -> None:
+    package, tests = tmp_path / "lightning_accum", tmp_path / "tests"
+    for folder in (package / "core", tests / "core", tests / PROJECT_TESTS, tests / "extra"):
+        folder.mkdir(parents=True)
+    for module in ("__init__.py", "_worker_exit.py", "engine.py", "core/__init__.py", "core/rules.py"):
+        (package / module).write_text("")
+    named = ["test_worker_exit.py", "test_engine.py", "test_engine_kernels.py", "core/test_rules.py"]
+    planted = [
+        "test_enginex.py",  # no module `enginex`
+        "test_rules.py",  # `rules` is core's, not the top level's
+        "core/test_engine.py",  # `engine` is the top level's, not core's
+        "extra/test_engine.py",  # a folder the package does not have
+        "test_init.py",  # `__init__` is no module of its own
+    ]
+    for test in [*named, f"{PROJECT_TESTS}/test_docs.py", *planted]:
+        (tests / test).write_text("")
+    assert _stray_test_files(tests, package) == sorted(planted)
 
 
 # ------------------------------------------------------------------ the lifecycle owns its state

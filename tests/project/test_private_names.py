@@ -275,3 +275,55 @@ def test_lightnings_and_fabrics_update_dataloader_recreate_a_loader_around_anoth
                  fabrics(Loader(data, batch_size=3, shuffle=True), sampler)):  # fmt: skip
         assert type(made) is Loader and made.sampler is sampler and made.batch_size == 3
         assert [b.tolist() for b in made] == [[1, 3, 5], [7, 9]]
+
+
+def test_lightning_counts_an_epochs_batches_where_token_groups_set_them() -> None:
+    # `token_batches=` sets each epoch's count from its order's `set_epoch`, which `_FitLoop.on_advance_start` calls
+    # (`_set_sampler_epoch`, on `batch_sampler.sampler`) after its data set-up and before `on_train_epoch_start`:
+    # `fit_loop.max_batches` (`num_training_batches`: the epoch's end, the progress bars), the limit of
+    # `fit_loop._combined_loader` (the length the data fetcher counts an epoch by) and `trainer.val_check_batch`.
+    import lightning as L
+    from helpers import EvalLM, ListDataset, make_examples, random_lengths
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from lightning.pytorch.loops.fetchers import _DataFetcher
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from torch.utils.data import DataLoader
+
+    from lightning_accum import TokenBatches
+    from lightning_accum.strategies.token_groups import TokenGroups
+
+    start = inspect.getsource(_FitLoop.on_advance_start)
+    assert start.index("_set_sampler_epoch(") < start.index('"on_train_epoch_start"')
+    assert "batch_sampler" in inspect.getsource(_set_sampler_epoch)
+    setup = inspect.getsource(_FitLoop.setup_data)
+    assert "combined_loader.limits = limits" in setup and "self._combined_loader = combined_loader" in setup
+    assert "return self.fit_loop.max_batches" in inspect.getsource(L.Trainer.num_training_batches.fget)  # type: ignore[attr-defined]
+    assert "self.trainer.num_training_batches" in inspect.getsource(_TrainingEpochLoop._num_ready_batches_reached)
+    assert "self.trainer.val_check_batch" in inspect.getsource(_TrainingEpochLoop._should_check_val_fx)
+    assert "sized_len(self.combined_loader)" in inspect.getsource(_DataFetcher.reset)
+
+    class Seen(L.Callback):  # on Lightning's own strategy: each epoch's length, and where validation ran
+        def __init__(self) -> None:
+            self.ran: list[int] = []
+            self.counts: list[int] = []
+            self.validated: list[tuple[int, int]] = []
+
+        def on_train_epoch_start(self, trainer: L.Trainer, *args: object) -> None:
+            self.ran.append(0)
+            self.counts.append(trainer.num_training_batches)
+
+        def on_train_batch_start(self, *args: object) -> None:
+            self.ran[-1] += 1
+
+        def on_validation_start(self, trainer: L.Trainer, *args: object) -> None:
+            self.validated.append((trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx))
+
+    examples = make_examples(random_lengths(40, seed=3), seed=3)
+    lengths = [int((e["labels"] != -100).sum()) for e in examples]
+    seen = Seen()
+    trainer = make_trainer(strategy="auto", max_epochs=3, callbacks=[seen], val_check_interval=1.0)
+    loader = TokenGroups(TokenBatches(8, lengths)).install(DataLoader(ListDataset(examples), 4, True), trainer, None)
+    trainer.fit(EvalLM(), loader, DataLoader(ListDataset(examples[:4]), batch_size=4))
+    assert len(set(seen.ran)) > 1 and seen.ran == seen.counts  # epochs of different lengths, each run whole
+    assert seen.validated == [(epoch, n - 1) for epoch, n in enumerate(seen.ran)]  # at each epoch's end

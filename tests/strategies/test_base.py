@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from helpers import (
@@ -19,13 +21,13 @@ from helpers import (
     random_lengths,
     relative_error,
     sgd_reference,
-    token_weighted_grad,
 )
 from host_reads import HostReadProbe, MicroBatchSyncCounter
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_accum
-from lightning_accum import AccumulationStrategy
+from lightning_accum import AccumulationReport, AccumulationStrategy
+from strategies.test_automatic import _Recorder
 
 
 @pytest.mark.parametrize("accumulate", [1, 3, 4])
@@ -158,6 +160,72 @@ def test_zero_token_microbatch_and_zero_token_group() -> None:
     assert ledger.tokens == 8 and ledger.last_group is not None and ledger.last_group.skip_reason == "empty"
 
 
+class _OptimizerSteps:
+    """Counts every optimizer step taken while it is open (torch's global step hook)."""
+
+    def __enter__(self) -> _OptimizerSteps:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.count = 0
+        self._handle = register_optimizer_step_post_hook(lambda *_: setattr(self, "count", self.count + 1))
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._handle.remove()
+
+
+def test_a_fit_whose_every_micro_batch_reports_zero_tokens_is_an_error(tmp_path: Path) -> None:
+    examples = make_examples([0] * 8, seed=2)  # every label is the ignore index
+    model = TinyLM(lr=0.5)
+    before = params_vector(model)
+    report = AccumulationReport(path=tmp_path)
+    with (
+        _OptimizerSteps() as steps,
+        pytest.warns(UserWarning, match=r"update 1 is skipped: its group holds no tokens"),
+        pytest.raises(
+            RuntimeError,
+            match=r"^The fit attempted 2 update\(s\) and applied none: every micro-batch reported zero tokens on every"
+            r" replica.*`training_step` should return `num_tokens`, the tokens its mean loss averages over.*"
+            r"supervised_tokens\(labels, shift=\.\.\.\)",
+        ),
+    ):
+        fit(model, examples, batch_size=2, accumulate=2, callbacks=[report])
+    assert steps.count == 0 and torch.equal(params_vector(model), before)
+    assert report.record is not None and report.record["status"] == "failed"  # the run record says why
+    assert "applied none" in report.record["error"]
+
+
+class _NaNLoss(TinyLM):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        return {**out, "loss": out["loss"] * float("nan")}
+
+
+def test_a_fit_whose_every_update_is_skipped_is_an_error_with_the_counts() -> None:
+    examples = make_examples([3, 4, 5, 6, 2, 1, 4, 4], seed=2)
+    with (
+        _OptimizerSteps() as steps,
+        pytest.warns(UserWarning, match=r"skipped update \d: its gradient is not finite"),
+        pytest.raises(RuntimeError, match=r"attempted 2 update\(s\) and applied none: every update was skipped"
+                      r" \(nonfinite 2\): 'overflow' by the GradScaler"),
+    ):  # fmt: skip
+        fit(_NaNLoss(), examples, batch_size=2, accumulate=2)
+    assert steps.count == 0
+
+
+def test_a_fit_stopped_before_its_first_update_is_not_an_error() -> None:
+    # No attempt at all (stopped inside the first group): nothing to say beyond the open group's warning.
+    class StopAtOnce(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+            trainer.should_stop = True
+
+    with pytest.warns(UserWarning, match=r"the fit stopped"):
+        trainer = fit(
+            TinyLM(), make_examples([3, 4, 5, 6], seed=2), batch_size=1, accumulate=4, callbacks=[StopAtOnce()]
+        )
+    assert trainer.strategy.ledger.updates_attempted == 0
+
+
 class _Stream(IterableDataset):
     def __init__(self, examples: list[dict[str, torch.Tensor]], batch_size: int) -> None:
         self.examples, self.batch_size = examples, batch_size
@@ -207,20 +275,6 @@ def test_training_step_must_report_tokens_when_normalizing_by_tokens() -> None:
             accumulate=2,
             strategy=AccumulationStrategy(normalize="tokens"),
         )
-
-
-def test_strategy_argument_errors() -> None:
-    with pytest.raises(
-        ValueError, match=r"`normalize` must be one of 'auto', 'tokens', 'samples', 'batches', 'documents'; got 'mean'"
-    ):
-        AccumulationStrategy(normalize="mean")
-    with pytest.raises(ValueError, match=r"`partial_group` must be one of 'rescale', 'drop'; got 'pad'"):
-        lightning_accum.DDPAccumulationStrategy(partial_group="pad")
-
-
-def test_accum_on_several_devices_names_the_ddp_string() -> None:
-    with pytest.raises(ValueError, match=r"strategy='accum' runs on one device.*'accum_ddp'"):
-        make_trainer(strategy="accum", devices=2)
 
 
 def test_checkpoint_round_trip_with_weights_only(tmp_path: Any) -> None:
@@ -300,50 +354,6 @@ def test_an_invalid_training_step_output_gets_lightnings_error(output: Any) -> N
     assert messages[0] == messages[1]
 
 
-class _Recorder(TinyLM):
-    """Records the order of hooks, closure evaluations and the optimizer's step."""
-
-    def __init__(self, optimizer: str = "sgd", **kwargs: Any) -> None:
-        super().__init__(optimizer=optimizer, **kwargs)
-        self.events: list[str] = []
-        self.steps = 0
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-        self.events.append("training_step")
-        self.steps += 1
-        return super().training_step(batch, batch_idx)
-
-    def on_before_zero_grad(self, optimizer: Any) -> None:
-        self.events.append("zero_grad")
-
-    def on_after_backward(self) -> None:
-        self.events.append("backward")
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        self.events.append("before_optimizer_step")
-
-    def configure_optimizers(self) -> Any:
-        if self.optimizer_name == "lbfgs":
-            optimizer: torch.optim.Optimizer = torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=5)
-        else:
-            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
-        optimizer.register_step_pre_hook(lambda *_: self.events.append("step_start"))
-        optimizer.register_step_post_hook(lambda *_: self.events.append("step_end"))
-        return optimizer
-
-
-def test_hook_order_is_lightnings() -> None:
-    examples = make_examples([3, 4, 5, 2])
-    orders = []
-    for strategy in ("auto", "accum"):
-        model = _Recorder()
-        fit(model, examples, batch_size=1, accumulate=2, strategy=strategy)
-        orders.append(model.events)
-    assert orders[0] == orders[1]
-    # The optimizer evaluates the closure inside its step: the group's last training_step runs after step_start.
-    assert orders[1][:6] == ["training_step", "zero_grad", "backward", "step_start", "training_step", "backward"]
-
-
 def test_hook_order_under_a_schedule_is_lightnings_group_by_group() -> None:
     # Groups of 1, 1, 3 and 3 micro-batches (a schedule on samples, m = 1; the groups of 3 start at batches 2 and 5):
     # each group's hooks in the order Lightning's own loop gives a group of its size.
@@ -356,62 +366,6 @@ def test_hook_order_under_a_schedule_is_lightnings_group_by_group() -> None:
     schedule = lightning_accum.BatchSchedule({0: 1, 2: 3}, axis="samples")
     fit(model, make_examples([3, 4, 5, 2, 6, 1, 3, 4]), 1, 1, strategy=AccumulationStrategy(batch_schedule=schedule))
     assert model.events == 2 * lightnings(1) + 2 * lightnings(3)
-
-
-def test_lbfgs_at_one_micro_batch_per_update_evaluates_the_closure_as_in_lightning() -> None:
-    examples = make_examples([3, 4, 5, 2], seed=3)
-    runs = {}
-    for strategy in ("auto", "accum"):
-        model = _Recorder(optimizer="lbfgs")
-        trainer = fit(model, examples, batch_size=2, accumulate=1, strategy=strategy)
-        runs[strategy] = (model, trainer)
-    (plain, _), (ours, trainer) = runs["auto"], runs["accum"]
-    assert ours.steps == plain.steps > 2 * 2  # many evaluations per update, not one
-    torch.testing.assert_close(params_vector(ours), params_vector(plain), rtol=1e-6, atol=1e-7)
-    ledger = trainer.strategy.ledger
-    assert (ledger.updates_applied, ledger.microbatches, ledger.samples) == (2, 2, 4)  # re-evaluations not counted
-
-
-def test_lbfgs_with_accumulation_is_an_error_at_fit_start() -> None:
-    model = _Recorder(optimizer="lbfgs")
-    with pytest.raises(ValueError, match=r"`LBFGS` evaluates the training closure several times.*accumulate_grad_bat"):
-        fit(model, make_examples([3, 4]), batch_size=1, accumulate=2)
-    assert model.steps == 0
-
-
-class _EvaluatesTwice(torch.optim.SGD):
-    """A first-order optimizer that evaluates the closure twice per step (like SAM)."""
-
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        closure()
-        return super().step(closure)
-
-
-class _IgnoresClosure(torch.optim.SGD):
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        return super().step()
-
-
-class _WithOptimizer(TinyLM):
-    def __init__(self, cls: type[torch.optim.Optimizer]) -> None:
-        super().__init__()
-        self.cls = cls
-
-    def configure_optimizers(self) -> Any:
-        return self.cls(self.parameters(), lr=0.1)
-
-
-def test_an_optimizer_that_reevaluates_the_closure_while_accumulating_is_named() -> None:
-    with pytest.raises(RuntimeError, match=r"`_EvaluatesTwice` evaluates the training closure several times"):
-        fit(_WithOptimizer(_EvaluatesTwice), make_examples([3, 4]), batch_size=1, accumulate=2)
-
-
-def test_an_optimizer_that_ignores_the_closure_gets_lightnings_error() -> None:
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    for strategy in ("auto", "accum"):
-        with pytest.raises(MisconfigurationException, match=r"The closure hasn't been executed"):
-            fit(_WithOptimizer(_IgnoresClosure), make_examples([3, 4]), batch_size=1, accumulate=2, strategy=strategy)
 
 
 def test_at_one_micro_batch_per_update_the_parameters_are_lightnings_bit_for_bit() -> None:
@@ -428,23 +382,3 @@ def test_at_one_micro_batch_per_update_the_parameters_are_lightnings_bit_for_bit
     assert torch.equal(params_vector(ours), params_vector(plain))
     ledger = trainer.strategy.ledger
     assert (ledger.updates_applied, ledger.tokens) == (8, sum(int((e["labels"] != IGNORE).sum()) for e in examples))
-
-
-@pytest.mark.parametrize("algorithm", ["norm", "value"])
-def test_automatic_clipping_on_one_device_clips_the_groups_exact_gradient(algorithm: str) -> None:
-    # `gradient_clip_val` under automatic optimization: the precision plugin's clipping runs the engine adapter's for
-    # the fit (one way to clip at both doors), on the group's token-weighted gradient. Reference: float64 by hand.
-    examples = make_examples(random_lengths(8, seed=4), seed=5)
-    model = TinyLM(lr=0.5, seed=6)
-    start = params_vector(model).double()
-    gradient = token_weighted_grad(model, examples)
-    clip = {"norm": 0.05, "value": 0.01}[algorithm]
-    if algorithm == "norm":
-        assert gradient.norm() > clip  # the clip acts
-        clipped = gradient * min(1.0, clip / (gradient.norm().item() + 1e-6))  # torch's clip_grad_norm_
-    else:
-        assert gradient.abs().max() > clip
-        clipped = gradient.clamp(-clip, clip)
-    fit(model, examples, 2, 4, precision="64-true", gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
-    torch.testing.assert_close(params_vector(model), start - 0.5 * clipped, rtol=0, atol=1e-12)
-    assert relative_error(start - 0.5 * gradient, start - 0.5 * clipped) > 1e-3  # unclipped: another update

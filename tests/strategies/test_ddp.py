@@ -20,7 +20,6 @@ from helpers import (
     sgd_reference,
 )
 
-import lightning_accum
 from lightning_accum import AccumulationLedger, DDPAccumulationStrategy
 
 
@@ -151,23 +150,6 @@ def test_zero_token_microbatch_group_and_drop_under_ddp(tmp_path: Path) -> None:
     ledger = drop[0]["ledger"]
     assert (ledger["updates_applied"], ledger["partial_groups"], ledger["dropped_microbatches"]) == (1, 1, 2)
     assert (ledger["dropped_samples"], ledger["dropped_tokens"]) == (4, 3 + 3 + 6 + 6)
-
-
-def test_strategy_strings_are_registered() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    for name in (
-        "accum",
-        "accum_ddp",
-        "accum_ddp_spawn",
-        "accum_ddp_fork",
-        "accum_ddp_notebook",
-        "accum_ddp_find_unused_parameters_true",
-    ):
-        assert name in StrategyRegistry, name
-    strategy = StrategyRegistry.get("accum_ddp_find_unused_parameters_true")
-    assert isinstance(strategy, lightning_accum.DDPAccumulationStrategy)
-    assert strategy._ddp_kwargs == {"find_unused_parameters": True}
 
 
 SEED_TABLE_D2 = [(2, 8), (1, 16), (4, 4)]  # (m, A) with D = 2: 32 examples per update

@@ -89,38 +89,3 @@ def test_data_that_ends_inside_a_group_unevenly_is_an_error_on_every_rank(tmp_pa
             in (result["error"])
         ), result
         assert f"this replica's data {'goes on' if rank == 0 else 'ended'}" in result["error"]
-
-
-# ---------------------------------------------------------------------------- LightningCLI
-
-
-def _three_units(rank: int, folder: str) -> None:
-    """Three replicas weighting one group by tokens, samples and batches: what each one's close says."""
-    from lightning_accum.engine import AccumulationEngine, Replicas
-
-    torch.distributed.init_process_group("gloo")
-
-    def reduce(tensor: torch.Tensor) -> torch.Tensor:
-        torch.distributed.all_reduce(tensor)
-        return tensor
-
-    engine = AccumulationEngine(normalize=("tokens", "samples", "batches")[rank])
-    engine.bind(replicas=Replicas(3, reduce))
-    loss = torch.tensor(2.0, requires_grad=True)
-    engine.add_microbatch({"loss": loss, "num_tokens": 5, "num_samples": 2}, None, accumulate=1)
-    try:
-        engine.close_group(accumulate=1)
-        message = "no error"
-    except RuntimeError as err:
-        message = str(err)
-    Path(folder, f"rank{rank}.json").write_text(json.dumps(message))
-
-
-@pytest.mark.ddp
-@pytest.mark.timeout(300)
-def test_three_replicas_on_three_units_get_the_same_error_on_every_rank(tmp_path: Path) -> None:
-    # Before: codes 1 + 2 + 3 = 2 · 3, so the replica weighting by samples closed the group ("no error") while the two
-    # others raised; the sum of the codes' squares (14 against 4 · 3) now tells every replica.
-    run_ddp(_three_units, str(tmp_path), world_size=3)
-    messages = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
-    assert all(m.startswith("Replicas weight micro-batches by different units") for m in messages), messages

@@ -105,7 +105,7 @@ def test_a_step_mode_accumulation_scheduler_cuts_a_group_in_lightning_and_is_ref
     inside = r"changed from 2 to 3 before batch 2 of epoch 0, inside the epoch: .*PR #21583.*at an epoch's start"
     with pytest.raises(RuntimeError, match=inside):
         fit(TinyLM(), EXAMPLES, batch_size=1, accumulate=1, callbacks=[steps])
-    scheduled = r"from 1 to 2 before batch 0 of epoch 0, which `batch_schedule=` sets .*state the sizes as `batch_sch"
+    scheduled = r"from 1 to 2 before batch 0 of epoch 0, which the strategy sets at each group.s start.*as `batch_sch"
     with pytest.raises(RuntimeError, match=scheduled):
         fit(TinyLM(), EXAMPLES, batch_size=1, accumulate=1, strategy=_scheduled(), callbacks=[steps])
 
@@ -129,7 +129,7 @@ def test_swa_writes_at_its_batch_norm_epochs_start_allowed_alone_and_refused_und
     plain = fit(NormedLM(), EXAMPLES, batch_size=2, accumulate=2, strategy="auto", callbacks=[swa()], max_epochs=2)
     ours = fit(NormedLM(), EXAMPLES, batch_size=2, accumulate=2, callbacks=[swa()], max_epochs=2)
     assert ours.global_step == plain.global_step == 5 and ours.current_epoch == 3  # the batch-norm epoch ran
-    refused = r"changed from 2 to 5 before batch 0 of epoch 2, which `batch_schedule=`.*`StochasticWeightAveraging`'s"
+    refused = r"changed from 2 to 5 before batch 0 of epoch 2, which the strategy sets.*`StochasticWeightAveraging`'s"
     with pytest.raises(RuntimeError, match=refused):
         fit(NormedLM(), EXAMPLES, 2, accumulate=1, strategy=_scheduled({0: 4}), callbacks=[swa()], max_epochs=2)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from helpers import (
     run_ddp,
     torchrun_two_nodes,
 )
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -37,10 +36,8 @@ from lightning_accum import (
     AccumulationCheck,
     AccumulationLedger,
     AccumulationReport,
-    AxisLogger,
     ModelParallelAccumulationStrategy,
 )
-from lightning_accum.callbacks.common import unsupported_strategy_hint
 from lightning_accum.core.reading import LIGHTNING_TAKES_REMOTE_FOLDERS
 
 WIDTH = 12  # vocabulary rows and logits (the data's ids and labels stay below helpers.VOCAB = 11)
@@ -402,35 +399,6 @@ def test_strategy_strings_sizes_and_argument_errors() -> None:
         ModelParallelAccumulationStrategy(tensor_parallel_size=0)
 
 
-@pytest.mark.parametrize(
-    ("sizes", "message"),
-    [
-        (
-            {"data_parallel_size": 2, "tensor_parallel_size": 2},
-            r"`data_parallel_size=2` × `tensor_parallel_size=2` = 4,",
-        ),
-        ({"data_parallel_size": 3}, r"not a multiple of data_parallel_size=3, so `tensor_parallel_size` cannot be"),
-    ],
-)
-def test_a_world_size_that_is_not_dp_times_tp_is_named_before_any_process_starts(
-    sizes: dict[str, int], message: str
-) -> None:
-    strategy = ModelParallelAccumulationStrategy(**sizes)  # type: ignore[arg-type]
-    make_trainer(strategy=strategy, devices=2)
-    with pytest.raises(ValueError, match=message):
-        strategy.setup_environment()  # the first thing Lightning runs on every process, before the process group
-
-
-def test_lightning_sharding_strategies_with_the_callbacks_name_what_is_supported_instead() -> None:
-    # Lightning refuses FSDP1 on the CPU, so its sentence is checked directly; the callbacks append it.
-    fsdp1 = unsupported_strategy_hint(FSDPStrategy())
-    assert "FSDPStrategy (FSDP1) is not supported: use strategy='accum_fsdp'" in fsdp1
-    trainer = make_trainer(strategy=ModelParallelStrategy())
-    for callback in (AxisLogger(), AccumulationReport()):
-        with pytest.raises(RuntimeError, match=r"use ModelParallelAccumulationStrategy \(strategy='accum_fsdp' or"):
-            callback.setup(trainer, ShardedLM(), "fit")
-
-
 class DataParallelStridedSampler(RankStridedSampler):
     """Data-parallel rank `r` of `D` reads examples r, r + D, ...; the ranks of one tensor-parallel group alike."""
 
@@ -489,68 +457,3 @@ def test_torchrun_two_nodes_one_process_each_with_accum_fsdp(tmp_path: Path) -> 
     single = _single(str(tmp_path), make_examples(UNEQUAL, seed=8), 4, "adamw")
     assert relative_error(result["params"], single["params"]) < 1e-5
     assert _counts(result["ledger"]) == _counts(single["ledger"])
-
-
-# ------------------------------------------------------------------------------------------ timeout= on every group
-
-TIMEOUT = timedelta(seconds=123)  # neither Lightning's nor torch's default (30 minutes)
-
-
-def group_timeouts() -> list[tuple[list[int], timedelta]]:
-    """Every process group this rank belongs to (torch's registry of them, the default group included), by its global
-    ranks, with the timeout its gloo backend waits for a collective (private names of torch, read by this test
-    only)."""
-    from torch.distributed.distributed_c10d import _world
-
-    cpu = torch.device("cpu")
-    return [
-        (torch.distributed.get_process_group_ranks(g), g._get_backend(cpu).options._timeout)
-        for g in list(_world.pg_map)
-    ]
-
-
-class RecordGroups(L.Callback):
-    """At the end of a fit: every process group, with its timeout (`group_timeouts`), to `folder/groups-rank{r}.pt`."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        torch.save(group_timeouts(), os.path.join(self.folder, f"groups-rank{trainer.global_rank}.pt"))
-
-
-def _groups_worker(rank: int, folder: str, door: str) -> None:
-    if door == "trainer":
-        strategy = ModelParallelAccumulationStrategy(data_parallel_size=2, tensor_parallel_size=2, timeout=TIMEOUT)
-        trainer = make_trainer(
-            strategy=strategy, devices=4, accumulate_grad_batches=2, callbacks=[RecordGroups(folder)]
-        )
-        examples = make_examples(UNEQUAL[:8], seed=8)
-        sampler = DataParallelStridedSampler(len(examples), tensor_parallel=2)
-        trainer.fit(ShardedLM("2d"), DataLoader(ListDataset(examples), batch_size=2, sampler=sampler))
-        return
-    from lightning_accum.fabric import FabricModelParallelAccumulationStrategy
-
-    fabric_strategy = FabricModelParallelAccumulationStrategy(
-        lambda model, mesh: model, data_parallel_size=2, tensor_parallel_size=2, timeout=TIMEOUT
-    )
-    fabric = L.Fabric(strategy=fabric_strategy, devices=4, accelerator="cpu")
-    fabric.launch()  # the processes exist (run_ddp): the process group and the mesh
-    evaluation = fabric_strategy.evaluation()  # one reduction over the data-parallel group
-    evaluation.add(torch.tensor(1.0), num_tokens=1)
-    evaluation.compute()
-    torch.save(group_timeouts(), os.path.join(folder, f"groups-rank{rank}.pt"))
-
-
-@pytest.mark.ddp
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("door", ["trainer", "fabric"])
-def test_timeout_reaches_every_process_group_of_a_two_by_two_mesh(tmp_path: Path, door: str) -> None:
-    # (data, tensor) = (2, 2) on 4 processes: torch's device mesh makes a group per dimension (ranks {0, 2} and {0, 1}
-    # for rank 0), with torch's default 30 minutes unless the strategy hands them its `timeout=`.
-    run_ddp(_groups_worker, str(tmp_path), door, world_size=4)
-    for rank in range(4):
-        groups = torch.load(tmp_path / f"groups-rank{rank}.pt", weights_only=False)
-        tensor_parallel, data_parallel = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]
-        assert {tuple(ranks) for ranks, _ in groups} >= {(0, 1, 2, 3), tuple(tensor_parallel), tuple(data_parallel)}
-        assert all(timeout == TIMEOUT for _, timeout in groups), (rank, groups)

@@ -16,7 +16,6 @@ import lightning as L
 import pytest
 import torch
 from helpers import (
-    IGNORE,
     ListDataset,
     RankStridedSampler,
     RecordOnRanks,
@@ -43,7 +42,7 @@ from lightning_accum import (
     AxisLogger,
     DDPAccumulationStrategy,
 )
-from lightning_accum.slicing import count_samples, slice_batch
+from lightning_accum.slicing import slice_batch
 
 #: Weak references to the activations of every attempt that ran out of memory, and how many of them were still alive
 #: when the next forward started (a recovery must release a failed attempt before running the slice again).
@@ -437,20 +436,6 @@ def test_invalid_options_are_clear_errors() -> None:
         AccumulationStrategy(microbatch_size=2, split_batch="first")
 
 
-def test_a_batch_without_a_common_leading_dimension_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"share no leading \(sample\) dimension \(leading dimensions found: \[3, 4\]"):
-        count_samples({"ids": torch.zeros(4, 2), "extra": torch.zeros(3)})
-    examples = [{"input_ids": e["input_ids"], "labels": e["labels"], "lens": torch.ones(2)} for e in _examples(8)]
-
-    def collate(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-        batch = {k: torch.stack([i[k] for i in items]) for k in ("input_ids", "labels")}
-        batch["lens"] = torch.ones(3)
-        return batch
-
-    with pytest.raises(ValueError, match="split_batch=lambda batch, start, stop"):
-        fit(TinyLM(seed=1), examples, 4, 1, strategy=AccumulationStrategy(microbatch_size=2), collate_fn=collate)
-
-
 @dataclasses.dataclass
 class Packed:
     """A custom batch type: token ids and labels, with the number of rows kept apart."""
@@ -485,14 +470,6 @@ def test_a_custom_batch_type_is_cut_by_the_users_split_function() -> None:
     fit(model, examples, 4, 2, strategy=strategy, collate_fn=collate)
     assert relative_error(params_vector(model), expected) < 1e-6
     assert cuts[:2] == [(0, 2), (2, 4)]  # 4 samples at 3: 2 + 2
-
-
-def test_default_cut_keeps_non_sample_values_whole() -> None:
-    batch = {"x": torch.arange(12).reshape(6, 2), "meta": ("a", 3), "scalar": torch.tensor(1.0), "mask": torch.ones(6)}
-    part = slice_batch(batch, 2, 4, 6)
-    assert part["x"].tolist() == [[4, 5], [6, 7]] and part["meta"] == ("a", 3)
-    assert part["scalar"].ndim == 0 and part["mask"].shape == (2,)
-    assert IGNORE == -100  # the helpers' ignore index, used by the labels sliced above
 
 
 # ---------------------------------------------------------------------------- DDP
