@@ -1,4 +1,4 @@
-"""An orderly end of the process group in a worker the package's spawn/fork launcher started (troubleshooting.md)."""
+"""A worker of the package's spawn/fork launchers: modules of its own, its process group closed (troubleshooting.md)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 import torch.distributed
+from torch import nn
 
-__all__ = ["ClosingWorkers", "close_process_group", "launcher_configuration"]
+__all__ = ["ClosingWorkers", "close_process_group", "launcher_configuration", "unshare"]
 
 
 def close_process_group(strategy: Any) -> bool:
@@ -22,12 +23,26 @@ def close_process_group(strategy: Any) -> bool:
     return True
 
 
+def unshare(data: Any) -> None:
+    """Copies into this process's memory the shared CPU parameters and buffers of the modules in ``data`` (nested)."""
+    if isinstance(data, nn.Module):
+        for tensor in [*data.parameters(), *data.buffers()]:
+            if tensor.device.type == "cpu" and tensor.is_shared():
+                tensor.data = tensor.data.clone()
+    elif isinstance(data, (tuple, list, dict)):
+        for item in data.values() if isinstance(data, dict) else data:
+            unshare(item)
+
+
 class ClosingWorkers:
-    """The base of the package's spawn/fork launchers: each worker closes its process group once its work returned."""
+    """The base of the package's spawn/fork launchers: each worker unshares the modules it was sent (the framework does
+    it under ``"spawn"`` only) and closes its process group once its work returned."""
 
     _strategy: Any
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        if self._strategy._start_method == "forkserver" and self._strategy.parallel_devices[0].type == "cpu":
+            unshare(args)  # the launched function's arguments, pickled into shared memory: one storage for all workers
         super()._wrapping_function(*args, **kwargs)  # type: ignore[misc]  # the framework's launcher, after this base
         close_process_group(self._strategy)
 

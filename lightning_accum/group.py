@@ -1,17 +1,5 @@
-"""One accumulation group's sums: kept as the micro-batches arrive, formed once, reduced by sum, read once.
-
-As a torchmetrics ``MeanMetric`` keeps ``Σ value·weight`` and ``Σ weight``, a group keeps what its micro-batches
-reported and turns it into one small float64 vector when it closes (:meth:`GroupSums.local_vector`); the engine sums
-it over the replicas and reads it once; :class:`ReducedGroup` names its values.
-
-Counts stay exact integers whatever their size: a float64 sum is exact only below 2^53, so every count is
-carried as two parts, ``count = hi · 2^24 + lo`` with ``0 <= lo < 2^24``. Each part's sum over micro-batches
-and replicas stays far below 2^53 (``lo`` sums below 2^53 for up to 2^29 micro-batches of a group; ``hi``
-sums below 2^53 for group totals up to 2^77), so the integer rebuilt on the host is exact.
-
-Host values reach the device as one small tensor copied with ``non_blocking=True``, so forming the vector never
-waits for the queued backward; the one host read is the engine's, after the all-reduce.
-"""
+"""One accumulation group's sums: kept as the micro-batches arrive, formed once, reduced by sum, read once
+(docs/internals.md, "A group's sums")."""
 
 from __future__ import annotations
 
@@ -128,13 +116,8 @@ class ReducedGroup:
 
 
 class GroupSums:
-    """What one group's micro-batches reported, kept as they arrived until the group closes.
-
-    Nothing is computed per micro-batch: appending references costs no kernel launch, and the group's sums
-    are formed once, in :meth:`local_vector`. Losses are detached (no graph is kept). The weights are the
-    ``tokens``, ``samples`` or ``documents`` list, whichever the unit is (every micro-batch with a loss reports it), or
-    1 each.
-    """
+    """What one group's micro-batches reported, kept as they arrived (losses detached) until the group closes; the
+    weights are the ``tokens``, ``samples`` or ``documents`` list, whichever the unit is, or 1 each."""
 
     def __init__(self) -> None:
         self.microbatches = 0
@@ -216,12 +199,12 @@ class GroupSums:
         """This replica's contribution to the group's reduced vector (:class:`Slot` layout), a new float64 tensor.
 
         ``extra`` and ``carried`` (what a checkpoint carried into the group) add host values by slot; ``group_scale``
-        is ``c`` (a float, or a device scalar). Host values (ints reported as such, ``c`` as a float, ``extra``,
-        ``carried``) are summed on the host, exactly; values reported as tensors are summed on the device (a handful of
-        operations whatever the group's size).
+        is ``c`` (a float, or a device scalar). Host values are summed on the host, tensors on the device.
         """
         host = [0.0] * VECTOR_SIZE
-        for slot, value in (*(extra or {}).items(), *(carried or {}).items()):
+        weights = self.weights(unit)
+        counted, count_parts, stacked_weights = self._counts(device, weights)
+        for slot, value in (*(extra or {}).items(), *(carried or {}).items(), *counted.items()):
             host[slot] += value
         host[Slot.EXCESS] += self.host_excess()
         # Device values and the slots they are added to (first: the count of stale gradients, where one was given).
@@ -232,28 +215,7 @@ class GroupSums:
             parts.append(((Slot.GROUP_SCALE,), group_scale.to(device=device, dtype=torch.float64).reshape(1)))
         else:
             host[Slot.GROUP_SCALE] += float(group_scale)
-        weights = self.weights(unit)
-        stacked_weights: Tensor | None = None  # the unit's counts stacked on the device, when all are tensors
-        for counts, hi, lo in (
-            (self.tokens, Slot.TOKENS_HI, Slot.TOKENS_LO),
-            (self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
-            (self.documents, Slot.DOCUMENTS_HI, Slot.DOCUMENTS_LO),
-        ):
-            host_hi, host_lo = split(sum(count for count in counts if not isinstance(count, Tensor)))
-            host[hi] += host_hi
-            host[lo] += host_lo
-            tensors = [count for count in counts if isinstance(count, Tensor)]
-            if tensors:
-                stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
-                columns = [torch.div(stacked, COUNT_SPLIT, rounding_mode="floor"), stacked % COUNT_SPLIT, stacked < 0]
-                targets: tuple[Slot, ...] = (hi, lo, Slot.NEGATIVE)
-                limits = self._position_limits(counts) if counts is self.tokens else None
-                if limits is not None:
-                    columns.append(stacked > limits.to(device, non_blocking=True))
-                    targets = (hi, lo, Slot.NEGATIVE, Slot.EXCESS)
-                parts.append((targets, torch.stack(columns).sum(1, dtype=torch.float64)))
-                if counts is weights and len(tensors) == len(counts):
-                    stacked_weights = stacked
+        parts += count_parts
         if self.losses:
             losses = torch.stack(self.losses).to(device=device, dtype=torch.float64)
             if weights is None:  # every micro-batch weighs 1
@@ -270,6 +232,33 @@ class GroupSums:
             index = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
             vector.index_add_(0, index, torch.cat([values for _, values in parts]))
         return vector
+
+    def _counts(
+        self, device: torch.device, weights: list[Count] | None
+    ) -> tuple[dict[Slot, float], list[tuple[tuple[Slot, ...], Tensor]], Tensor | None]:
+        """The counts as ints summed on the host, as tensors stacked on the device, by slot (and the unit's stacked)."""
+        host: dict[Slot, float] = {}
+        parts: list[tuple[tuple[Slot, ...], Tensor]] = []
+        stacked_weights: Tensor | None = None
+        for counts, hi, lo in (
+            (self.tokens, Slot.TOKENS_HI, Slot.TOKENS_LO),
+            (self.samples, Slot.SAMPLES_HI, Slot.SAMPLES_LO),
+            (self.documents, Slot.DOCUMENTS_HI, Slot.DOCUMENTS_LO),
+        ):
+            host[hi], host[lo] = split(sum(count for count in counts if not isinstance(count, Tensor)))
+            tensors = [count for count in counts if isinstance(count, Tensor)]
+            if tensors:
+                stacked = torch.stack(tensors).to(device=device, dtype=torch.int64)
+                columns = [torch.div(stacked, COUNT_SPLIT, rounding_mode="floor"), stacked % COUNT_SPLIT, stacked < 0]
+                targets: tuple[Slot, ...] = (hi, lo, Slot.NEGATIVE)
+                limits = self._position_limits(counts) if counts is self.tokens else None
+                if limits is not None:
+                    columns.append(stacked > limits.to(device, non_blocking=True))
+                    targets = (hi, lo, Slot.NEGATIVE, Slot.EXCESS)
+                parts.append((targets, torch.stack(columns).sum(1, dtype=torch.float64)))
+                if counts is weights and len(tensors) == len(counts):
+                    stacked_weights = stacked
+        return host, parts, stacked_weights
 
     def weights(self, unit: str | None) -> list[Count] | None:
         """The micro-batches' weights in ``unit`` as reported (``None``: every micro-batch weighs 1)."""

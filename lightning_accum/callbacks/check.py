@@ -43,6 +43,8 @@ from lightning_accum.tokens import TokenWeightingWarning, find_labels, supervise
 __all__ = ["AccumulationCheck", "AccumulationCheckError", "CheckResult", "concat_microbatches"]
 
 _BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+#: Attributes of the module that keep a tensor attached to the graph across micro-batches: (name, shape).
+_Leaks = list[tuple[str, tuple[int, ...]]]
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -122,6 +124,7 @@ class _Pass:
     module: LightningModule
     strategy: ExactAccumulation
     optimizer: Optimizer
+    accumulate: int  # the checked group's micro-batches
     seed: int
 
 
@@ -205,53 +208,49 @@ class AccumulationCheck(Callback):
     ) -> CheckResult:
         """One group of ``accumulate`` micro-batches against the same examples in one batch: the result."""
         replicas = strategy.data_parallel_replicas
-        errors: list[str] = []
-        warnings: list[str] = []
         batches = self._take(trainer, module, accumulate)
         if not batches:
             return CheckResult(0.0, 1.0, 0, ["the training data yielded no batch"], [])
-        if len(batches) < accumulate:
-            if strategy.engine.options.partial_group == "drop":
-                warnings.append(
-                    f"the first epoch holds only {len(batches)} of {accumulate} micro-batches; with"
-                    " partial_group='drop' its group makes no update"
-                )
-            else:
-                warnings.append(
-                    f"the first group holds {len(batches)} of {accumulate} micro-batches (a partial group, rescaled"
-                    " with its real denominator)"
-                )
-
-        run = _Pass(trainer, module, strategy, optimizer, seed=int(torch.randint(0, 2**31 - 1, (1,)).item()))
+        warnings = _partial_group(len(batches), accumulate, strategy.engine.options.partial_group)
+        run = _Pass(trainer, module, strategy, optimizer, accumulate, int(torch.randint(0, 2**31 - 1, (1,)).item()))
         with _float32_compute(strategy), _token_hints_muted():
             group, outcome, leaks = self._group_gradient(run, batches)
             everything = self._gather_batches(batches, replicas)
             reference = self._batch_gradient(run, everything)
 
         g, r = _flat(group), _flat(reference)
-        if not bool(torch.isfinite(g).all()):
-            where = first_nonfinite(module, group)
-            errors.append(f"the group's gradient is not finite (first non-finite gradient: {where})")
         norm = float(r.norm())
         rel = _relative_error(g, r)
         ratio = float(g.dot(r) / (norm * norm)) if norm > 0 else 1.0
+        errors, found = _group_findings(module, group, g, outcome, leaks)
+        warnings += found
+        judged_errors, judged_warnings = self._difference_findings(run, batches, everything, r, rel, ratio)
+        errors += judged_errors
+        warnings += judged_warnings
+        warnings.extend(scheduler_findings(trainer, accumulate))
+        if replicas > 1:
+            warnings.extend(replica_findings(trainer, batches))
+        notes = passed_notes(len(batches), replicas, strategy, optimizer)
+        for finding in self._evaluation_findings(strategy):
+            # A step that returns predictions or nothing is ordinary Lightning code: information, not a warning.
+            (notes if plain_evaluation(finding) else warnings).append(finding)
+        return CheckResult(rel, ratio, len(batches), errors, warnings, notes)
 
-        if outcome != "apply":
-            warnings.append(f"the checked group made no update (outcome: {outcome})")
-        for name, shape in leaks:
-            errors.append(
-                f"`{type(module).__name__}.{name}` keeps a tensor attached to the autograd graph across micro-batches"
-                f" (shape {shape}): every micro-batch's graph stays in memory, so memory grows with"
-                f" accumulate_grad_batches and over the run. Store `.detach()`ed values (or `.item()` at the update)."
-            )
+    def _difference_findings(
+        self, run: _Pass, batches: list[Any], everything: list[Any], reference: Tensor, rel: float, ratio: float
+    ) -> tuple[list[str], list[str]]:
+        """The errors and warnings of the difference ``rel`` from one batch: BatchNorm's, the seed's, or a diagnosis."""
+        errors: list[str] = []
+        warnings: list[str] = []
+        module, strategy, accumulate = run.module, run.strategy, run.accumulate
         batchnorms = [n for n, m in module.named_modules() if isinstance(m, _BATCHNORM)]
         if batchnorms:
             warnings.append(
                 f"BatchNorm layers ({', '.join(batchnorms)}) compute statistics per micro-batch, so accumulation"
                 f" cannot reproduce the one-batch update exactly (relative error {rel:.2e}); this is expected"
             )
-        tolerance = self._tolerance(trainer)
-        noise = self._seed_noise(run, everything, r) if rel > tolerance and not batchnorms else 0.0
+        tolerance = self._tolerance(run.trainer)
+        noise = self._seed_noise(run, everything, reference) if rel > tolerance and not batchnorms else 0.0
         if noise > tolerance:
             warnings.append(
                 f"the one-batch gradient itself changes with the random seed (by {noise:.2e} relative, more than the"
@@ -264,18 +263,11 @@ class AccumulationCheck(Callback):
             alternatives: dict[str, float] = {}
             if find_labels(everything[0]) and (accumulate > 1 or len(everything) > 1):
                 with _float32_compute(strategy), _token_hints_muted():
-                    alternatives = self._alternative_weightings(run, everything, r)
+                    alternatives = self._alternative_weightings(run, everything, reference)
             errors.append(
                 diagnose(rel, ratio, tolerance, accumulate, self._unit, self.ignore_index, batches, alternatives)
             )
-        warnings.extend(scheduler_findings(trainer, accumulate))
-        if replicas > 1:
-            warnings.extend(replica_findings(trainer, batches))
-        notes = passed_notes(len(batches), replicas, strategy, optimizer)
-        for finding in self._evaluation_findings(strategy):
-            # A step that returns predictions or nothing is ordinary Lightning code: information, not a warning.
-            (notes if plain_evaluation(finding) else warnings).append(finding)
-        return CheckResult(rel, ratio, len(batches), errors, warnings, notes)
+        return errors, warnings
 
     def _seed_noise(self, run: _Pass, batches: list[Any], reference: Tensor) -> float:
         """How much the one-batch gradient moves under another seed, relative to ``reference``."""
@@ -348,13 +340,11 @@ class AccumulationCheck(Callback):
         loss = out.get("loss") if isinstance(out, Mapping) else out
         return loss if isinstance(loss, Tensor) else None
 
-    def _group_gradient(
-        self, run: _Pass, batches: list[Any]
-    ) -> tuple[list[Tensor], str, list[tuple[str, tuple[int, ...]]]]:
+    def _group_gradient(self, run: _Pass, batches: list[Any]) -> tuple[list[Tensor], str, _Leaks]:
         """The strategy's own path for one group, on a scratch engine; gradients unscaled."""
         strategy, module, optimizer = run.strategy, run.module, run.optimizer
         scratch = strategy.engine.scratch(on_nonfinite="ignore")
-        leaks: list[tuple[str, tuple[int, ...]]] = []
+        leaks: _Leaks = []
         with strategy.use_engine(scratch):
             _reset_for_pass(optimizer, run.seed)
             for i, batch in enumerate(batches):
@@ -438,6 +428,41 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
     ]
     unique = {id(g): g for g in candidates if isinstance(g, torch.Generator)}
     return list(unique.values())
+
+
+def _group_findings(
+    module: LightningModule, group: list[Tensor], flat: Tensor, outcome: str, leaks: _Leaks
+) -> tuple[list[str], list[str]]:
+    """The errors and warnings of the group's own pass: a gradient not finite, graphs kept (``leaks``), no update."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    if not bool(torch.isfinite(flat).all()):
+        where = first_nonfinite(module, group)
+        errors.append(f"the group's gradient is not finite (first non-finite gradient: {where})")
+    if outcome != "apply":
+        warnings.append(f"the checked group made no update (outcome: {outcome})")
+    for name, shape in leaks:
+        errors.append(
+            f"`{type(module).__name__}.{name}` keeps a tensor attached to the autograd graph across micro-batches"
+            f" (shape {shape}): every micro-batch's graph stays in memory, so memory grows with"
+            f" accumulate_grad_batches and over the run. Store `.detach()`ed values (or `.item()` at the update)."
+        )
+    return errors, warnings
+
+
+def _partial_group(microbatches: int, accumulate: int, partial_group: str) -> list[str]:
+    """The warning of a first group shorter than ``accumulate`` (none for a full one)."""
+    if microbatches >= accumulate:
+        return []
+    if partial_group == "drop":
+        return [
+            f"the first epoch holds only {microbatches} of {accumulate} micro-batches; with partial_group='drop' its"
+            " group makes no update"
+        ]
+    return [
+        f"the first group holds {microbatches} of {accumulate} micro-batches (a partial group, rescaled with its real"
+        " denominator)"
+    ]
 
 
 def _checked_size(
@@ -532,7 +557,7 @@ def _params(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _graph_attached(module: LightningModule) -> list[tuple[str, tuple[int, ...]]]:
+def _graph_attached(module: LightningModule) -> _Leaks:
     """Attributes of ``module`` (not parameters or buffers) that hold tensors with a ``grad_fn``."""
     found = []
 
@@ -579,13 +604,9 @@ def _first_device(obj: Any) -> torch.device:
 
 @contextmanager
 def _restored(module: LightningModule, optimizer: Optimizer) -> Iterator[None]:
-    """Eval mode (BatchNorm excepted), dropout at 0 and logging muted; everything restored after."""
+    """Eval mode (BatchNorm excepted), dropout at 0 and logging muted; everything restored after (random state too)."""
     weights = copy.deepcopy(module.state_dict())
     optimizer_state = copy.deepcopy(optimizer.state_dict())
-    rng_cpu = torch.get_rng_state()
-    rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    rng_python = random.getstate()
-    rng_numpy = numpy.random.get_state()
     # BatchNorm keeps its mode: its per-micro-batch statistics are diagnosed as such.
     modes = [(m, m.training) for m in module.modules() if m is not module and not isinstance(m, _BATCHNORM)]
     probabilities = [(m, m.p) for m in module.modules() if isinstance(m, _DROPOUT)]
@@ -598,7 +619,8 @@ def _restored(module: LightningModule, optimizer: Optimizer) -> Iterator[None]:
     for m, _ in probabilities:
         m.p = 0.0
     try:
-        yield
+        with _random_state_kept():
+            yield
     finally:
         for m, training in modes:
             m.training = training
@@ -610,6 +632,18 @@ def _restored(module: LightningModule, optimizer: Optimizer) -> Iterator[None]:
         optimizer.zero_grad(set_to_none=True)
         module.load_state_dict(weights)
         optimizer.load_state_dict(optimizer_state)
+
+
+@contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """The random generators (torch's, CUDA's, Python's, NumPy's) as they were before the block, after it."""
+    rng_cpu = torch.get_rng_state()
+    rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    rng_python = random.getstate()
+    rng_numpy = numpy.random.get_state()
+    try:
+        yield
+    finally:
         torch.set_rng_state(rng_cpu)
         if rng_cuda is not None:
             torch.cuda.set_rng_state_all(rng_cuda)

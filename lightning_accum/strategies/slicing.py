@@ -1,36 +1,12 @@
-"""Running a loader batch as slices inside Lightning's step (``microbatch_size=``), and recovering from out of memory.
-
-Lightning's automatic optimization calls ``training_step`` once per loader batch, then (at a group's first batch)
-``zero_grad``, then ``backward`` on what the step returned; the group's last batch does both inside the optimizer's
-``step`` with DDP's gradient synchronisation on. The slicer keeps that shape:
-
-* in ``training_step``, every slice but the last runs its forward *and* backward, without gradient synchronisation
-  (``no_backward_sync``; under DDP the forward calls the module directly, not DDP's wrapper, so that it starts no
-  collective whatever the number of slices on each rank); the last slice runs its forward only, through the
-  strategy's own path (DDP's wrapper), and its output goes back to Lightning with ``"loss"`` replaced by the whole
-  batch's weighted mean loss;
-* at a group's first batch, Lightning's ``zero_grad`` comes after ``training_step``: the slices' gradients are kept
-  aside there (the previous group's stale gradients are released first) and put back right before the last slice's
-  backward, which Lightning calls as usual (synchronised on the group's last batch);
-* ``on_before_backward`` / ``on_after_backward`` run once per loader batch, around the last slice's backward, as
-  without slicing.
-
-Every slice is read once (:meth:`AccumulationEngine.read`, its samples the slice's ``stop - start``) and recorded in
-the open group with its own units (:meth:`AccumulationEngine.record` with ``continues=True``), so the update is exact
-by construction; the ledger still counts loader batches as micro-batches.
-
-``"auto"`` (docs/howto.md, "Cut batches into slices") halves a slice that ran out of memory and runs it again; what
-the group accumulated before is untouched, because every backward that can be retried writes into fresh gradient
-tensors, added to the accumulated ones once it completed. The backward that synchronises gradients over replicas
-cannot be retried (the other replicas are inside its all-reduce): its error names the size to resume with.
-"""
+"""Running a loader batch as slices inside Lightning's step (``microbatch_size=``), and recovering from out of memory
+(docs/internals.md, "Slices inside Lightning's step")."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -49,6 +25,7 @@ from lightning_accum.slicing import (
     slice_batch,
     validate_microbatch_size,
 )
+from lightning_accum.strategies.slice_gradients import SliceGradients
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -62,8 +39,7 @@ __all__ = ["BatchSlicer", "SliceHost"]
 
 class SliceHost(Protocol):
     """What the slicer uses of the strategy that runs it: Lightning's public strategy members and the accumulation
-    strategy's engine and ledger (what differs per engine is the strategy's
-    :class:`~lightning_accum.strategies.trainer_side.TrainerSide`, handed to the slicer)."""
+    strategy's engine and ledger (what differs per engine is its ``TrainerSide``, handed to the slicer)."""
 
     @property
     def engine(self) -> AccumulationEngine: ...
@@ -85,18 +61,6 @@ class SliceHost(Protocol):
 
 
 @dataclass
-class _Final:
-    """The last slice of the running loader batch, whose backward Lightning calls next."""
-
-    batch: Any
-    num_samples: int
-    start: int
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    output: Any = None  # what went back to Lightning for the batch
-
-
-@dataclass
 class _Part:
     loss: Tensor | None
     weight: Count
@@ -105,16 +69,37 @@ class _Part:
     documents: Any = None
 
 
-class _OutOfMemory(Exception):  # internal: a slice ran out of memory (the original error is chained)
+@dataclass
+class _Running:
+    """The running loader batch: where its next slice starts (then the last slice's), the slices run, its output."""
+
+    batch: Any
+    num_samples: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    start: int = 0
+    sizes: list[int] = field(default_factory=list)
+    parts: list[_Part] = field(default_factory=list)
+    retried: bool = False  # the last slice's forward ran out of memory: the strategy is told before it runs again
+    output: Any = None
+
+    def note_part(self, engine: AccumulationEngine, microbatch: Microbatch) -> None:
+        loss = microbatch.loss.detach() if microbatch.loss is not None else None
+        weight = engine.last_weight if loss is not None else 0
+        samples = microbatch.samples if microbatch.reports_samples else None
+        self.parts.append(_Part(loss, weight, microbatch.tokens, samples, microbatch.documents))
+
+
+class _OutOfMemory(Exception):  # internal: a slice ran out of memory in its `phase` (the original error is chained)
     def __init__(self, phase: str) -> None:
         super().__init__(phase)
         self.phase = phase
 
 
 class BatchSlicer:
-    """The per-strategy state of ``microbatch_size=``: the option, this rank's :class:`SlicingLog`, and the running
-    batch's pieces; ``side``: the strategy's (the slice count agreed over the ranks, a forward run again);
-    ``normalize``: the run's option (a slice weighs its units, never 1)."""
+    """The per-strategy state of ``microbatch_size=``: the option, this rank's :class:`SlicingLog`, the running batch
+    and its slices' gradients (:class:`~lightning_accum.strategies.slice_gradients.SliceGradients`); ``side``: the
+    strategy's (the slice count agreed over the ranks, a forward run again); ``normalize``: the run's option."""
 
     def __init__(
         self, microbatch_size: MicrobatchSize, split_batch: SplitBatch | None, side: TrainerSide, normalize: str
@@ -136,11 +121,8 @@ class BatchSlicer:
         )
         self.split_batch = split_batch
         self.side = side
-        self._parameters: list[Tensor] | None = None
-        self._layout: tuple[int, ...] = ()
-        self._pending: list[tuple[Tensor, Tensor]] | None = None
-        self._final: _Final | None = None
-        self._parts: list[_Part] = []
+        self.gradients = SliceGradients()
+        self._running: _Running | None = None  # the batch whose last slice's backward Lightning calls next
         #: Whether loader batches are cut into slices (an attribute, read twice per micro-batch on the hot path).
         self.enabled = self.log.configured is not None
 
@@ -148,14 +130,14 @@ class BatchSlicer:
     def aside(self, enabled: bool) -> Iterator[None]:
         """A block run on another engine (``use_engine``): the run's record and running batch are kept aside, and
         slicing is off unless ``enabled``."""
-        saved = (self.log, self._pending, self._final, self._parts, self.enabled)
+        saved = (self.log, self.gradients, self._running, self.enabled)
         self.log = dataclasses.replace(self.log, slice_sizes=dict(self.log.slice_sizes), retries=list(self.log.retries))
-        self._pending, self._final, self._parts = None, None, []
+        self.gradients, self._running = SliceGradients(), None
         self.enabled = self.enabled and enabled
         try:
             yield
         finally:
-            self.log, self._pending, self._final, self._parts, self.enabled = saved
+            self.log, self.gradients, self._running, self.enabled = saved
 
     @property
     def auto(self) -> bool:
@@ -163,10 +145,8 @@ class BatchSlicer:
 
     def reset(self) -> None:
         """Forget the run's parameters and any running batch (``setup`` / ``teardown``)."""
-        self._parameters = None
-        self._pending = None
-        self._final = None
-        self._parts = []
+        self.gradients = SliceGradients()
+        self._running = None
 
     # ------------------------------------------------------------------ training_step
 
@@ -181,99 +161,73 @@ class BatchSlicer:
         position: int,
     ) -> Any:
         """Run the loader batch in ``args``/``kwargs`` as slices; return the last slice's output (the batch's loss).
-
-        ``forward(*args, **kwargs)`` is the strategy's own ``training_step`` path (DDP's wrapper), used for the last
-        slice, whose backward Lightning calls next. ``position``: the batch's in its group (the strategy's groups').
-        """
+        ``forward``: the strategy's own ``training_step`` path, for the last slice; ``position``: the batch's in its
+        group."""
         batch = args[0] if args else kwargs["batch"]
-        n = count_samples(batch, self.split_batch)
-        engine = strategy.engine
-        self._parts = []
-        sizes: list[int] = []
+        running = _Running(batch, count_samples(batch, self.split_batch), args, kwargs)
         # Lightning zeroes the gradient after the step of a group's first batch (its place in the epoch, and no
         # micro-batch in the open group yet: AccumulationCheck runs a group's batches without Lightning's loop).
-        first_of_group = position == 0 and engine.microbatches_in_group == 0
+        first_of_group = position == 0 and strategy.engine.microbatches_in_group == 0
         released = False
-        retry_forward = False
-        plan = self._plan(strategy, n)
-        start = 0
-        while True:
-            stop = plan[len(sizes)] if plan is not None else min(start + self.log.limit(n), n)
-            piece = self._cut(batch, start, stop, n)
-            piece_args, piece_kwargs = _with_batch(args, kwargs, piece)
-            if stop < n:
-                if first_of_group and not released:
-                    # The previous group's gradient is released now, the slices' kept aside until `install_pending`.
-                    released = True
-                    for p in self._params(strategy):
-                        p.grad = None
-                run = partial(self._local_slice, strategy, piece, piece_args, piece_kwargs, accumulate, start > 0)
-                if self._attempt(strategy, stop - start, batch_idx, run):
-                    sizes.append(stop - start)
-                    start = stop
+        ends = self._plan(strategy, running.num_samples)
+        outputs: list[Any] = []
+        while not outputs:
+            stop = self._stop(ends, running)
+            if stop == running.num_samples:
+                outputs = self._last_slice(strategy, forward, running, batch_idx, accumulate)
                 continue
-            if retry_forward:
-                self.side.before_forward_retry()
-            outputs: list[Any] = []
-            run = partial(_forward, forward, piece_args, piece_kwargs, self.auto, outputs)
-            if not self._attempt(strategy, stop - start, batch_idx, run):
-                retry_forward = True
-                continue
-            output = outputs.pop()
-            microbatch = engine.read(output, piece, num_samples=stop - start)
-            engine.record(microbatch, accumulate, continues=start > 0)
-            self._note_part(engine, microbatch)
-            sizes.append(stop - start)
-            self._final = _Final(batch, n, start, args, kwargs)
-            break
+            if first_of_group and not released:
+                # The previous group's gradient is released now, the slices' kept aside until `install_pending`.
+                released = True
+                self.gradients.release(strategy.optimizers)
+            self._local_step(strategy, running, stop, batch_idx, accumulate)
+        output = outputs.pop()
+        self._running = running
         if released:
-            params = self._params(strategy)
-            self._pending = [(p, p.grad) for p in params if p.grad is not None]
-            for p in params:
-                p.grad = None
-        self.log.note_slices(sizes)
-        result = combined_output(self._parts, output)
-        if self._final is not None:
-            self._final.output = result
-        return result
+            self.gradients.keep_aside(strategy.optimizers)
+        self.log.note_slices(running.sizes)
+        running.output = combined_output(running.parts, output)
+        return running.output
 
-    def _plan(self, strategy: SliceHost, n: int) -> list[int] | None:
-        """The slices' ends for a fixed ``microbatch_size``: the fewest slices of at most that many samples, as even as
-        possible (8 samples at 3: 3 + 3 + 2; 4 at 3: 2 + 2, whose largest slice, which sets the peak, is smaller than
-        3 + 1's). Where the ranks must agree on the number (FSDP2 / tensor parallelism: collectives in every
-        forward), the largest any rank needs. ``None`` under ``"auto"`` (sizes follow the retries)."""
-        if self.auto:
-            return None
-        size = self.log.limit(n)
-        count = self.side.agree_slice_count(-(-n // size), n)
-        base, extra = divmod(n, count)
-        ends, end = [], 0
-        for index in range(count):
-            end += base + (1 if index < extra else 0)
-            ends.append(end)
-        return ends
+    def _last_slice(
+        self, strategy: SliceHost, forward: Callable[..., Any], running: _Running, batch_idx: int, accumulate: int
+    ) -> list[Any]:
+        """The last slice's forward, on the strategy's own path: ``[output]``, or ``[]`` after out of memory."""
+        start, n = running.start, running.num_samples
+        piece = self._cut(running.batch, start, n, n)
+        args, kwargs = _with_batch(running.args, running.kwargs, piece)
+        if running.retried:
+            self.side.before_forward_retry()
+        outputs: list[Any] = []
+        if not self._attempt(
+            strategy, n - start, batch_idx, lambda _: outputs.append(_forward(forward, args, kwargs, self.auto))
+        ):
+            running.retried = True
+            return outputs
+        microbatch = strategy.engine.read(outputs[-1], piece, num_samples=n - start)
+        strategy.engine.record(microbatch, accumulate, continues=start > 0)
+        running.note_part(strategy.engine, microbatch)
+        running.sizes.append(n - start)
+        return outputs
 
-    def _cut(self, batch: Any, start: int, stop: int, n: int) -> Any:
-        if start == 0 and stop == n:
-            return batch
-        if self.split_batch is not None:
-            return self.split_batch(batch, start, stop)
-        return slice_batch(batch, start, stop, n)
-
-    def _note_part(self, engine: AccumulationEngine, microbatch: Microbatch) -> None:
-        loss = microbatch.loss.detach() if microbatch.loss is not None else None
-        weight = engine.last_weight if loss is not None else 0
-        samples = microbatch.samples if microbatch.reports_samples else None
-        self._parts.append(_Part(loss, weight, microbatch.tokens, samples, microbatch.documents))
+    def _local_step(self, strategy: SliceHost, running: _Running, stop: int, batch_idx: int, accumulate: int) -> None:
+        """A slice up to ``stop``, forward and backward here; ``running`` moves past it once it ran."""
+        start = running.start
+        piece = self._cut(running.batch, start, stop, running.num_samples)
+        args, kwargs = _with_batch(running.args, running.kwargs, piece)
+        run = partial(self._local_slice, strategy, running, piece, args, kwargs, accumulate)
+        if self._attempt(strategy, stop - start, batch_idx, run):
+            running.sizes.append(stop - start)
+            running.start = stop
 
     def _local_slice(
         self,
         strategy: SliceHost,
+        running: _Running,
         piece: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         accumulate: int,
-        continues: bool,
         size: int,
     ) -> None:
         """Forward and backward of one slice without gradient synchronisation; ``_OutOfMemory`` under ``"auto"``."""
@@ -281,17 +235,12 @@ class BatchSlicer:
         module = strategy.lightning_module
         assert module is not None
         with strategy.no_backward_sync():
-            try:
-                with strategy.precision_plugin.train_step_context():
-                    output = module.training_step(*args, **kwargs)
-            except BaseException as error:
-                if self.auto and is_out_of_memory(error):
-                    raise _OutOfMemory("forward") from error
-                raise
+            with strategy.precision_plugin.train_step_context():
+                output = _forward(module.training_step, args, kwargs, self.auto)
             microbatch = engine.read(output, piece, num_samples=size)
             del output
-            tensor = engine.record(microbatch, accumulate, continues)
-            self._note_part(engine, microbatch)
+            tensor = engine.record(microbatch, accumulate, continues=running.start > 0)
+            running.note_part(engine, microbatch)
             del microbatch
             engine.take_backward_tensor()  # the group's gradient is incomplete until the last slice's backward
             if tensor is None:
@@ -303,39 +252,14 @@ class BatchSlicer:
             if not self.auto:
                 backward()
                 return
-            failed = self._protected_backward(strategy, backward)
+            failed = self.gradients.protected(strategy.optimizers, backward)
             if failed is not None:
                 engine.retract_microbatch()
-                self._parts.pop()
+                running.parts.pop()
                 raise _OutOfMemory("backward") from failed
             # The group stays "backward running" (not carried by a checkpoint) until the batch's last backward: a
             # checkpoint written after an error in a later slice would otherwise carry part of a batch that Lightning
             # runs again on resume.
-
-    def _protected_backward(self, strategy: SliceHost, run: Callable[[], None]) -> BaseException | None:
-        """Run a backward into fresh gradient tensors and add them to the accumulated ones only once it completed;
-        ``None``, or the out-of-memory error (without its traceback; the accumulated gradients untouched)."""
-        params = self._params(strategy)
-        held = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            run()
-        except BaseException as error:
-            for p, h in zip(params, held, strict=True):
-                p.grad = h  # the partial gradient of the failed backward is dropped
-            if is_out_of_memory(error):
-                error.__traceback__ = None  # its frames hold the failed backward's graph
-                return error
-            raise
-        for p, h in zip(params, held, strict=True):
-            if h is None:
-                continue
-            fresh = p.grad
-            if fresh is not None:
-                h.add_(fresh)
-            p.grad = h
-        return None
 
     def _attempt(self, strategy: SliceHost, size: int, batch_idx: int, run: Callable[[int], None]) -> bool:
         """``run(size)`` for a slice of ``size`` samples; ``False`` when it ran out of memory under ``"auto"`` (then
@@ -349,46 +273,71 @@ class BatchSlicer:
         self._shrink(strategy, size, phase, batch_idx, cause)
         return False
 
+    # ------------------------------------------------------------------ cutting
+
+    def _plan(self, strategy: SliceHost, n: int) -> list[int] | None:
+        """The slices' ends for a fixed ``microbatch_size``: the fewest slices of at most that many samples (the
+        largest count any rank needs, where ranks must agree), as even as possible; ``None`` under ``"auto"``."""
+        if self.auto:
+            return None
+        size = self.log.limit(n)
+        count = self.side.agree_slice_count(-(-n // size), n)
+        base, extra = divmod(n, count)
+        ends, end = [], 0
+        for index in range(count):
+            end += base + (1 if index < extra else 0)
+            ends.append(end)
+        return ends
+
+    def _stop(self, ends: list[int] | None, running: _Running) -> int:
+        """Where the next slice of ``running`` ends: at the plan's next end, or after the size in force (``"auto"``)."""
+        if ends is not None:
+            return ends[len(running.sizes)]
+        return min(running.start + self.log.limit(running.num_samples), running.num_samples)
+
+    def _cut(self, batch: Any, start: int, stop: int, n: int) -> Any:
+        if start == 0 and stop == n:
+            return batch
+        if self.split_batch is not None:
+            return self.split_batch(batch, start, stop)
+        return slice_batch(batch, start, stop, n)
+
     def _shrink(
         self, strategy: SliceHost, failed: int, phase: str, batch_idx: int, cause: BaseException | None
     ) -> None:
+        """Slices of half ``failed`` samples from now on (a slice of one: an error); the retry recorded and warned."""
         free_memory(strategy.root_device)
         trainer = _trainer(strategy)
+        retry = OutOfMemoryRetry(
+            update=strategy.ledger.updates_attempted + 1,
+            epoch=trainer.current_epoch,
+            batch_idx=batch_idx,
+            rank=_rank(strategy),
+            phase=phase,
+            failed_size=failed,
+            new_size=max(1, failed // 2),
+        )
         if failed <= 1:
             raise RuntimeError(
-                f"Out of memory in the {phase} of a slice of 1 sample (rank {_rank(strategy)}, batch {batch_idx}"
-                f" of epoch {trainer.current_epoch}; slice sizes run so far on this rank:"
-                f" {self.log.slice_sizes or 'none'}; retries: {len(self.log.retries)}). `microbatch_size='auto'`"
-                " cannot cut further: one sample does not fit in memory with this model. Lower the sequence length"
-                " or the model's memory (activation checkpointing, a lower precision, sharding with"
-                " strategy='accum_fsdp')."
+                f"Out of memory in the {phase} of a slice of 1 sample (rank {retry.rank}, batch {batch_idx} of epoch"
+                f" {retry.epoch}; slice sizes run so far on this rank: {self.log.slice_sizes or 'none'}; retries:"
+                f" {len(self.log.retries)}). `microbatch_size='auto'` cannot cut further: one sample does not fit in"
+                " memory with this model. Lower the sequence length or the model's memory (activation checkpointing, a"
+                " lower precision, sharding with strategy='accum_fsdp')."
             ) from cause
-        new = max(1, failed // 2)
-        self.log.size = new
-        self.log.retries.append(
-            OutOfMemoryRetry(
-                update=strategy.ledger.updates_attempted + 1,
-                epoch=trainer.current_epoch,
-                batch_idx=batch_idx,
-                rank=_rank(strategy),
-                phase=phase,
-                failed_size=failed,
-                new_size=new,
-            )
-        )
+        self.log.size = retry.new_size
+        self.log.retries.append(retry)
         strategy.engine.warn(
-            f"lightning_accum: out of memory in the {phase} of a slice of {failed} sample(s) on rank"
-            f" {_rank(strategy)} (batch {batch_idx}, update {strategy.ledger.updates_attempted + 1}); running it"
-            f" again as slices of {new} (microbatch_size='auto'; the group's update is unchanged)."
+            f"lightning_accum: out of memory in the {phase} of a slice of {failed} sample(s) on rank {retry.rank}"
+            f" (batch {batch_idx}, update {retry.update}); running it again as slices of {retry.new_size}"
+            " (microbatch_size='auto'; the group's update is unchanged)."
         )
 
     # ------------------------------------------------------------------ backward
 
     def install_pending(self) -> None:
         """Put the slices' gradients kept aside at a group's first batch back, after Lightning's ``zero_grad``."""
-        pending, self._pending = self._pending, None
-        for p, g in pending or ():
-            p.grad = g if p.grad is None else p.grad.add_(g)
+        self.gradients.install()
 
     def backward(
         self,
@@ -404,78 +353,47 @@ class BatchSlicer:
         """The last slice's backward: ``default(tensor)`` is the strategy's usual one. Under ``"auto"`` on one replica
         it is protected and, out of memory, the last slice runs again as smaller slices; a synchronised backward cannot
         be run again (the other replicas are inside its all-reduce): its error says what to do."""
-        final, self._final = self._final, None
+        running, self._running = self._running, None
         self.install_pending()
-        if not self.auto or final is None:
+        if not self.auto or running is None:
             return default(tensor)
-        size = final.num_samples - final.start
+        size = running.num_samples - running.start
         if synchronised:
-            try:
-                return default(tensor)
-            except BaseException as error:
-                if not is_out_of_memory(error):
-                    raise
-                raise RuntimeError(
-                    f"Out of memory in the backward that synchronises gradients over the replicas (the last slice,"
-                    f" {size} sample(s), of the group's last batch; rank {_rank(strategy)}). It cannot be run"
-                    " again: the other replicas are inside its all-reduce (the launcher stops them when this process"
-                    " exits). Resume from the last checkpoint with `microbatch_size="
-                    f"{max(1, size // 2)}` on the strategy (a fixed slice size), or free memory."
-                ) from error
+            return _synchronised_backward(partial(default, tensor), size, _rank(strategy))
         module = strategy.lightning_module
         assert module is not None
         # Lightning's `Strategy.backward`, with the backward itself protected.
         strategy.pre_backward(tensor)
         closure_loss = strategy.precision_plugin.pre_backward(tensor, module)
-        failed = self._protected_backward(
-            strategy, lambda: strategy.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        failed = self.gradients.protected(
+            strategy.optimizers,
+            lambda: strategy.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs),
         )
         if failed is not None:
             # Lightning's closure still holds the step's loss, and with it the failed slice's graph and activations:
             # detached in place, they are released before the slice runs again, smaller.
-            held = [tensor, closure_loss, lightning_loss, *_tensors_of(final.output)]  # Lightning's loss / A too
-            for value in held:
-                _detach_in_place(value)
-            del held
+            _release_graphs([tensor, closure_loss, lightning_loss, running.output])  # Lightning's loss / A too
             strategy.engine.retract_microbatch()
-            self._parts = []
+            running.parts = []
             batch_idx = _trainer(strategy).fit_loop.epoch_loop.batch_idx
             self._shrink(strategy, size, "backward", batch_idx, failed)
             del failed
-            self._run_local(strategy, final, batch_idx)
+            self._run_local(strategy, running, batch_idx)
         closure_loss = strategy.precision_plugin.post_backward(closure_loss, module)
         strategy.post_backward(closure_loss)
         return closure_loss
 
-    def _run_local(self, strategy: SliceHost, final: _Final, batch_idx: int) -> None:
-        """The rest of a batch, from ``final.start``, as slices with their own backward (one replica: no sync)."""
-        trainer = _trainer(strategy)
-        start, n = final.start, final.num_samples
-        sizes: list[int] = []
-        while start < n:
-            stop = min(start + self.log.limit(n), n)
-            piece = self._cut(final.batch, start, stop, n)
-            args, kwargs = _with_batch(final.args, final.kwargs, piece)
-            run = partial(self._local_slice, strategy, piece, args, kwargs, trainer.accumulate_grad_batches, start > 0)
-            if self._attempt(strategy, stop - start, batch_idx, run):
-                sizes.append(stop - start)
-                start = stop
-        self.log.note_slices(sizes)
-        self.log.slice_sizes[n - final.start] -= 1  # the failed last slice was counted when its forward ran
-        if not self.log.slice_sizes[n - final.start]:
-            del self.log.slice_sizes[n - final.start]
-
-    # ------------------------------------------------------------------ parameters
-
-    def _params(self, strategy: SliceHost) -> list[Tensor]:
-        """The optimized parameters; rebuilt when a parameter group was added since (e.g. ``BackboneFinetuning``)."""
-        optimizers = strategy.optimizers
-        layout = tuple(len(group["params"]) for optimizer in optimizers for group in optimizer.param_groups)
-        if self._parameters is None or layout != self._layout:
-            # Each parameter once, in the order the optimizers first hold it.
-            by_id = {id(p): p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
-            self._parameters, self._layout = list(by_id.values()), layout
-        return self._parameters
+    def _run_local(self, strategy: SliceHost, running: _Running, batch_idx: int) -> None:
+        """The rest of a batch, from its last slice's start, as slices with their own backward (one replica)."""
+        accumulate = _trainer(strategy).accumulate_grad_batches
+        failed = running.num_samples - running.start
+        running.sizes = []
+        while running.start < running.num_samples:
+            self._local_step(strategy, running, self._stop(None, running), batch_idx, accumulate)
+        self.log.note_slices(running.sizes)
+        self.log.slice_sizes[failed] -= 1  # the failed last slice was counted when its forward ran
+        if not self.log.slice_sizes[failed]:
+            del self.log.slice_sizes[failed]
 
 
 def combined_output(parts: list[_Part], output: Any) -> Any:
@@ -507,12 +425,10 @@ def combined_output(parts: list[_Part], output: Any) -> Any:
     return result
 
 
-def _forward(
-    forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], auto: bool, into: list[Any], size: int
-) -> None:
-    """The strategy's own forward path for a batch's last slice; its out-of-memory error as ``_OutOfMemory``."""
+def _forward(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], auto: bool) -> Any:
+    """``forward(*args, **kwargs)``; under ``"auto"`` its out-of-memory error as an ``_OutOfMemory``."""
     try:
-        into.append(forward(*args, **kwargs))
+        return forward(*args, **kwargs)
     except BaseException as error:
         if auto and is_out_of_memory(error):
             raise _OutOfMemory("forward") from error
@@ -520,8 +436,7 @@ def _forward(
 
 
 def _released(failure: _OutOfMemory) -> BaseException | None:
-    """The out-of-memory error behind ``failure``, without its traceback (whose frames hold the failed attempt's
-    activations), so that the memory is free before the slice runs again; its type and message are kept."""
+    """The out-of-memory error behind ``failure``, both without their tracebacks (which hold the attempt's memory)."""
     cause = failure.__cause__
     failure.__traceback__ = None
     if cause is not None:
@@ -530,22 +445,32 @@ def _released(failure: _OutOfMemory) -> BaseException | None:
     return cause
 
 
-def _tensors_of(output: Any) -> list[Tensor]:
-    """The tensors a step's output holds at its top level (the loss, and e.g. logits kept for a callback)."""
-    if isinstance(output, Tensor):
-        return [output]
-    if isinstance(output, Mapping):
-        return [v for v in output.values() if isinstance(v, Tensor)]
-    return []
+def _release_graphs(values: Iterable[Any]) -> None:
+    """Detach in place the tensors ``values`` hold at their top level (a loss, a step's output, e.g. its logits)."""
+    for value in values:
+        for tensor in value.values() if isinstance(value, Mapping) else [value]:
+            if not isinstance(tensor, Tensor) or tensor.grad_fn is None:
+                continue
+            try:
+                tensor.detach_()
+            except RuntimeError:  # a view cannot be detached in place; its graph goes when Lightning drops it
+                pass
 
 
-def _detach_in_place(tensor: Tensor | None) -> None:
-    if tensor is None or tensor.grad_fn is None:
-        return
+def _synchronised_backward(backward: Callable[[], Tensor], size: int, rank: int) -> Tensor:
+    """``backward()`` that synchronises over the replicas: it cannot run again, its out-of-memory error says why."""
     try:
-        tensor.detach_()
-    except RuntimeError:  # a view cannot be detached in place; its graph goes when Lightning drops it
-        pass
+        return backward()
+    except BaseException as error:
+        if not is_out_of_memory(error):
+            raise
+        raise RuntimeError(
+            f"Out of memory in the backward that synchronises gradients over the replicas (the last slice,"
+            f" {size} sample(s), of the group's last batch; rank {rank}). It cannot be run"
+            " again: the other replicas are inside its all-reduce (the launcher stops them when this process"
+            " exits). Resume from the last checkpoint with `microbatch_size="
+            f"{max(1, size // 2)}` on the strategy (a fixed slice size), or free memory."
+        ) from error
 
 
 def _rank(strategy: SliceHost) -> int:
