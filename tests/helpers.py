@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -494,6 +495,45 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.skip = int(state["consumed"])
+
+
+# A checkpoint written at micro-batch `at` of a one-device run (A = 3 unless said), and the run resumed from it: the
+# checkpoint tests of tests/core/ (test_checkpoint.py, test_entry.py, test_reading.py) share them.
+
+
+def _plain_trainer(strategy: Any, accumulate: int, callbacks: list[L.Callback] | None = None) -> L.Trainer:
+    return make_trainer(
+        strategy=strategy,
+        accumulate_grad_batches=accumulate,
+        callbacks=callbacks or [],
+    )
+
+
+_EXAMPLES = make_examples(random_lengths(16, seed=55), seed=55)  # 8 micro-batches of 2
+
+
+def _loader() -> ResumableLoader:
+    return ResumableLoader(ListDataset(_EXAMPLES), batch_size=2)
+
+
+def _resume(
+    ckpt: Path,
+    strategy: Any,
+    accumulate: int,
+    model: L.LightningModule | None = None,
+    callbacks: list[L.Callback] | None = None,
+) -> tuple[L.Trainer, L.LightningModule, list[str]]:
+    model = model if model is not None else TinyLM()
+    trainer = _plain_trainer(strategy, accumulate, callbacks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _loader(), ckpt_path=ckpt)
+    return trainer, model, [str(w.message) for w in caught if "callbacks used to create" not in str(w.message)]
+
+
+def _written_at(folder: Path, at: int, strategy: Any = "accum", accumulate: int = 3) -> Path:
+    _plain_trainer(strategy, accumulate, [CheckpointAt(folder / "at.ckpt", at)]).fit(TinyLM(), _loader())
+    return folder / "at.ckpt"
 
 
 class HoldMemory(L.Callback):

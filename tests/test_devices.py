@@ -7,8 +7,6 @@ import torch
 
 from lightning_accum.devices import require_float64
 from lightning_accum.engine import AccumulationEngine
-from lightning_accum.group import GroupSums
-from lightning_accum.microbatch import read_microbatch
 
 MESSAGE = r"needs float64 on the training device, and device 'mps:?\d*' \(Apple's MPS\) has none: .*accelerator=\"cpu\""
 
@@ -34,11 +32,3 @@ def test_the_engine_refuses_the_device_when_it_is_bound_before_any_micro_batch()
     assert engine.microbatches_in_group == 0 and engine.ledger.updates_applied == 0
     engine.bind("cpu")  # a supported device binds as before
     assert engine.device == torch.device("cpu")
-
-
-def test_the_groups_vector_is_float64_so_the_requirement_is_real() -> None:
-    # What the check protects: the vector a group closes into is float64 on the device the engine is bound to.
-    sums = GroupSums()
-    sums.add(read_microbatch({"loss": torch.tensor(2.0), "num_tokens": 3}, None, None, num_samples=1))
-    vector = sums.local_vector(torch.device("cpu"), "tokens")
-    assert vector.dtype == torch.float64

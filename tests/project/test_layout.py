@@ -335,16 +335,6 @@ def test_a_planted_door_crossing_is_caught(tmp_path: Path) -> None:
     ]
 
 
-#: The modules whose tests are still in a feature file, where each row says: those of the open-group checkpoint and
-#: the group's sums, restructured in issue #64. Each row goes when its module has its own file (the check below fails
-#: while the row outlives it), and the table with the last one: then every module's tests are found by its path.
-TESTS_OF: dict[str, str] = {
-    "carry": "strategies/test_checkpoint.py",
-    "core/checkpoint": "strategies/test_checkpoint.py",
-    "core/entry": "strategies/test_checkpoint.py",
-    "core/reading": "strategies/test_checkpoint.py",
-    "group": "test_engine.py",
-}
 #: The folder of tests/ that holds the project-level checks (docs, examples, layout, packaging); every other folder,
 #: the top level included, mirrors the package's folder of the same name.
 PROJECT_TESTS = "project"
@@ -361,9 +351,7 @@ def test_every_module_has_its_tests_found_by_name() -> None:
     tests = ROOT / "tests"
     modules = [_module_name(p) for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py"]
     unnamed = [m for m in modules if not (tests / _test_path(m)).exists()]
-    assert [m for m in unnamed if m not in TESTS_OF] == [], "a module's tests go in tests/<folder>/test_<module>.py"
-    assert sorted(set(TESTS_OF) - set(unnamed)) == [], "a module with its own test file leaves TESTS_OF"
-    assert [f for f in TESTS_OF.values() if not (tests / f).exists()] == []
+    assert unnamed == [], "a module's tests go in tests/<folder>/test_<module>.py"
 
 
 def _stray_test_files(tests: Path, package: Path) -> list[str]:
