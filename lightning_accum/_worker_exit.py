@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed
 from torch import nn
 
-__all__ = ["ClosingWorkers", "close_process_group", "unshare", "use_launcher"]
+__all__ = ["ClosingWorkers", "close_process_group", "launcher_configuration", "unshare"]
 
 
 def close_process_group(strategy: Any) -> bool:
@@ -46,7 +47,13 @@ class ClosingWorkers:
         close_process_group(self._strategy)
 
 
-def use_launcher(strategy: Any, replaced: type, launcher: type) -> None:
-    """Put ``launcher`` in place of the framework's ``replaced`` spawn/fork launcher that ``strategy`` configured."""
-    if isinstance(strategy._launcher, replaced) and strategy._start_method != "popen":
-        strategy._launcher = launcher(strategy, start_method=strategy._start_method)
+def launcher_configuration(framework: Any, replaced: type, launcher: type) -> Callable[[Any], None]:
+    """The ``_configure_launcher`` of a strategy over ``framework`` (Lightning's or Fabric's ``DDPStrategy``, both
+    doors): ``framework``'s, then ``launcher`` in place of the ``replaced`` spawn/fork launcher it configured."""
+
+    def _configure_launcher(strategy: Any) -> None:
+        framework._configure_launcher(strategy)
+        if isinstance(strategy._launcher, replaced) and strategy._start_method != "popen":
+            strategy._launcher = launcher(strategy, start_method=strategy._start_method)
+
+    return _configure_launcher

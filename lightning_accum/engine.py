@@ -102,8 +102,10 @@ class AccumulationEngine:
     returned :class:`GroupOutcome`, and report the result with :meth:`finish_group`.
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips: The options, see
-            :class:`~lightning_accum.options.AccumulationOptions`.
+        **options: The options (``normalize=``, ...), see :class:`~lightning_accum.options.AccumulationOptions`.
+
+    Raises:
+        TypeError: A keyword that is not an option.
 
     Example:
         One replica, two micro-batches of the seed document: 512 supervised tokens with mean loss 2 and
@@ -117,16 +119,8 @@ class AccumulationEngine:
         ('apply', 3.5, 2048)
     """
 
-    def __init__(
-        self,
-        normalize: str = "auto",
-        count_tokens: Callable[[Any], Count] | None = None,
-        partial_group: str = "rescale",
-        schedule_on: str = "applied",
-        on_nonfinite: str = "skip",
-        max_consecutive_skips: int | None = 100,
-    ) -> None:
-        self._start(AccumulationOptions.pick(locals()))
+    def __init__(self, **options: Any) -> None:
+        self._start(AccumulationOptions.split(type(self).__name__, options)[0])
 
     @classmethod
     def from_options(cls, options: AccumulationOptions) -> AccumulationEngine:
@@ -163,37 +157,7 @@ class AccumulationEngine:
         self.last_weight: Count = 0
         self._backward_running = False
 
-    # ------------------------------------------------------------------ options and binding
-
-    @property
-    def normalize(self) -> str:
-        """See :class:`AccumulationOptions`."""
-        return self.options.normalize
-
-    @property
-    def count_tokens(self) -> Callable[[Any], Count] | None:
-        """See :class:`AccumulationOptions`."""
-        return self.options.count_tokens
-
-    @property
-    def partial_group(self) -> str:
-        """See :class:`AccumulationOptions`."""
-        return self.options.partial_group
-
-    @property
-    def schedule_on(self) -> str:
-        """See :class:`AccumulationOptions`."""
-        return self.options.schedule_on
-
-    @property
-    def on_nonfinite(self) -> str:
-        """See :class:`AccumulationOptions`."""
-        return self.options.on_nonfinite
-
-    @property
-    def max_consecutive_skips(self) -> int | None:
-        """See :class:`AccumulationOptions`."""
-        return self.options.max_consecutive_skips
+    # ------------------------------------------------------------------ binding
 
     def bind(
         self,

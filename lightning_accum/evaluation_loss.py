@@ -72,10 +72,12 @@ def evaluation_weight(engine: AccumulationEngine, unit: str | None, read: Microb
         ('tokens', 5)
     """
     has_tokens = read.tokens is not None and not read.reports_samples
-    reported = choose_unit(engine.normalize, has_tokens, read.samples is not None, read.documents is not None)[0]
+    reported = choose_unit(engine.options.normalize, has_tokens, read.samples is not None, read.documents is not None)[
+        0
+    ]
     fixed = unit if unit is not None else engine.ledger.normalization
     if fixed is not None:
-        refuse_a_finer_unit(fixed, engine.normalize, reported, "this evaluation batch")
+        refuse_a_finer_unit(fixed, engine.options.normalize, reported, "this evaluation batch")
     unit = fixed if fixed is not None else reported
     return unit, {"tokens": read.tokens, "samples": read.samples, "documents": read.documents}.get(unit, 1)
 
@@ -279,7 +281,7 @@ class EvaluationLoss:
         elif self._unit is not None:
             why = "fixed by this evaluation's first batch"
         else:
-            why = f"`normalize={self._engine.normalize!r}`"
+            why = f"`normalize={self._engine.options.normalize!r}`"
         return (
             f"`evaluation.add`: this evaluation weights its batches by {unit} ({why}), but this batch reports no"
             f" `{name}`. Pass `{name}=` to every `add` of one evaluation (a set weighted partly by one count and partly"

@@ -50,25 +50,24 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum._worker_exit import ClosingWorkers, use_launcher
+from lightning_accum._worker_exit import ClosingWorkers, launcher_configuration
 from lightning_accum.axis_lr import AxisLR
 from lightning_accum.core.adapter import EngineAdapter, NamedParameters, optimized_parameters
 from lightning_accum.core.closing import enabled_scaler
-from lightning_accum.core.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam, one_device_property
+from lightning_accum.core.core import CLOSE_GROUP_DOC, AccumulationCore, CoreSeam, given_device, one_device_property
 from lightning_accum.core.ddp import DDPAdapter, register_ddp_strings
 from lightning_accum.core.entry import CHECKPOINT_KEY
 from lightning_accum.core.mesh import (
     MeshAdapter,
-    bound_mesh_groups,
     check_mesh_sizes,
-    derive_mesh_sizes,
+    mesh_environment,
     refuse_unsharded,
+    register_fsdp_string,
 )
 from lightning_accum.core.reading import read_checkpoint
 from lightning_accum.evaluation_loss import EvaluationLoss, repeats_message
 from lightning_accum.fabric_model_parallel import BackwardSyncNotes, shard_module_lists, sharded_state
 from lightning_accum.ledger import AXES, GroupRecord
-from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions, validate_choice
 from lightning_accum.sampler import global_order_for
 from lightning_accum.token_batches import TokenBatches
@@ -86,25 +85,25 @@ _Path = str | Path
 
 
 class FabricExactAccumulation(Strategy, CoreSeam):
-    """The public base of the Fabric accumulation strategies: the Fabric hooks they change, and the manual API.
-
-    Listed first in a strategy's bases, so that ``super()`` is Fabric's single-device or DDP strategy. Loops program
-    against it: :meth:`accumulate`, :meth:`close_group`, :meth:`evaluation`, :attr:`ledger`, :attr:`engine`,
-    :attr:`data_parallel_replicas`, :meth:`add_group_listener`; what differs per engine is the adapter of the class
-    named in :attr:`adapter_type`, as in the Trainer's strategies.
-    """
+    """The public base of the Fabric accumulation strategies: the Fabric hooks they change, and the interface loops
+    program against (the manual API, :meth:`evaluation`, the seam). Listed first in a strategy's bases."""
 
     #: The class of this strategy's :class:`~lightning_accum.core.adapter.EngineAdapter`.
     adapter_type: ClassVar[type[EngineAdapter]] = EngineAdapter
 
-    def _init_accumulation(self, options: AccumulationOptions, token_batches: TokenBatches | None = None) -> None:
-        """Set up the core from the options the constructor validated (before Fabric's ``__init__``)."""
+    def _init_accumulation(self, keywords: dict[str, Any]) -> dict[str, Any]:
+        """Set up the core from the options among the constructor's ``keywords`` (and ``token_batches``) before
+        Fabric's ``__init__``; return the others, Fabric's (a keyword none takes is a ``TypeError`` naming them)."""
+        fabric_init = super().__init__  # the framework strategy's, next in the instance's order
+        options, others = AccumulationOptions.split(type(self).__name__, keywords, fabric_init, own=("token_batches",))
+        token_batches: TokenBatches | None = others.pop("token_batches", None)
         self._core = AccumulationCore(self, self.adapter_type, options)
         self._tokens = token_batches  # a shuffled loader's micro-batches cut by tokens (`setup_dataloaders`)
         self._core.parameters = self._parameters
         self._sync: BackwardSyncNotes | None = None  # Fabric's no_backward_sync control, noted (DDP, FSDP2)
         self._modules: list[Module] = []  # what `fabric.setup` was given, unwrapped: the named parameters
         self._optimizers: list[Optimizer] = []
+        return others
 
     # ------------------------------------------------------------------ the public interface
 
@@ -124,9 +123,12 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         super(FabricExactAccumulation, type(self)).precision.__set__(self, plugin)  # type: ignore[attr-defined]
 
     def evaluation(self) -> EvaluationLoss:
-        return self._core.evaluation()
-
-    evaluation.__doc__ = AccumulationCore.evaluation.__doc__
+        """A new, empty :class:`~lightning_accum.evaluation_loss.EvaluationLoss`: ``add(loss, num_tokens=...)`` each
+        batch (no host read), then ``compute()`` on every rank for the set's loss weighted by its units over every
+        data-parallel replica (one all-reduce in float64; the same record on every rank; NaN with a warning for a set
+        without any unit); ``reset()`` empties it for the next evaluation. The unit is the run's, as for
+        ``accumulate`` (the first batch's before any training)."""
+        return EvaluationLoss(self._core.engine, self._core.adapter.reduce_sum, lambda: self.root_device)
 
     def close_group(self, optimizer: Optimizer, group_size: int | None = None) -> GroupRecord:
         inner = optimizer.optimizer if is_wrapped(optimizer) else optimizer  # type: ignore[attr-defined]
@@ -140,9 +142,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        # The processes exist now (DDP's process group): the engine sums its groups over the adapter's replicas.
-        self._core.engine.bind(self.root_device, self._core.adapter.replicas())
-        self._core.closing.rank = self._core.adapter.shard_rank()  # named beside a NaN in this rank's own shard
+        self._core.bind(self.root_device)  # the processes exist now (DDP's process group)
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], *scheduler: Any) -> Any:
@@ -155,8 +155,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
     def setup_module(self, module: Module) -> Any:  # Module, or the engine's wrapper of it (DDP)
         self._core.refuse_a_group_left_open("fabric.setup_module")
         self._modules.append(module)
-        # Bound again: a one-device loop need not call `fabric.launch()`, which sets the environment up.
-        self._core.engine.bind(self.root_device, self._core.adapter.replicas())
+        self._core.bind(self.root_device)  # again: a one-device loop need not call `fabric.launch()`
         return super().setup_module(module)
 
     @override
@@ -178,9 +177,8 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         # `fabric.setup_dataloaders`: an unshuffled loader (an evaluation set, as a rule) padded by the sampler Fabric
         # put in is named, as the Trainer's evaluation names it: `fabric.strategy.evaluation()` would count repeats.
         if not getattr(getattr(dataloader, "sampler", None), "shuffle", True):
-            message = repeats_message(
-                dataloader, "an evaluation over this loader", "the loader", self.data_parallel_replicas
-            )
+            replicas = self._core.adapter.data_parallel_size
+            message = repeats_message(dataloader, "an evaluation over this loader", "the loader", replicas)
             if message is not None:
                 rank_zero_warn(message)
         dataloader = super().process_dataloader(dataloader)
@@ -214,6 +212,12 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
+        if filter is not None and isinstance(self, ModelParallelStrategy) and self._save_distributed_checkpoint:
+            # Fabric's own refusal, before the entry's collectives (a group's shards are written beside Fabric's).
+            raise NotImplementedError(
+                f"{type(self).__name__} doesn't support loading distributed filtered checkpoints, so saving them is"
+                " disabled."
+            )
         if CHECKPOINT_KEY in state:
             raise ValueError(
                 f"`fabric.save(path, state)`: the state holds a key {CHECKPOINT_KEY!r}, which the accumulation strategy"
@@ -270,7 +274,7 @@ class FabricExactAccumulation(Strategy, CoreSeam):
         # are the entry's micro-batches over all replicas, per replica of this run.
         group = (entry or {}).get("open_group") or {}
         total = int(group.get("total_microbatches", 0))
-        position = total // max(1, self.data_parallel_replicas)
+        position = total // max(1, self._core.adapter.data_parallel_size)
         config = self._configuration()
         if self._optimizers or not total:  # a checkpoint written between groups carries nothing to wait for
             self._core.reopen(config, position, self._parameters())
@@ -337,15 +341,13 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
     """Exact accumulation in a Fabric loop on one device (``L.Fabric(strategy="accum")``).
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: The
-            options of exact accumulation, documented once in :class:`~lightning_accum.options.AccumulationOptions`
-            (``partial_group`` and ``schedule_on`` are the loop's to apply in Fabric: the loop decides when a group
-            closes and when a scheduler steps).
-        token_batches: A shuffled loader's micro-batches cut by tokens in ``fabric.setup_dataloaders`` (a
-            :class:`~lightning_accum.TokenBatches` with ``samples_per_update``; the loop's groups:
-            ``loader.batch_sampler.groups(loader)``).
         device: The device; by default the one Fabric's accelerator selects.
-        **kwargs: Passed to Fabric's ``SingleDeviceStrategy``.
+        **kwargs: The options by name (``normalize="tokens"``; :class:`~lightning_accum.options.AccumulationOptions`;
+            ``partial_group`` and ``schedule_on`` the loop's to apply in Fabric); ``token_batches``, a shuffled
+            loader's micro-batches cut by tokens in ``fabric.setup_dataloaders`` (a
+            :class:`~lightning_accum.TokenBatches` with ``samples_per_update``; the loop's groups:
+            ``loader.batch_sampler.groups(loader)``); and ``SingleDeviceStrategy``'s keywords. One that none of them
+            takes is a ``TypeError`` naming them.
 
     Example:
         >>> import lightning as L
@@ -355,23 +357,9 @@ class FabricAccumulationStrategy(FabricExactAccumulation, SingleDeviceStrategy):
         ('FabricAccumulationStrategy', 1)
     """
 
-    def __init__(
-        self,
-        device: str | torch.device | None = None,
-        *,
-        normalize: str = "auto",
-        count_tokens: Callable[[Any], Count] | None = None,
-        partial_group: str = "rescale",
-        schedule_on: str = "applied",
-        on_nonfinite: str = "skip",
-        max_consecutive_skips: int | None = 100,
-        global_order: bool = False,
-        token_batches: TokenBatches | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self._init_accumulation(AccumulationOptions.pick(locals()), token_batches)
-        super().__init__(device=device if device is not None else "cpu", **kwargs)
-        self._device_given = device is not None
+    def __init__(self, device: str | torch.device | None = None, **kwargs: Any) -> None:
+        kwargs = self._init_accumulation(kwargs)
+        super().__init__(device=given_device(self, device), **kwargs)
 
     parallel_devices = one_device_property("Fabric")
 
@@ -415,10 +403,8 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     reports the same number of micro-batches per group.
 
     Args:
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: See
-            :class:`FabricAccumulationStrategy`.
-        token_batches: See :class:`FabricAccumulationStrategy`.
-        **kwargs: Passed to Fabric's ``DDPStrategy`` (``start_method``, ``process_group_backend``, ``timeout``, ...).
+        **kwargs: The options (see :class:`FabricAccumulationStrategy`) and the keywords of Fabric's ``DDPStrategy``
+            (``start_method``, ``process_group_backend``, ``timeout``, ...).
 
     Example:
         >>> import lightning as L
@@ -431,27 +417,13 @@ class FabricDDPAccumulationStrategy(FabricExactAccumulation, DDPStrategy):
     adapter_type = DDPAdapter
 
     def __init__(
-        self,
-        *,
-        normalize: str = "auto",
-        count_tokens: Callable[[Any], Count] | None = None,
-        partial_group: str = "rescale",
-        schedule_on: str = "applied",
-        on_nonfinite: str = "skip",
-        max_consecutive_skips: int | None = 100,
-        global_order: bool = False,
-        token_batches: TokenBatches | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **kwargs: Any,
+        self, *, start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **kwargs: Any
     ) -> None:
-        self._init_accumulation(AccumulationOptions.pick(locals()), token_batches)
+        kwargs = self._init_accumulation(kwargs)
         super().__init__(start_method=start_method, **kwargs)
         self._note_backward_sync()
 
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        use_launcher(self, _MultiProcessingLauncher, _LedgerReturningLauncher)
+    _configure_launcher = launcher_configuration(DDPStrategy, _MultiProcessingLauncher, _LedgerReturningLauncher)
 
     @classmethod
     @override
@@ -478,11 +450,8 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         tensor_parallel_size: The devices sharing one model replica, or ``"auto"``. With both ``"auto"``, Fabric's
             sizes (``D`` = number of nodes); with one of them an int, the other is the world size divided by it
             (``"accum_fsdp"``: ``tensor_parallel_size=1``, FSDP2 over every device).
-        normalize, count_tokens, partial_group, schedule_on, on_nonfinite, max_consecutive_skips, global_order: See
-            :class:`FabricAccumulationStrategy`.
-        token_batches: See :class:`FabricAccumulationStrategy`.
-        **kwargs: Passed to Fabric's ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
-            ``process_group_backend``, ``timeout``).
+        **kwargs: The options (see :class:`FabricAccumulationStrategy`) and the keywords of Fabric's
+            ``ModelParallelStrategy`` (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
     Example:
         >>> import lightning as L
@@ -500,27 +469,17 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
         parallelize_fn: Callable[[Any, Any], Any],
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
-        *,
-        normalize: str = "auto",
-        count_tokens: Callable[[Any], Count] | None = None,
-        partial_group: str = "rescale",
-        schedule_on: str = "applied",
-        on_nonfinite: str = "skip",
-        max_consecutive_skips: int | None = 100,
-        global_order: bool = False,
-        token_batches: TokenBatches | None = None,
         **kwargs: Any,
     ) -> None:
         check_mesh_sizes(data_parallel_size, tensor_parallel_size)
-        self._init_accumulation(AccumulationOptions.pick(locals()), token_batches)
+        kwargs = self._init_accumulation(kwargs)
         super().__init__(parallelize_fn, data_parallel_size, tensor_parallel_size, **kwargs)
         self._note_backward_sync()  # Fabric's control of `no_backward_sync`, noted (see docs/internals.md)
 
     @override
     def setup_environment(self) -> None:
-        derive_mesh_sizes(self, "Fabric's `devices=` / `num_nodes=`")
-        super().setup_environment()
-        bound_mesh_groups(self)
+        with mesh_environment(self, "Fabric's `devices=` / `num_nodes=`"):
+            super().setup_environment()
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -545,34 +504,11 @@ class FabricModelParallelAccumulationStrategy(FabricExactAccumulation, ModelPara
             )
         return super().setup_optimizer(optimizer)
 
-    @override
-    def save_checkpoint(
-        self,
-        path: _Path,
-        state: dict[str, Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        if filter is not None and self._save_distributed_checkpoint:
-            # Fabric's own refusal, before the entry's collectives (a group's shards are written beside Fabric's).
-            raise NotImplementedError(
-                f"{type(self).__name__} doesn't support loading distributed filtered checkpoints, so saving them is"
-                " disabled."
-            )
-        super().save_checkpoint(path, state, storage_options, filter)
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "accum_fsdp",
-            cls,
-            description="Exact gradient accumulation in a Fabric loop with FSDP2 over every device (fully_shard on"
-            " each child of every ModuleList and on the root)",
-            override=True,
-            parallelize_fn=shard_module_lists,
-            tensor_parallel_size=1,
-        )
+        layout = "fully_shard on each child of every ModuleList and on the root"
+        register_fsdp_string(strategy_registry, cls, " in a Fabric loop", layout, parallelize_fn=shard_module_lists)
 
 
 def _say_group_not_resumed(entry: Any, path: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
@@ -96,6 +97,35 @@ class AccumulationOptions:
             'drop'
         """
         return cls(**{field.name: values[field.name] for field in fields(cls) if field.name in values})
+
+    @classmethod
+    def split(
+        cls,
+        owner: str,
+        keywords: Mapping[str, Any],
+        passed_to: Callable[..., Any] | None = None,
+        own: tuple[str, ...] = (),
+    ) -> tuple[AccumulationOptions, dict[str, Any]]:
+        """The options among ``keywords``, validated, and the others: ``owner``'s ``own`` and those for ``passed_to``
+        (the framework strategy's ``__init__``; ``None``: none; one with ``**kwargs`` takes them all).
+
+        Raises:
+            TypeError: A keyword none of them takes, naming what each takes.
+        """
+        names = [field.name for field in fields(cls)]
+        others = {key: value for key, value in keywords.items() if key not in names}
+        parameters = inspect.signature(passed_to).parameters if passed_to is not None else {}
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            accepted = [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            for key in others.keys() - {*accepted, *own}:
+                framework = getattr(passed_to, "__qualname__", "").partition(".")[0]
+                besides = f"; and {', '.join(accepted)} ({framework}'s)" if accepted else ""
+                raise TypeError(
+                    f"{owner}() got an unexpected keyword argument {key!r}. It takes the options of exact"
+                    f" accumulation: {', '.join(names)} (see `AccumulationOptions`){''.join(', ' + n for n in own)}"
+                    f"{besides}. Pass one of those."
+                )
+        return cls.pick(keywords), others
 
     def __post_init__(self) -> None:
         validate_choice("normalize", self.normalize, NORMALIZE_CHOICES)

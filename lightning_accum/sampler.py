@@ -26,6 +26,20 @@ def _positive_int(argument: str, value: object, least: int) -> int:
     return value
 
 
+def _check_state(state: object, keys: tuple[str, ...], writer: str) -> None:
+    """Refuse a sampler ``state`` that lacks one of ``keys`` or holds a value other than an int >= 0 (``shuffle``: a
+    bool) there, naming the key and ``writer``, the method that writes such states."""
+    for key in keys:
+        value = state.get(key) if isinstance(state, Mapping) else None
+        expected = bool if key == "shuffle" else int
+        if not isinstance(value, expected) or (expected is int and (isinstance(value, bool) or value < 0)):
+            raise ValueError(
+                f"The sampler state's {key!r} must be {'a bool' if expected is bool else 'an int >= 0'}, got"
+                f" {value!r} (in {dict(state) if isinstance(state, Mapping) else state!r}). Pass a state written"
+                f" by `{writer}`."
+            )
+
+
 class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
     """One seeded order of ``dataset`` (``DistributedSampler``'s, without padding) dealt element-wise to the replicas;
     resumable at a global position under any ``D``.
@@ -125,15 +139,7 @@ class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the order where ``state`` stands, dealt to this sampler's ``D``."""
-        for key in _STATE_KEYS:
-            value = state.get(key) if isinstance(state, Mapping) else None
-            expected = bool if key == "shuffle" else int
-            if not isinstance(value, expected) or (expected is int and (isinstance(value, bool) or value < 0)):
-                raise ValueError(
-                    f"The sampler state's {key!r} must be {'a bool' if expected is bool else 'an int >= 0'}, got"
-                    f" {value!r} (in {dict(state) if isinstance(state, Mapping) else state!r}). Pass a state written"
-                    " by `GlobalOrderSampler.state_dict()`."
-                )
+        _check_state(state, _STATE_KEYS, "GlobalOrderSampler.state_dict()")
         written = (state["length"], state["shuffle"], state["seed"])
         if state["position"] and written != (self.length, self.shuffle, self.seed):
             raise ValueError(

@@ -18,7 +18,7 @@ import numpy.typing as npt
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from lightning_accum.options import validate_choice
-from lightning_accum.sampler import GlobalOrderSampler, _positive_int, global_order_for
+from lightning_accum.sampler import GlobalOrderSampler, _check_state, _positive_int, global_order_for
 
 __all__ = ["COUNTS", "LONG_ROWS", "TokenBatchSampler", "TokenBatches", "plan_group"]
 
@@ -427,14 +427,7 @@ class TokenBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where ``state`` (a :meth:`state_dict`) stands: at its group boundary under this sampler's ``D``,
         or inside its open group on the same ``D``; ``len()`` of that epoch counts its ``microbatches`` first."""
-        for key in _STATE_KEYS:
-            value = state.get(key) if isinstance(state, Mapping) else None
-            expected = bool if key == "shuffle" else int
-            if not isinstance(value, expected) or (expected is int and (isinstance(value, bool) or value < 0)):
-                raise ValueError(
-                    f"The sampler state's {key!r} must be {'a bool' if expected is bool else 'an int >= 0'}, got"
-                    f" {value!r}. Pass a state written by `TokenBatchSampler.state_dict()`."
-                )
+        _check_state(state, _STATE_KEYS, "TokenBatchSampler.state_dict()")
         written = (state["length"], state["shuffle"], state["seed"])
         if (state["position"] or state["done"]) and written != (self.length, self.shuffle, self.seed):
             raise ValueError(

@@ -491,10 +491,52 @@ def test_the_one_device_strategies_take_the_device_first_as_lightnings_do() -> N
     strategy = FabricAccumulationStrategy(torch.device("cpu"), accelerator=CPUAccelerator())
     fabric = L.Fabric(strategy=strategy, devices=2)  # as Fabric's SingleDeviceStrategy: the given device is kept
     assert fabric.strategy is strategy and fabric.strategy.root_device == torch.device("cpu")
-    assert strategy.engine.normalize == "auto"
+    assert strategy.engine.options.normalize == "auto"
     assert AccumulationStrategy("cpu").root_device == torch.device("cpu")
     with pytest.raises(TypeError, match="positional argument"):  # the options are by name: never taken silently
         DDPAccumulationStrategy("tokens")  # type: ignore[misc]
+
+
+def test_the_fabric_strategies_take_the_options_once_by_name_and_name_a_stray_keyword() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from lightning_accum import AccumulationOptions, TokenBatches
+    from lightning_accum.fabric import (
+        FabricAccumulationStrategy,
+        FabricDDPAccumulationStrategy,
+        FabricModelParallelAccumulationStrategy,
+    )
+    from lightning_accum.fabric_model_parallel import shard_module_lists
+
+    # Issue #64: the option list is written once (`AccumulationOptions`), not in each Fabric class's signature.
+    options = {field for field in AccumulationOptions.__dataclass_fields__}
+    classes = (FabricAccumulationStrategy, FabricDDPAccumulationStrategy, FabricModelParallelAccumulationStrategy)
+    assert all(not options & set(inspect.signature(cls).parameters) for cls in classes)
+    fabric = L.Fabric(strategy=FabricAccumulationStrategy(normalize="tokens", partial_group="drop"), accelerator="cpu")
+    assert (fabric.strategy.engine.options.normalize, fabric.strategy.engine.options.partial_group) == (
+        "tokens",
+        "drop",
+    )
+    ddp = FabricDDPAccumulationStrategy(normalize="samples", find_unused_parameters=True, timeout=None)
+    assert ddp.engine.options.normalize == "samples" and ddp._ddp_kwargs == {"find_unused_parameters": True}
+    tokens = TokenBatches(max_tokens=8, lengths="input_ids", samples_per_update=lambda epoch, position: 4)
+    sharded = FabricModelParallelAccumulationStrategy(shard_module_lists, token_batches=tokens, timeout=None)
+    assert sharded.engine.options.on_nonfinite == "skip" and sharded._timeout is None and sharded._tokens is tokens
+    assert STRATEGY_REGISTRY["accum_fsdp"]["init_params"] == {
+        "parallelize_fn": shard_module_lists,
+        "tensor_parallel_size": 1,
+    }
+    with pytest.raises(
+        TypeError,
+        match=r"FabricAccumulationStrategy\(\) got an unexpected keyword argument 'normalise'\. It takes the options of"
+        r" exact accumulation: normalize, .*global_order \(see `AccumulationOptions`\), token_batches; and device,"
+        r" accelerator, checkpoint_io, precision \(SingleDeviceStrategy's\)\. Pass one of those\.",
+    ):
+        FabricAccumulationStrategy(normalise="tokens")
+    with pytest.raises(TypeError, match=r"argument 'save_checkpoints'.*save_distributed_checkpoint"):
+        FabricModelParallelAccumulationStrategy(shard_module_lists, save_checkpoints=True)
+    with pytest.raises(ValueError, match=r"`normalize` must be one of"):
+        FabricDDPAccumulationStrategy(normalize="words")
 
 
 def test_a_checkpoint_io_that_returns_no_mapping_is_returned_as_fabric_returns_it(tmp_path: Path) -> None:

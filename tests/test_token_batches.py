@@ -346,7 +346,10 @@ def test_a_schedules_bad_answer_and_an_unknown_length_are_refused() -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"done": -1}, r"The sampler state's 'done' must be an int >= 0, got -1\. Pass a state written by"),
+        (
+            {"done": -1},
+            r"The sampler state's 'done' must be an int >= 0, got -1 \(in \{.*\}\)\. Pass a state written by",
+        ),
         ({"shuffle": 1}, r"The sampler state's 'shuffle' must be a bool, got 1"),
         ({"seed": 9}, r"continues an epoch of another order: written for length=8, shuffle=True, seed=9"),
         ({"position": 8}, r"position 8 is past the data's end \(8 examples\)"),

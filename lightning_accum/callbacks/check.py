@@ -212,7 +212,7 @@ class AccumulationCheck(Callback):
         batches = self._take(trainer, module, accumulate)
         if not batches:
             return CheckResult(0.0, 1.0, 0, ["the training data yielded no batch"], [])
-        warnings = _partial_group(len(batches), accumulate, strategy.engine.partial_group)
+        warnings = _partial_group(len(batches), accumulate, strategy.engine.options.partial_group)
         run = _Pass(trainer, module, strategy, optimizer, accumulate, int(torch.randint(0, 2**31 - 1, (1,)).item()))
         with _float32_compute(strategy), _token_hints_muted():
             group, outcome, leaks = self._group_gradient(run, batches)

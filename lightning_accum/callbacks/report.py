@@ -278,7 +278,7 @@ class AccumulationReport(Callback):
             "precision": str(trainer.precision),
             "normalization": ledger.normalization,
             "partial_group": {
-                "policy": strategy.engine.partial_group,
+                "policy": strategy.engine.options.partial_group,
                 "count": ledger.partial_groups,
                 "dropped_microbatches": ledger.dropped_microbatches,
                 "dropped_samples": ledger.dropped_samples,

@@ -92,8 +92,8 @@ class EngineAdapter:
 
     @property
     def rank(self) -> int:
-        """This process's global rank (also before ``setup``)."""
-        return 0
+        """This process's global rank (also before ``setup``; 0 on one device)."""
+        return int(self.strategy.global_rank)
 
     @property
     def data_parallel_size(self) -> int:

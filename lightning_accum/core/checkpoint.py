@@ -26,7 +26,20 @@ from lightning_accum.core.lifecycle import GroupLifecycle
 from lightning_accum.core.reading import distributed_gradients
 from lightning_accum.engine import AccumulationEngine
 
-__all__ = ["CHECKPOINT_KEY", "DISTRIBUTED_KEY", "FORMAT", "OpenGroupCheckpoint"]
+__all__ = ["CHECKPOINT_KEY", "DISTRIBUTED_KEY", "FORMAT", "OpenGroupCheckpoint", "Writing"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Writing:
+    """A checkpoint being written, as its door tells it: the run's ``config``; ``running``, the micro-batch of the
+    epoch (from 1) whose step runs while it is written; ``failed``, why the replicas cannot be reached; ``carry``, the
+    group's gradient summed over the replicas (``None`` where the strategy cannot); the optimized parameters' names."""
+
+    config: dict[str, Any]
+    running: int | None
+    failed: str | None
+    carry: Callable[[], dict[str, Tensor] | None]
+    parameter_names: list[str]
 
 
 class OpenGroupCheckpoint:
@@ -35,16 +48,9 @@ class OpenGroupCheckpoint:
     def __init__(self, group: GroupLifecycle) -> None:
         self.group = group
 
-    def entry(
-        self,
-        engine: AccumulationEngine,
-        config: dict[str, Any],
-        running: int | None,
-        failed: str | None,
-        carry: Callable[[], dict[str, Tensor] | None],
-        parameter_names: list[str],
-    ) -> dict[str, Any]:
-        """The checkpoint's entry: ``engine``'s state, ``config`` and the open group (``carry``: its gradient)."""
+    def entry(self, engine: AccumulationEngine, writing: Writing) -> dict[str, Any]:
+        """The checkpoint's entry: ``engine``'s state, the configuration and the open group."""
+        config = writing.config
         state = {**engine.state_dict(), "format": FORMAT, "config": config}
         held, written = engine.microbatches_in_group, self.group.written
         if written is not None and not held:
@@ -56,10 +62,10 @@ class OpenGroupCheckpoint:
         state["open_group_microbatches"] = held
         carried = self.group.carried
         if held or (carried is not None and carried.microbatches):
-            state["open_group"] = _group_entry(engine, config, carried, failed, carry, parameter_names, running)
-            if running is not None:
+            state["open_group"] = _group_entry(engine, carried, writing)
+            if writing.running is not None:
                 rank_zero_warn(
-                    f"lightning_accum: this checkpoint is written while micro-batch {running} of the epoch was"
+                    f"lightning_accum: this checkpoint is written while micro-batch {writing.running} of the epoch was"
                     " running. Lightning runs it again on resume, but a training loader that saves its position"
                     " (`state_dict`) already counts it as consumed, so it then delivers the next batch: that"
                     " micro-batch's examples are skipped (Lightning's behaviour, not this strategy's)."
@@ -119,16 +125,9 @@ class OpenGroupCheckpoint:
                 p.grad = share if p.grad is None else p.grad.add_(share)
 
 
-def _group_entry(
-    engine: AccumulationEngine,
-    config: dict[str, Any],
-    carried: Carried | None,
-    failed: str | None,
-    carry: Callable[[], dict[str, Tensor] | None],
-    parameter_names: list[str],
-    running: int | None,
-) -> dict[str, Any]:
+def _group_entry(engine: AccumulationEngine, carried: Carried | None, writing: Writing) -> dict[str, Any]:
     """The open group's entry: its counters and gradient summed over the replicas (collectives), or why not."""
+    config, failed = writing.config, writing.failed
     held, before = engine.microbatches_in_group, carried.microbatches if carried is not None else 0
     if failed is not None:
         group: dict[str, Any] = {"microbatches": held, "consistent": False}
@@ -136,13 +135,13 @@ def _group_entry(
     else:
         group = engine.open_group_state(carried)
         reason = "a micro-batch's backward had not completed"
-    total, rerun = before + held * config["replicas"], int(running is not None)
+    total, rerun = before + held * config["replicas"], int(writing.running is not None)
     group.update(replicas=config["replicas"], total_microbatches=total, carried_microbatches=before, rerun=rerun)
     if "accumulate" in config:  # known where a Trainer runs the strategy
         group["accumulate"] = config["accumulate"]
-    gradients = carry() if group["consistent"] else None
+    gradients = writing.carry() if group["consistent"] else None
     if gradients is not None:
-        no_gradient = [name for name in parameter_names if name not in gradients]
+        no_gradient = [name for name in writing.parameter_names if name not in gradients]
         return {**group, "gradients": gradients, "no_gradient": no_gradient, "carried": True}
     if group["consistent"]:
         reason = "the strategy cannot carry this group's gradient (see its warning)"
@@ -223,7 +222,7 @@ def _announce_changes(written: Mapping[str, Any], now: Mapping[str, Any], positi
 
 def _honour_normalize(engine: AccumulationEngine, written_unit: str | None, group: Mapping[str, Any]) -> None:
     """An explicit ``normalize=`` wins at an update boundary (announced) and is refused inside a carried group."""
-    wanted = engine.normalize
+    wanted = engine.options.normalize
     if wanted == "auto" or written_unit is None or wanted == written_unit:
         return
     if group.get("gradients") is not None:

@@ -2,8 +2,8 @@
 
 A Trainer strategy (:class:`~lightning_accum.ExactAccumulation`) and a Fabric strategy
 (:class:`~lightning_accum.fabric.FabricExactAccumulation`) each hold one :class:`AccumulationCore` and delegate to it:
-the engine and the close, the manual API and its rules (one rulebook, both doors), a loop's exact evaluation, the
-run's configuration and the checkpoint entry. The front classes keep only what their framework's hooks need; the
+the engine and the close, the manual API and its rules (one rulebook, both doors), the run's configuration and the
+checkpoint entry. The front classes keep only what their framework's hooks need; the
 public seam (``ledger``, ``engine``, ``group_open``, ...) is written once, :class:`CoreSeam`, a base of both.
 """
 
@@ -20,18 +20,17 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_accum.core.adapter import EngineAdapter, NamedParameters
-from lightning_accum.core.checkpoint import OpenGroupCheckpoint
+from lightning_accum.core.checkpoint import OpenGroupCheckpoint, Writing
 from lightning_accum.core.closing import GroupClosing
 from lightning_accum.core.lifecycle import GroupLifecycle, GroupState
 from lightning_accum.core.manual import ManualGroups
 from lightning_accum.core.rules import refuse
 from lightning_accum.engine import AccumulationEngine
-from lightning_accum.evaluation_loss import EvaluationLoss
 from lightning_accum.ledger import AccumulationLedger, GroupRecord
 from lightning_accum.microbatch import Count
 from lightning_accum.options import AccumulationOptions
 
-__all__ = ["CLOSE_GROUP_DOC", "AccumulationCore", "CoreSeam", "one_device_property"]
+__all__ = ["CLOSE_GROUP_DOC", "AccumulationCore", "CoreSeam", "given_device", "one_device_property"]
 
 #: The documentation of both front classes' ``close_group(optimizer, group_size=None)``.
 CLOSE_GROUP_DOC = """Close the group reported with ``accumulate``, right before ``optimizer.step()`` (manual API).
@@ -85,6 +84,8 @@ class AccumulationCore:
         shards = type(self.adapter).local_gradient is not EngineAdapter.local_gradient  # else the gradient itself
         self.closing = GroupClosing(local=self.adapter.local_gradient) if shards else GroupClosing()
         self._own(self.engine)
+        #: Inside :meth:`aside`: the loop's steps run for a check (``AccumulationCheck``), not for the run.
+        self.checking = False
         #: The optimized parameters by name (set by each front class): a group opens on them without a gradient.
         self.parameters: Callable[[], NamedParameters] = list
         #: Whether the loop runs automatic optimization (a Trainer's, set by its door): the manual API is refused there.
@@ -98,78 +99,24 @@ class AccumulationCore:
         self.manual = ManualGroups(self.group)
         self.checkpoint = OpenGroupCheckpoint(self.group)
 
+    def bind(self, device: torch.device) -> None:
+        """Bind the engine to ``device`` and the adapter's replicas, once the processes exist (both doors' set-up)."""
+        self.engine.bind(device, self.adapter.replicas())
+        self.closing.rank = self.adapter.shard_rank()  # named beside a NaN in this rank's own shard
+
     @contextmanager
     def aside(self, engine: AccumulationEngine) -> Generator[None, None, None]:
         """Run on ``engine`` (e.g. :meth:`AccumulationEngine.scratch`) inside the block, with a lifecycle of its own:
         the run's engine, open group and a checkpoint's group waiting are left untouched, and given back after."""
-        saved = self.engine, self.group, self.manual, self.checkpoint
+        saved = self.engine, self.group, self.manual, self.checkpoint, self.checking
         self._own(engine)
+        self.checking = True
         try:
             yield
         finally:
-            self.engine, self.group, self.manual, self.checkpoint = saved
-
-    # ------------------------------------------------------------------ the public seam
-
-    @property
-    def data_parallel_replicas(self) -> int:
-        """``D``: the number of replicas that see different data and whose gradients are averaged."""
-        return self.adapter.data_parallel_size
+            self.engine, self.group, self.manual, self.checkpoint, self.checking = saved
 
     # ------------------------------------------------------------------ the manual API
-
-    def accumulate(
-        self,
-        loss: Tensor,
-        num_tokens: Count | None = None,
-        num_samples: Count | None = None,
-        batch: Any = None,
-        group_size: int | None = None,
-        num_documents: Count | None = None,
-    ) -> Tensor:
-        """Record one micro-batch of a manual loop in the open group; return the tensor to back-propagate.
-
-        The manual API of both doors (a Trainer's ``training_step`` with ``automatic_optimization = False``, and a
-        Fabric loop): back-propagate exactly the returned ``loss · w / c`` once, before the next call
-        (``self.manual_backward`` / ``fabric.backward``), and call ``close_group(optimizer)`` before
-        ``optimizer.step()``. Under DDP run every micro-batch but a group's last without gradient synchronisation
-        (``strategy.no_backward_sync()`` / ``fabric.no_backward_sync(model, enabled=not last)``); every replica
-        reports the same number of micro-batches per group. The rules hold alike at both doors.
-
-        Args:
-            loss: The micro-batch's mean loss over its units (a scalar tensor with a graph).
-            num_tokens: Its supervised tokens (int or 0-d integer tensor), as ``"num_tokens"`` in automatic
-                optimization; or ``None`` (then the strategy's ``count_tokens``, if given, reads ``batch``).
-            num_samples: Its samples; ``None`` infers them from ``batch``'s tensors.
-            batch: The micro-batch, for ``count_tokens`` and to infer the samples; optional.
-            group_size: The micro-batches per update you plan: it only sets the magnitude of what is
-                back-propagated (close to Lightning's ``loss / A``), never the update, which is exact whatever it is.
-                ``None``: the previous group's micro-batches per replica (1 for the first group). ``1`` declares the
-                group's only micro-batch, back-propagated as it is on one replica.
-            num_documents: Its documents with a supervised token (``loss`` is then their mean:
-                ``strategy.accumulate(**lightning_accum.document_mean_loss(...))``).
-
-        Raises:
-            RuntimeError: In a Trainer's automatic optimization (return the counts from ``training_step`` there),
-                while a closed group waits for its ``optimizer.step()``, or while the tensor the previous call returned
-                was never back-propagated. (A group that opens on a nonzero gradient already there, from a backward
-                before its first ``accumulate`` or a ``zero_grad`` forgotten after a step, is refused at its close.)
-            TypeError: ``loss`` is not a tensor.
-            ValueError: Under ``normalize="auto"``, counts of a finer unit than the one the run fixed.
-        """
-        if self.automatic():
-            refuse(
-                "manual_api_in_automatic_optimization",
-                call="accumulate",
-                instead="In automatic optimization return `{'loss': loss, 'num_tokens': n}` from `training_step`: the"
-                " strategy weights it.",
-            )
-        self.reopen_deferred()
-        counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
-        opening = None if self.group.group_open else self.parameters
-        return self.manual.accumulate(
-            self.engine, loss, counts, batch, group_size, self.data_parallel_replicas, opening, self.closing.local
-        )
 
     def close_group(
         self,
@@ -245,16 +192,6 @@ class AccumulationCore:
         <lightning_accum.core.manual.ManualGroups.optimizer_step>`)."""
         return self.manual.optimizer_step(self.engine, self.closing, optimizer, closure, scaler, lightning_step)
 
-    # ------------------------------------------------------------------ a loop's evaluation
-
-    def evaluation(self) -> EvaluationLoss:
-        """A new, empty :class:`~lightning_accum.evaluation_loss.EvaluationLoss`: ``add(loss, num_tokens=...)`` each
-        batch (no host read), then ``compute()`` on every rank for the set's loss weighted by its units over every
-        data-parallel replica (one all-reduce in float64; the same record on every rank; NaN with a warning for a set
-        without any unit); ``reset()`` empties it for the next evaluation. The unit is the run's, as for
-        ``accumulate`` (the first batch's before any training)."""
-        return EvaluationLoss(self.engine, self.adapter.reduce_sum, lambda: self.adapter.strategy.root_device)
-
     # ------------------------------------------------------------------ the checkpoint entry
 
     def configuration(self, strategy_name: str, accumulate: int | None) -> dict[str, Any]:
@@ -263,9 +200,9 @@ class AccumulationCore:
         config: dict[str, Any] = {} if accumulate is None else {"accumulate": int(accumulate)}
         config.update(
             strategy=strategy_name,
-            replicas=int(self.data_parallel_replicas),
-            normalize=self.engine.normalize,
-            partial_group=self.engine.partial_group,
+            replicas=int(self.adapter.data_parallel_size),
+            normalize=self.engine.options.normalize,
+            partial_group=self.engine.options.partial_group,
         )
         return config
 
@@ -274,14 +211,14 @@ class AccumulationCore:
     ) -> dict[str, Any]:
         """The package's checkpoint entry: the ledger, ``config`` and, inside a group, the group with its gradient
         summed over the replicas (collectives, unless ``failed`` says why the replicas cannot be reached)."""
-        return self.checkpoint.entry(
-            self.engine,
+        writing = Writing(
             config,
-            running=running,
-            failed=failed,
+            running,
+            failed,
             carry=lambda: self.adapter.carry_gradients(parameters, self.group.unsynced),
             parameter_names=[name for name, _ in parameters],
         )
+        return self.checkpoint.entry(self.engine, writing)
 
     def reopen(self, config: dict[str, Any], position: int, parameters: NamedParameters) -> None:
         """Finish, exactly, the group a checkpoint was written in, at ``position`` of the resumed loop's group."""
@@ -306,6 +243,13 @@ class AccumulationCore:
         and schedules end too. Returns the micro-batches discarded on this replica."""
         self.closing.reset()
         return self.group.end(why, say, then)
+
+
+def given_device(strategy: Any, device: str | torch.device | None) -> str | torch.device:
+    """What a one-device strategy's constructor hands its framework's: ``device``, or ``"cpu"`` until the connector
+    chooses one (noted for :func:`one_device_property`)."""
+    strategy._device_given = device is not None
+    return device if device is not None else "cpu"
 
 
 def one_device_property(chooser: str) -> Any:
@@ -335,11 +279,8 @@ def one_device_property(chooser: str) -> Any:
 
 
 class CoreSeam:
-    """The public seam of both front classes (:class:`~lightning_accum.ExactAccumulation`,
-    :class:`~lightning_accum.fabric.FabricExactAccumulation`), written once: each member the core's, read through
-    ``self._core``. A facade, not a layer: no state, no hook, no ``super()`` call. It comes after the framework's
-    ``Strategy`` in their bases and defines none of its names, so an instance keeps the layout of the framework's
-    strategy and its class can be swapped in place (as Lightning's own tests with ours substituted do)."""
+    """The public seam of both front classes, written once: each member reads the part of ``self._core`` that owns it.
+    No state, no hook, no ``super()`` call; after the framework's ``Strategy`` in their bases (docs/internals.md)."""
 
     _core: AccumulationCore
 
@@ -350,13 +291,13 @@ class CoreSeam:
 
     @property
     def engine(self) -> AccumulationEngine:
-        """The object that does the arithmetic and holds the options given to the strategy."""
+        """The object that does the arithmetic, with the options given to the strategy (``engine.options``)."""
         return self._core.engine
 
     @property
     def data_parallel_replicas(self) -> int:
         """``D``: the number of replicas that see different data and whose gradients are averaged."""
-        return self._core.data_parallel_replicas
+        return self._core.adapter.data_parallel_size
 
     @property
     def group_open(self) -> bool:
@@ -382,9 +323,51 @@ class CoreSeam:
         group_size: int | None = None,
         num_documents: Count | None = None,
     ) -> Tensor:
-        return self._core.accumulate(loss, num_tokens, num_samples, batch, group_size, num_documents)
+        """Record one micro-batch of a manual loop in the open group; return the tensor to back-propagate.
 
-    accumulate.__doc__ = AccumulationCore.accumulate.__doc__
+        The manual API of both doors (a Trainer's ``training_step`` with ``automatic_optimization = False``, and a
+        Fabric loop): back-propagate exactly the returned ``loss · w / c`` once, before the next call
+        (``self.manual_backward`` / ``fabric.backward``), and call ``close_group(optimizer)`` before
+        ``optimizer.step()``. Under DDP run every micro-batch but a group's last without gradient synchronisation
+        (``strategy.no_backward_sync()`` / ``fabric.no_backward_sync(model, enabled=not last)``); every replica
+        reports the same number of micro-batches per group. The rules hold alike at both doors.
+
+        Args:
+            loss: The micro-batch's mean loss over its units (a scalar tensor with a graph).
+            num_tokens: Its supervised tokens (int or 0-d integer tensor), as ``"num_tokens"`` in automatic
+                optimization; or ``None`` (then the strategy's ``count_tokens``, if given, reads ``batch``).
+            num_samples: Its samples; ``None`` infers them from ``batch``'s tensors.
+            batch: The micro-batch, for ``count_tokens`` and to infer the samples; optional.
+            group_size: The micro-batches per update you plan: it only sets the magnitude of what is
+                back-propagated (close to Lightning's ``loss / A``), never the update, which is exact whatever it is.
+                ``None``: the previous group's micro-batches per replica (1 for the first group). ``1`` declares the
+                group's only micro-batch, back-propagated as it is on one replica.
+            num_documents: Its documents with a supervised token (``loss`` is then their mean:
+                ``strategy.accumulate(**lightning_accum.document_mean_loss(...))``).
+
+        Raises:
+            RuntimeError: In a Trainer's automatic optimization (return the counts from ``training_step`` there),
+                while a closed group waits for its ``optimizer.step()``, or while the tensor the previous call returned
+                was never back-propagated. (A group that opens on a nonzero gradient already there, from a backward
+                before its first ``accumulate`` or a ``zero_grad`` forgotten after a step, is refused at its close.)
+            TypeError: ``loss`` is not a tensor.
+            ValueError: Under ``normalize="auto"``, counts of a finer unit than the one the run fixed.
+        """
+        core = self._core
+        if core.automatic():
+            refuse(
+                "manual_api_in_automatic_optimization",
+                call="accumulate",
+                instead="In automatic optimization return `{'loss': loss, 'num_tokens': n}` from `training_step`: the"
+                " strategy weights it.",
+            )
+        core.reopen_deferred()
+        counts = {"num_tokens": num_tokens, "num_samples": num_samples, "num_documents": num_documents}
+        opening = None if core.group.group_open else core.parameters
+        replicas = core.adapter.data_parallel_size
+        return core.manual.accumulate(
+            core.engine, loss, counts, batch, group_size, replicas, opening, core.closing.local
+        )
 
     def add_group_listener(self, listener: Callable[..., None]) -> None:
         """Call ``listener(record, batch_samples)`` after every closed group (applied, skipped or dropped); see

@@ -38,11 +38,6 @@ class DDPAdapter(EngineAdapter):
 
     @property
     @override
-    def rank(self) -> int:
-        return int(self.strategy.global_rank)
-
-    @property
-    @override
     def data_parallel_size(self) -> int:
         return int(self.strategy.num_nodes * self.strategy.num_processes)
 

@@ -10,7 +10,8 @@ reduce-scatter brings a NaN only to the rank that owns those elements).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,16 +38,21 @@ from lightning_accum.core.reading import checkpoint_location, fsspec_reader
 from lightning_accum.engine import Replicas
 
 __all__ = [
-    "GRADIENT_SYNC_MODES",
     "MeshAdapter",
     "bound_mesh_groups",
     "check_mesh_sizes",
     "derive_mesh_sizes",
+    "mesh_environment",
     "refuse_unsharded",
+    "register_fsdp_string",
 ]
 
-#: The values of ``gradient_sync``.
-GRADIENT_SYNC_MODES = ("every_microbatch", "last_microbatch")
+
+def register_fsdp_string(registry: Any, strategy: type, where: str, layout: str, **init: Any) -> None:
+    """Register ``"accum_fsdp"`` (FSDP2 over every device: ``tensor_parallel_size=1``) for ``strategy`` in ``registry``
+    (Lightning's or Fabric's; ``where``: " in a Fabric loop" or "", ``layout``: what the description adds)."""
+    description = f"Exact gradient accumulation{where} with FSDP2 over every device ({layout})"
+    registry.register("accum_fsdp", strategy, description=description, override=True, tensor_parallel_size=1, **init)
 
 
 def check_mesh_sizes(data_parallel_size: Any, tensor_parallel_size: Any) -> None:
@@ -102,6 +108,15 @@ def refuse_unsharded(model: Module | None, strategy: Any, sharded_by: str, how: 
     )
 
 
+@contextmanager
+def mesh_environment(strategy: Any, devices: str) -> Iterator[None]:
+    """Around the framework's ``setup_environment`` (both doors): :func:`derive_mesh_sizes` before the mesh is built,
+    :func:`bound_mesh_groups` after."""
+    derive_mesh_sizes(strategy, devices)
+    yield
+    bound_mesh_groups(strategy)
+
+
 def bound_mesh_groups(strategy: Any) -> None:
     """After the mesh is built (``setup_environment``): the strategy's ``timeout=`` on the process group of each of
     its dimensions. torch's device mesh makes those groups with torch's default timeout (30 minutes for gloo) whenever
@@ -154,11 +169,6 @@ class MeshAdapter(EngineAdapter):
             return int(self.strategy.device_mesh[dimension].size())
         except RuntimeError:  # before the processes are set up: the size given, or 1 while "auto"
             return given if isinstance(given, int) else 1
-
-    @property
-    @override
-    def rank(self) -> int:
-        return int(self.strategy.global_rank)
 
     @property
     @override

@@ -14,8 +14,11 @@ from torch.optim import Optimizer
 
 from lightning_accum.carry import Carried
 from lightning_accum.core.closing import GroupClosing
+from lightning_accum.core.core import AccumulationCore
+from lightning_accum.core.lifecycle import GroupState
 from lightning_accum.decision import GroupOutcome
 from lightning_accum.engine import AccumulationEngine
+from lightning_accum.strategies.slicing import BatchSlicer
 
 __all__ = ["CLOSURE_EVALUATING", "AutomaticSteps", "StepHost", "reevaluation_message"]
 
@@ -36,9 +39,6 @@ def reevaluation_message(name: str, accumulate: int) -> str:
 
 class StepHost(Protocol):
     """What :class:`AutomaticSteps` reads of the strategy it serves."""
-
-    @property
-    def engine(self) -> AccumulationEngine: ...
 
     @property
     def gradient_scaler(self) -> torch.amp.GradScaler | None: ...
@@ -79,28 +79,32 @@ class _Step:
 
 
 class AutomaticSteps:
-    """The optimizer steps of a run in automatic optimization, each closing its group inside the optimizer's step."""
+    """The optimizer steps of a run in automatic optimization, each closing its group inside the optimizer's step:
+    ``core``'s group, after the slices ``slicer`` kept aside are put back."""
 
-    def __init__(self) -> None:
+    def __init__(self, core: AccumulationCore, slicer: BatchSlicer) -> None:
+        self.core, self.slicer = core, slicer
         self._step: _Step | None = None  # the step running, while the optimizer may evaluate the closure
 
     def optimizer_step(
         self,
         host: StepHost,
-        closing: GroupClosing,
         optimizer: Optimizer,
         closure: Callable[..., Any],
         trainer: Trainer,
-        prepare: Callable[[], Carried | None],
         lightning_step: Callable[[Callable[..., Any]], Any],
     ) -> Any:
-        """Run ``lightning_step`` with a closure: ``closure``, ``prepare()`` (returning what a checkpoint carried into
-        the group), the group's close."""
+        """Run ``lightning_step`` with a closure: ``closure``, then the group's close."""
         # Known before the closure runs: Lightning sets the batch's place in the epoch before its step.
         accumulate = trainer.accumulate_grad_batches
         ends_epoch = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-        engine, scaler, module = host.engine, host.gradient_scaler, host.lightning_module
-        step = _Step(host, closing, optimizer, closure, prepare, engine, scaler, module, accumulate, ends_epoch)
+        engine, closing, scaler, module = (
+            self.core.engine,
+            self.core.closing,
+            host.gradient_scaler,
+            host.lightning_module,
+        )
+        step = _Step(host, closing, optimizer, closure, self._prepare, engine, scaler, module, accumulate, ends_epoch)
         self._step = step
         try:
             output = lightning_step(self._closure_then_close)
@@ -112,6 +116,17 @@ class AutomaticSteps:
         if step.outcome is not None:  # else the optimizer never evaluated the closure: Lightning raises its own error
             closing.finish_after_step(step.engine, step.outcome, step.scale_before, step.scaler)
         return output
+
+    def _prepare(self) -> Carried | None:
+        """What a group's close needs first, after Lightning's closure: the gradient of a resumed group whose
+        remaining micro-batches had no backward, and a last slice's batch that Lightning did not put back; then the
+        group closes in the lifecycle, which hands the close what a checkpoint carried into it."""
+        core = self.core
+        if core.group.state is GroupState.REOPENED:
+            core.install_carried()
+        if self.slicer.enabled:
+            self.slicer.install_pending()
+        return core.group.close()
 
     def _closure_then_close(self, *args: Any, **kw: Any) -> Any:
         """What the optimizer evaluates: Lightning's closure, then the group's close."""
@@ -135,7 +150,7 @@ class AutomaticSteps:
         """A further evaluation of the closure inside one step: exact on a scratch engine, outside the ledger."""
         if step.accumulate > 1:
             raise RuntimeError(reevaluation_message(type(step.optimizer).__name__, step.accumulate))
-        scratch = step.host.engine.scratch()
+        scratch = step.engine.scratch()
         with step.host.use_engine(scratch):
             result = step.closure(*args, **kw)
             scratch.close_group(accumulate=1, gradients=step.closing.gradients_by_kind(step.optimizer))

@@ -109,7 +109,7 @@ class TrainerCheckpoint:
         adapter, side = self.core.adapter, self.side
         if not side.may_write_checkpoint(filepath):
             return
-        failed = side.collectives_failed(self.trainer()) if self.core.data_parallel_replicas > 1 else None
+        failed = side.collectives_failed(self.trainer()) if self.core.adapter.data_parallel_size > 1 else None
         try:
             state = self._entry(failed)
         except Exception as error:

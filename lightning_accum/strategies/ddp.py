@@ -16,7 +16,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from torch.utils.data import IterableDataset
 from typing_extensions import override
 
-from lightning_accum._worker_exit import ClosingWorkers, use_launcher
+from lightning_accum._worker_exit import ClosingWorkers, launcher_configuration
 from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.core.adapter import EngineAdapter, collective_failure
 from lightning_accum.core.ddp import DDPAdapter, register_ddp_strings
@@ -79,6 +79,13 @@ class DDPTrainerSide(TrainerSide):
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return bool(model.require_backward_grad_sync)
         return super().synchronises(trainer)
+
+    @override
+    def sync_blocked(self) -> bool:
+        # DDP's own flag, False inside `no_sync` however it was entered (`no_backward_sync`, Lightning's
+        # `block_backward_sync`, `self.trainer.model.no_sync()`).
+        model = self.strategy.model
+        return isinstance(model, torch.nn.parallel.DistributedDataParallel) and not model.require_backward_grad_sync
 
     @override
     def before_forward_retry(self) -> None:
@@ -277,10 +284,7 @@ class DDPAccumulationStrategy(ExactAccumulation, DDPStrategy):
     def check_data_ends(self, value: bool) -> None:
         self._side.check_data_ends = bool(value)
 
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        use_launcher(self, _MultiProcessingLauncher, _LedgerReturningLauncher)
+    _configure_launcher = launcher_configuration(DDPStrategy, _MultiProcessingLauncher, _LedgerReturningLauncher)
 
     @classmethod
     @override

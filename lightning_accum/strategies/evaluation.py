@@ -147,7 +147,7 @@ class ExactEvaluation:
             run.error = str(error)
             return
         if weight is None and run.unit is None:  # the first batch: a loss without the count of the run's unit
-            run.unit, run.why = unit, _missing_count(unit, run.stage, engine.normalize)
+            run.unit, run.why = unit, _missing_count(unit, run.stage, engine.options.normalize)
         elif weight is None:  # raised on every rank at the loop's end, so that no rank waits for one that stopped
             run.error = (
                 f"`{_STEP_NAMES[run.stage]}` reported a loss and its {run.unit} for its first batch but not for batch"

@@ -20,19 +20,21 @@ from typing_extensions import override
 
 from lightning_accum.batch_schedule import BatchSchedule
 from lightning_accum.core.mesh import (
-    GRADIENT_SYNC_MODES,
     MeshAdapter,
-    bound_mesh_groups,
     check_mesh_sizes,
-    derive_mesh_sizes,
+    mesh_environment,
     refuse_unsharded,
+    register_fsdp_string,
 )
 from lightning_accum.options import AccumulationOptions, Normalize, OnNonfinite, PartialGroup, ScheduleOn, TokenCounter
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.strategies.trainer_side import TrainerSide
 from lightning_accum.token_batches import TokenBatches
 
-__all__ = ["MeshSide", "ModelParallelAccumulationStrategy"]
+__all__ = ["GRADIENT_SYNC_MODES", "MeshSide", "ModelParallelAccumulationStrategy"]
+
+#: The values of ``gradient_sync``.
+GRADIENT_SYNC_MODES = ("every_microbatch", "last_microbatch")
 
 
 class MeshSide(TrainerSide):
@@ -44,6 +46,12 @@ class MeshSide(TrainerSide):
         super().__init__(strategy, adapter)
         self.adapter: MeshAdapter = adapter
         self._slice_group: Any = None  # a gloo group for the slice count when the backend is not gloo
+        #: Inside a ``block_backward_sync`` that holds FSDP2's reduction (``gradient_sync="last_microbatch"``).
+        self.blocked = False
+
+    @override
+    def sync_blocked(self) -> bool:
+        return self.blocked
 
     @override
     def agree_slice_count(self, count: int, num_samples: int) -> int:
@@ -137,6 +145,7 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
     strategy_name = "accum_model_parallel"
     adapter_type = MeshAdapter
     side_type = MeshSide
+    _side: MeshSide
 
     def __init__(
         self,
@@ -177,9 +186,8 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
 
     @override
     def setup_environment(self) -> None:
-        derive_mesh_sizes(self, "the Trainer's `devices=` / `num_nodes=`")
-        super().setup_environment()
-        bound_mesh_groups(self)
+        with mesh_environment(self, "the Trainer's `devices=` / `num_nodes=`"):
+            super().setup_environment()
 
     @contextmanager
     @override
@@ -195,24 +203,18 @@ class ModelParallelAccumulationStrategy(ExactAccumulation, ModelParallelStrategy
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         for m in modules:
             m.set_requires_gradient_sync(False, recurse=False)
-        self._sync_blocked = True  # a manual loop's close after a last backward here is refused
+        self._side.blocked = True  # a manual loop's close after a last backward here is refused
         try:
             yield
         finally:
-            self._sync_blocked = False
+            self._side.blocked = False
             for m in modules:
                 m.set_requires_gradient_sync(True, recurse=False)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "accum_fsdp",
-            cls,
-            description="Exact gradient accumulation with FSDP2 over every device (data parallel = world size)",
-            override=True,
-            tensor_parallel_size=1,
-        )
+        register_fsdp_string(strategy_registry, cls, "", "data parallel = world size")
         strategy_registry.register(
             "accum_model_parallel",
             cls,

@@ -72,14 +72,14 @@ class ScheduledGroups:
             )
         m = loader_batch_size(trainer.train_dataloader)
         if m is not None:  # else at the first batch, from its samples
-            self.schedule.check(m, core.data_parallel_replicas)
+            self.schedule.check(m, core.adapter.data_parallel_size)
         return partial(self.group_size, core, split_batch)
 
     def group_size(self, core: Any, split: SplitBatch | None, batch: Any, batch_idx: int, resumed: int | None) -> int:
         """The :data:`~lightning_accum.strategies.group_boundaries.GroupSizer` of the schedule."""
         schedule = self.schedule
         assert schedule is not None
-        ledger, replicas = core.engine.ledger, core.data_parallel_replicas
+        ledger, replicas = core.engine.ledger, core.adapter.data_parallel_size
         if self.microbatch_size is None:  # the fit's first group
             self.microbatch_size = count_samples(batch, split)
             schedule.check(self.microbatch_size, replicas)

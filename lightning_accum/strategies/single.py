@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_accum.batch_schedule import BatchSchedule
-from lightning_accum.core.core import one_device_property
+from lightning_accum.core.core import given_device, one_device_property
 from lightning_accum.options import AccumulationOptions, Normalize, OnNonfinite, PartialGroup, ScheduleOn, TokenCounter
 from lightning_accum.strategies.base import ExactAccumulation
 from lightning_accum.token_batches import TokenBatches
@@ -50,7 +50,7 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
         >>> import lightning_accum
         >>> trainer = L.Trainer(strategy="accum", accumulate_grad_batches=4, accelerator="cpu", logger=False,
         ...                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-        >>> type(trainer.strategy).__name__, trainer.strategy.engine.partial_group
+        >>> type(trainer.strategy).__name__, trainer.strategy.engine.options.partial_group
         ('AccumulationStrategy', 'rescale')
     """
 
@@ -75,8 +75,7 @@ class AccumulationStrategy(ExactAccumulation, SingleDeviceStrategy):
     ) -> None:
         options = AccumulationOptions.pick(locals())  # the options declared above, one by one for LightningCLI
         self._init_accumulation(options, microbatch_size, split_batch, batch_schedule, token_batches)
-        super().__init__(device=device if device is not None else "cpu", **kwargs)
-        self._device_given = device is not None
+        super().__init__(device=given_device(self, device), **kwargs)
 
     parallel_devices = one_device_property("the Trainer")
 

@@ -32,14 +32,14 @@ if TYPE_CHECKING:
 
     from lightning_accum.engine import AccumulationEngine
     from lightning_accum.ledger import AccumulationLedger
+    from lightning_accum.strategies.trainer_side import TrainerSide
 
 __all__ = ["BatchSlicer", "SliceHost"]
 
 
 class SliceHost(Protocol):
-    """What the slicer uses of the strategy that runs it: Lightning's public strategy members, the accumulation
-    strategy's engine and ledger, and the two hooks each engine adapter defines (:meth:`agree_slice_count`,
-    :meth:`before_forward_retry`)."""
+    """What the slicer uses of the strategy that runs it: Lightning's public strategy members and the accumulation
+    strategy's engine and ledger (what differs per engine is its ``TrainerSide``, handed to the slicer)."""
 
     @property
     def engine(self) -> AccumulationEngine: ...
@@ -58,13 +58,6 @@ class SliceHost(Protocol):
     def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager[Any]: ...
     def pre_backward(self, closure_loss: Tensor) -> None: ...
     def post_backward(self, closure_loss: Tensor) -> None: ...
-
-    def agree_slice_count(self, count: int, num_samples: int) -> int:
-        """The number of slices every rank cuts this loader batch into (``count``, this rank's own, where ranks need
-        not agree)."""
-
-    def before_forward_retry(self) -> None:
-        """Called before the forward path runs again on the same loader batch after an out-of-memory error."""
 
 
 @dataclass
@@ -105,9 +98,18 @@ class _OutOfMemory(Exception):  # internal: a slice ran out of memory in its `ph
 
 class BatchSlicer:
     """The per-strategy state of ``microbatch_size=``: the option, this rank's :class:`SlicingLog`, the running batch
-    and its slices' gradients (:class:`~lightning_accum.strategies.slice_gradients.SliceGradients`)."""
+    and its slices' gradients (:class:`~lightning_accum.strategies.slice_gradients.SliceGradients`); ``side``: the
+    strategy's (the slice count agreed over the ranks, a forward run again); ``normalize``: the run's option."""
 
-    def __init__(self, microbatch_size: MicrobatchSize, split_batch: SplitBatch | None) -> None:
+    def __init__(
+        self, microbatch_size: MicrobatchSize, split_batch: SplitBatch | None, side: TrainerSide, normalize: str
+    ) -> None:
+        if microbatch_size is not None and normalize == "batches":
+            raise ValueError(
+                f"`microbatch_size={microbatch_size!r}` cannot be combined with `normalize='batches'`: a loader batch"
+                " cut into slices must keep its weight, but 'batches' would weigh every slice 1. Use"
+                " `normalize='samples'` (a mean loss over samples), 'tokens' (report `num_tokens`), or 'auto'."
+            )
         microbatch_size = validate_microbatch_size(microbatch_size)
         if split_batch is not None and not callable(split_batch):
             raise TypeError(
@@ -118,6 +120,7 @@ class BatchSlicer:
             configured=microbatch_size, size=microbatch_size if isinstance(microbatch_size, int) else None
         )
         self.split_batch = split_batch
+        self.side = side
         self.gradients = SliceGradients()
         self._running: _Running | None = None  # the batch whose last slice's backward Lightning calls next
         #: Whether loader batches are cut into slices (an attribute, read twice per micro-batch on the hot path).
@@ -194,7 +197,7 @@ class BatchSlicer:
         piece = self._cut(running.batch, start, n, n)
         args, kwargs = _with_batch(running.args, running.kwargs, piece)
         if running.retried:
-            strategy.before_forward_retry()
+            self.side.before_forward_retry()
         outputs: list[Any] = []
         if not self._attempt(
             strategy, n - start, batch_idx, lambda _: outputs.append(_forward(forward, args, kwargs, self.auto))
@@ -278,7 +281,7 @@ class BatchSlicer:
         if self.auto:
             return None
         size = self.log.limit(n)
-        count = strategy.agree_slice_count(-(-n // size), n)
+        count = self.side.agree_slice_count(-(-n // size), n)
         base, extra = divmod(n, count)
         ends, end = [], 0
         for index in range(count):

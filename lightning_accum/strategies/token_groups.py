@@ -24,11 +24,16 @@ class TokenGroups:
     """A fit's training loader under ``token_batches=``: re-created around a :class:`~lightning_accum.TokenBatchSampler`
     (:meth:`install`), its groups' sizer (:meth:`start`), each epoch's count set in Lightning's loop, its state."""
 
-    def __init__(self, options: TokenBatches | None) -> None:
+    def __init__(self, options: TokenBatches | None, scheduled: bool = False, partial_group: str = "rescale") -> None:
         if options is not None and not isinstance(options, TokenBatches):
             raise TypeError(
                 f"`token_batches` must be a `lightning_accum.TokenBatches` or None, got {type(options).__name__}."
                 " Pass e.g. `token_batches=TokenBatches(max_tokens=4096, lengths='input_ids')`."
+            )
+        if options is not None and (scheduled or partial_group == "drop"):  # the strategy's other options
+            raise ValueError(
+                f"`token_batches=` cannot be combined with `{'batch_schedule=' if scheduled else 'partial_group'}`"
+                " yet: pass `TokenBatches(samples_per_update=lambda epoch, position: ...)`, or 'rescale'."
             )
         self.options, self.accumulate = options, 1  # `accumulate`: the Trainer's as given, the fixed run's A
         self.sampler: TokenBatchSampler | None = None  # the training loader's, for the fit

@@ -29,6 +29,11 @@ class TrainerSide:
         """Whether the running backward synchronises gradients over the replicas (a group's last micro-batch, D > 1)."""
         return self.adapter.data_parallel_size > 1 and ends_group_by_position(trainer)
 
+    def sync_blocked(self) -> bool:
+        """Whether a backward run now leaves its gradient uncombined over the replicas (a manual loop's close after a
+        last backward like that is refused where it matters): never on one device."""
+        return False
+
     def microbatch_agreement(self) -> Callable[[Any], None] | None:
         """What runs before each training micro-batch, called with the trainer, or ``None``."""
         return None

@@ -48,9 +48,17 @@ def test_the_manual_api_is_typed_and_written_once_for_both_doors() -> None:
     assert "accumulate" not in vars(FabricExactAccumulation)  # the seam's, at both doors
 
 
-def test_the_engines_options_are_plain_properties() -> None:
-    engine = AccumulationEngine()
-    for name in ("normalize", "partial_group", "schedule_on", "on_nonfinite", "max_consecutive_skips"):
-        member = AccumulationEngine.__dict__[name]
-        assert isinstance(member, property) and member.fget.__name__ == name  # a def, not a lambda
-        assert getattr(engine, name) == getattr(engine.options, name)
+def test_the_engine_takes_the_options_once_and_names_them_for_a_stray_keyword() -> None:
+    # Issue #64: the options are written once (`AccumulationOptions`); the engine takes them by name and reads them
+    # there (`engine.options`), with no list of its own to fall behind.
+    engine = AccumulationEngine(normalize="tokens", partial_group="drop")
+    assert (engine.options.normalize, engine.options.partial_group) == ("tokens", "drop")
+    assert "normalize" not in vars(AccumulationEngine)
+    with pytest.raises(
+        TypeError,
+        match=r"AccumulationEngine\(\) got an unexpected keyword argument 'normalise'\. It takes"
+        r" the options of exact accumulation: normalize, count_tokens, .*global_order",
+    ):
+        AccumulationEngine(normalise="tokens")
+    with pytest.raises(ValueError, match=r"`normalize` must be one of"):  # validated as every strategy's
+        AccumulationEngine(normalize="words")

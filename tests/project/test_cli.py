@@ -88,7 +88,7 @@ def test_cli_selects_the_strategy_by_class_path_with_arguments_and_the_callbacks
     ):  # samples on padded data: token weighting missing
         cli = run_cli(tmp_path, config, monkeypatch)
     strategy = cli.trainer.strategy
-    assert (strategy.engine.normalize, strategy.engine.partial_group) == ("samples", "drop")
+    assert (strategy.engine.options.normalize, strategy.engine.options.partial_group) == ("samples", "drop")
     record = json.loads((tmp_path / "report" / "accumulation_report.json").read_text())
     assert record["normalization"] == "samples" and record["updates"]["applied"] == 2
 

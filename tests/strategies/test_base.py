@@ -317,17 +317,6 @@ def test_host_sync_detector_catches_a_sync_in_the_package() -> None:
     assert len(detector.hits) == 2, detector.hits
 
 
-class _AccumulatesItself(AccumulationStrategy):
-    @property
-    def handles_gradient_accumulation(self) -> bool:
-        return True
-
-
-def test_a_strategy_that_accumulates_itself_is_a_clear_error() -> None:
-    with pytest.raises(RuntimeError, match=r"handles gradient accumulation itself .*strategy='accum' or 'accum_ddp'"):
-        fit(TinyLM(), make_examples([3, 4]), batch_size=1, accumulate=2, strategy=_AccumulatesItself())
-
-
 # ---------------------------------------------------------------------- Lightning's own checks and hook order
 
 

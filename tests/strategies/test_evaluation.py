@@ -267,7 +267,8 @@ def _loop_state(strategy: Any) -> dict[str, str]:
         return type(value).__name__
 
     parts = {
-        "strategy": {k: getattr(strategy, k) for k in ("_trainer_ref", "_agreement", "_aside", "_failed")},
+        "strategy": {"_agreement": strategy._agreement, "checking": strategy._core.checking},
+        "run": {k: getattr(strategy._run, k) for k in ("trainer", "failed")},
         "evaluation": {k: v for k, v in vars(strategy._evaluation).items() if k not in ("findings", "_said")},
         "group": {k: v for k, v in vars(strategy._core.group).items() if k != "engine"},
     }
