@@ -90,11 +90,6 @@ class ExactAccumulation(Strategy, CoreSeam):
         token_batches: TokenBatches | None = None,
     ) -> None:
         """Set up the parts from the options the constructor validated (before Lightning's ``__init__``)."""
-        if token_batches is not None and (batch_schedule is not None or options.partial_group == "drop"):
-            raise ValueError(
-                f"`token_batches=` cannot be combined with `{'batch_schedule=' if batch_schedule else 'partial_group'}`"
-                " yet: pass `TokenBatches(samples_per_update=lambda epoch, position: ...)`, or 'rescale'."
-            )
         if microbatch_size is not None and options.normalize == "batches":
             raise ValueError(
                 f"`microbatch_size={microbatch_size!r}` cannot be combined with `normalize='batches'`: a loader batch"
@@ -110,7 +105,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._side = self.side_type(self, self._core.adapter)
         self._scheduled = ScheduledGroups(as_schedule(batch_schedule))  # the groups' sizes under `batch_schedule=`
         self._groups = GroupBoundaries()  # where the fit's groups start and end
-        self._tokens = TokenGroups(token_batches)  # the training loader cut by tokens under `token_batches=`
+        self._tokens = TokenGroups(token_batches, self._scheduled)  # the training loader cut by tokens
         self._checkpoints = TrainerCheckpoint(
             self, self._core, self._side, self._slicer, self._attached_trainer, self._scheduled
         )
