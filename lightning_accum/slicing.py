@@ -140,7 +140,7 @@ def free_memory(device: torch.device) -> None:
 class OutOfMemoryRetry:
     """One out-of-memory error recovered by running a slice again, smaller: the attempted ``update`` (1-based),
     Lightning's ``epoch`` and ``batch_idx``, the global ``rank``, the ``phase`` (``"forward"`` or ``"backward"``), the
-    ``failed_size`` and ``new_size`` in samples, and the wall-clock ``time``.
+    ``failed_size`` and ``new_size`` in the log's ``unit``, and the wall-clock ``time``.
     """
 
     update: int
@@ -156,11 +156,13 @@ class OutOfMemoryRetry:
 @dataclass
 class SlicingLog:
     """This rank's record of ``microbatch_size=``: the ``configured`` value, the slice ``size`` in force (``None`` until
-    an out-of-memory error sets one under ``"auto"``), the ``slice_sizes`` run (samples -> count) and the ``retries``.
+    an out-of-memory error sets one under ``"auto"``) in its ``unit`` (``"samples"``, or ``"tokens"`` for batches cut
+    by tokens), the ``slice_sizes`` run (samples -> count) and the ``retries``.
     """
 
     configured: MicrobatchSize = None
     size: int | None = None
+    unit: str = "samples"
     slice_sizes: dict[int, int] = field(default_factory=dict)
     retries: list[OutOfMemoryRetry] = field(default_factory=list)
 
@@ -175,6 +177,7 @@ class SlicingLog:
         return {
             "configured": self.configured,
             "size": self.size,
+            "unit": self.unit,
             "slice_sizes": {int(k): int(v) for k, v in sorted(self.slice_sizes.items())},
             "retries": [dataclasses.asdict(r) for r in self.retries],
         }
@@ -184,6 +187,7 @@ class SlicingLog:
         if self.configured == "auto":
             size = state.get("size")
             self.size = int(size) if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
+            self.unit = "tokens" if state.get("unit") == "tokens" else "samples"
         self.slice_sizes = {int(k): int(v) for k, v in dict(state.get("slice_sizes") or {}).items()}
         known = {f.name for f in dataclasses.fields(OutOfMemoryRetry)}
         self.retries = [

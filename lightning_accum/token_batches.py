@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from lightning_accum.options import validate_choice
 from lightning_accum.sampler import GlobalOrderSampler, _check_state, _positive_int, global_order_for
 
-__all__ = ["COUNTS", "LONG_ROWS", "TokenBatchSampler", "TokenBatches", "plan_group"]
+__all__ = ["COUNTS", "LONG_ROWS", "TokenBatchSampler", "TokenBatches", "even_cut", "plan_group"]
 
 #: How a micro-batch's tokens are counted against ``max_tokens``: rows × its longest row, or the sum of lengths.
 COUNTS: tuple[str, ...] = ("padded", "sum")
@@ -49,6 +49,16 @@ def _cut(lengths: Indices, max_tokens: int, padded: bool, max_samples: int) -> l
         pieces.append((start, stop))
         start = stop
     return pieces
+
+
+def even_cut(lengths: Indices, max_tokens: int, padded: bool) -> list[tuple[int, int]]:
+    """The fewest micro-batches ``[a, b)`` of ``lengths`` (longest first) under the budget (a longer row alone), as even
+    as their number allows: :func:`_cut` under the least budget that keeps that number."""
+    count, low, high = len(_cut(lengths, max_tokens, padded, len(lengths))), 1, max_tokens
+    while low < high:  # the number of pieces only falls as the budget grows
+        middle = (low + high) // 2
+        low, high = (low, middle) if len(_cut(lengths, middle, padded, len(lengths))) <= count else (middle + 1, high)
+    return _cut(lengths, low, padded, len(lengths))
 
 
 def _deal(costs: list[int], replicas: int) -> list[list[int]]:
@@ -225,6 +235,8 @@ class TokenBatchSampler(Sampler[list[int]]):
         self._key: tuple[int, ...] = ()
         self._planned: list[_Group] = []
         self._order_of: tuple[int, Indices] = (-1, np.empty(0, dtype=np.int64))  # (epoch, its order)
+        self._rows: tuple[tuple[int, ...], list[Indices]] = ((), [])  # this replica's micro-batches, for a plan
+        self._loop: list[int] | None = None  # a Fabric loader's count of iterations: [the epoch of its 0, its next]
 
     def set_replicas(self, num_replicas: int, rank: int) -> None:
         """Deal to ``num_replicas`` replicas, this one being ``rank`` (an accumulation strategy calls it at set-up)."""
@@ -363,6 +375,21 @@ class TokenBatchSampler(Sampler[list[int]]):
             yield size, list(itertools.islice(batches, size - skip))
             skip = 0
 
+    def group_spans(self) -> list[tuple[int, int, int]]:
+        """Per group planned (as :meth:`group_sizes`): its first position, its rows and ``B`` (more: it is partial)."""
+        return [(group.start, group.rows, group.samples) for group in self._plan()]
+
+    def rows(self, batch: int) -> Indices:
+        """The dataset indices of this replica's micro-batch ``batch`` of the epoch (counted as ``len()`` counts; none
+        outside it)."""
+        origin = self._origin()
+        key = (self.epoch, self.num_replicas, origin.start, origin.samples)
+        if self._rows[0] != (*key, len(self._planned)):
+            flat = [rows for group in self._plan() for rows in group.ranks[self.rank]]
+            self._rows = ((*key, len(self._planned)), flat)
+        k = batch - origin.offset + origin.skip
+        return self._rows[1][k] if 0 <= k < len(self._rows[1]) else np.empty(0, dtype=np.int64)
+
     def group_index(self, microbatch: int) -> int:
         """The group holding micro-batch ``microbatch`` of the epoch (counted as ``len()`` counts), an index into
         :meth:`group_sizes`, :meth:`group_stats` and :meth:`group_examples`."""
@@ -442,7 +469,17 @@ class TokenBatchSampler(Sampler[list[int]]):
             )
         fields = (state["position"], state["done"], state["microbatches"], state["samples"], state["replicas"])
         self._yielded, self._resume = 0, (state["epoch"], _Origin(*fields))
-        self.sampler.set_epoch(state["epoch"])
+        if self._loop is not None:  # a Fabric loader's next iteration continues this epoch
+            self._loop[0] = state["epoch"] - self._loop[1]
+            GlobalOrderSampler.set_epoch(self.sampler, state["epoch"])
+        else:
+            self.sampler.set_epoch(state["epoch"])
+
+    def _loop_epoch(self, epoch: int) -> None:
+        """The order's ``set_epoch`` under a Fabric loader, which counts its iterations from 0 in each process."""
+        assert self._loop is not None
+        self._loop[1] = epoch + 1
+        GlobalOrderSampler.set_epoch(self.sampler, self._loop[0] + epoch)
 
 
 @dataclass(frozen=True)
@@ -489,6 +526,8 @@ class TokenBatches:
         o, samples = order, self._samples(int(loader.batch_size), accumulate, order.num_replicas)
         options = (self.count, self.max_samples, self.long_rows, o.num_replicas, o.rank, o.shuffle, o.seed)
         tokens = TokenBatchSampler(loader.dataset, self.lengths, self.max_tokens, samples, *options)
+        if accumulate is None:  # a Fabric loader sets the order's epoch from its own count of iterations
+            tokens._loop, tokens.sampler.set_epoch = [0, 0], tokens._loop_epoch  # type: ignore[method-assign]
         keep = "num_workers collate_fn pin_memory timeout worker_init_fn multiprocessing_context generator"
         kept = {name: getattr(loader, name) for name in (keep + " prefetch_factor persistent_workers").split()}
         return DataLoader(loader.dataset, batch_sampler=tokens, pin_memory_device=loader.pin_memory_device, **kept)

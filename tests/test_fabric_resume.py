@@ -1,6 +1,7 @@
 """A mid-group `fabric.save` resumes exactly under another strategy class and another replica count, both ways
-(`accum` on one device -> `accum_ddp` on two processes, and back), against the float64 one-device run; and after
-`fabric.launch(fn)` under spawn the main process's ledger holds the run's counts."""
+(`accum` on one device -> `accum_ddp` on two processes, and back), against the float64 one-device run; after
+`fabric.launch(fn)` under spawn the main process's ledger holds the run's counts; a loop of micro-batches cut by
+tokens resumes its plan mid-epoch in a later epoch."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import IGNORE, make_examples, params_vector, random_lengths, sgd_reference
+from helpers import IGNORE, ListDataset, TinyLM, make_examples, params_vector, random_lengths, sgd_reference
 from test_fabric import LR, TinyNet, stack
 from torch import Tensor
+from torch.utils.data import DataLoader
 
-from lightning_accum import FabricDDPAccumulationStrategy
+from lightning_accum import FabricAccumulationStrategy, FabricDDPAccumulationStrategy, TokenBatches
 from lightning_accum.core.entry import CHECKPOINT_KEY
 
 EXAMPLES = make_examples(random_lengths(24, seed=21), seed=21)
@@ -136,3 +138,52 @@ def test_a_group_completed_across_a_change_of_m_and_d_is_complete(tmp_path: Path
     _, result = _two_processes(1, 10, 24, None, path, True, partial_group=partial_group)
     _check(result)
     assert result["ledger"]["partial_groups"] == 0 and result["ledger"]["dropped_microbatches"] == 0
+
+
+ROWS = [{**row, "index": torch.tensor(i)} for i, row in enumerate(make_examples(random_lengths(44, seed=59), seed=59))]
+TOKENS_OPTION = TokenBatches(
+    max_tokens=8, lengths=[int((r["labels"] != IGNORE).sum()) for r in ROWS], samples_per_update=8
+)
+
+
+def _token_loop(path: Path, epochs: range, save: tuple[int, int, int] | None = None) -> tuple[Tensor, list[int]]:
+    """A LitGPT-style loop over the token plan for `epochs`, from `path`'s state when the range does not start at 0;
+    `save = (epoch, group, micro-batch)`: save there (the sampler's state after the micro-batches run) and stop."""
+    fabric = L.Fabric(strategy=FabricAccumulationStrategy(token_batches=TOKENS_OPTION), accelerator="cpu")
+    model = TinyLM(seed=59).double()  # float64 under "32-true": the checkpoint's weights restore unrounded
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+    loader = fabric.setup_dataloaders(DataLoader(ListDataset(ROWS), batch_size=4, shuffle=True))
+    sampler, seen = loader.batch_sampler, []
+    if epochs.start:
+        fabric.load(str(path), {"model": model, "optimizer": optimizer, "sampler": sampler})
+    for epoch in epochs:
+        ran = 0  # this epoch's micro-batches run by this loop (what the sampler's state counts)
+        for g, (size, batches) in enumerate(sampler.groups(loader)):
+            for i, batch in enumerate(batches):
+                loss = torch.nn.functional.cross_entropy(
+                    model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE
+                )
+                fabric.backward(fabric.strategy.accumulate(loss, num_tokens=(batch["labels"] != IGNORE).sum()))
+                seen += batch["index"].tolist()
+                ran += 1
+                if (epoch, g, i) == save:
+                    fabric.save(str(path), {"model": model, "optimizer": optimizer, "sampler": sampler.state_dict(ran)})
+                    return params_vector(model), seen
+            fabric.strategy.close_group(optimizer, group_size=size)
+            optimizer.step()
+            optimizer.zero_grad()
+    return params_vector(model), seen
+
+
+def test_a_token_plan_resumes_mid_epoch_in_a_later_epoch_of_a_fabric_loop(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.ckpt"
+    whole, order = _token_loop(path, range(3))
+    _, before = _token_loop(path, range(3), save=(1, 2, 1))  # epoch 1, group 2, after its second micro-batch
+    assert torch.load(path, weights_only=True)["sampler"]["epoch"] == 1
+    # Fabric's loader sets the order's epoch from its own count of iterations, 0 after the resume: the sampler
+    # counts it from the epoch its state continues (before, the resumed loop read epoch 0's order).
+    resumed, after = _token_loop(path, range(1, 3))
+    assert before + after == order
+    diff = float((resumed - whole).abs().max())
+    print(f"Fabric loop resumed inside group 2 of epoch 1: |params - uninterrupted| = {diff:.1e}")
+    assert diff < 1e-12

@@ -9,7 +9,7 @@ from strategies.test_slicing import _examples
 from torch import Tensor
 
 from lightning_accum import AccumulationStrategy
-from lightning_accum.slicing import count_samples, slice_batch
+from lightning_accum.slicing import SlicingLog, count_samples, slice_batch
 
 
 def test_a_batch_without_a_common_leading_dimension_is_a_clear_error() -> None:
@@ -32,3 +32,12 @@ def test_default_cut_keeps_non_sample_values_whole() -> None:
     assert part["x"].tolist() == [[4, 5], [6, 7]] and part["meta"] == ("a", 3)
     assert part["scalar"].ndim == 0 and part["mask"].shape == (2,)
     assert IGNORE == -100  # the helpers' ignore index, used by the labels sliced above
+
+
+def test_a_limit_in_tokens_survives_a_checkpoint_in_its_unit() -> None:
+    tokens = SlicingLog(configured="auto", size=18, unit="tokens")
+    restored = SlicingLog(configured="auto")
+    restored.load_state_dict(tokens.state_dict())
+    assert (restored.size, restored.unit) == (18, "tokens")
+    restored.load_state_dict({**tokens.state_dict(), "unit": None})  # written before the unit was saved: samples
+    assert (restored.size, restored.unit) == (18, "samples")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_accum import GlobalOrderSampler, TokenBatches, TokenBatchSampler
-from lightning_accum.token_batches import COUNTS, plan_group
+from lightning_accum.token_batches import COUNTS, _cost, even_cut, plan_group
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -272,6 +272,34 @@ def test_plan_group_halves_the_fullest_micro_batch_until_every_replica_has_the_s
     assert [len(rank) for rank in plan] == [1, 1, 1, 1]
     # Summed: 10 + 9 exceeds 10, so the same cut; max_samples caps rows.
     assert [len(b) for rank in plan_group([1] * 6, 2, 100, "sum", max_samples=2) for b in rank] == [2, 1, 2, 1]
+
+
+@SETTINGS
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=40), budget=st.integers(1, 400), padded=st.booleans())
+def test_even_cut_makes_the_fewest_pieces_under_the_budget_with_the_least_largest(
+    lengths: list[int], budget: int, padded: bool
+) -> None:
+    rows = np.array(sorted(lengths, reverse=True))
+    pieces = even_cut(rows, budget, padded)
+    assert [a for a, _ in pieces] == [0, *[b for _, b in pieces[:-1]]] and pieces[-1][1] == len(rows)  # in order
+    costs = [_cost(rows[a:b], padded) for a, b in pieces]
+    assert all(c <= budget or b - a == 1 for c, (a, b) in zip(costs, pieces, strict=True))  # a longer row alone
+    greedy = plan_group(rows, 1, budget, "padded" if padded else "sum")[0]  # the planner's greedy pieces
+    assert len(pieces) == len(greedy) and max(costs) <= max(_cost(np.sort(rows[g])[::-1], padded) for g in greedy)
+
+
+def test_rows_and_spans_name_each_micro_batch_and_group_of_the_epoch_a_state_continues() -> None:
+    lengths = [5, 1, 3, 8, 2, 2, 7, 4, 6, 1, 2, 3]
+    sampler = TokenBatchSampler(range(12), lengths, max_tokens=10, samples_per_update=5, shuffle=False)
+    batches = list(sampler)
+    assert [sampler.rows(k).tolist() for k in range(len(batches))] == batches
+    assert sampler.rows(len(batches)).tolist() == sampler.rows(-1).tolist() == []  # outside the epoch
+    assert sampler.group_spans() == [(0, 5, 5), (5, 5, 5), (10, 2, 5)]  # the epoch's last group, partial
+    sizes = sampler.group_sizes()
+    resumed = TokenBatchSampler(range(12), lengths, max_tokens=10, samples_per_update=5, shuffle=False)
+    resumed.load_state_dict(sampler.state_dict(sizes[0] + 1))  # inside group 1
+    assert [resumed.rows(k).tolist() for k in range(sizes[0] + 1, len(batches))] == batches[sizes[0] + 1 :]
+    assert resumed.group_spans() == [(5, 5, 5), (10, 2, 5)]
 
 
 def test_a_datasets_column_gives_the_lengths() -> None:

@@ -84,8 +84,7 @@ class ExactAccumulation(Strategy, CoreSeam):
         self._evaluation = ExactEvaluation()
         self._scheduled = ScheduledGroups(as_schedule(batch_schedule))  # the groups' sizes under `batch_schedule=`
         self._groups = GroupBoundaries()  # where the fit's groups start and end
-        # The training loader cut by tokens under `token_batches=`.
-        self._tokens = TokenGroups(token_batches, batch_schedule is not None, options.partial_group)
+        self._tokens = TokenGroups(token_batches, self._scheduled)  # the training loader cut by tokens
         self._run = TrainerRun(  # what `setup` binds, what a fit starts with, and their end at `teardown`
             self, self._core, self._slicer, self._scheduled, self._tokens, self._groups, self._evaluation
         )

@@ -163,5 +163,7 @@ class TrainerCheckpoint:
     def configuration(self) -> dict[str, Any]:
         """What the checkpoint's groups depend on."""
         trainer = self.trainer()
-        accumulate = None if trainer is None else trainer.accumulate_grad_batches
+        # Under `token_batches=` a group's micro-batches vary by design: no `A` to compare on resume.
+        tokens = self.strategy.token_batches is not None
+        accumulate = None if trainer is None or tokens else trainer.accumulate_grad_batches
         return self.core.configuration(type(self.strategy).__name__, accumulate)  # type: ignore[no-any-return]

@@ -84,16 +84,17 @@ class ScheduledGroups:
             self.microbatch_size = count_samples(batch, split)
             schedule.check(self.microbatch_size, replicas)
             if resumed is not None:
-                self._enter(schedule.stage_at(ledger), resumed)
+                self.enter(schedule.stage_at(ledger), resumed)
                 return resumed
         if not self._counts_checked and ledger.updates_attempted:
             self._counts_checked = check_counts_reported("BatchSchedule", schedule.axis, ledger)
         stage = schedule.stage_at(ledger)
         size = stage.samples // (self.microbatch_size * replicas)
-        self._enter(stage, size)
+        self.enter(stage, size)
         return size
 
-    def _enter(self, stage: Stage, size: int) -> None:
+    def enter(self, stage: Stage, size: int) -> None:
+        """A group of ``size`` micro-batches per replica starts in ``stage``: recorded, its learning-rate factor set."""
         self.stage = stage
         last = self.stages[-1] if self.stages else None
         key = (stage.index, stage.threshold, stage.samples)

@@ -26,6 +26,7 @@ from lightning_accum.slicing import (
     validate_microbatch_size,
 )
 from lightning_accum.strategies.slice_gradients import SliceGradients
+from lightning_accum.token_batches import TokenBatchSampler, _cost, even_cut
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -55,6 +56,8 @@ class SliceHost(Protocol):
     def gradient_scaler(self) -> torch.amp.GradScaler | None: ...
     @property
     def root_device(self) -> torch.device: ...
+    @property
+    def token_sampler(self) -> TokenBatchSampler | None: ...
     def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager[Any]: ...
     def pre_backward(self, closure_loss: Tensor) -> None: ...
     def post_backward(self, closure_loss: Tensor) -> None: ...
@@ -82,6 +85,8 @@ class _Running:
     parts: list[_Part] = field(default_factory=list)
     retried: bool = False  # the last slice's forward ran out of memory: the strategy is told before it runs again
     output: Any = None
+    lengths: Any = None  # under `token_batches=` and "auto": its rows' lengths (longest first), to cut by tokens
+    padded: bool = True  # how they count (`TokenBatches.count`)
 
     def note_part(self, engine: AccumulationEngine, microbatch: Microbatch) -> None:
         loss = microbatch.loss.detach() if microbatch.loss is not None else None
@@ -165,6 +170,9 @@ class BatchSlicer:
         group."""
         batch = args[0] if args else kwargs["batch"]
         running = _Running(batch, count_samples(batch, self.split_batch), args, kwargs)
+        sampler = strategy.token_sampler if self.auto else None
+        if sampler is not None and len(rows := sampler.rows(batch_idx)) == running.num_samples:
+            running.lengths, running.padded = sampler.lengths[rows], sampler.count == "padded"
         # Lightning zeroes the gradient after the step of a group's first batch (its place in the epoch, and no
         # micro-batch in the open group yet: AccumulationCheck runs a group's batches without Lightning's loop).
         first_of_group = position == 0 and strategy.engine.microbatches_in_group == 0
@@ -200,7 +208,7 @@ class BatchSlicer:
             self.side.before_forward_retry()
         outputs: list[Any] = []
         if not self._attempt(
-            strategy, n - start, batch_idx, lambda _: outputs.append(_forward(forward, args, kwargs, self.auto))
+            strategy, running, n, batch_idx, lambda _: outputs.append(_forward(forward, args, kwargs, self.auto))
         ):
             running.retried = True
             return outputs
@@ -216,7 +224,7 @@ class BatchSlicer:
         piece = self._cut(running.batch, start, stop, running.num_samples)
         args, kwargs = _with_batch(running.args, running.kwargs, piece)
         run = partial(self._local_slice, strategy, running, piece, args, kwargs, accumulate)
-        if self._attempt(strategy, stop - start, batch_idx, run):
+        if self._attempt(strategy, running, stop, batch_idx, run):
             running.sizes.append(stop - start)
             running.start = stop
 
@@ -261,16 +269,18 @@ class BatchSlicer:
             # checkpoint written after an error in a later slice would otherwise carry part of a batch that Lightning
             # runs again on resume.
 
-    def _attempt(self, strategy: SliceHost, size: int, batch_idx: int, run: Callable[[int], None]) -> bool:
-        """``run(size)`` for a slice of ``size`` samples; ``False`` when it ran out of memory under ``"auto"`` (then
-        the size is halved, or a slice of one sample is an error)."""
+    def _attempt(
+        self, strategy: SliceHost, running: _Running, stop: int, batch_idx: int, run: Callable[[int], None]
+    ) -> bool:
+        """``run(size)`` for the slice of ``running`` up to ``stop``; ``False`` when it ran out of memory under
+        ``"auto"`` (then the size is halved, or a slice of one sample is an error)."""
         try:
-            run(size)
+            run(stop - running.start)
             return True
         except _OutOfMemory as failure:
             phase, cause = failure.phase, _released(failure)
         # Outside the `except` block: the attempt's frames are gone.
-        self._shrink(strategy, size, phase, batch_idx, cause)
+        self._shrink(strategy, running, stop, phase, batch_idx, cause)
         return False
 
     # ------------------------------------------------------------------ cutting
@@ -290,10 +300,14 @@ class BatchSlicer:
         return ends
 
     def _stop(self, ends: list[int] | None, running: _Running) -> int:
-        """Where the next slice of ``running`` ends: at the plan's next end, or after the size in force (``"auto"``)."""
+        """Where the next slice of ``running`` ends: at the plan's next end, or after the size in force (``"auto"``:
+        by tokens, the first of the fewest even slices under it)."""
         if ends is not None:
             return ends[len(running.sizes)]
-        return min(running.start + self.log.limit(running.num_samples), running.num_samples)
+        start, size = running.start, self.log.size
+        if running.lengths is not None and size is not None and self.log.unit == "tokens":
+            return start + even_cut(running.lengths[start:], size, running.padded)[0][1]
+        return min(start + self.log.limit(running.num_samples), running.num_samples)
 
     def _cut(self, batch: Any, start: int, stop: int, n: int) -> Any:
         if start == 0 and stop == n:
@@ -303,11 +317,14 @@ class BatchSlicer:
         return slice_batch(batch, start, stop, n)
 
     def _shrink(
-        self, strategy: SliceHost, failed: int, phase: str, batch_idx: int, cause: BaseException | None
+        self, strategy: SliceHost, running: _Running, stop: int, phase: str, batch_idx: int, cause: BaseException | None
     ) -> None:
-        """Slices of half ``failed`` samples from now on (a slice of one: an error); the retry recorded and warned."""
+        """Slices of at most half the failed slice of ``running`` (up to ``stop``) from now on, in samples or, for
+        rows cut by tokens, in tokens (a slice of one: an error); the retry recorded and warned."""
         free_memory(strategy.root_device)
-        trainer = _trainer(strategy)
+        trainer, rows, lengths = _trainer(strategy), stop - running.start, running.lengths
+        failed = rows if lengths is None else _cost(lengths[running.start : stop], running.padded)
+        unit = "samples" if lengths is None else "tokens"
         retry = OutOfMemoryRetry(
             update=strategy.ledger.updates_attempted + 1,
             epoch=trainer.current_epoch,
@@ -317,7 +334,7 @@ class BatchSlicer:
             failed_size=failed,
             new_size=max(1, failed // 2),
         )
-        if failed <= 1:
+        if rows <= 1:
             raise RuntimeError(
                 f"Out of memory in the {phase} of a slice of 1 sample (rank {retry.rank}, batch {batch_idx} of epoch"
                 f" {retry.epoch}; slice sizes run so far on this rank: {self.log.slice_sizes or 'none'}; retries:"
@@ -325,12 +342,12 @@ class BatchSlicer:
                 " memory with this model. Lower the sequence length or the model's memory (activation checkpointing, a"
                 " lower precision, sharding with strategy='accum_fsdp')."
             ) from cause
-        self.log.size = retry.new_size
+        self.log.size, self.log.unit = retry.new_size, unit
         self.log.retries.append(retry)
         strategy.engine.warn(
-            f"lightning_accum: out of memory in the {phase} of a slice of {failed} sample(s) on rank {retry.rank}"
+            f"lightning_accum: out of memory in the {phase} of a slice of {rows} sample(s) on rank {retry.rank}"
             f" (batch {batch_idx}, update {retry.update}); running it again as slices of {retry.new_size}"
-            " (microbatch_size='auto'; the group's update is unchanged)."
+            f"{' tokens' if unit == 'tokens' else ''} (microbatch_size='auto'; the group's update is unchanged)."
         )
 
     # ------------------------------------------------------------------ backward
@@ -376,7 +393,7 @@ class BatchSlicer:
             strategy.engine.retract_microbatch()
             running.parts = []
             batch_idx = _trainer(strategy).fit_loop.epoch_loop.batch_idx
-            self._shrink(strategy, size, "backward", batch_idx, failed)
+            self._shrink(strategy, running, running.num_samples, "backward", batch_idx, failed)
             del failed
             self._run_local(strategy, running, batch_idx)
         closure_loss = strategy.precision_plugin.post_backward(closure_loss, module)

@@ -1,6 +1,7 @@
 """``microbatch_size=``: a loader batch run as slices gives the update of the unsplit batch, exactly; ``"auto"``
 recovers from out-of-memory errors (injected: a module that raises ``torch.OutOfMemoryError`` when its input holds
-more than k samples) without changing the update, on one device and with the error on one DDP rank only."""
+more than k samples, or k padded tokens) without changing the update, on one device and with the error on one DDP rank
+only; beside ``token_batches=`` a micro-batch is cut by tokens."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 from helpers import (
+    IGNORE,
     ListDataset,
     RankStridedSampler,
     RecordOnRanks,
@@ -41,6 +43,7 @@ from lightning_accum import (
     AccumulationStrategy,
     AxisLogger,
     DDPAccumulationStrategy,
+    TokenBatches,
 )
 from lightning_accum.slicing import slice_batch
 
@@ -238,6 +241,66 @@ def test_auto_recovers_inside_a_group_without_touching_its_earlier_gradient() ->
         fit(model, examples, batch_size=8, accumulate=2, strategy=strategy, callbacks=[Tighten()])
     assert relative_error(params_vector(model), params_vector(reference)) < 1e-6
     assert [(r.batch_idx, r.failed_size) for r in strategy.slicing.retries] == [(1, 8), (1, 4)]
+
+
+class _TokenGate(torch.autograd.Function):
+    """Identity that runs out of memory in its forward or backward when the batch holds more than `limit` padded
+    tokens (its rows × its longest row of supervised tokens)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tokens: int, limit: int, where: str) -> Tensor:
+        ctx.tokens, ctx.limit, ctx.where = tokens, limit, where
+        if where == "forward" and tokens > limit:
+            raise torch.OutOfMemoryError(f"injected: {tokens} padded tokens > {limit} in the forward")
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        if ctx.where == "backward" and ctx.tokens > ctx.limit:
+            raise torch.OutOfMemoryError(f"injected: {ctx.tokens} padded tokens > {ctx.limit} in the backward")
+        return grad, None, None, None
+
+
+class TokenLimitedLM(TinyLM):
+    """TinyLM whose activations "do not fit" above `limit` padded tokens; `pieces`: each step's rows' lengths."""
+
+    def __init__(self, limit: int, where: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.limit, self.where, self.tokens = limit, where, 0
+        self.pieces: list[list[int]] = []
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Any:
+        self.pieces.append((batch["labels"] != IGNORE).sum(1).tolist())
+        self.tokens = len(self.pieces[-1]) * max(self.pieces[-1])
+        return super().training_step(batch, batch_idx)
+
+    def forward(self, input_ids: Tensor) -> Tensor:  # the gate between the embedding and the head, as LimitedLM's
+        return self.head(_TokenGate.apply(torch.tanh(self.embed(input_ids)), self.tokens, self.limit, self.where))
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_auto_beside_token_batches_cuts_a_micro_batch_by_tokens_and_keeps_its_group(where: str) -> None:
+    # Groups of B = 12 rows of 6, 6 and ten 1s supervised tokens, cut under 36 padded tokens into [6, 6, 1, 1, 1, 1]
+    # and [1] * 6. 36 padded tokens do not fit in 13: the first such micro-batch runs out of memory and is cut by
+    # tokens, under 18, into [6, 6] and [1] * 4 (12 and 4), where halving its rows ([6, 6, 1], 18) would fail again;
+    # the limit of 18 tokens stays, each later [6, 6, 1, 1, 1, 1] is cut as it comes and every [1] * 6 runs whole.
+    lengths = ([6, 6] + [1] * 10) * 4
+    examples = make_examples(lengths, seed=4)
+    expected = sgd_reference(TinyLM(seed=4), [examples[g : g + 12] for g in range(0, 48, 12)], lr=0.5)
+    model = TokenLimitedLM(limit=13, where=where, lr=0.5, seed=4)
+    tokens = TokenBatches(max_tokens=36, lengths=lengths)
+    strategy = AccumulationStrategy(microbatch_size="auto", token_batches=tokens)
+    loader = DataLoader(ListDataset(examples), batch_size=6)  # B = 6 × 2 × 1, in the data's order
+    with pytest.warns(UserWarning, match=f"out of memory in the {where} of a slice of 6 sample.* slices of 18 tokens"):
+        make_trainer(strategy=strategy, accumulate_grad_batches=2, precision="64-true").fit(model, loader)
+    diff = float((params_vector(model) - expected).abs().max())
+    print(f"out of memory in the {where}, cut by tokens: |params - float64 groups| = {diff:.1e}")
+    assert diff < 1e-12
+    log = strategy.slicing
+    assert [(r.failed_size, r.new_size, r.phase) for r in log.retries] == [(36, 18, where)]
+    assert (log.unit, log.size, log.slice_sizes) == ("tokens", 18, {2: 4, 4: 4, 6: 4})
+    fits = sorted(p for p in model.pieces if len(p) * max(p) <= 13)  # all but the failed attempt's step
+    assert len(model.pieces) == len(fits) + 1 and fits == sorted([[6, 6]] * 4 + [[1] * 4] * 4 + [[1] * 6] * 4)
 
 
 def test_auto_report_lists_the_retries(tmp_path: Path) -> None:
@@ -542,7 +605,7 @@ def test_ddp_slices_and_an_out_of_memory_error_on_one_rank(tmp_path: Path) -> No
     assert after[1]["size"] == 2 and after[1]["retries"] == slicing[1]["retries"]  # no new retry
     assert after[1]["slice_sizes"] == {"2": 32}
     sliced = json.loads((tmp_path / "sliced-slicing1.json").read_text())
-    assert sliced == {"configured": 2, "size": 2, "slice_sizes": {"2": 16}, "retries": []}
+    assert sliced == {"configured": 2, "size": 2, "unit": "samples", "slice_sizes": {"2": 16}, "retries": []}
 
 
 # ---------------------------------------------------------------------------- FSDP2

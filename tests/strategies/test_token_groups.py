@@ -26,11 +26,13 @@ from helpers import (
     random_lengths,
     run_ddp,
     sgd_reference,
+    token_weighted_grad,
 )
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 from lightning_accum import (
     AccumulationStrategy,
+    BatchSchedule,
     FabricAccumulationStrategy,
     FabricDDPAccumulationStrategy,
     GlobalOrderSampler,
@@ -175,6 +177,128 @@ def test_a_batch_that_is_a_function_of_the_position_is_planned_whole_and_exact()
     assert watch.counts == [len(epoch) for epoch in watch.batches] and trainer.strategy.ledger.updates_applied == 16  # type: ignore[attr-defined]
 
 
+#: Three-stage ramps, on each axis, over two epochs of 44 examples (B a multiple of m·D = 4 for the fixed-m run).
+RAMPS = {
+    "samples": BatchSchedule({0: 4, 12: 8, 48: 16}, axis="samples", lr_scaling="sqrt"),
+    "tokens": BatchSchedule({0: 4, 24: 8, 120: 16}, axis="tokens"),
+    "updates": BatchSchedule({0: 4, 4: 8, 7: 16}, axis="updates"),
+}
+
+
+def _scheduled_groups(examples: list[Any], schedule: BatchSchedule, replicas: int = 1, epochs: int = 2) -> list[Any]:
+    """The fixed-m scheduled run's groups with `global_order=True`, as (epoch, position, B, indices, lr factor): each
+    epoch's order (the tail rule) in blocks of the stage's B at the run's count where the block starts."""
+    covered, lengths, count, groups = replicas * (len(examples) // replicas), _lengths(examples), 0, []
+    for epoch in range(epochs):
+        order, position = GlobalOrderSampler(examples, seed=0).order(epoch)[:covered], 0
+        while position < covered:
+            stage = schedule.stage_at(count)
+            group = order[position : position + stage.samples]
+            groups.append((epoch, position, stage.samples, group, schedule.lr_factor(stage)))
+            position += stage.samples
+            count += {"samples": len(group), "tokens": sum(lengths[i] for i in group), "updates": 1}[schedule.axis]
+    return groups
+
+
+def _scheduled_reference(examples: list[Any], groups: list[Any], skip: tuple[int, ...] = ()) -> torch.Tensor:
+    """float64 SGD from TinyLM(seed=59): one token-weighted update per group (but those in `skip`), at its stage's
+    learning rate."""
+    model = TinyLM(seed=59).double()
+    for k, (_, _, _, indices, factor) in enumerate(groups):
+        grad, offset = token_weighted_grad(model, [examples[i] for i in indices]), 0
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0 if k in skip else LR * factor * grad[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+    return params_vector(model)
+
+
+def _scheduled_sizes(examples: list[Any], groups: list[Any], max_tokens: int, epoch: int) -> list[int]:
+    """The micro-batches of each group of `epoch` of the token plan of the scheduled run's groups."""
+    samples = {position: b for e, position, b, _, _ in groups if e == epoch}
+    sampler = TokenBatchSampler(examples, _lengths(examples), max_tokens, lambda _, position: samples[position])
+    sampler.set_epoch(epoch)
+    return sampler.group_sizes()
+
+
+@pytest.mark.parametrize("axis", ["samples", "tokens", "updates"])
+def test_a_batch_schedule_gives_each_group_its_stages_b_and_the_fixed_m_scheduled_runs_update(axis: str) -> None:
+    examples, schedule = _examples(44), RAMPS[axis]
+    groups = _scheduled_groups(examples, schedule)
+    expected = _scheduled_reference(examples, groups)
+    # The fixed-m scheduled run (m = 4) reaches the hand loop's parameters: the reference is that run's.
+    _, fixed, _ = _fit(AccumulationStrategy(batch_schedule=schedule, global_order=True), examples, 4, 1, max_epochs=2)
+    assert float((params_vector(fixed) - expected).abs().max()) < 1e-12
+    for max_tokens in (6, 12):
+        strategy = AccumulationStrategy(token_batches=_tokens(examples, max_tokens), batch_schedule=schedule)
+        trainer, model, watch = _fit(strategy, examples, 4, 1, max_epochs=2)
+        diff = float((params_vector(model) - expected).abs().max())
+        print(f"{axis} ramp, max_tokens={max_tokens}: B {[g[2] for g in groups]}, |params - float64| = {diff:.1e}")
+        assert diff < 1e-12
+        stages = trainer.strategy.batch_stages  # type: ignore[attr-defined]
+        assert [s["samples_per_update"] for s in stages] == [4, 8, 16]
+        assert sum(s["attempts"] for s in stages) == len(groups)
+        assert watch.counts == [sum(_scheduled_sizes(examples, groups, max_tokens, e)) for e in (0, 1)]
+        _check_epochs([{"batches": watch.batches, "counts": watch.counts}], _lengths(examples), max_tokens)
+
+
+def test_a_resume_inside_a_stage_continues_the_ramp_exactly(tmp_path: Path) -> None:
+    examples, path, schedule = _examples(44), tmp_path / "ramp.ckpt", RAMPS["tokens"]
+    tokens = _tokens(examples, 8)
+
+    def run(**kwargs: Any) -> tuple[L.Trainer, L.LightningModule, Watch]:
+        strategy = AccumulationStrategy(token_batches=tokens, batch_schedule=schedule)
+        return _fit(strategy, examples, 4, 1, TinyLM(lr=LR, seed=59).double(), max_epochs=2, **kwargs)
+
+    trainer, whole, watch = run()
+    groups = _scheduled_groups(examples, schedule)
+    sizes, k = _scheduled_sizes(examples, groups, 8, 0), [g[2] for g in groups].index(8)  # stage 1's first group
+    at = sum(sizes[:k]) + 1  # its second micro-batch (of 3 or more)
+    assert sizes[k] > 2
+    with pytest.raises(_Stop):
+        run(callbacks=(_CheckpointAndStop(path, at),))
+    state = _loader_state(path)
+    assert (state["epoch"], state["position"], state["done"], state["samples"]) == (0, groups[k][1], 2, 8)
+    resumed_trainer, model, resumed = run(ckpt_path=path)
+    assert resumed.batches == [watch.batches[0][at + 1 :], watch.batches[1]]
+    diff = float((params_vector(model) - params_vector(whole)).abs().max())
+    print(f"tokens ramp resumed inside group {k} (stage 1): |params - uninterrupted| = {diff:.1e}")
+    assert diff < 1e-12
+    assert resumed_trainer.strategy.batch_stages == trainer.strategy.batch_stages  # type: ignore[attr-defined]
+
+
+def test_a_tokens_ramp_refuses_lengths_that_are_not_the_reported_tokens() -> None:
+    examples = _examples(44)
+    tokens = TokenBatches(max_tokens=14, lengths=[n + 1 for n in _lengths(examples)])  # a causal shift's off-by-one
+    strategy = AccumulationStrategy(token_batches=tokens, batch_schedule=RAMPS["tokens"])
+    match = r"`batch_schedule=` on tokens beside `token_batches=`: epoch 0's plan put the group at position 4 after"
+    with pytest.raises(RuntimeError, match=match + r" \d+ tokens of the run, but the ledger counts \d+\. .* `lengths`"):
+        _fit(strategy, examples, 4, 1)
+
+
+@pytest.mark.parametrize("policy", ["drop", "rescale"])
+def test_an_epochs_last_group_of_fewer_than_b_rows_is_partial_as_at_fixed_m(policy: str) -> None:
+    examples = _examples(44)  # B = 8: each epoch ends with a group of 4 rows, dropped or updated
+    groups = _scheduled_groups(examples, BatchSchedule({0: 8}, axis="samples"))
+    expected = _scheduled_reference(examples, groups, skip=(5, 11) if policy == "drop" else ())
+    fixed_trainer, fixed, _ = _fit(
+        AccumulationStrategy(global_order=True, partial_group=policy), examples, 4, 2, max_epochs=2
+    )
+    strategy = AccumulationStrategy(token_batches=_tokens(examples, 10), partial_group=policy)
+    trainer, model, watch = _fit(strategy, examples, 4, 2, max_epochs=2)
+    diffs = [float((params_vector(m) - expected).abs().max()) for m in (model, fixed)]
+    print(f"partial_group={policy!r}: |params - float64| tokens, fixed m = {diffs}")
+    assert max(diffs) < 1e-12
+    ledger, fixed_ledger = trainer.strategy.ledger, fixed_trainer.strategy.ledger  # type: ignore[attr-defined]
+    assert (ledger.partial_groups, ledger.dropped_samples, ledger.updates_attempted) == (
+        2,
+        8 if policy == "drop" else 0,
+        10 if policy == "drop" else 12,
+    )
+    assert (fixed_ledger.samples, fixed_ledger.dropped_samples) == (ledger.samples, ledger.dropped_samples)
+    assert sum(len(b) for e in watch.batches for b in e) == 88  # the dropped groups' micro-batches ran
+
+
 def _validating(**loop: Any) -> Watch:
     examples = _examples(40)
     strategy = AccumulationStrategy(token_batches=_tokens(examples, 8))
@@ -281,6 +405,22 @@ def test_a_resume_inside_a_group_on_one_device_continues_it_exactly(tmp_path: Pa
     assert diff < 1e-12
 
 
+def test_a_resume_between_groups_of_other_sizes_says_nothing_of_accumulate_grad_batches(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    examples, path = _examples(44), tmp_path / "boundary.ckpt"
+    tokens = _tokens(examples, 8)
+    sizes = _plan(examples, tokens, 8, epoch=0)
+    assert sizes[1] != sizes[2]  # the group closed at the checkpoint and the next hold other micro-batch counts
+    with pytest.raises(_Stop):
+        stop = _CheckpointAndStop(path, sum(sizes[:2]) - 1)  # at group 1's end
+        _fit(AccumulationStrategy(token_batches=tokens), examples, 4, 2, callbacks=(stop,))
+    with caplog.at_level("INFO"):
+        _fit(AccumulationStrategy(token_batches=tokens), examples, 4, 2, ckpt_path=path)
+    # Before: "resumed with accumulate_grad_batches 5 -> 6", the closed group's count against the next one's.
+    assert "Restored all states" in caplog.text and "accumulate_grad_batches" not in caplog.text
+
+
 @pytest.mark.ddp
 @pytest.mark.timeout(900)
 def test_two_processes_match_the_float64_groups_read_every_position_once_and_resume_from_one(tmp_path: Path) -> None:
@@ -326,6 +466,28 @@ def test_two_processes_match_the_float64_groups_read_every_position_once_and_res
         _fit(
             forked_ddp(token_batches=tokens), examples, 2, 2, ckpt_path=inside, devices=2, use_distributed_sampler=True
         )
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(900)
+def test_two_processes_follow_the_ramp_with_the_float64_groups_of_the_fixed_m_scheduled_run(tmp_path: Path) -> None:
+    examples = _examples(45)  # on 2 replicas the 45th position of each epoch's order is left out (the tail rule)
+    for axis in ("samples", "tokens"):
+        groups = _scheduled_groups(examples, RAMPS[axis], replicas=2)
+        expected = _scheduled_reference(examples, groups)
+        for max_tokens in (6, 12):  # m = 2, D = 2
+            name = f"{axis}{max_tokens}"
+            ddp = forked_ddp(token_batches=_tokens(examples, max_tokens), batch_schedule=RAMPS[axis])
+            options = {"devices": 2, "use_distributed_sampler": True, "max_epochs": 2, "record": (str(tmp_path), name)}
+            _fit(ddp, examples, 2, 1, **options)
+            ranks = load_ranks(str(tmp_path), name)
+            diffs = [float((rank["params"] - expected).abs().max()) for rank in ranks]
+            print(
+                f"{axis} ramp, max_tokens={max_tokens}, D=2: B {[g[2] for g in groups]}, |params - float64| = {diffs}"
+            )
+            assert max(diffs) < 1e-12
+            _check_epochs(ranks, _lengths(examples), max_tokens)
+            assert ranks[0]["ledger"]["updates_attempted"] == len(groups)
 
 
 class _ShardedLM(TinyLM):
@@ -482,14 +644,11 @@ def _one_on_two() -> DataLoader:
         (lambda: TokenBatches(9, LENGTHS, max_samples=0), ValueError, r"`max_samples` must be an int >= 1, got 0"),
         (lambda: TokenBatches(9, LENGTHS, count="x"), ValueError, r"`count` must be one of 'padded', 'sum'; got 'x'"),
         (
-            lambda: AccumulationStrategy(token_batches=TokenBatches(9, LENGTHS), partial_group="drop"),
+            lambda: AccumulationStrategy(
+                token_batches=TokenBatches(9, LENGTHS, samples_per_update=8), batch_schedule={0: 8}
+            ),
             ValueError,
-            r"`token_batches=` cannot be combined with `partial_group` yet: .* or 'rescale'",
-        ),
-        (
-            lambda: AccumulationStrategy(token_batches=TokenBatches(9, LENGTHS), batch_schedule={0: 8}),
-            ValueError,
-            r"cannot be combined with `batch_schedule=` yet: pass `TokenBatches\(samples_per_update=lambda epoch, pos",
+            r"`TokenBatches\(samples_per_update=8\)` beside `batch_schedule=`: the schedule's stages set each",
         ),
         (lambda: AccumulationStrategy(token_batches={"max_tokens": 9}), TypeError, r"`token_batches` must be a `li"),
         (
