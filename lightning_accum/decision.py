@@ -199,10 +199,10 @@ def excess_message(update: int, microbatches: int) -> str:
     )
 
 
-def empty_message(update: int, unit: str | None) -> str:
+def empty_message(update: int, unit: str) -> str:
     """Why a group without units is skipped (said once per run)."""
     return (
-        f"lightning_accum: update {update} is skipped: its group holds no {unit or 'unit'} at all (every micro-batch"
+        f"lightning_accum: update {update} is skipped: its group holds no {unit} at all (every micro-batch"
         " on every replica reported 0). Likely causes: every label of these micro-batches is ignored (`ignore_index`),"
         " or `num_tokens` is computed on the wrong tensor (e.g. the input ids' padding instead of the labels). Such"
         " updates are counted in `ledger.updates_skipped['empty']`; this is said once."
@@ -211,8 +211,8 @@ def empty_message(update: int, unit: str | None) -> str:
 
 def no_update_message(ledger: AccumulationLedger) -> str | None:
     """The error for a run that attempted updates and applied none (``None`` otherwise)."""
-    attempted, skipped, unit = ledger.updates_attempted, ledger.updates_skipped, ledger.normalization or "units"
-    if attempted == 0 or ledger.updates_applied > 0:
+    attempted, skipped, unit = ledger.updates_attempted, ledger.updates_skipped, ledger.normalization
+    if attempted == 0 or ledger.updates_applied > 0 or unit is None:  # no unit: every step returned None (skipped)
         return None
     if skipped.get("empty", 0) == attempted:  # "batches" weigh every micro-batch 1: never empty
         why = (
@@ -328,7 +328,7 @@ class GroupDecisions:
         update = self.ledger.updates_attempted + 1
         if reduced.excess:
             self._say_once("excess", warn, excess_message(update, reduced.excess))
-        if reason == "empty":
+        if reason == "empty" and unit is not None:  # no unit yet: every step returned None (Lightning's skip, warned)
             self._say_once("empty", warn, empty_message(update, unit))
         elif reason == "nonfinite":
             where = describe_nonfinite() if describe_nonfinite is not None else "a parameter"

@@ -226,6 +226,22 @@ def test_a_fit_stopped_before_its_first_update_is_not_an_error() -> None:
     assert trainer.strategy.ledger.updates_attempted == 0
 
 
+def test_a_fit_whose_every_training_step_returns_none_ends_as_in_lightning() -> None:
+    # Returning None is Lightning's way to skip a batch; every batch skipped is no error there, nor here (no unit was
+    # ever reported, so nothing miscounted): the parameters are unchanged and the fit ends (Lightning's own tests).
+    class SkipAll(TinyLM):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            return None
+
+    model = SkipAll()
+    before = params_vector(model)
+    with _OptimizerSteps() as steps, pytest.warns(UserWarning, match=r"`training_step` returned `None`"):
+        trainer = fit(model, make_examples([3, 4, 5, 6], seed=2), batch_size=1, accumulate=2)
+    assert steps.count == 0 and torch.equal(params_vector(model), before)
+    ledger = trainer.strategy.ledger
+    assert (ledger.updates_attempted, ledger.updates_applied, ledger.normalization) == (2, 0, None)
+
+
 class _Stream(IterableDataset):
     def __init__(self, examples: list[dict[str, torch.Tensor]], batch_size: int) -> None:
         self.examples, self.batch_size = examples, batch_size
