@@ -16,7 +16,16 @@ documents (the same groups):
   with the split, so the three runs train differently;
 - ``strategy="accum"`` at the same three splits, and ``strategy="accum_ddp_spawn"`` with 2 processes
   (m, A, D) = (4, 4, 2) whose replicas together read exactly the single-device groups: every update
-  is the gradient of the token-weighted mean over the group, so the four runs draw one curve.
+  is the gradient of the token-weighted mean over the group, so the four runs draw one curve;
+- ``AccumulationStrategy(token_batches=TokenBatches(max_tokens=..., lengths=...))``: the same groups of 32, each
+  sorted by length and cut into as many micro-batches as its rows need under ``max_tokens`` padded tokens (rows ×
+  the longest row), three quarters of the (16, 2) run's largest micro-batch: 2 or 3 micro-batches per update, less
+  padding and less memory than (16, 2), and the same curve. Its order is a ``GlobalOrderSampler`` of the same seed,
+  whose order is :class:`GroupSampler`'s (one ``torch.randperm`` seeded by ``seed + epoch``), so its group ``g``
+  holds the same 32 documents.
+
+Every micro-batch is padded to its longest row (:func:`trim`), as a collate function does; the results table shows
+each run's time, micro-batches per update, padding fraction and largest micro-batch in padded tokens.
 
 The console gets one line per run and the results; everything the runs print (Lightning, the package's callbacks,
 the DDP processes) goes to ``demo.log`` under ``--out``, beside each run's ``accumulation_report.json`` and ``.txt``.
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import random
@@ -59,12 +69,26 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchmetrics.text import Perplexity
 
 import lightning_accum
-from lightning_accum import AccumulationCheck, AccumulationReport, AxisLogger, AxisProgressBar
+from lightning_accum import (
+    AccumulationCheck,
+    AccumulationReport,
+    AccumulationStrategy,
+    AxisLogger,
+    AxisProgressBar,
+    GlobalOrderSampler,
+    Horizon,
+    TokenBatches,
+)
 
 IGNORE_INDEX = -100
 EFFECTIVE_BATCH = 32
 ID_CHARACTERS = string.ascii_letters + string.digits  # the short documents: random identifiers
 PICTURE = "loss_vs_tokens.png"
+#: The token run's `max_tokens`: this share of the (16, 2) run's largest micro-batch in padded tokens. At the whole of
+#: it every group of this data cuts into 2 micro-batches (its ~16 long rows fit one); at 3/4 the count varies (2 or
+#: 3) and the largest micro-batch holds a quarter fewer padded tokens than the (16, 2) run's.
+TOKEN_BUDGET = 0.75
+FOOTPRINT = "footprint.json"  # per run, beside its TensorBoard logs: micro-batches, padding, the largest micro-batch
 TABLE = "results.txt"
 LOG = "demo.log"
 
@@ -94,6 +118,10 @@ class ByteDocuments(Dataset):
     def __len__(self) -> int:
         return len(self.docs)
 
+    def lengths(self) -> list[int]:
+        """The supervised tokens (= the unpadded row) of every document, read once from the bytes."""
+        return [len(doc) - 1 for doc in self.docs]
+
     def __getitem__(self, index: int) -> dict[str, Tensor]:
         doc = torch.tensor(list(self.docs[index]), dtype=torch.long)
         ids = torch.zeros(self.max_len, dtype=torch.long)
@@ -101,6 +129,19 @@ class ByteDocuments(Dataset):
         ids[: len(doc) - 1] = doc[:-1]
         labels[: len(doc) - 1] = doc[1:]  # next-byte prediction; padding is ignored
         return {"input_ids": ids, "labels": labels}
+
+
+def trim(rows: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Collate: the rows stacked and cut to the longest of them (a causal model's outputs on the kept positions are
+    the same), so a micro-batch pays rows × its longest row.
+
+    Example:
+        >>> trim([ByteDocuments(4, 16, seed=0)[i] for i in range(4)])["labels"].shape
+        torch.Size([4, 13])
+    """
+    batch = torch.utils.data.default_collate(rows)
+    width = int((batch["labels"] != IGNORE_INDEX).sum(1).max())
+    return {key: value[:, :width] for key, value in batch.items()}
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -264,6 +305,34 @@ class PlainLines(L.Callback):
             )
 
 
+class Footprint(L.Callback):
+    """What each update costs, from the micro-batches as they run: their number, their padded tokens (rows × width)
+    against the supervised ones, and the largest; written to ``footprint.json`` in the run's log folder at the end
+    (under DDP, replica 0's share)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.per_update: list[int] = []
+        self.running = self.padded = self.supervised = self.peak = 0
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.running += 1
+        self.padded += batch["labels"].numel()
+        self.peak = max(self.peak, batch["labels"].numel())
+        self.supervised += int((batch["labels"] != IGNORE_INDEX).sum())
+        if trainer.global_step > len(self.per_update):  # this micro-batch closed an update
+            self.per_update.append(self.running)
+            self.running = 0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            record = {"microbatches_per_update": self.per_update, "peak_padded_tokens": self.peak}
+            record["padding_fraction"] = 1 - self.supervised / max(self.padded, 1)
+            (self.folder / FOOTPRINT).write_text(json.dumps(record) + "\n")
+
+
 # ---------------------------------------------------------------------------- runs
 
 
@@ -274,18 +343,21 @@ class Config:
     accumulate: int
     replicas: int = 1
     plain: bool = False
+    tokens: bool = False  # micro-batches cut by tokens (`token_batches=`) inside the groups of (m, A, D)
 
     @property
     def split(self) -> str:
-        return f"({self.m}, {self.accumulate}, {self.replicas})"
+        return "(by tokens)" if self.tokens else f"({self.m}, {self.accumulate}, {self.replicas})"
 
 
 def configurations(ddp: bool) -> list[Config]:
-    """The runs, the reference first: the exact splits (and DDP), then plain Lightning at the same splits."""
+    """The runs, the reference first: the exact splits (and DDP), micro-batches cut by tokens, then plain Lightning at
+    the same splits."""
     configs = [Config("accum_m16_a2", 16, 2), Config("accum_m4_a8", 4, 8), Config("accum_m2_a16", 2, 16)]
     if ddp:
         configs.append(Config("accum_ddp_m4_a4_d2", 4, 4, replicas=2))
     configs += [
+        Config("accum_tokens", 16, 2, tokens=True),  # the (16, 2) run's loader and A: B = 32, read by tokens
         Config("lightning_m16_a2", 16, 2, plain=True),
         Config("lightning_m4_a8", 4, 8, plain=True),
         Config("lightning_m2_a16", 2, 16, plain=True),
@@ -329,10 +401,10 @@ def train(config: Config, args: argparse.Namespace, index: int, count: int, log:
     kind = "plain Lightning, 'auto'" if config.plain else "exact, 'accum'"
     if config.replicas > 1:
         kind = f"exact, 'accum_ddp_spawn', {config.replicas} processes"
-    heading = (
-        f"run {index}/{count} {config.name:<18} ({kind}): m × A × D = {config.m} × {config.accumulate} ×"
-        f" {config.replicas}"
-    )
+    shape = f"m × A × D = {config.m} × {config.accumulate} × {config.replicas}"
+    if config.tokens:
+        kind, shape = "exact, token_batches=", f"{EFFECTIVE_BATCH} per update, ≤ {token_budget(args):,} padded tokens"
+    heading = f"run {index}/{count} {config.name:<18} ({kind}): {shape}"
     print(heading, end="", flush=True)
     print(f"\n== {heading}: {EFFECTIVE_BATCH} documents per update, {args.updates} updates", file=log, flush=True)
     start = time.perf_counter()
@@ -343,6 +415,23 @@ def train(config: Config, args: argparse.Namespace, index: int, count: int, log:
     return seconds
 
 
+def fixed_peak(args: argparse.Namespace, m: int = 16) -> int:
+    """The largest micro-batch of the fixed-``m`` run in padded tokens (``m`` × its longest row), from the lengths and
+    the groups its updates read: the token run's ``max_tokens``."""
+    lengths = ByteDocuments(args.documents, args.max_len, seed=args.seed).lengths()
+    sampler, order = GroupSampler(len(lengths), EFFECTIVE_BATCH, seed=args.seed), []
+    for epoch in range(math.ceil(args.updates * EFFECTIVE_BATCH / len(sampler))):
+        sampler.set_epoch(epoch)
+        order += sampler.indices(0, 1)
+    order = order[: args.updates * EFFECTIVE_BATCH]
+    return max(m * max(lengths[i] for i in order[start : start + m]) for start in range(0, len(order), m))
+
+
+def token_budget(args: argparse.Namespace) -> int:
+    """The token run's ``max_tokens``: :data:`TOKEN_BUDGET` of the (16, 2) run's largest micro-batch."""
+    return int(TOKEN_BUDGET * fixed_peak(args))
+
+
 def _fit(config: Config, args: argparse.Namespace, index: int) -> int:
     """One configuration's fit; the supervised tokens it trained on."""
     L.seed_everything(args.seed, verbose=False)
@@ -350,16 +439,27 @@ def _fit(config: Config, args: argparse.Namespace, index: int) -> int:
     train_data = ByteDocuments(args.documents, args.max_len, seed=args.seed)
     val_data = ByteDocuments(args.val_documents, args.max_len, seed=args.seed + 1)
     logger = TensorBoardLogger(args.out, name=config.name, version=0, default_hp_metric=False)
-    callbacks: list[L.Callback]
+    callbacks: list[L.Callback] = [Footprint(log_folder(args.out, config))]
+    # In micro-batches: every `val_every` updates (a token run's updates vary in micro-batches: `Horizon` instead).
+    val_check_interval = args.val_every * config.accumulate
+    # The exact runs' order: `GroupSampler` (also sharding DDP's groups); the token run's: the same order, read by the
+    # strategy's token sampler, which takes a `GlobalOrderSampler` of the loader as its order.
+    sampler: Sampler[int] = GroupSampler(len(train_data), EFFECTIVE_BATCH, seed=args.seed)
     if config.plain:
         strategy: Any = "auto"
         model.log_validation = False
-        callbacks = [plain_axis := PlainTokenAxis()]
+        callbacks.append(plain_axis := PlainTokenAxis())
         if not args.quiet:
             callbacks.append(PlainLines(config.name, args.updates, interval=10.0))
     else:
         strategy = "accum_ddp_spawn" if config.replicas > 1 else "accum"
-        callbacks = [AxisLogger(axis="tokens"), AccumulationReport()]  # the run record: its files and 3 lines
+        if config.tokens:
+            budget = TokenBatches(max_tokens=token_budget(args), lengths=train_data.lengths())
+            strategy = AccumulationStrategy(token_batches=budget)
+            sampler = GlobalOrderSampler(train_data, shuffle=True, seed=args.seed)
+            callbacks.append(Horizon(axis="updates", validate_every=args.val_every))
+            val_check_interval = 10**9  # never: the Horizon validates
+        callbacks += [AxisLogger(axis="tokens"), AccumulationReport()]  # the run record: its files and 3 lines
         if not args.quiet:
             # Applied updates out of `--updates`, the rate and the time left; outside a terminal (a log file, CI), one
             # plain line every 10 s instead of a bar that shows nothing until the run ends.
@@ -373,7 +473,7 @@ def _fit(config: Config, args: argparse.Namespace, index: int) -> int:
         accumulate_grad_batches=config.accumulate,
         max_steps=args.updates,
         max_epochs=-1,
-        val_check_interval=args.val_every * config.accumulate,  # in micro-batches: every `val_every` updates
+        val_check_interval=val_check_interval,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,  # GroupSampler shards the groups itself (the same groups as one device)
@@ -384,9 +484,7 @@ def _fit(config: Config, args: argparse.Namespace, index: int) -> int:
         enable_model_summary=False,
         enable_progress_bar=not args.quiet and not config.plain,  # plain runs: `PlainLines`
     )
-    train_loader = DataLoader(
-        train_data, batch_size=config.m, sampler=GroupSampler(len(train_data), EFFECTIVE_BATCH, seed=args.seed)
-    )
+    train_loader = DataLoader(train_data, batch_size=config.m, sampler=sampler, collate_fn=trim)
     # Validation: each replica reads its share of the set; the perplexity metric sums over replicas.
     val_loader = DataLoader(val_data, batch_size=16, sampler=GroupSampler(len(val_data), len(val_data), seed=None))
     trainer.fit(model, train_loader, val_loader)
@@ -412,13 +510,15 @@ class Curves:
     objective: dict[int, float]  # what the run back-propagates, at x = tokens
     weighted: dict[int, float]  # the group's token-weighted training loss, at x = tokens
     val: dict[int, float]
+    footprint: dict[str, Any]  # `Footprint`'s record (empty if the run left none)
 
 
 def read_run(out: str | os.PathLike[str], config: Config) -> Curves:
     folder = log_folder(out, config)
     weighted = dict(read_curves(folder, "accum/loss"))
     objective = dict(read_curves(folder, "plain/objective")) if config.plain else weighted
-    return Curves(objective, weighted, dict(read_curves(folder, "val/loss")))
+    footprint = json.loads((folder / FOOTPRINT).read_text()) if (folder / FOOTPRINT).exists() else {}
+    return Curves(objective, weighted, dict(read_curves(folder, "val/loss")), footprint)
 
 
 def largest_gap(a: dict[int, float], b: dict[int, float]) -> float:
@@ -441,6 +541,7 @@ def plot(configs: list[Config], curves: dict[str, Curves], out: str) -> str:
         {"color": "tab:blue", "linewidth": 2},
         {"color": "navy", "linewidth": 1, "linestyle": "--"},
         {"color": "black", "linewidth": 1, "linestyle": ":"},
+        {"color": "tab:green", "linewidth": 1.5, "linestyle": (0, (4, 4))},
     ]
     plain_colors = ["tab:orange", "tab:red", "tab:purple"]
     exact_i = plain_i = 0
@@ -450,6 +551,8 @@ def plot(configs: list[Config], curves: dict[str, Curves], out: str) -> str:
             style: dict[str, Any] = {"color": plain_colors[plain_i % 3], "linewidth": 1.5}
             plain_i += 1
             label = f"plain Lightning (m, A, D) = {config.split}"
+        elif config.tokens:
+            style, label = exact_styles[-1], f"accum, micro-batches cut by tokens ({EFFECTIVE_BATCH} per update)"
         else:
             style = exact_styles[exact_i % 4]
             exact_i += 1
@@ -486,7 +589,7 @@ def plot(configs: list[Config], curves: dict[str, Curves], out: str) -> str:
     if len(configs) > 1:  # the first run alone has no gap to draw
         gap_ax.legend(fontsize=8)
     fig.suptitle(
-        f"The same documents, {EFFECTIVE_BATCH} per update, split as (m, A, D):"
+        f"The same documents, {EFFECTIVE_BATCH} per update, split as (m, A, D) or cut by tokens:"
         " exact accumulation draws one curve, plain Lightning one per split"
     )
     fig.tight_layout()
@@ -503,12 +606,21 @@ def reference_updates(reference: dict[int, float], x: int) -> int:
     return sorted(reference).index(x) + 1
 
 
-def results(configs: list[Config], curves: dict[str, Curves]) -> list[str]:
-    """The results table and the gaps it shows, as lines."""
+def footprint_columns(footprint: dict[str, Any]) -> tuple[str, str, str]:
+    """Micro-batches per update (min-max), the padding fraction and the largest micro-batch, as the table shows them."""
+    if not footprint:
+        return "-", "-", "-"
+    counts = footprint["microbatches_per_update"]
+    spread = f"{min(counts)}-{max(counts)}" if min(counts) != max(counts) else f"{counts[0]}"
+    return spread, f"{footprint['padding_fraction']:.0%}", f"{footprint['peak_padded_tokens']:,}"
+
+
+def results(configs: list[Config], curves: dict[str, Curves], seconds: dict[str, float] | None = None) -> list[str]:
+    """The results table and the gaps it shows, as lines (``seconds``: each run's wall time, where known)."""
     reference = curves[configs[0].name]
     lines = [
-        f"{'run':>20}  {'(m, A, D)':>11}  {'updates':>7}  {'tokens':>8}  {'last loss':>9}  {'last val':>8}"
-        f"  {'largest gap to ' + configs[0].name:>30}"
+        f"{'run':>18}  {'(m, A, D)':>11}  {'updates':>7}  {'tokens':>8}  {'seconds':>7}  {'mb/upd':>6}  {'padding':>7}"
+        f"  {'peak':>5}  {'last loss':>9}  {'last val':>8}  {'gap':>8}"
     ]
     for config in configs:
         run = curves[config.name]
@@ -516,9 +628,11 @@ def results(configs: list[Config], curves: dict[str, Curves]) -> list[str]:
         last = run.objective[tokens] if tokens in run.objective else math.nan
         val = run.val[max(run.val)] if run.val else math.nan
         gap = largest_gap(run.weighted, reference.weighted) if config.name != configs[0].name else 0.0
+        per_update, padding, peak = footprint_columns(run.footprint)
+        wall = (seconds or {}).get(config.name, math.nan)
         lines.append(
-            f"{config.name:>20}  {config.split:>11}  {len(run.weighted):>7}  {tokens:>8,}  {last:>9.4f}  {val:>8.4f}"
-            f"  {gap:>30.2e}"
+            f"{config.name:>18}  {config.split:>11}  {len(run.weighted):>7}  {tokens:>8,}  {wall:>7.1f}"
+            f"  {per_update:>6}  {padding:>7}  {peak:>5}  {last:>9.4f}  {val:>8.4f}  {gap:>8.2e}"
         )
     exact = [c for c in configs if not c.plain]
     plain = [c for c in configs if c.plain]
@@ -530,9 +644,18 @@ def results(configs: list[Config], curves: dict[str, Curves]) -> list[str]:
 
     lines += [
         "",
+        "seconds: wall time of the fit; mb/upd: micro-batches per update (DDP: per replica); padding: the share of the",
+        "padded tokens (rows × the longest row) that is padding; peak: the largest micro-batch in padded tokens;",
         "last loss: what the run back-propagates (plain Lightning: the mean of micro-batch means);",
-        f"largest gap: its token-weighted group loss against {configs[0].name}'s, update by update.",
+        f"gap: the largest gap to {configs[0].name}'s token-weighted group loss, update by update.",
     ]
+    for config in (c for c in configs if c.tokens and curves[c.name].footprint):
+        own, fixed = curves[config.name].footprint, reference.footprint
+        lines.append(
+            f"{config.name}: {configs[0].name}'s groups cut under {TOKEN_BUDGET:.0%} of its peak in padded tokens:"
+            f" {footprint_columns(own)[0]} micro-batches per update, padding {own['padding_fraction']:.0%} against"
+            f" {fixed.get('padding_fraction', math.nan):.0%}"
+        )
     if len(exact) > 1:
         lines.append(
             f"exact splits ({', '.join(c.split for c in exact)}): largest difference between their training"
@@ -615,17 +738,19 @@ def main(argv: list[str] | None = None) -> list[Config]:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     training = 0.0
     curves: dict[str, Curves] = {}
+    seconds: dict[str, float] = {}
     with open(Path(args.out) / LOG, "w") as log:
         for index, config in enumerate(configs, start=1):
-            training += train(config, args, index, len(configs), log)
+            seconds[config.name] = train(config, args, index, len(configs), log)
+            training += seconds[config.name]
             # The table and the picture of the runs so far, after each run: a stopped demo leaves what it finished.
             curves[config.name] = read_run(args.out, config)
             done = configs[:index]
             heading = f"== results ({training:.0f} s of training; {index} of {len(configs)} runs done)"
-            table = write_table(results(done, curves), heading, args.out)
+            table = write_table(results(done, curves, seconds), heading, args.out)
             picture = plot(done, curves, args.out)
     print(f"\n== results ({training:.0f} s of training)")
-    print("\n".join(results(configs, curves)))
+    print("\n".join(results(configs, curves, seconds)))
     print(f"\nlogs, run records, log: {Path(args.out).resolve()} (everything the runs printed: {LOG})")
     print(f"results table:          {Path(table).resolve()}")
     print(f"picture:                {Path(picture).resolve()}")

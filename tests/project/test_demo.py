@@ -37,6 +37,27 @@ def test_ddp_replicas_read_exactly_the_single_device_groups() -> None:
     assert sampler.indices(0, 1) != single  # a new order every epoch, the same for every configuration
 
 
+def test_the_token_run_reads_the_groups_of_the_fixed_runs() -> None:
+    # The token run's order is a GlobalOrderSampler of the same seed: its group g holds GroupSampler's group g, at the
+    # demo's budget (three quarters of the (16, 2) run's largest micro-batch), in every epoch.
+    from lightning_accum import TokenBatchSampler
+
+    demo = load_demo()
+    args = demo.parse_args(["--quick"])
+    data = demo.ByteDocuments(args.documents, args.max_len, seed=args.seed)
+    budget = demo.token_budget(args)
+    assert budget == int(0.75 * demo.fixed_peak(args)) and demo.fixed_peak(args) == 16 * (args.max_len - 1)
+    tokens = TokenBatchSampler(data, data.lengths(), budget, 32, seed=args.seed)
+    groups = demo.GroupSampler(len(data), 32, seed=args.seed)
+    for epoch in range(2):
+        tokens.set_epoch(epoch)
+        groups.set_epoch(epoch)
+        fixed = groups.indices(0, 1)
+        assert len(tokens.group_sizes()) == len(fixed) // 32 == 6
+        for g in range(6):
+            assert sorted(tokens.group_examples(g)) == sorted(fixed[32 * g : 32 * (g + 1)]), (epoch, g)
+
+
 def scalar_steps(folder: Path) -> dict[str, list[int]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -79,9 +100,17 @@ def test_two_demo_runs_in_a_row(tmp_path: Path, capfd: pytest.CaptureFixture[str
     # One screen on the console, the spawned processes' output included (a file descriptor's); the rest in the log.
     console = first_output.out.splitlines() + first_output.err.splitlines()
     assert len(console) <= 40 and not first_output.err, console
-    assert [line.split()[1] for line in console if line.startswith("run ")] == [f"{i}/7" for i in range(1, 8)]
+    assert [line.split()[1] for line in console if line.startswith("run ")] == [f"{i}/8" for i in range(1, 9)]
+    # The token run: its curve is the exact runs' (above), in 2 or 3 micro-batches per update, none larger than the
+    # (16, 2) run's largest, with less padding.
+    fixed, token = reference.footprint, curves["accum_tokens"].footprint
+    assert fixed["microbatches_per_update"] == [2] * 6
+    assert set(token["microbatches_per_update"]) == {2, 3}
+    assert token["peak_padded_tokens"] <= demo.token_budget(demo.parse_args(["--quick"])) < fixed["peak_padded_tokens"]
+    assert token["padding_fraction"] < fixed["padding_fraction"] - 0.1
+    assert "accum_tokens: accum_m16_a2's groups cut under 75% of its peak" in first_output.out
     log = (out / demo.LOG).read_text()
-    assert log.count("run record: completed, 6/6 updates applied") == 4  # the exact runs' records (pytest takes the
+    assert log.count("run record: completed, 6/6 updates applied") == 5  # the exact runs' records (pytest takes the
     # logging of this process; the spawned processes' goes to the log too)
     assert "Initializing distributed: GLOBAL_RANK: 1" in log and "updates 6/6 (100.0%)" in log
 
@@ -144,7 +173,7 @@ def test_a_stopped_demo_leaves_the_table_and_picture_of_the_runs_it_finished(
         demo.main(["--quick", "--quiet", "--no-ddp", "--out", str(out)])
     assert started == ["accum_m16_a2", "accum_m4_a8"]
     lines = (out / demo.TABLE).read_text().splitlines()
-    assert lines[0].startswith("== results (") and lines[0].endswith("1 of 6 runs done)"), lines[0]
+    assert lines[0].startswith("== results (") and lines[0].endswith("1 of 7 runs done)"), lines[0]
     rows = [line.split() for line in lines[2:] if line.strip().startswith(("accum_", "lightning_"))]
     assert [row[0] for row in rows] == ["accum_m16_a2"] and rows[0][4] == "6", rows  # its 6 updates
     image = matplotlib.image.imread(out / demo.PICTURE)
