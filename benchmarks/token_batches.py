@@ -27,7 +27,8 @@ the docstrings' bytes, one device, ``B = m·A`` rows per update, a fixed ``m`` i
 against ``TokenBatches(max_tokens=T)`` with ``T`` the fixed run's epoch peak (the planner's ``max_tokens``): the same
 examples in every update (checked). After a warm-up fit (2 micro-batches, not kept), each fit runs a few updates
 (``max_steps``), timed from its first micro-batch to its last update, in wall and process (CPU) seconds: supervised
-tokens per second, fixed and token fits alternating ``reps`` times (the ratio per pair, its median).
+tokens per second, fixed and token fits alternating ``reps`` times (the ratio per pair, its median). One torch thread
+by default (``--threads``): on the shared 2-core machine two threads contend with the other processes' load.
 Forward passes per update from the run record; the peak memory of the largest micro-batch counted as the bytes of the
 tensors autograd saves for backward during its forward and loss (``torch.autograd.graph.saved_tensors_hooks``, each
 storage once, the parameters left out), the maximum over the fit.
@@ -394,16 +395,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-n", type=int, default=1_000_000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=1, help="transformer layers of the fits' model")
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads (0: torch's default)")
     parser.add_argument("--no-fits", action="store_true", help="the planner only")
     parser.add_argument("--out", type=Path, default=None, help="folder of token_batches.json (default: here)")
     parser.add_argument("--smoke", action="store_true", help="a small run with a tiny fit, printed (written: --out)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     texts = docstring_texts(args.context, 2000 if args.smoke else None)
     lengths = np.array([len(text) for text in texts], dtype=np.int64)
     splits = [(8, 8, 1), (16, 4, 1), (8, 32, 1), (8, 128, 1), (8, 4, 2), (4, 4, 4), (8, 16, 8)]
     plans = [(64, 1), (64, 8), (1024, 8)]
     # the fits: (m, A, updates per fit with the first the warm-up, reps); the smoke's on short rows
-    runs = [(4, 4, 3, 1)] if args.smoke else [(8, 8, 6, 3), (8, 128, 1, 2)]
+    runs = [(4, 4, 3, 1)] if args.smoke else [(8, 8, 6, 3), (8, 128, 1, 3)]
     fit_texts = [text[:64] for text in texts[:400]] if args.smoke else texts
     n = 20_000 if args.smoke else args.plan_n
     result = {
