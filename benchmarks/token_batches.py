@@ -292,7 +292,7 @@ class UpdateClock(L.Callback):
 
 def fit(
     texts: list[bytes], kind: str, m: int, accumulate: int, max_tokens: int, updates: int, layers: int, context: int
-):
+) -> dict[str, Any]:
     """One fit of ``updates`` updates of ``B = m·A`` rows on one device: a fixed ``m`` in ``global_order=True``'s order
     (``kind="fixed"``) or the same groups cut by ``TokenBatches(max_tokens)`` (``kind="tokens"``)."""
     if kind == "fixed":
@@ -341,7 +341,9 @@ def fit(
     }
 
 
-def fits(texts: list[bytes], m: int, accumulate: int, updates: int, reps: int, layers: int, context: int):
+def fits(
+    texts: list[bytes], m: int, accumulate: int, updates: int, reps: int, layers: int, context: int
+) -> dict[str, Any]:
     """Fixed ``m`` against ``TokenBatches`` at the fixed run's epoch peak ``T``, alternating, ``reps`` times."""
     lengths = np.array([len(text) for text in texts], dtype=np.int64)
     planned = padding(lengths, m, accumulate, 1)
