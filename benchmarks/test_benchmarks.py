@@ -1,6 +1,6 @@
 """The benchmarks' own tests: the main benchmark's instruments and a smoke run in seconds (the real run is
-`bash benchmarks/run.sh`), the smoke runs of the floor and slicing benchmarks, and the loops of `spawn_stress.py` and
-`spawn_exit_race.py` (slow; their real runs are described in `benchmarks/SPAWN_STRESS.md`).
+`bash benchmarks/run.sh`), the smoke runs of the floor, slicing and token-batch benchmarks, and the loops of
+`spawn_stress.py` and `spawn_exit_race.py` (slow; their real runs are described in `benchmarks/SPAWN_STRESS.md`).
 
 They live beside the benchmarks (collected by the test command through `testpaths`) so that the package's tests
 import nothing from `benchmarks/`; they use the tests' tiny models.
@@ -147,6 +147,24 @@ def test_slicing_benchmark_smoke_run_writes_its_table(tmp_path: Path) -> None:
     assert [r["size"] for r in rows] == [None, 2] and rows[1]["slice_sizes"] == {"2": 16}
     assert all(r["ms_per_update"] > 0 and r["peak_bytes"] > 0 for r in rows)
     assert "| 2 | 4 |" in (tmp_path / "SLICING.md").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_token_batches_smoke_run_plans_and_fits_both_ways(tmp_path: Path) -> None:
+    _smoke_run("token_batches.py", tmp_path, cwd=ROOT)
+    result = json.loads((tmp_path / "token_batches.json").read_text())
+    assert result["data"]["rows"] == 2000 and all(p["plan_seconds_median"] > 0 for p in result["planning"])
+    (run,) = result["fits"]["runs"]
+    assert run["same_examples_per_update"] and run["samples_per_update"] == 16 and run["largest_group_loss_gap"] < 1e-5
+    (fixed,), (tokens,) = run["fixed_m"], run["tokens"]
+    for one in (fixed, tokens):  # 3 updates of 16 rows, all timed (after a warm-up fit)
+        assert one["samples_per_update"] == [16] * 3 and len(one["seconds_per_update"]) == 3
+        assert one["supervised_tokens_per_second"] > 0 and one["supervised_tokens_per_cpu_second"] > 0
+        assert 0 <= one["padding_fraction"] < 1
+        assert 0 < one["largest_microbatch_padded_tokens"] <= run["max_tokens"]
+        assert one["peak_saved_activation_bytes"] > 0
+    assert fixed["forward_passes_per_update"] == 4 and tokens["forward_passes_per_update"] <= 4
+    assert fixed["supervised_tokens_per_update"] == tokens["supervised_tokens_per_update"]
 
 
 @pytest.mark.timeout(300)
